@@ -1,0 +1,38 @@
+# kvrelay: `make serve` runs it, `make test` tests it. Both create .venv on demand.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+MODEL_DIR ?= .models/tiny
+PYTEST_ARGS ?=
+
+.PHONY: serve test bench lint gpu-check clean
+
+$(BIN)/kvrelay: pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test,dev]'
+	touch $(BIN)/kvrelay
+
+$(MODEL_DIR)/config.json: | $(BIN)/kvrelay
+	$(BIN)/kvrelay tiny-model $(MODEL_DIR)
+
+serve: $(BIN)/kvrelay $(MODEL_DIR)/config.json
+	$(BIN)/kvrelay generate --model $(MODEL_DIR) --prompt "Hello from kvrelay." --max-tokens 32
+
+test: $(BIN)/kvrelay
+	$(BIN)/python -m pytest -m "not slow and not gpu" $(PYTEST_ARGS)
+
+bench: $(BIN)/kvrelay $(MODEL_DIR)/config.json
+	mkdir -p bench-out
+	$(BIN)/kvrelay bench memory --out bench-out/memory.json
+	$(BIN)/kvrelay bench decode --model $(MODEL_DIR) --out bench-out/decode.json
+	$(BIN)/kvrelay bench kernel --out bench-out/kernel.json
+
+lint: $(BIN)/kvrelay
+	$(BIN)/ruff check .
+
+gpu-check:
+	bash scripts/gpu-check.sh
+
+clean:
+	rm -rf $(VENV) .models bench-out .pytest_cache

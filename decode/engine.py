@@ -1,0 +1,272 @@
+"""`LLMEngine`: one process, paged KV, prefix cache, continuous batching.
+
+Used directly by ``kvrelay generate`` and as the compute core of the prefill and decode services.
+
+    engine = LLMEngine(load_model(dir), EngineConfig(num_blocks=512))
+    engine.add_request("r1", [1, 2, 3], SamplingParams(max_tokens=8))
+    while engine.has_unfinished():
+        for out in engine.step(): ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+import torch
+
+from decode.model_runner import ModelRunner
+from decode.scheduler import Scheduler, SchedulerConfig, ScheduledStep
+from decode.sequence import Sequence, SequenceStatus
+from kvstore.block_pool import BlockPool
+from kvstore.block_spec import BlockSpec
+from model.attention import default_backend_name, make_backend
+from model.loader import LoadedModel
+from model.sampling import SamplingParams, make_generator, sample
+
+
+class RequestError(ValueError):
+    """A request the engine refuses; the message names the problem (maps to HTTP 400)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Engine sizing. ``max_model_len`` defaults to the model's ``max_position_embeddings``."""
+
+    num_blocks: int = 1024
+    block_size_tokens: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    attention_backend: str | None = None  # None: triton on CUDA, reference elsewhere
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    """New tokens of one sample after one step. ``finish_reason``: ``stop`` | ``length`` | ``abort``."""
+
+    request_id: str
+    index: int
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Counters since start (tokens)."""
+
+    prompt_tokens: int = 0
+    computed_prefill_tokens: int = 0
+    generated_tokens: int = 0
+    preemptions: int = 0
+    steps: int = 0
+
+
+@dataclass(slots=True)
+class _Request:
+    request_id: str
+    params: SamplingParams
+    seqs: list[Sequence] = field(default_factory=list)
+
+
+class LLMEngine:
+    """Continuous-batching engine over a paged KV pool with a prefix cache.
+
+    Args:
+        loaded: the model (`model.loader.load_model`).
+        config: sizing.
+    """
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        cfg = loaded.config
+        self.model_config = cfg
+        self.model = loaded.model
+        device = next(self.model.parameters()).device
+        dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
+        self.spec = BlockSpec(
+            num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+            block_size_tokens=self.config.block_size_tokens, dtype=dtype, model_fingerprint=loaded.fingerprint,
+        )
+        self.max_model_len = self.config.max_model_len or cfg.max_position_embeddings
+        self.eos_token_ids = frozenset(cfg.eos_token_ids)
+        self.pool = BlockPool(self.config.num_blocks)
+        self.kv_pool = self.spec.new_pool(self.config.num_blocks, device=device)
+        backend = make_backend(self.config.attention_backend or default_backend_name(device))
+        self.runner = ModelRunner(self.model, self.kv_pool, backend, block_size_tokens=self.spec.block_size_tokens)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                block_size_tokens=self.spec.block_size_tokens, max_num_seqs=self.config.max_num_seqs,
+                max_num_batched_tokens=self.config.max_num_batched_tokens,
+                enable_prefix_caching=self.config.enable_prefix_caching,
+            ),
+            self.pool, spec_fingerprint=self.spec.fingerprint, copy_block=self.runner.copy_block,
+        )
+        self.stats = EngineStats()
+        self._requests: dict[str, _Request] = {}
+        self._next_seq_id = 0
+        self._device = device
+
+    # ------------------------------------------------------------------ inputs
+    def validate_prompt(self, prompt_token_ids: Seq[int]) -> None:
+        """Raises RequestError for an empty prompt, an id outside the vocabulary or a prompt too long."""
+        vocab = self.model_config.vocab_size
+        if len(prompt_token_ids) == 0:
+            raise RequestError("prompt is empty; send at least one token")
+        for pos, tok in enumerate(prompt_token_ids):
+            if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab:
+                raise RequestError(f"token id {tok!r} at position {pos} is outside the vocabulary [0, {vocab})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise RequestError(
+                f"prompt has {len(prompt_token_ids)} tokens but the context window is {self.max_model_len} "
+                f"tokens (including at least one generated token)"
+            )
+        needed = -(-(len(prompt_token_ids) + 1) // self.spec.block_size_tokens)
+        if needed > self.pool.num_blocks:
+            raise RequestError(
+                f"prompt needs {needed} KV blocks but the pool holds {self.pool.num_blocks}; shorten the prompt"
+            )
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, *, salt: bytes = b""
+    ) -> None:
+        """Queue a request. Its ``params.n`` samples share the prompt's blocks after prefill.
+
+        Raises:
+            RequestError: invalid prompt, or a duplicate ``request_id``.
+        """
+        if request_id in self._requests:
+            raise RequestError(f"request id {request_id!r} is already running")
+        self.validate_prompt(prompt_token_ids)
+        seq = self._new_sequence(request_id, 0, list(prompt_token_ids), len(prompt_token_ids), params, salt)
+        self._requests[request_id] = _Request(request_id, params, [seq])
+        self.stats.prompt_tokens += len(prompt_token_ids)
+        self.scheduler.add(seq)
+
+    def _new_sequence(
+        self, request_id: str, index: int, token_ids: list[int], num_prompt: int, params: SamplingParams, salt: bytes
+    ) -> Sequence:
+        seq = Sequence(
+            seq_id=self._next_seq_id, request_id=request_id, index=index, arrival=self._next_seq_id,
+            token_ids=token_ids, num_prompt_tokens=num_prompt, params=params, salt=salt,
+            generator=make_generator(params, index, self._device),
+        )
+        self._next_seq_id += 1
+        return seq
+
+    def abort_request(self, request_id: str) -> list[StepOutput]:
+        """Stop every sample of a request now and release its blocks. Unknown ids are ignored."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return []
+        outs = []
+        for seq in req.seqs:
+            if seq.status is not SequenceStatus.FINISHED:
+                self.scheduler.finish(seq, "abort")
+                outs.append(StepOutput(request_id, seq.index, [], True, "abort"))
+        return outs
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    # -------------------------------------------------------------------- step
+    def step(self) -> list[StepOutput]:
+        """Run one scheduled model step; return the new tokens of every sample that got one."""
+        sched: ScheduledStep = self.scheduler.schedule()
+        self.stats.preemptions += len(sched.preempted)
+        if sched.empty:
+            if self._requests and not self.scheduler.running:
+                raise RuntimeError("no request can be scheduled: the KV pool is too small for the waiting prompt")
+            return []
+        result = self.runner.run(sched)
+        self.stats.steps += 1
+        for chunk in sched.prefills:
+            self.stats.computed_prefill_tokens += chunk.num_tokens
+            self.scheduler.commit(chunk.seq, chunk.num_tokens)
+        for seq in sched.decodes:
+            self.scheduler.commit(seq, 1)
+        outputs: list[StepOutput] = []
+        pairs = self._expand_forks(result.seqs)
+        rows = torch.tensor([row for _, row in pairs], dtype=torch.int64, device=result.logits.device)
+        tokens = sample(result.logits.index_select(0, rows), [s.params for s, _ in pairs],
+                        [s.generator for s, _ in pairs])
+        for (seq, _), tok in zip(pairs, tokens):
+            outputs.append(self._append_token(seq, tok))
+        for req_id in [o.request_id for o in outputs if o.finished]:
+            req = self._requests.get(req_id)
+            if req is not None and all(s.status is SequenceStatus.FINISHED for s in req.seqs):
+                del self._requests[req_id]
+        return outputs
+
+    def _expand_forks(self, seqs: list[Sequence]) -> list[tuple[Sequence, int]]:
+        """Pair each sampling sequence with its logits row; split ``n > 1`` requests at their first token.
+
+        The forked samples share every prompt block (ref counts), the partial tail included; the
+        scheduler copies a shared tail before a sample writes into it.
+        """
+        out: list[tuple[Sequence, int]] = []
+        for row, seq in enumerate(seqs):
+            out.append((seq, row))
+            if seq.params.n > 1 and not seq.forked:
+                seq.forked = True
+                req = self._requests[seq.request_id]
+                for index in range(1, seq.params.n):
+                    child = self._new_sequence(
+                        seq.request_id, index, list(seq.token_ids), seq.num_prompt_tokens, seq.params, seq.salt
+                    )
+                    child.forked = True
+                    child.block_table = list(seq.block_table)
+                    child.block_keys = list(seq.block_keys)
+                    child.num_computed_tokens = seq.num_computed_tokens
+                    child.num_keyed_blocks = seq.num_keyed_blocks
+                    self.pool.acquire(child.block_table)
+                    self.scheduler.add_running(child)
+                    req.seqs.append(child)
+                    out.append((child, row))
+        return out
+
+    def _append_token(self, seq: Sequence, tok: int) -> StepOutput:
+        seq.token_ids.append(tok)
+        self.stats.generated_tokens += 1
+        p = seq.params
+        reason = None
+        if not p.ignore_eos and tok in self.eos_token_ids:
+            reason = "stop"
+        elif tok in p.stop_token_ids:
+            reason = "stop"
+        elif seq.num_output_tokens >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+        return StepOutput(seq.request_id, seq.index, [tok], reason is not None, reason)
+
+    # -------------------------------------------------------------- helpers
+    def generate(
+        self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams], *, salt: bytes = b""
+    ) -> list[list[list[int]]]:
+        """Run prompts to completion; returns ``[prompt][sample index] -> output token ids``."""
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        base = self._next_seq_id
+        ids = [f"gen-{base}-{i}" for i in range(len(prompts))]
+        results: dict[str, list[list[int]]] = {rid: [[] for _ in range(p.n)] for rid, p in zip(ids, plist)}
+        for rid, prompt, p in zip(ids, prompts, plist):
+            self.add_request(rid, prompt, p, salt=salt)
+        while self.has_unfinished():
+            for out in self.step():
+                if out.request_id in results:
+                    results[out.request_id][out.index].extend(out.new_token_ids)
+        return [results[rid] for rid in ids]
+
+    def check_integrity(self) -> None:
+        """Pool integrity plus: the blocks referenced by live sequences match the ref counts."""
+        self.pool.check_integrity()
+        expected = [0] * self.pool.num_blocks
+        for req in self._requests.values():
+            for seq in req.seqs:
+                if seq.status is not SequenceStatus.FINISHED:
+                    for b in seq.block_table:
+                        expected[b] += 1
+        for b, n in enumerate(expected):
+            assert self.pool.ref_count(b) == n, f"block {b}: ref count {self.pool.ref_count(b)}, sequences hold {n}"

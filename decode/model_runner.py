@@ -1,0 +1,98 @@
+"""`ModelRunner`: turns a `ScheduledStep` into one model forward over the paged KV pool."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from decode.scheduler import ScheduledStep
+from decode.sequence import Sequence
+from model.attention import AttentionBackend, AttentionBatch
+
+
+@dataclass(frozen=True, slots=True)
+class StepLogits:
+    """Logits of the sequences that pick a token this step, in ``seqs`` order: ``[len(seqs), vocab]``."""
+
+    seqs: list[Sequence]
+    logits: torch.Tensor
+
+
+class ModelRunner:
+    """Builds the step's flat token batch and `AttentionBatch`, runs the model, returns the logits needed.
+
+    Args:
+        model: a `model.llama.LlamaForCausalLM` (``forward(input_ids, positions, kv_pool, batch, backend)``).
+        kv_pool: ``[num_blocks, L, 2, Hkv, B, D]`` on the model's device; written by the model.
+        backend: attention backend.
+        block_size_tokens: B.
+    """
+
+    def __init__(
+        self, model: torch.nn.Module, kv_pool: torch.Tensor, backend: AttentionBackend, *, block_size_tokens: int
+    ) -> None:
+        self.model = model
+        self.kv_pool = kv_pool
+        self.backend = backend
+        self.block_size_tokens = block_size_tokens
+        self.device = kv_pool.device
+
+    def _tensor(self, values: list[int], dtype: torch.dtype = torch.int32) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=self.device)
+
+    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
+        width = max((len(s.block_table) for s in seqs), default=0)
+        rows = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
+        return torch.tensor(rows, dtype=torch.int32, device=self.device).reshape(len(seqs), width)
+
+    @torch.inference_mode()
+    def run(self, step: ScheduledStep) -> StepLogits:
+        """One forward. Sequences whose pending tokens all get computed this step also get logits."""
+        bs = self.block_size_tokens
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        sample_seqs: list[Sequence] = []
+        prefill_lens: list[int] = []
+        query_start = [0]
+        for chunk in step.prefills:
+            seq, start = chunk.seq, chunk.seq.num_computed_tokens
+            end = start + chunk.num_tokens
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(seq.block_table[p // bs] * bs + p % bs for p in range(start, end))
+            prefill_lens.append(end)
+            query_start.append(query_start[-1] + chunk.num_tokens)
+            if end == len(seq.token_ids):
+                sample_rows.append(len(input_ids) - 1)
+                sample_seqs.append(seq)
+        num_prefill_tokens = len(input_ids)
+        for seq in step.decodes:
+            p = seq.num_computed_tokens
+            input_ids.append(seq.token_ids[p])
+            positions.append(p)
+            slots.append(seq.block_table[p // bs] * bs + p % bs)
+            sample_rows.append(len(input_ids) - 1)
+            sample_seqs.append(seq)
+        batch = AttentionBatch(
+            slot_mapping=self._tensor(slots, torch.int64),
+            num_prefill_tokens=num_prefill_tokens,
+            prefill_block_tables=self._block_tables([c.seq for c in step.prefills]),
+            prefill_seq_lens=self._tensor(prefill_lens),
+            prefill_query_start_loc=self._tensor(query_start),
+            decode_block_tables=self._block_tables(step.decodes),
+            decode_seq_lens=self._tensor([s.num_computed_tokens + 1 for s in step.decodes]),
+        )
+        hidden = self.model(
+            self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), self.kv_pool, batch,
+            self.backend,
+        )
+        rows = torch.tensor(sample_rows, dtype=torch.int64, device=hidden.device)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        return StepLogits(sample_seqs, logits)
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy every layer of block ``src`` into block ``dst``."""
+        self.kv_pool[dst].copy_(self.kv_pool[src])

@@ -1,0 +1,216 @@
+"""`Scheduler`: which sequences run in the next step, and the blocks they write into.
+
+Each step runs every decode-ready sequence (one token each) plus prefill chunks, first-come
+first-served, under a token budget (``max_num_batched_tokens``) and a sequence cap
+(``max_num_seqs``). Long prompts are chunked across steps. When a decode needs a block and none is
+free, the most recently arrived running sequence is preempted by recompute: its blocks are
+released (full ones stay in the prefix cache), and it re-enters the waiting queue at its place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from decode.sequence import Sequence, SequenceStatus
+from kvstore.block_key import BlockKey, extend_block_keys
+from kvstore.block_pool import BlockPool
+
+CopyBlock = Callable[[int, int], None]
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    block_size_tokens: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillChunk:
+    seq: Sequence
+    num_tokens: int  # tokens of seq.token_ids[seq.num_computed_tokens:] computed this step
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledStep:
+    prefills: list[PrefillChunk]
+    decodes: list[Sequence]
+    preempted: list[Sequence]
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefills and not self.decodes
+
+
+class Scheduler:
+    """Owns the waiting and running lists and every sequence's block table.
+
+    Args:
+        config: limits and block size.
+        pool: the device `BlockPool` (ref counts stay its business).
+        spec_fingerprint: enters every block key.
+        copy_block: ``copy_block(src, dst)`` copies a block's bytes (copy-on-write of a shared tail).
+    """
+
+    def __init__(
+        self, config: SchedulerConfig, pool: BlockPool, *, spec_fingerprint: bytes, copy_block: CopyBlock
+    ) -> None:
+        self.config = config
+        self.pool = pool
+        self.spec_fingerprint = spec_fingerprint
+        self.copy_block = copy_block
+        self.waiting: list[Sequence] = []  # sorted by arrival
+        self.running: list[Sequence] = []  # sorted by arrival
+        self.num_prefix_hit_tokens = 0  # tokens whose KV came from the prefix cache at admission
+
+    # ---------------------------------------------------------------- admission
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+        self.waiting.sort(key=lambda s: s.arrival)
+
+    def add_running(self, seq: Sequence) -> None:
+        """Join an already-prefilled sequence (a fork) to the running list."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        self.running.sort(key=lambda s: s.arrival)
+
+    def keys_of(self, seq: Sequence) -> list[BlockKey]:
+        """Keys of every full block of ``seq.token_ids`` (computed incrementally, cached on the sequence)."""
+        return extend_block_keys(
+            seq.block_keys, seq.token_ids, block_size_tokens=self.config.block_size_tokens,
+            spec_fingerprint=self.spec_fingerprint, salt=seq.salt,
+        )
+
+    def _match_prefix(self, seq: Sequence) -> None:
+        """Reuse cached blocks for the leading full blocks; at least one token is always computed."""
+        if not self.config.enable_prefix_caching:
+            return
+        bs = self.config.block_size_tokens
+        keys = self.keys_of(seq)[: (len(seq.token_ids) - 1) // bs]
+        hit = self.pool.match_prefix(keys)
+        if hit:
+            self.pool.acquire(hit)
+        seq.block_table = list(hit)
+        seq.num_keyed_blocks = len(hit)
+        seq.num_computed_tokens = len(hit) * bs
+        self.num_prefix_hit_tokens += seq.num_computed_tokens
+        if seq.num_output_tokens == 0:
+            seq.num_cached_prompt_tokens = seq.num_computed_tokens
+
+    # ---------------------------------------------------------------- schedule
+    def schedule(self) -> ScheduledStep:
+        budget = self.config.max_num_batched_tokens
+        decodes: list[Sequence] = []
+        preempted: list[Sequence] = []
+        for seq in list(self.running):
+            if not seq.is_decode or seq.status is not SequenceStatus.RUNNING:
+                continue
+            while not self._reserve_decode_slot(seq):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                decodes.append(seq)
+                budget -= 1
+        prefills: list[PrefillChunk] = []
+        for seq in self.running:
+            if budget <= 0:
+                break
+            if not seq.is_decode:
+                chunk = self._grow_for_prefill(seq, budget)
+                if chunk:
+                    prefills.append(PrefillChunk(seq, chunk))
+                    budget -= chunk
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if seq in preempted:
+                break  # it just lost its blocks; do not take them back in the same step
+            if seq.num_computed_tokens == 0 and not seq.block_table:
+                self._match_prefix(seq)
+            chunk = self._grow_for_prefill(seq, budget)
+            if chunk == 0:
+                break
+            self.waiting.pop(0)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self.running.sort(key=lambda s: s.arrival)
+            prefills.append(PrefillChunk(seq, chunk))
+            budget -= chunk
+        return ScheduledStep(prefills, decodes, preempted)
+
+    def _reserve_decode_slot(self, seq: Sequence) -> bool:
+        """Make sure the block for position ``num_computed_tokens`` exists and is private."""
+        bs = self.config.block_size_tokens
+        pos = seq.num_computed_tokens
+        if pos // bs >= len(seq.block_table):
+            new = self.pool.try_allocate(1)
+            if new is None:
+                return False
+            seq.block_table.extend(new)
+            return True
+        tail = seq.block_table[pos // bs]
+        if self.pool.ref_count(tail) > 1:  # shared partial tail after a fork: copy on write
+            new = self.pool.try_allocate(1)
+            if new is None:
+                return False
+            self.copy_block(tail, new[0])
+            self.pool.release([tail])
+            seq.block_table[pos // bs] = new[0]
+        return True
+
+    def _grow_for_prefill(self, seq: Sequence, budget: int) -> int:
+        """Allocate blocks for the next chunk of ``seq``; returns the chunk size (0: nothing fits)."""
+        bs = self.config.block_size_tokens
+        chunk = min(seq.num_pending_tokens, budget)
+        start = seq.num_computed_tokens
+        have = len(seq.block_table)
+        # A shared partial tail (fork, then preempt-free is impossible; only forks share) never
+        # reaches prefill: forks happen after the prompt is fully computed.
+        free_slots = have * bs - start + self.pool.num_free_blocks * bs
+        chunk = min(chunk, free_slots)
+        if chunk <= 0:
+            return 0
+        need = -(-(start + chunk) // bs) - have
+        if need > 0:
+            seq.block_table.extend(self.pool.allocate(need))
+        return chunk
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.free_blocks(seq)
+        seq.num_computed_tokens = 0
+        seq.num_keyed_blocks = 0
+        self.add(seq)
+
+    # ----------------------------------------------------------------- updates
+    def commit(self, seq: Sequence, num_tokens: int) -> None:
+        """Record that ``num_tokens`` more tokens of ``seq`` now have KV; key newly full blocks."""
+        seq.num_computed_tokens += num_tokens
+        if not self.config.enable_prefix_caching:
+            return
+        full = seq.num_computed_tokens // self.config.block_size_tokens
+        if full > seq.num_keyed_blocks:
+            keys = self.keys_of(seq)
+            for i in range(seq.num_keyed_blocks, full):
+                self.pool.register_key(seq.block_table[i], keys[i])
+            seq.num_keyed_blocks = full
+
+    def free_blocks(self, seq: Sequence) -> None:
+        if seq.block_table:
+            self.pool.release(seq.block_table)
+        seq.block_table = []
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Remove ``seq`` from either list and release its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.free_blocks(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

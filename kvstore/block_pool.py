@@ -1,0 +1,223 @@
+"""`BlockPool`: allocation, ref counts and the prefix cache of the device tier.
+
+A block is in exactly one state::
+
+    free ──allocate──▶ in use (ref ≥ 1) ──release to ref 0──▶ cached (keyed) ──allocate (evict)──▶ in use
+      ▲                       │                                   │
+      └── release to ref 0 ───┘ (unkeyed)                         └─ acquire (prefix hit) ─▶ in use
+
+* Only full blocks get keys (`register_key`); keyed blocks are immutable and shareable.
+* Cached blocks form an LRU. `release` walks its argument back to front, so when a sequence
+  releases its block table the tail block becomes the least recently used: a finished chain is
+  evicted tail-first and its shared head survives longest.
+* Allocation takes plain free blocks first and evicts cached blocks only when none are left.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvstore.block_key import BlockKey
+
+EvictHook = Callable[[int, BlockKey], None]
+
+
+class NoFreeBlocksError(RuntimeError):
+    """Raised by `BlockPool.allocate` when fewer blocks are free or cached than asked for."""
+
+    def __init__(self, needed: int, available: int) -> None:
+        super().__init__(f"need {needed} KV blocks but only {available} are free or evictable")
+        self.needed = needed
+        self.available = available
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStats:
+    num_blocks: int
+    num_free: int
+    num_cached: int
+    num_in_use: int
+
+
+class BlockPool:
+    """Ref-counted blocks ``0 .. num_blocks-1`` with an LRU prefix cache.
+
+    Args:
+        num_blocks: blocks in the pool (> 0).
+        on_evict: called as ``on_evict(block_id, key)`` just before a cached block loses its key
+            to be reallocated, while its bytes are still intact (the tiered store demotes here).
+    """
+
+    def __init__(self, num_blocks: int, *, on_evict: EvictHook | None = None) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self._on_evict = on_evict
+        # Owned by BlockPool alone: every field below changes only inside this class.
+        self._ref_counts = [0] * num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+        self._cached: OrderedDict[int, None] = OrderedDict()  # first = least recently used
+        self._block_id_to_key: dict[int, BlockKey] = {}
+        self._key_to_block_id: dict[BlockKey, int] = {}
+
+    # ----------------------------------------------------------------- queries
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an `allocate` call can have now: free plus cached (evictable)."""
+        return len(self._free) + len(self._cached)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def stats(self) -> PoolStats:
+        free, cached = len(self._free), len(self._cached)
+        return PoolStats(self.num_blocks, free, cached, self.num_blocks - free - cached)
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_counts[block_id]
+
+    def key_of(self, block_id: int) -> BlockKey | None:
+        return self._block_id_to_key.get(block_id)
+
+    def block_id_of(self, key: BlockKey) -> int | None:
+        return self._key_to_block_id.get(key)
+
+    def match_prefix(self, keys: Sequence[BlockKey]) -> list[int]:
+        """Block ids of the longest leading run of ``keys`` held by this pool.
+
+        Changes no ref count and no LRU position; call `acquire` on the result to use it.
+        """
+        block_ids: list[int] = []
+        for key in keys:
+            block_id = self._key_to_block_id.get(key)
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+        return block_ids
+
+    def coldest_cached(self, limit: int) -> list[int]:
+        """Up to ``limit`` cached block ids, least recently used first (the next to be evicted)."""
+        out: list[int] = []
+        for block_id in self._cached:
+            if len(out) == limit:
+                break
+            out.append(block_id)
+        return out
+
+    # --------------------------------------------------------------- mutations
+    def try_allocate(self, num: int) -> list[int] | None:
+        """``num`` blocks with ref count 1, or None (nothing changed) if too few are available."""
+        if num > self.num_free_blocks:
+            return None
+        out: list[int] = []
+        for _ in range(num):
+            if self._free:
+                block_id = self._free.popleft()
+            else:
+                block_id, _ = self._cached.popitem(last=False)
+                self._drop_key(block_id)
+            self._ref_counts[block_id] = 1
+            out.append(block_id)
+        return out
+
+    def allocate(self, num: int) -> list[int]:
+        """Like `try_allocate`. Raises NoFreeBlocksError when too few blocks are available."""
+        blocks = self.try_allocate(num)
+        if blocks is None:
+            raise NoFreeBlocksError(num, self.num_free_blocks)
+        return blocks
+
+    def acquire(self, block_ids: Sequence[int]) -> None:
+        """Add one reference to each block (a prefix hit or a fork). Cached blocks become in use.
+
+        Raises:
+            ValueError: a block is free (holds nothing to share).
+        """
+        for block_id in block_ids:
+            if self._ref_counts[block_id] == 0:
+                if block_id not in self._cached:
+                    raise ValueError(f"block {block_id} is free; only in-use or cached blocks can be acquired")
+                del self._cached[block_id]
+            self._ref_counts[block_id] += 1
+
+    def release(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference from each block, walking ``block_ids`` back to front.
+
+        A block reaching ref 0 becomes cached (most recently used) if keyed, else free.
+
+        Raises:
+            ValueError: a block's ref count is already 0 (double release).
+        """
+        for block_id in reversed(block_ids):
+            if self._ref_counts[block_id] <= 0:
+                raise ValueError(f"block {block_id} released more often than acquired")
+            self._ref_counts[block_id] -= 1
+            if self._ref_counts[block_id] == 0:
+                if block_id in self._block_id_to_key:
+                    self._cached[block_id] = None
+                else:
+                    self._free.append(block_id)
+
+    def register_key(self, block_id: int, key: BlockKey) -> bool:
+        """Make an in-use, full block shareable under ``key``.
+
+        Returns False (and changes nothing) if another block already holds ``key`` — the caller's
+        block stays private — or if this block already has a key.
+
+        Raises:
+            ValueError: the block is not in use.
+        """
+        if self._ref_counts[block_id] == 0:
+            raise ValueError(f"block {block_id} is not in use; only in-use blocks can be keyed")
+        if key in self._key_to_block_id or block_id in self._block_id_to_key:
+            return False
+        self._key_to_block_id[key] = block_id
+        self._block_id_to_key[block_id] = key
+        return True
+
+    def evict_cached(self, block_ids: Sequence[int]) -> None:
+        """Drop the keys of these cached blocks and free them (``on_evict`` runs for each).
+
+        Raises:
+            ValueError: a block is not cached.
+        """
+        for block_id in block_ids:
+            if block_id not in self._cached:
+                raise ValueError(f"block {block_id} is not cached")
+            del self._cached[block_id]
+            self._drop_key(block_id)
+            self._free.append(block_id)
+
+    def _drop_key(self, block_id: int) -> None:
+        key = self._block_id_to_key.pop(block_id)
+        del self._key_to_block_id[key]
+        if self._on_evict is not None:
+            self._on_evict(block_id, key)
+
+    # --------------------------------------------------------------- integrity
+    def check_integrity(self) -> None:
+        """Assert free + cached + in use == total and that ref counts, keys and lists agree.
+
+        Raises:
+            AssertionError: naming the first inconsistency found.
+        """
+        free, cached = set(self._free), set(self._cached)
+        assert len(free) == len(self._free), "a block is listed twice in the free list"
+        assert not free & cached, f"blocks both free and cached: {sorted(free & cached)}"
+        in_use = {b for b in range(self.num_blocks) if self._ref_counts[b] > 0}
+        assert len(free) + len(cached) + len(in_use) == self.num_blocks, (
+            f"free {len(free)} + cached {len(cached)} + in use {len(in_use)} != total {self.num_blocks}"
+        )
+        for b in free:
+            assert self._ref_counts[b] == 0, f"free block {b} has ref count {self._ref_counts[b]}"
+            assert b not in self._block_id_to_key, f"free block {b} still has a key"
+        for b in cached:
+            assert self._ref_counts[b] == 0, f"cached block {b} has ref count {self._ref_counts[b]}"
+            assert b in self._block_id_to_key, f"cached block {b} has no key"
+        assert all(c >= 0 for c in self._ref_counts), "negative ref count"
+        assert len(self._key_to_block_id) == len(self._block_id_to_key), "key maps differ in size"
+        for key, b in self._key_to_block_id.items():
+            assert self._block_id_to_key.get(b) == key, f"key map and block map disagree on block {b}"

@@ -1,0 +1,96 @@
+"""`BlockSpec`: the shape, dtype and model identity of one KV block.
+
+A pool of blocks on any tier is one tensor of shape::
+
+    [num_blocks, num_layers, 2, num_kv_heads, block_size_tokens, head_dim]
+                            k|v
+
+so block ``b`` is one contiguous byte range of ``block_bytes`` bytes, and inside it each
+``(layer, k|v, head)`` is a contiguous ``block_size_tokens x head_dim`` tile.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+DTYPE_NAME_TO_TORCH: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class BlockSpec:
+    """Layout of one KV block.
+
+    ``model_fingerprint`` names the weights the KV was computed with (see
+    `model.loader.model_fingerprint`); it enters `fingerprint` so that two models, even of the same
+    shape, never read each other's blocks.
+
+    Raises:
+        ValueError: a dimension is not positive or the dtype is not one of `DTYPE_NAME_TO_TORCH`.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size_tokens: int = 16
+    dtype: str = "float32"
+    model_fingerprint: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"BlockSpec.{name} must be a positive integer, got {value!r}")
+        if self.dtype not in DTYPE_NAME_TO_TORCH:
+            raise ValueError(
+                f"BlockSpec.dtype {self.dtype!r} is not supported; use one of {sorted(DTYPE_NAME_TO_TORCH)}"
+            )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPE_NAME_TO_TORCH[self.dtype]
+
+    @property
+    def itemsize(self) -> int:
+        return self.torch_dtype.itemsize
+
+    @property
+    def block_shape(self) -> tuple[int, int, int, int, int]:
+        """Shape of one block: ``(num_layers, 2, num_kv_heads, block_size_tokens, head_dim)``."""
+        return (self.num_layers, 2, self.num_kv_heads, self.block_size_tokens, self.head_dim)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes in one block: ``2·L·H·B·D·itemsize``."""
+        return 2 * self.num_layers * self.num_kv_heads * self.block_size_tokens * self.head_dim * self.itemsize
+
+    @property
+    def token_bytes(self) -> int:
+        """KV bytes of one token across all layers."""
+        return self.block_bytes // self.block_size_tokens
+
+    def pool_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (num_blocks, *self.block_shape)
+
+    def new_pool(self, num_blocks: int, *, device: torch.device | str = "cpu") -> torch.Tensor:
+        """A zeroed pool tensor of `pool_shape(num_blocks)` on ``device``."""
+        return torch.zeros(self.pool_shape(num_blocks), dtype=self.torch_dtype, device=device)
+
+    def num_blocks_for(self, num_bytes: int) -> int:
+        """How many whole blocks fit in ``num_bytes``."""
+        return num_bytes // self.block_bytes
+
+    @property
+    def fingerprint(self) -> bytes:
+        """32-byte SHA-256 over a canonical text of every field; stable across processes and hosts."""
+        text = (
+            f"kvrelay.spec.v1|layers={self.num_layers}|kv_heads={self.num_kv_heads}|head_dim={self.head_dim}"
+            f"|block={self.block_size_tokens}|dtype={self.dtype}|model={self.model_fingerprint}"
+        )
+        return hashlib.sha256(text.encode()).digest()

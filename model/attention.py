@@ -1,0 +1,133 @@
+"""Per-step attention metadata and the attention backends the model calls.
+
+A step's tokens are laid out prefill-first::
+
+    tokens: [ prefill seq 0 | prefill seq 1 | ... | decode 0 | decode 1 | ... ]
+             0                    num_prefill_tokens                       T
+
+Prefill sequences may start after a cached prefix (chunked prefill / prefix reuse); every decode
+sequence contributes exactly one token. Decode tokens go through the paged decode kernel, prefill
+tokens through prefill attention, so a sequence's decode math is the same whatever else is batched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from kernels import reference
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionBatch:
+    """Where each token of one model step reads and writes KV.
+
+    Attributes:
+        slot_mapping: ``[T]`` int64, the slot each token's KV is written to.
+        num_prefill_tokens: tokens ``[0, num_prefill_tokens)`` belong to prefill sequences.
+        prefill_block_tables: ``[Np, M]`` int32 block tables of the prefill sequences.
+        prefill_seq_lens: ``[Np]`` int32 total length of each prefill sequence after this step.
+        prefill_query_start_loc: ``[Np + 1]`` int32 cumulative new-token counts, starting at 0.
+        decode_block_tables: ``[Nd, M']`` int32 block tables of the decode sequences.
+        decode_seq_lens: ``[Nd]`` int32 length of each decode sequence, its new token included.
+    """
+
+    slot_mapping: torch.Tensor
+    num_prefill_tokens: int
+    prefill_block_tables: torch.Tensor
+    prefill_seq_lens: torch.Tensor
+    prefill_query_start_loc: torch.Tensor
+    decode_block_tables: torch.Tensor
+    decode_seq_lens: torch.Tensor
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return int(self.decode_seq_lens.shape[0])
+
+
+class AttentionBackend(Protocol):
+    """The three kernels a model step needs; signatures as in `kernels.reference`."""
+
+    def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor,
+                 value: torch.Tensor, slot_mapping: torch.Tensor) -> None: ...
+
+    def paged_decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: torch.Tensor, seq_lens: torch.Tensor, *,
+                               scale: float) -> torch.Tensor: ...
+
+    def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                          query_start_loc: torch.Tensor, *, scale: float) -> torch.Tensor: ...
+
+
+class ReferenceBackend:
+    """Plain torch; the CPU path."""
+
+    write_kv = staticmethod(reference.write_kv)
+    paged_decode_attention = staticmethod(reference.paged_decode_attention)
+    prefill_attention = staticmethod(reference.prefill_attention)
+
+
+class TritonBackend:
+    """Triton decode attention and KV write; prefill attention from the reference (runs on CUDA too)."""
+
+    def __init__(self) -> None:
+        from kernels import triton_attention  # imported lazily: Triton needs a GPU or TRITON_INTERPRET
+
+        self.write_kv = triton_attention.write_kv
+        self.paged_decode_attention = triton_attention.paged_decode_attention
+        self.prefill_attention = reference.prefill_attention
+
+
+BACKEND_NAME_TO_CLASS: dict[str, type] = {"reference": ReferenceBackend, "triton": TritonBackend}
+
+
+def default_backend_name(device: torch.device) -> str:
+    """``triton`` on CUDA, ``reference`` elsewhere."""
+    return "triton" if device.type == "cuda" else "reference"
+
+
+def make_backend(name: str) -> AttentionBackend:
+    """Raises ValueError naming the known backends."""
+    try:
+        return BACKEND_NAME_TO_CLASS[name]()
+    except KeyError:
+        raise ValueError(f"unknown attention backend {name!r}; use one of {sorted(BACKEND_NAME_TO_CLASS)}") from None
+
+
+def paged_attention(
+    backend: AttentionBackend,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer_cache: torch.Tensor,
+    batch: AttentionBatch,
+    *,
+    scale: float,
+) -> torch.Tensor:
+    """Write this layer's new KV into the pool, then attend.
+
+    Args:
+        q: ``[T, Hq, D]``; k, v: ``[T, Hkv, D]`` (rotary already applied to q and k).
+        layer_cache: ``[num_blocks, 2, Hkv, B, D]``, i.e. ``pool[:, layer]``. Mutated.
+        batch: the step's `AttentionBatch`.
+
+    Returns:
+        ``[T, Hq, D]``.
+    """
+    k_cache, v_cache = layer_cache[:, 0], layer_cache[:, 1]
+    backend.write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
+    p = batch.num_prefill_tokens
+    out = torch.empty_like(q)
+    if p:
+        out[:p] = backend.prefill_attention(
+            q[:p], k_cache, v_cache, batch.prefill_block_tables, batch.prefill_seq_lens,
+            batch.prefill_query_start_loc, scale=scale,
+        )
+    if batch.num_decode_tokens:
+        out[p:] = backend.paged_decode_attention(
+            q[p:], k_cache, v_cache, batch.decode_block_tables, batch.decode_seq_lens, scale=scale
+        )
+    return out

@@ -1,0 +1,95 @@
+"""Sampling parameters and the sampler: greedy, temperature, top-k, top-p, per-request seed."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How one request picks tokens and when it stops.
+
+    ``temperature == 0`` is greedy. ``top_k == 0`` and ``top_p == 1`` disable those filters.
+    ``seed`` makes sampling reproducible per request (independent of the batch it runs in).
+
+    Raises:
+        ValueError: naming the parameter and the allowed range.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    n: int = 1
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not isinstance(self.n, int) or self.n <= 0:
+            raise ValueError(f"n must be a positive integer, got {self.n!r}")
+        if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def make_generator(params: SamplingParams, index: int, device: torch.device) -> torch.Generator | None:
+    """The private generator of sample ``index`` of a request; None for greedy or unseeded sampling."""
+    if params.greedy or params.seed is None:
+        return None
+    gen = torch.Generator(device=device)
+    gen.manual_seed(params.seed + index)
+    return gen
+
+
+def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """Pick one token from float32 ``logits`` ``[vocab]``.
+
+    Each row is sampled on its own (not batched) so that a token never depends on which other
+    requests share the step.
+    """
+    if params.greedy:
+        return int(torch.argmax(logits).item())
+    scores = logits.float() / params.temperature
+    if params.top_k and params.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, params.top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=True)
+        probs = torch.softmax(sorted_scores, dim=-1)
+        cum = torch.cumsum(probs, dim=-1)
+        drop = (cum - probs) >= params.top_p  # keep the smallest set reaching top_p; the top token always stays
+        sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
+        scores = torch.full_like(scores, float("-inf")).scatter(0, order, sorted_scores)
+    probs = torch.softmax(scores, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def sample(
+    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
+) -> list[int]:
+    """One token per row of ``logits`` ``[N, vocab]`` with that row's params and generator."""
+    greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+    out = [0] * len(params)
+    if greedy_rows:
+        picked = torch.argmax(logits[greedy_rows], dim=-1).tolist()
+        for row, tok in zip(greedy_rows, picked):
+            out[row] = tok
+    for i, p in enumerate(params):
+        if not p.greedy:
+            out[i] = sample_one(logits[i], p, generators[i])
+    return out
