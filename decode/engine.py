@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from decode.model_runner import ModelRunner
-from decode.scheduler import Scheduler, SchedulerConfig, ScheduledStep
+from decode.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from decode.sequence import Sequence, SequenceStatus
 from kvstore.block_pool import BlockPool
 from kvstore.block_spec import BlockSpec
@@ -90,7 +90,7 @@ class LLMEngine:
             num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
             block_size_tokens=self.config.block_size_tokens, dtype=dtype, model_fingerprint=loaded.fingerprint,
         )
-        self.max_model_len = self.config.max_model_len or cfg.max_position_embeddings
+        self.max_model_len = self.config.max_model_len or cfg.max_context_tokens
         self.eos_token_ids = frozenset(cfg.eos_token_ids)
         self.pool = BlockPool(self.config.num_blocks)
         self.kv_pool = self.spec.new_pool(self.config.num_blocks, device=device)

@@ -1,0 +1,82 @@
+"""Shared pieces of the benchmarks: trace loading, tiny-model setup, JSON output."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+TRACE_PATH_CANDIDATES = (
+    Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / "conversation_trace.jsonl",
+    Path("/work/shared/traces/conversation_trace.jsonl"),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    timestamp_ms: int
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+def find_trace(path: str | None = None) -> Path:
+    """The Mooncake conversation trace; ``path`` wins, then ``KVRELAY_TRACE``, then ``../shared/traces``.
+
+    Raises:
+        FileNotFoundError: naming the places looked at.
+    """
+    candidates = [Path(p) for p in (path, os.environ.get("KVRELAY_TRACE")) if p] + list(TRACE_PATH_CANDIDATES)
+    for cand in candidates:
+        if cand.is_file():
+            return cand
+    raise FileNotFoundError(f"conversation trace not found; looked at {[str(c) for c in candidates]}")
+
+
+def read_trace(path: str | None = None, *, limit: int | None = None) -> Iterator[TraceRequest]:
+    with find_trace(path).open() as f:
+        for i, line in enumerate(f):
+            if limit is not None and i >= limit:
+                break
+            row = json.loads(line)
+            yield TraceRequest(int(row["timestamp"]), int(row["input_length"]), int(row["output_length"]),
+                               tuple(int(h) for h in row["hash_ids"]))
+
+
+def machine_label() -> dict[str, str | int]:
+    return {
+        "machine": platform.machine(),
+        "cpus": os.cpu_count() or 0,
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+def ensure_tiny_model(model_dir: str | None, *, seed: int = 0) -> str:
+    """``model_dir`` if given, else a tiny model written (once) under ``.models/bench-tiny``."""
+    if model_dir:
+        return model_dir
+    from model.tiny import write_tiny_model
+
+    out = Path(".models") / f"bench-tiny-{seed}"
+    if not (out / "config.json").exists():
+        write_tiny_model(out, seed=seed)
+    return str(out)
+
+
+def emit(result: dict, out_path: str | None) -> None:
+    """Print ``result`` as JSON and write it to ``out_path`` if given."""
+    text = json.dumps(result, indent=2)
+    print(text)
+    if out_path:
+        Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(out_path).write_text(text + "\n")
+
+
+def seeded_prompt(rng: random.Random, length: int, vocab: int) -> list[int]:
+    return [rng.randrange(vocab) for _ in range(length)]

@@ -1,0 +1,140 @@
+"""The ``kvrelay`` command.
+
+    kvrelay tiny-model DIR [--seed S --layers N --hidden N --heads N --kv-heads N --vocab N]
+    kvrelay generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3) --max-tokens N [--json]
+    kvrelay store stats|clear --config FILE
+    kvrelay bench memory|decode|kernel|tiers|transfer [...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from collections.abc import Callable
+
+
+def _cmd_tiny_model(args: argparse.Namespace) -> int:
+    from model.tiny import write_tiny_model
+
+    out = write_tiny_model(
+        args.dir, seed=args.seed, layers=args.layers, hidden=args.hidden, heads=args.heads,
+        kv_heads=args.kv_heads, vocab=args.vocab,
+    )
+    print(f"wrote tiny model to {out}")
+    return 0
+
+
+def _parse_prompt_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t != ""]
+    except ValueError:
+        raise SystemExit(f"--prompt-ids: {text!r} is not a comma-separated list of integers, e.g. 1,2,3") from None
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from decode.engine import EngineConfig, LLMEngine, RequestError
+    from model.loader import load_model
+    from model.sampling import SamplingParams
+    from model.tokenizer import load_tokenizer
+
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    tokenizer = load_tokenizer(args.model)
+    if args.prompt is not None:
+        if tokenizer is None:
+            print(f"error: {args.model} has no tokenizer.json; pass --prompt-ids instead", file=sys.stderr)
+            return 2
+        prompt_ids = tokenizer.encode(args.prompt)
+    else:
+        prompt_ids = _parse_prompt_ids(args.prompt_ids)
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+            seed=args.seed,
+        )
+        engine = LLMEngine(loaded, EngineConfig(num_blocks=args.num_blocks))
+        [[token_ids]] = engine.generate([prompt_ids], params)
+    except (RequestError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    text = tokenizer.decode(token_ids) if tokenizer is not None else ""
+    if args.json:
+        print(json.dumps({"token_ids": token_ids, "text": text}))
+    else:
+        print(text if tokenizer is not None else " ".join(map(str, token_ids)))
+    return 0
+
+
+BENCH_NAME_TO_MODULE: dict[str, str] = {
+    "memory": "benchmarks.memory_bench",
+    "decode": "benchmarks.decode_bench",
+    "kernel": "benchmarks.kernel_bench",
+    "tiers": "benchmarks.tier_bench",
+    "transfer": "benchmarks.transfer_bench",
+}
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    module = importlib.import_module(BENCH_NAME_TO_MODULE[args.name])
+    return int(module.main(args.rest))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvrelay", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("tiny-model", help="write a small deterministic random-weight model (HF format)")
+    p.add_argument("dir")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=258)
+    p.set_defaults(func=_cmd_tiny_model)
+
+    p = sub.add_parser("generate", help="generate in one process, no network")
+    p.add_argument("--model", required=True, help="Hugging Face model directory")
+    group = p.add_mutually_exclusive_group(required=True)
+    group.add_argument("--prompt", help="prompt text (needs tokenizer.json)")
+    group.add_argument("--prompt-ids", help="comma-separated token ids")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--num-blocks", type=int, default=1024)
+    p.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": "..."}')
+    p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser("bench", help="benchmarks; JSON to stdout (see `kvrelay bench NAME --help`)")
+    p.add_argument("name", choices=sorted(BENCH_NAME_TO_MODULE))
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_cmd_bench)
+
+    _add_optional(sub, "deploy.store_cmd", "add_store_parser")
+    return parser
+
+
+def _add_optional(sub: argparse._SubParsersAction, module_name: str, fn_name: str) -> None:
+    """Register the subcommands of a module that may not exist yet in this build."""
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name != module_name:
+            raise
+        return
+    register: Callable[[argparse._SubParsersAction], None] = getattr(module, fn_name)
+    register(sub)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,310 @@
+"""Triton kernels for the decode path: KV write into blocks and split-K paged decode attention.
+
+Contracts are those of `kernels.reference` (same signatures, same results up to float rounding);
+the launchers check shapes, strides, dtypes and devices before launching and raise ValueError naming
+the problem. Cache layout, a view of one layer of the pool (see `kvstore.block_spec`)::
+
+    k_cache, v_cache: [num_blocks, num_kv_heads, block_size_tokens, head_dim]   (any strides, last dim 1)
+    slot = block_id * block_size_tokens + offset
+
+Works on CUDA tensors, or on CPU tensors when Triton runs with ``TRITON_INTERPRET=1`` (tests).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+TORCH_TO_TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+# Split-K: one split per this many tokens of block-table capacity, at most MAX_SPLITS.
+TOKENS_PER_SPLIT = 256
+MAX_SPLITS = 32
+# Tokens loaded per loop iteration; may span several blocks (each token finds its own block).
+MIN_TILE_TOKENS = 64
+# tl.dot needs every dimension >= 16.
+MIN_DOT_DIM = 16
+LOG2E = 1.4426950408889634
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def _check_tensor(name: str, t: torch.Tensor, *, ndim: int, dtypes: tuple[torch.dtype, ...]) -> None:
+    """Rank, dtype and a contiguous last dim (the kernels take every other stride as given)."""
+    _require(t.dim() == ndim, f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    _require(t.dtype in dtypes, f"{name}.dtype is {t.dtype}; use one of {list(dtypes)}")
+    _require(t.shape[-1] <= 1 or t.stride(-1) == 1,
+             f"{name} must be contiguous in its last dim, got strides {t.stride()}")
+
+
+def _check_same_device(**tensors: torch.Tensor) -> torch.device:
+    devices = {name: t.device for name, t in tensors.items()}
+    first = next(iter(devices.values()))
+    _require(all(d == first for d in devices.values()), f"tensors are on different devices: {devices}")
+    interpreted = isinstance(_decode_split_kernel, InterpretedFunction)
+    _require(first.type == "cuda" or interpreted,
+             f"Triton kernels need CUDA tensors (got {first}); on CPU use the reference backend "
+             "or run Triton with TRITON_INTERPRET=1")
+    return first
+
+
+def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    _check_tensor("k_cache", k_cache, ndim=4, dtypes=FLOAT_DTYPES)
+    _check_tensor("v_cache", v_cache, ndim=4, dtypes=FLOAT_DTYPES)
+    _require(k_cache.shape == v_cache.shape,
+             f"k_cache shape {tuple(k_cache.shape)} != v_cache shape {tuple(v_cache.shape)}")
+    _require(k_cache.dtype == v_cache.dtype, f"k_cache.dtype {k_cache.dtype} != v_cache.dtype {v_cache.dtype}")
+
+
+def write_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write each token's key and value into its slot. Mutates ``k_cache`` and ``v_cache``.
+
+    Args:
+        k_cache, v_cache: ``[num_blocks, H, B, D]``, float32/bfloat16/float16, last dim contiguous.
+        key, value: ``[T, H, D]`` float, last dim contiguous; cast to the cache dtype (round to nearest even).
+        slot_mapping: ``[T]`` int32/int64 slots; a negative slot skips that token (padding).
+            Slots must be < ``num_blocks * B``; that is not checked (it would need a device sync).
+
+    Raises:
+        ValueError: a shape, dtype, stride or device does not fit, naming which.
+    """
+    _check_caches(k_cache, v_cache)
+    _check_tensor("key", key, ndim=3, dtypes=FLOAT_DTYPES)
+    _check_tensor("value", value, ndim=3, dtypes=FLOAT_DTYPES)
+    _require(slot_mapping.dim() == 1 and slot_mapping.dtype in INDEX_DTYPES,
+             f"slot_mapping must be 1-D int32/int64, got shape {tuple(slot_mapping.shape)} {slot_mapping.dtype}")
+    num_tokens = key.shape[0]
+    _, num_heads, block_size, head_dim = k_cache.shape
+    _require(key.shape == (num_tokens, num_heads, head_dim),
+             f"key shape {tuple(key.shape)} does not fit the cache; expected [T, {num_heads}, {head_dim}]")
+    _require(value.shape == key.shape, f"value shape {tuple(value.shape)} != key shape {tuple(key.shape)}")
+    _require(slot_mapping.shape[0] == num_tokens,
+             f"slot_mapping has {slot_mapping.shape[0]} slots for {num_tokens} tokens")
+    _check_same_device(k_cache=k_cache, v_cache=v_cache, key=key, value=value, slot_mapping=slot_mapping)
+    if num_tokens == 0:
+        return
+    _write_kv_kernel[(num_tokens,)](
+        k_cache, v_cache, key, value, slot_mapping,
+        *k_cache.stride()[:3], *v_cache.stride()[:3], *key.stride()[:2], *value.stride()[:2],
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        HEADS_PAD=triton.next_power_of_2(num_heads), DIM_PAD=triton.next_power_of_2(head_dim),
+    )
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_cache_ptr, v_cache_ptr, key_ptr, value_ptr, slot_ptr,
+    stride_kc_block, stride_kc_head, stride_kc_row,
+    stride_vc_block, stride_vc_head, stride_vc_row,
+    stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
+):
+    """One program per token: copies its ``[H, D]`` key and value tiles into its slot."""
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    block = slot // BLOCK_SIZE
+    row = slot % BLOCK_SIZE
+    heads = tl.arange(0, HEADS_PAD)[:, None]
+    dims = tl.arange(0, DIM_PAD)[None, :]
+    mask = (heads < NUM_HEADS) & (dims < HEAD_DIM) & (slot >= 0)
+    k = tl.load(key_ptr + token.to(tl.int64) * stride_k_tok + heads * stride_k_head + dims, mask=mask)
+    v = tl.load(value_ptr + token.to(tl.int64) * stride_v_tok + heads * stride_v_head + dims, mask=mask)
+    k_dst = k_cache_ptr + block * stride_kc_block + heads * stride_kc_head + row * stride_kc_row + dims
+    v_dst = v_cache_ptr + block * stride_vc_block + heads * stride_vc_head + row * stride_vc_row + dims
+    tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def decode_num_splits(max_tokens: int) -> int:
+    """Splits per (sequence, KV head): one per `TOKENS_PER_SPLIT` tokens, 1 to `MAX_SPLITS`.
+
+    ``max_tokens`` is the block-table capacity (``max_blocks * B``), known on the host without a
+    device sync, so the launch shape depends only on tensor shapes (deterministic, graph-capturable).
+    """
+    return max(1, min(MAX_SPLITS, triton.cdiv(max_tokens, TOKENS_PER_SPLIT)))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    scale: float,
+) -> torch.Tensor:
+    """One query token per sequence attending over that sequence's cached tokens (flash-decoding).
+
+    Each sequence's token range ``[0, max_blocks * B)`` is cut into `decode_num_splits` equal splits::
+
+        tokens:  [ split 0 ...... | split 1 ...... | ... | split S-1 ]   (splits past seq_len are empty)
+        stage 1: grid (N, Hkv, S); one program = all Hq/Hkv query heads of one KV head over one split,
+                 online softmax in float32 -> partial (max, sum, acc) in a float32 scratch buffer
+        stage 2: grid (N, Hq); rescales and sums the S partials -> out
+
+    Args:
+        q: ``[N, Hq, D]`` float, last dim contiguous; ``Hq`` a multiple of ``Hkv``.
+        k_cache, v_cache: ``[num_blocks, Hkv, B, D]`` float (any strides, last dim contiguous).
+        block_tables: ``[N, max_blocks]`` int32/int64 (int64 is converted); entries past a
+            sequence's length are never read.
+        seq_lens: ``[N]`` int32/int64, tokens to attend over (>= 1); a 0 gives a zero output row.
+        scale: softmax scale, usually ``D ** -0.5``.
+
+    Returns:
+        ``[N, Hq, D]`` in ``q.dtype``, newly allocated. Nothing is mutated.
+
+    Raises:
+        ValueError: a shape, dtype, stride or device does not fit, naming which.
+    """
+    _check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
+    _check_caches(k_cache, v_cache)
+    _require(block_tables.dim() == 2 and block_tables.dtype in INDEX_DTYPES,
+             f"block_tables must be 2-D int32/int64, got shape {tuple(block_tables.shape)} {block_tables.dtype}")
+    _require(seq_lens.dim() == 1 and seq_lens.dtype in INDEX_DTYPES,
+             f"seq_lens must be 1-D int32/int64, got shape {tuple(seq_lens.shape)} {seq_lens.dtype}")
+    num_seqs, num_q_heads, head_dim = q.shape
+    _, num_kv_heads, block_size, cache_head_dim = k_cache.shape
+    _require(head_dim == cache_head_dim, f"q head_dim {head_dim} != cache head_dim {cache_head_dim}")
+    _require(num_q_heads % num_kv_heads == 0,
+             f"q has {num_q_heads} heads, not a multiple of the cache's {num_kv_heads} KV heads")
+    _require(block_tables.shape[0] == num_seqs and seq_lens.shape[0] == num_seqs,
+             f"block_tables rows {block_tables.shape[0]} and seq_lens {seq_lens.shape[0]} "
+             f"must equal q's {num_seqs} sequences")
+    device = _check_same_device(q=q, k_cache=k_cache, v_cache=v_cache,
+                                block_tables=block_tables, seq_lens=seq_lens)
+    out = torch.empty((num_seqs, num_q_heads, head_dim), dtype=q.dtype, device=device)
+    if num_seqs == 0:
+        return out
+    block_tables = block_tables.to(torch.int32).contiguous()
+    seq_lens = seq_lens.to(torch.int32).contiguous()
+
+    group = num_q_heads // num_kv_heads
+    tile_tokens = max(MIN_TILE_TOKENS, triton.next_power_of_2(block_size))
+    max_tokens = max(1, block_tables.shape[1] * block_size)
+    num_splits = decode_num_splits(max_tokens)
+    tokens_per_split = triton.cdiv(triton.cdiv(max_tokens, num_splits), tile_tokens) * tile_tokens
+    # The interpreter multiplies bf16 as raw integers in tl.dot, and mixed dtypes need float32 anyway.
+    interpreted = isinstance(_decode_split_kernel, InterpretedFunction)
+    same_dtype = q.dtype == k_cache.dtype
+    dot_dtype = tl.float32 if interpreted or not same_dtype else TORCH_TO_TL_DTYPE[q.dtype]
+
+    part_max = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=device)
+    part_sum = torch.empty_like(part_max)
+    part_acc = torch.empty((num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=device)
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, part_max, part_sum, part_acc,
+        scale * LOG2E, tokens_per_split, block_tables.shape[1],
+        *q.stride()[:2], *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
+        GROUP=group, GROUP_PAD=max(MIN_DOT_DIM, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, DIM_PAD=max(MIN_DOT_DIM, triton.next_power_of_2(head_dim)),
+        BLOCK_SIZE=block_size, TILE=tile_tokens, DOT_DTYPE=dot_dtype,
+    )
+    _reduce_splits_kernel[(num_seqs, num_q_heads)](
+        part_max, part_sum, part_acc, out, *out.stride()[:2],
+        NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+        HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim),
+    )
+    return out
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    part_max_ptr, part_sum_ptr, part_acc_ptr,
+    qk_scale_log2, tokens_per_split, max_blocks,
+    stride_q_seq, stride_q_head,
+    stride_kc_block, stride_kc_head, stride_kc_row,
+    stride_vc_block, stride_vc_head, stride_vc_row,
+    stride_bt_seq,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, DOT_DTYPE: tl.constexpr,
+):
+    """Stage 1: partial softmax of one (sequence, KV head, split). Scores are kept in base 2."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, seq_len)
+
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, DIM_PAD)
+    q_heads = kv_head * GROUP + g
+    q_mask = (g[:, None] < GROUP) & (d[None, :] < HEAD_DIM)
+    q_ptrs = q_ptr + seq.to(tl.int64) * stride_q_seq + q_heads[:, None] * stride_q_head + d[None, :]
+    q = tl.load(q_ptrs, mask=q_mask, other=0.0).to(DOT_DTYPE)
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+    block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
+    for tile_start in tl.range(start, end, TILE):
+        t = tile_start + tl.arange(0, TILE)
+        t_valid = t < end
+        block_idx = t // BLOCK_SIZE
+        block = tl.load(block_table + block_idx, mask=t_valid & (block_idx < max_blocks), other=0).to(tl.int64)
+        row = t % BLOCK_SIZE
+        kv_mask = t_valid[:, None] & (d[None, :] < HEAD_DIM)
+        k_ptrs = (k_cache_ptr + block[:, None] * stride_kc_block + kv_head * stride_kc_head
+                  + row[:, None] * stride_kc_row + d[None, :])
+        v_ptrs = (v_cache_ptr + block[:, None] * stride_vc_block + kv_head * stride_vc_head
+                  + row[:, None] * stride_vc_row + d[None, :])
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale_log2  # [GROUP_PAD, TILE]
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile holds >= 1 valid token
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision="ieee")
+        m_i = m_new
+
+    # Scratch layout [N, Hq, S] and [N, Hq, S, D]; an empty split leaves (-inf, 0, 0).
+    part = (seq * tl.num_programs(1) * GROUP + q_heads).to(tl.int64) * num_splits + split
+    g_valid = g < GROUP
+    tl.store(part_max_ptr + part, m_i, mask=g_valid)
+    tl.store(part_sum_ptr + part, l_i, mask=g_valid)
+    tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=q_mask)
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    part_max_ptr, part_sum_ptr, part_acc_ptr, out_ptr,
+    stride_out_seq, stride_out_head,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+):
+    """Stage 2: combine one (sequence, query head)'s split partials into its output row."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    sp = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, DIM_PAD)
+    part = (seq * tl.num_programs(1) + head).to(tl.int64) * NUM_SPLITS + sp
+    sp_valid = sp < NUM_SPLITS
+    m = tl.load(part_max_ptr + part, mask=sp_valid, other=float("-inf"))
+    l_s = tl.load(part_sum_ptr + part, mask=sp_valid, other=0.0)
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :],
+                  mask=sp_valid[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # seq_len 0: all splits empty
+    w = tl.exp2(m - m_max)
+    total = tl.sum(w * l_s, axis=0)
+    o = tl.sum(w[:, None] * acc, axis=0) / tl.where(total > 0, total, 1.0)
+    out_ptrs = out_ptr + seq.to(tl.int64) * stride_out_seq + head * stride_out_head + d
+    tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)

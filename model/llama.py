@@ -1,0 +1,178 @@
+"""`LlamaForCausalLM`: the Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV pool.
+
+One call of `LlamaForCausalLM.forward` is one model step over a flat batch of tokens (no padding),
+laid out as `model.attention.AttentionBatch` describes. Parameter names are exactly the Hugging Face
+ones (``model.layers.3.self_attn.q_proj.weight``, ``lm_head.weight``), so loading a checkpoint is a
+straight name match (`model.loader`).
+
+Numerics follow transformers: RMSNorm in float32 then cast back, rotary angles in float32, attention
+math in float32 (the backends accumulate in float32).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.attention import AttentionBackend, AttentionBatch, paged_attention
+from model.config import ModelConfig
+from model.rope import apply_rotary, rope_inv_freq, rotary_cos_sin
+
+
+class RMSNorm(nn.Module):
+    """``weight * (x / sqrt(mean(x²) + eps))``, normalised in float32 and cast back before scaling."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        input_dtype = x.dtype
+        xf = x.to(torch.float32)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(input_dtype)
+
+
+class Attention(nn.Module):
+    """GQA self-attention; reads and writes this layer's slice of the KV pool."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, q_size, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        layer_cache: torch.Tensor,
+        batch: AttentionBatch,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """``x`` ``[T, hidden]`` → ``[T, hidden]``; writes the tokens' KV into ``layer_cache``."""
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        cos, sin = cos_sin
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = paged_attention(backend, q, k, v, layer_cache, batch, scale=self.scale)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        bias = config.mlp_bias
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        layer_cache: torch.Tensor,
+        batch: AttentionBatch,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, layer_cache, batch, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    """Embeddings, decoder layers and the final norm (Hugging Face's ``model.`` prefix)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama-family causal LM over a paged KV pool.
+
+    Build it with `model.loader.load_model`; constructing it directly gives PyTorch's default init
+    (useful under ``torch.device("meta")``). ``rope_inv_freq`` is a non-persistent float32 buffer
+    computed from the config at construction, on CPU even under a meta device context.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.register_buffer("rope_inv_freq", rope_inv_freq(config.rope, config.head_dim), persistent=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_pool: torch.Tensor,
+        batch: AttentionBatch,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """Run one step and return the final-norm hidden states.
+
+        Args:
+            input_ids: ``[T]`` int64 token ids, laid out as ``batch`` describes.
+            positions: ``[T]`` int64 position of each token in its sequence.
+            kv_pool: ``[num_blocks, num_layers, 2, num_kv_heads, block_size_tokens, head_dim]``.
+                Mutated: every token's key and value are written at ``batch.slot_mapping``.
+            batch: the step's attention metadata.
+            backend: the attention kernels (`model.attention.make_backend`).
+
+        Returns:
+            ``[T, hidden_size]`` in the model's dtype, after the final RMSNorm; pass the rows whose
+            next token is wanted to `compute_logits`.
+
+        Raises:
+            ValueError: the config has a sliding window and a position is at or past it (see
+                `model.config`); the pool has the wrong number of layers.
+        """
+        config = self.config
+        if kv_pool.shape[1] != config.num_hidden_layers:
+            raise ValueError(
+                f"kv_pool has {kv_pool.shape[1]} layers; the model has {config.num_hidden_layers}"
+            )
+        window = config.sliding_window_tokens
+        if window is not None and positions.numel() and int(positions.max()) >= window:
+            raise ValueError(
+                f"position {int(positions.max())} is past the model's sliding window of {window} tokens; "
+                f"sliding-window attention is not implemented, so sequences are limited to {window} tokens"
+            )
+        x = self.model.embed_tokens(input_ids)
+        cos_sin = rotary_cos_sin(self.rope_inv_freq, positions, dtype=x.dtype)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos_sin, kv_pool[:, i], batch, backend)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden_size]`` → float32 ``[N, vocab_size]``."""
+        return self.lm_head(hidden).float()

@@ -1,0 +1,178 @@
+"""Load a Hugging Face model directory into `LlamaForCausalLM`, and fingerprint it.
+
+A model directory holds ``config.json`` and either one ``model.safetensors`` or shards listed by
+``model.safetensors.index.json`` (``{"weight_map": {tensor name: shard file}}``). Tensors are
+matched to parameters by name, converted to the requested dtype and device one at a time, so peak
+memory is the model plus one tensor. No network access, ever.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm import tqdm
+
+from model.config import ModelConfig, read_model_config
+from model.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+DTYPE_NAME_TO_TORCH: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+FINGERPRINT_SAMPLE_BYTES = 1 << 20
+TIED_HEAD = "lm_head.weight"
+TIED_SOURCE = "model.embed_tokens.weight"
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    """A model ready for inference.
+
+    Attributes:
+        config: the parsed ``config.json``.
+        model: in eval mode, parameters without grad, on the requested device and dtype.
+        fingerprint: `model_fingerprint` of the directory (goes into `BlockSpec.model_fingerprint`).
+        model_dir: where it was loaded from.
+    """
+
+    config: ModelConfig
+    model: LlamaForCausalLM
+    fingerprint: str
+    model_dir: Path
+
+
+def load_model(
+    model_dir: str | Path, *, dtype: str = "float32", device: str | torch.device = "cpu"
+) -> LoadedModel:
+    """Load ``model_dir`` (see module doc).
+
+    Tensors in the checkpoint that the model has no parameter for (e.g. rotary ``inv_freq``
+    buffers) are ignored and counted in one warning. With ``tie_word_embeddings`` and no
+    ``lm_head.weight`` tensor, the head shares the embedding matrix.
+
+    Raises:
+        FileNotFoundError: no ``config.json``, no weights file, or a shard the index names is absent.
+        ValueError: unsupported architecture or dtype; a parameter has no tensor in the checkpoint
+            (named, with the directory); a tensor's shape differs from the parameter's (named, with
+            expected and found shapes and the file).
+    """
+    model_dir = Path(model_dir)
+    if dtype not in DTYPE_NAME_TO_TORCH:
+        raise ValueError(f"dtype {dtype!r} is not supported; use one of {sorted(DTYPE_NAME_TO_TORCH)}")
+    torch_dtype = DTYPE_NAME_TO_TORCH[dtype]
+    config = read_model_config(model_dir)
+    name_to_file = _tensor_files(model_dir)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    name_to_param = dict(model.named_parameters())
+    file_to_names: dict[Path, list[str]] = {}
+    for name, path in name_to_file.items():
+        file_to_names.setdefault(path, []).append(name)
+    unexpected = 0
+    with tqdm(total=len(name_to_file), desc=f"loading {model_dir.name}", unit="tensor", disable=None) as bar:
+        for path in sorted(file_to_names):
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in sorted(file_to_names[path]):
+                    bar.update(1)
+                    param = name_to_param.get(name)
+                    if param is None:
+                        unexpected += 1
+                        continue
+                    tensor = f.get_tensor(name)
+                    if tuple(tensor.shape) != tuple(param.shape):
+                        raise ValueError(
+                            f"tensor {name!r} in {path} has shape {tuple(tensor.shape)}; "
+                            f"the model expects {tuple(param.shape)} (check config.json against the weights)"
+                        )
+                    _assign(model, name, tensor.to(device=device, dtype=torch_dtype))
+    if unexpected:
+        logger.warning("%s: ignored %d checkpoint tensors the model does not use", model_dir, unexpected)
+    if config.tie_word_embeddings and TIED_HEAD not in name_to_file:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    missing = [name for name, p in model.named_parameters(remove_duplicate=False) if p.is_meta]
+    if missing:
+        raise ValueError(
+            f"{model_dir}: the checkpoint has no tensor {missing[0]!r}"
+            + (f" (and {len(missing) - 1} more missing)" if len(missing) > 1 else "")
+        )
+    model.to(device=device)  # moves the rope buffer; parameters are already there
+    model.eval().requires_grad_(False)
+    fingerprint = model_fingerprint(model_dir)
+    return LoadedModel(config=config, model=model, fingerprint=fingerprint, model_dir=model_dir)
+
+
+def _assign(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    module_name, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(module_name), attr, nn.Parameter(tensor, requires_grad=False))
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of ``model_dir``, sorted by name."""
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return sorted({model_dir / f for f in weight_map.values()})
+    single = model_dir / SINGLE_FILE
+    if single.is_file():
+        return [single]
+    raise FileNotFoundError(f"{model_dir} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+
+
+def _tensor_files(model_dir: Path) -> dict[str, Path]:
+    """Tensor name → the safetensors file holding it."""
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        name_to_file = {name: model_dir / f for name, f in weight_map.items()}
+        for path in sorted(set(name_to_file.values())):
+            if not path.is_file():
+                raise FileNotFoundError(f"{index} names shard {path.name}, which is missing from {model_dir}")
+        return name_to_file
+    (single,) = _weight_files(model_dir)
+    with safe_open(str(single), framework="pt", device="cpu") as f:
+        return {name: single for name in f.keys()}
+
+
+def model_fingerprint(model_dir: str | Path) -> str:
+    """Hex SHA-256 naming a model directory's weights, cheap to compute for any size.
+
+    Covers ``config.json`` bytes and, for each safetensors file in name order: its name, size,
+    header (the 8-byte length and the JSON header), and the SHA-256 of its first and last MiB.
+    Two checkpoints differing in any config value, tensor name, shape, dtype or offset, or in the
+    bytes near either end of a file, get different fingerprints.
+
+    Raises:
+        FileNotFoundError: no ``config.json`` or no weights (see `load_model`).
+    """
+    model_dir = Path(model_dir)
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{config_path} not found; a model directory needs a config.json")
+    h = hashlib.sha256(b"kvrelay.model.v1")
+    config_bytes = config_path.read_bytes()
+    h.update(len(config_bytes).to_bytes(8, "little") + config_bytes)
+    for path in _weight_files(model_dir):
+        size = path.stat().st_size
+        name = path.name.encode()
+        h.update(len(name).to_bytes(8, "little") + name + size.to_bytes(8, "little"))
+        with path.open("rb") as f:
+            header_len_bytes = f.read(8)
+            header_len = int.from_bytes(header_len_bytes, "little")
+            h.update(header_len_bytes + f.read(header_len))
+            f.seek(0)
+            h.update(hashlib.sha256(f.read(FINGERPRINT_SAMPLE_BYTES)).digest())
+            f.seek(max(0, size - FINGERPRINT_SAMPLE_BYTES))
+            h.update(hashlib.sha256(f.read()).digest())
+    return h.hexdigest()

@@ -1,0 +1,72 @@
+"""Rotary position embeddings, computed exactly as transformers computes them.
+
+Non-interleaved ("rotate_half") convention: a head vector ``x = [x1 | x2]`` (two halves of
+``head_dim / 2``) at position ``p`` becomes ``x * cos + [-x2 | x1] * sin`` where
+``cos = cos([p * inv_freq | p * inv_freq])`` and likewise ``sin``.
+
+The frequencies follow ``transformers.modeling_rope_utils`` for the supported rope types; the
+angles are computed in float32 and cast to the activations' dtype, as transformers does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from model.config import RopeConfig
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim // 2]`` float32 on CPU.
+
+    * ``default``: ``1 / theta ** (2i / head_dim)``.
+    * ``linear``: the default divided by ``factor``.
+    * ``llama3``: wavelengths longer than ``original / low_freq_factor`` are divided by ``factor``,
+      those shorter than ``original / high_freq_factor`` are kept, and the band between is
+      interpolated smoothly (Llama 3.1).
+
+    Raises:
+        ValueError: an unknown ``rope.rope_type``.
+    """
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / head_dim
+    inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.rope_type == "default":
+        return inv_freq
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type == "llama3":
+        return _llama3_scale(inv_freq, rope)
+    raise ValueError(f"rope type {rope.rope_type!r} is not supported")
+
+
+def _llama3_scale(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
+    old_context = rope.original_max_position_embeddings
+    low_freq_wavelen = old_context / rope.low_freq_factor
+    high_freq_wavelen = old_context / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_context / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rotary_cos_sin(
+    inv_freq: torch.Tensor, positions: torch.Tensor, *, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos, sin``: ``[T, head_dim]`` in ``dtype`` for integer ``positions`` ``[T]``.
+
+    ``inv_freq`` must be on ``positions.device``. Angles are computed in float32.
+    """
+    freqs = positions.to(torch.float32)[:, None] * inv_freq.to(torch.float32)[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[T, H, head_dim]`` by ``cos, sin`` ``[T, head_dim]``; returns a new tensor."""
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

@@ -1,0 +1,205 @@
+"""`Tokenizer`: a Hugging Face ``tokenizer.json`` plus the chat template of ``tokenizer_config.json``.
+
+Special tokens (BOS, EOS) come from ``tokenizer_config.json`` when it names them (a ``null`` there
+means the model has none, as in Qwen2), else from ``config.json`` ids. Chat templates are rendered
+the way transformers renders them: a sandboxed Jinja environment with ``trim_blocks`` and
+``lstrip_blocks``, a ``raise_exception`` helper, a ``tojson`` that does not escape HTML, and the
+special tokens (``bos_token``, ``eos_token``, ...) as variables.
+
+A rendered chat prompt already holds whatever BOS the template writes (Llama 3 templates start with
+``{{ bos_token }}``), so encode it with ``add_bos=False``, as transformers does.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import tokenizers
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+SPECIAL_TOKEN_NAMES: tuple[str, ...] = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+class Tokenizer:
+    """Encode, decode and render chats for one model.
+
+    Attributes:
+        bos_token_id: the id prepended by ``encode(add_bos=True)``; None when the model has no BOS
+            or its ``tokenizer_config.json`` sets ``add_bos_token: false``.
+        eos_token_ids: ids that end generation (the tokenizer's EOS plus ``config.json``'s).
+        chat_template: the Jinja source, or None when the model has none.
+    """
+
+    def __init__(
+        self,
+        tokenizer: tokenizers.Tokenizer,
+        *,
+        special_tokens: dict[str, str],
+        bos_token_id: int | None,
+        eos_token_ids: tuple[int, ...],
+        chat_template: str | None,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._special_tokens = dict(special_tokens)
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = eos_token_ids
+        self.chat_template = chat_template
+        self._compiled_template: jinja2.Template | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        """Ids the tokenizer knows, added tokens included."""
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        """Token ids of ``text``; with ``add_bos`` (and a BOS) the BOS id first.
+
+        Special-token text inside ``text`` (e.g. ``"</s>"``) maps to its special id, as in
+        transformers; the tokenizer's own post-processor is not applied.
+        """
+        ids = self._tokenizer.encode(text, add_special_tokens=False).ids
+        if add_bos and self.bos_token_id is not None:
+            return [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``; an incomplete UTF-8 sequence at the end decodes to U+FFFD."""
+        return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """Render ``messages`` (``[{"role": ..., "content": ...}, ...]``) with the chat template.
+
+        Raises:
+            ValueError: the model has no chat template.
+            jinja2.TemplateError: the template rejected the messages (its ``raise_exception`` text).
+        """
+        if self.chat_template is None:
+            raise ValueError("this model's tokenizer_config.json has no chat_template; send a plain prompt")
+        if self._compiled_template is None:
+            self._compiled_template = compile_chat_template(self.chat_template)
+        return self._compiled_template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt, tools=None, documents=None,
+            **self._special_tokens,
+        )
+
+
+@dataclass(slots=True)
+class StreamDecoder:
+    """Turns a growing list of ids into text deltas, holding back an incomplete UTF-8 tail.
+
+    Decodes a short window of the previous ids together with the new ones (so tokenizers whose
+    pieces depend on their neighbours, e.g. SentencePiece's leading space, come out right) and
+    emits only what is new. Concatenated deltas equal ``tokenizer.decode(all_ids)`` once the ids
+    end on a character boundary.
+    """
+
+    tokenizer: Tokenizer
+    skip_special_tokens: bool = True
+    ids: list[int] = field(default_factory=list)
+    prefix_offset: int = 0  # start of the context window decoded along with new ids
+    read_offset: int = 0  # ids before this are already emitted
+
+    def push(self, new_ids: list[int]) -> str:
+        """Append ``new_ids`` and return the newly completed text (possibly empty)."""
+        self.ids.extend(new_ids)
+        skip = self.skip_special_tokens
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset], skip)
+        full = self.tokenizer.decode(self.ids[self.prefix_offset :], skip)
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return full[len(prefix) :]
+
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    """Compile a chat template in a sandboxed environment configured as transformers configures it."""
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+               separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env.from_string(source)
+
+
+def load_tokenizer(model_dir: str | Path) -> Tokenizer | None:
+    """The tokenizer of ``model_dir``, or None when it has no ``tokenizer.json``.
+
+    Raises:
+        ValueError: ``tokenizer.json`` or ``tokenizer_config.json`` cannot be parsed.
+    """
+    model_dir = Path(model_dir)
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        return None
+    try:
+        tok = tokenizers.Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises a bare Exception on malformed files
+        raise ValueError(f"{path} cannot be loaded: {exc}") from None
+    tok_config = _read_json(model_dir / "tokenizer_config.json")
+    model_config = _read_json(model_dir / "config.json")
+    special_tokens = _special_tokens(tok_config, _read_json(model_dir / "special_tokens_map.json"))
+
+    def token_id(name: str, config_key: str) -> int | None:
+        if name in special_tokens:
+            return tok.token_to_id(special_tokens[name])
+        if name in tok_config:  # present but null: the model has none
+            return None
+        value = model_config.get(config_key)
+        return value[0] if isinstance(value, list) else value
+
+    bos = token_id("bos_token", "bos_token_id")
+    if tok_config.get("add_bos_token") is False:
+        bos = None
+    eos_ids: list[int] = []
+    eos = token_id("eos_token", "eos_token_id")
+    config_eos = model_config.get("eos_token_id")
+    for value in [eos, *(config_eos if isinstance(config_eos, list) else [config_eos])]:
+        if value is not None and value not in eos_ids:
+            eos_ids.append(int(value))
+    template = tok_config.get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+        named = {t["name"]: t["template"] for t in template}
+        template = named.get("default")
+    if template is None and (model_dir / "chat_template.jinja").is_file():
+        template = (model_dir / "chat_template.jinja").read_text()
+    return Tokenizer(tok, special_tokens=special_tokens, bos_token_id=bos, eos_token_ids=tuple(eos_ids),
+                     chat_template=template)
+
+
+def _special_tokens(tok_config: dict[str, Any], special_map: dict[str, Any]) -> dict[str, str]:
+    """``{"bos_token": "<s>", ...}`` from tokenizer_config.json, falling back to special_tokens_map.json."""
+    out: dict[str, str] = {}
+    for name in SPECIAL_TOKEN_NAMES:
+        value = tok_config[name] if name in tok_config else special_map.get(name)
+        if isinstance(value, dict):  # AddedToken serialisation: {"content": "<s>", ...}
+            value = value.get("content")
+        if isinstance(value, str):
+            out[name] = value
+    return out
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from None

@@ -1,0 +1,180 @@
+"""Engine: HF parity, batch invariance, prefix reuse, n > 1 with copy-on-write, preemption, bad input."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from decode.engine import EngineConfig, LLMEngine, RequestError
+from model.loader import load_model
+from model.sampling import SamplingParams
+from tests.hf_models import HF_CONFIGS
+
+GREEDY64 = SamplingParams(max_tokens=64)
+
+
+def prompts_for(vocab: int, lengths: tuple[int, ...], seed: int = 1) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+@pytest.mark.parametrize("name", list(HF_CONFIGS))
+def test_greedy_generation_equals_transformers(hf_model_dir, name):
+    from transformers import AutoModelForCausalLM
+
+    path = hf_model_dir(name)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    engine = LLMEngine(load_model(path), EngineConfig(num_blocks=128))
+    prompts = prompts_for(300, (1, 16, 17, 300))
+    ours = engine.generate(prompts, GREEDY64)
+    for prompt, [out] in zip(prompts, ours):
+        with torch.inference_mode():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False)[0, len(prompt):].tolist()
+        assert out == ref, f"{name}, prompt length {len(prompt)}"
+    assert len({tuple(o[0]) for o in ours}) == len(prompts)
+    engine.check_integrity()
+    assert engine.pool.stats().num_in_use == 0
+
+
+def test_batch_invariance_with_staggered_arrivals(tiny_model_dir):
+    loaded = load_model(tiny_model_dir)
+    prompts = prompts_for(258, (5, 40, 16, 70, 33, 2))
+    params = [SamplingParams(max_tokens=12), SamplingParams(max_tokens=20, temperature=0.8, seed=3),
+              SamplingParams(max_tokens=7), SamplingParams(max_tokens=15, top_k=5, temperature=1.0, seed=9),
+              SamplingParams(max_tokens=9, top_p=0.7, temperature=1.2, seed=1), SamplingParams(max_tokens=11)]
+    alone = []
+    for p, sp in zip(prompts, params):
+        eng = LLMEngine(loaded, EngineConfig(num_blocks=64, enable_prefix_caching=False))
+        alone.append(eng.generate([p], sp)[0][0])
+    # One engine; a small token budget forces chunked prefill mixed with decodes.
+    eng = LLMEngine(loaded, EngineConfig(num_blocks=64, max_num_batched_tokens=24, enable_prefix_caching=False))
+    got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    arrivals = {0: [0, 1], 2: [2], 3: [3, 4], 6: [5]}
+    step = 0
+    while step <= max(arrivals) or eng.has_unfinished():
+        for i in arrivals.get(step, []):
+            eng.add_request(f"r{i}", prompts[i], params[i])
+        for out in eng.step():
+            got[out.request_id].extend(out.new_token_ids)
+        eng.check_integrity()
+        step += 1
+    assert [got[f"r{i}"] for i in range(len(prompts))] == alone
+
+
+def test_prefix_reuse_counts_exact_blocks_and_salt_isolates(tiny_model_dir):
+    loaded = load_model(tiny_model_dir)
+    shared = prompts_for(258, (80,), seed=5)[0]  # exactly 5 blocks of 16
+    first = shared + [7, 8, 9]
+    second = shared + [11, 12, 13, 14]
+    cold = LLMEngine(loaded, EngineConfig(num_blocks=64)).generate([second], SamplingParams(max_tokens=10))[0][0]
+
+    eng = LLMEngine(loaded, EngineConfig(num_blocks=64))
+    eng.generate([first], SamplingParams(max_tokens=4))
+    cached_ids = [eng.pool.block_id_of(k) for k in _keys(eng, first)[:5]]
+    assert None not in cached_ids
+    computed_before = eng.stats.computed_prefill_tokens
+    eng.add_request("second", second, SamplingParams(max_tokens=10))
+    eng.step()
+    seq = eng._requests["second"].seqs[0]
+    assert seq.num_cached_prompt_tokens == 80
+    assert seq.block_table[:5] == cached_ids
+    assert [eng.pool.ref_count(b) for b in cached_ids] == [1] * 5
+    assert eng.stats.computed_prefill_tokens - computed_before == 4
+    while eng.has_unfinished():
+        eng.step()
+    assert seq.output_token_ids == cold
+
+    hits_before = eng.scheduler.num_prefix_hit_tokens
+    [[salted]] = eng.generate([second], SamplingParams(max_tokens=10), salt=b"tenant-b")
+    assert eng.scheduler.num_prefix_hit_tokens == hits_before
+    assert salted == cold
+    eng.check_integrity()
+
+
+def _keys(engine: LLMEngine, tokens: list[int]) -> list[bytes]:
+    from kvstore.block_key import block_keys
+
+    return block_keys(tokens, block_size_tokens=engine.spec.block_size_tokens, spec_fingerprint=engine.spec.fingerprint)
+
+
+def test_whole_prompt_cached_still_computes_last_token(tiny_model_dir):
+    loaded = load_model(tiny_model_dir)
+    prompt = prompts_for(258, (32,), seed=8)[0]
+    eng = LLMEngine(loaded, EngineConfig(num_blocks=32))
+    [[a]] = eng.generate([prompt], SamplingParams(max_tokens=6))
+    before = eng.stats.computed_prefill_tokens
+    [[b]] = eng.generate([prompt], SamplingParams(max_tokens=6))
+    assert a == b
+    assert eng.stats.computed_prefill_tokens - before == 16  # block 0 reused, block 1 recomputed
+
+
+@pytest.mark.parametrize("prompt_len", [20, 32])
+def test_n_samples_share_prompt_blocks_and_match_single_runs(tiny_model_dir, prompt_len):
+    loaded = load_model(tiny_model_dir)
+    prompt = prompts_for(258, (prompt_len,), seed=2)[0]
+    singles = [
+        LLMEngine(loaded, EngineConfig(num_blocks=32)).generate(
+            [prompt], SamplingParams(max_tokens=12, temperature=1.0, seed=40 + i))[0][0]
+        for i in range(3)
+    ]
+    eng = LLMEngine(loaded, EngineConfig(num_blocks=32))
+    eng.add_request("n3", prompt, SamplingParams(max_tokens=12, temperature=1.0, seed=40, n=3))
+    eng.step()  # prefill + fork
+    seqs = eng._requests["n3"].seqs
+    assert len(seqs) == 3
+    assert len({tuple(s.block_table) for s in seqs}) == 1
+    assert [eng.pool.ref_count(b) for b in seqs[0].block_table] == [3] * len(seqs[0].block_table)
+    eng.check_integrity()
+    eng.step()  # first decode: each sample writes its own tail block
+    tails = [s.block_table[prompt_len // 16] for s in seqs]
+    assert len(set(tails)) == 3 and [eng.pool.ref_count(b) for b in tails] == [1, 1, 1]
+    full = prompt_len // 16
+    assert [eng.pool.ref_count(b) for b in seqs[0].block_table[:full]] == [3] * full
+    while eng.has_unfinished():
+        eng.step()
+        eng.check_integrity()
+    assert [s.output_token_ids for s in seqs] == singles
+    assert eng.pool.stats().num_in_use == 0
+
+
+def test_preemption_by_recompute_keeps_outputs(tiny_model_dir):
+    loaded = load_model(tiny_model_dir)
+    prompts = prompts_for(258, (30, 30, 30, 30), seed=4)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    ref = [LLMEngine(loaded, EngineConfig(num_blocks=64)).generate([p], params)[0][0] for p in prompts]
+    eng = LLMEngine(loaded, EngineConfig(num_blocks=12))  # 4 × 5 blocks needed at the end: must preempt
+    outs = eng.generate(prompts, params)
+    assert eng.stats.preemptions > 0
+    assert [o[0] for o in outs] == ref
+    eng.check_integrity()
+    assert eng.pool.stats().num_in_use == 0
+
+
+def test_stop_tokens_and_max_tokens(tiny_model_dir):
+    loaded = load_model(tiny_model_dir)
+    prompt = prompts_for(258, (9,), seed=3)[0]
+    eng = LLMEngine(loaded, EngineConfig(num_blocks=16))
+    [[full]] = eng.generate([prompt], SamplingParams(max_tokens=20, ignore_eos=True))
+    stop_at = full[5]
+    [[cut]] = eng.generate([prompt], SamplingParams(max_tokens=20, stop_token_ids=(stop_at,), ignore_eos=True))
+    assert cut == full[: full.index(stop_at) + 1]
+    [[short]] = eng.generate([prompt], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert short == full[:3]
+
+
+def test_bad_prompts_are_refused_with_named_problem(tiny_model_dir):
+    eng = LLMEngine(load_model(tiny_model_dir), EngineConfig(num_blocks=16, max_model_len=128))
+    with pytest.raises(RequestError, match="prompt is empty"):
+        eng.add_request("a", [], SamplingParams())
+    with pytest.raises(RequestError, match=r"token id 258 at position 1 is outside the vocabulary \[0, 258\)"):
+        eng.add_request("b", [1, 258], SamplingParams())
+    with pytest.raises(RequestError, match="prompt has 128 tokens but the context window is 128"):
+        eng.add_request("c", [1] * 128, SamplingParams())
+    with pytest.raises(RequestError, match="needs 9 KV blocks but the pool holds 8"):
+        LLMEngine(load_model(tiny_model_dir), EngineConfig(num_blocks=8)).add_request("d", [1] * 130, SamplingParams())
+    with pytest.raises(ValueError, match="temperature must be >= 0"):
+        SamplingParams(temperature=-1)
+    assert not eng.has_unfinished()
+    eng.check_integrity()
