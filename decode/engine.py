@@ -10,6 +10,7 @@ Used directly by ``kvrelay generate`` and as the compute core of the prefill and
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -22,7 +23,7 @@ from kvstore.block_pool import BlockPool
 from kvstore.block_spec import BlockSpec
 from model.attention import default_backend_name, make_backend
 from model.loader import LoadedModel
-from model.sampling import SamplingParams, make_generator, sample
+from model.sampling import SamplingParams, sample, token_generator
 
 
 class RequestError(ValueError):
@@ -108,6 +109,7 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}
         self._next_seq_id = 0
         self._device = device
+        self._seed_rng = random.Random()
 
     # ------------------------------------------------------------------ inputs
     def validate_prompt(self, prompt_token_ids: Seq[int]) -> None:
@@ -148,10 +150,11 @@ class LLMEngine:
     def _new_sequence(
         self, request_id: str, index: int, token_ids: list[int], num_prompt: int, params: SamplingParams, salt: bytes
     ) -> Sequence:
+        seed = params.seed if params.seed is not None else self._seed_rng.randrange(2**63)
         seq = Sequence(
             seq_id=self._next_seq_id, request_id=request_id, index=index, arrival=self._next_seq_id,
             token_ids=token_ids, num_prompt_tokens=num_prompt, params=params, salt=salt,
-            generator=make_generator(params, index, self._device),
+            seed=seed,
         )
         self._next_seq_id += 1
         return seq
@@ -190,8 +193,9 @@ class LLMEngine:
         outputs: list[StepOutput] = []
         pairs = self._expand_forks(result.seqs)
         rows = torch.tensor([row for _, row in pairs], dtype=torch.int64, device=result.logits.device)
-        tokens = sample(result.logits.index_select(0, rows), [s.params for s, _ in pairs],
-                        [s.generator for s, _ in pairs])
+        gens = [None if s.params.greedy else
+                token_generator(s.seed, s.index, s.num_output_tokens, self._device) for s, _ in pairs]
+        tokens = sample(result.logits.index_select(0, rows), [s.params for s, _ in pairs], gens)
         for (seq, _), tok in zip(pairs, tokens):
             outputs.append(self._append_token(seq, tok))
         for req_id in [o.request_id for o in outputs if o.finished]:
@@ -217,6 +221,7 @@ class LLMEngine:
                         seq.request_id, index, list(seq.token_ids), seq.num_prompt_tokens, seq.params, seq.salt
                     )
                     child.forked = True
+                    child.seed = seq.seed
                     child.block_table = list(seq.block_table)
                     child.block_keys = list(seq.block_keys)
                     child.num_computed_tokens = seq.num_computed_tokens

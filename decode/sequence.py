@@ -5,8 +5,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
-
 from kvstore.block_key import BlockKey
 from model.sampling import SamplingParams
 
@@ -38,7 +36,7 @@ class Sequence:
     num_prompt_tokens: int
     params: SamplingParams
     salt: bytes
-    generator: torch.Generator | None
+    seed: int  # the request's seed, or one drawn at arrival; see model.sampling.token_generator
     block_table: list[int] = field(default_factory=list)
     block_keys: list[BlockKey] = field(default_factory=list)
     num_computed_tokens: int = 0

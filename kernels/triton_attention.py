@@ -106,10 +106,10 @@ def write_kv(
 
 @triton.jit
 def _write_kv_kernel(
-    k_cache_ptr, v_cache_ptr, key_ptr, value_ptr, slot_ptr,
-    stride_kc_block, stride_kc_head, stride_kc_row,
-    stride_vc_block, stride_vc_head, stride_vc_row,
-    stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+    k_cache_ptr: tl.tensor, v_cache_ptr: tl.tensor, key_ptr: tl.tensor, value_ptr: tl.tensor, slot_ptr: tl.tensor,
+    stride_kc_block: tl.tensor, stride_kc_head: tl.tensor, stride_kc_row: tl.tensor,
+    stride_vc_block: tl.tensor, stride_vc_head: tl.tensor, stride_vc_row: tl.tensor,
+    stride_k_tok: tl.tensor, stride_k_head: tl.tensor, stride_v_tok: tl.tensor, stride_v_head: tl.tensor,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
 ):
@@ -223,13 +223,14 @@ def paged_decode_attention(
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    part_max_ptr, part_sum_ptr, part_acc_ptr,
-    qk_scale_log2, tokens_per_split, max_blocks,
-    stride_q_seq, stride_q_head,
-    stride_kc_block, stride_kc_head, stride_kc_row,
-    stride_vc_block, stride_vc_head, stride_vc_row,
-    stride_bt_seq,
+    q_ptr: tl.tensor, k_cache_ptr: tl.tensor, v_cache_ptr: tl.tensor,
+    block_tables_ptr: tl.tensor, seq_lens_ptr: tl.tensor,
+    part_max_ptr: tl.tensor, part_sum_ptr: tl.tensor, part_acc_ptr: tl.tensor,
+    qk_scale_log2: tl.tensor, tokens_per_split: tl.tensor, max_blocks: tl.tensor,
+    stride_q_seq: tl.tensor, stride_q_head: tl.tensor,
+    stride_kc_block: tl.tensor, stride_kc_head: tl.tensor, stride_kc_row: tl.tensor,
+    stride_vc_block: tl.tensor, stride_vc_head: tl.tensor, stride_vc_row: tl.tensor,
+    stride_bt_seq: tl.tensor,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
@@ -268,7 +269,7 @@ def _decode_split_kernel(
         v = tl.load(v_ptrs, mask=kv_mask, other=0.0).to(DOT_DTYPE)
 
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale_log2  # [GROUP_PAD, TILE]
-
+        s = tl.where(t_valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile holds >= 1 valid token
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -286,8 +287,8 @@ def _decode_split_kernel(
 
 @triton.jit
 def _reduce_splits_kernel(
-    part_max_ptr, part_sum_ptr, part_acc_ptr, out_ptr,
-    stride_out_seq, stride_out_head,
+    part_max_ptr: tl.tensor, part_sum_ptr: tl.tensor, part_acc_ptr: tl.tensor, out_ptr: tl.tensor,
+    stride_out_seq: tl.tensor, stride_out_head: tl.tensor,
     NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
 ):
     """Stage 2: combine one (sequence, query head)'s split partials into its output row."""

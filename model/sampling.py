@@ -47,12 +47,19 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def make_generator(params: SamplingParams, index: int, device: torch.device) -> torch.Generator | None:
-    """The private generator of sample ``index`` of a request; None for greedy or unseeded sampling."""
-    if params.greedy or params.seed is None:
-        return None
+def token_generator(seed: int, index: int, position: int, device: torch.device) -> torch.Generator:
+    """The generator for output token ``position`` of sample ``index`` of a request seeded with ``seed``.
+
+    Derived afresh for every token (a SplitMix64-style mix of the three numbers), so a token does not
+    depend on which process, step or batch sampled the tokens before it: prefill can sample the first
+    token and decode the rest, or a preempted sequence can be recomputed, and the stream is the same.
+    """
+    x = (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9 + position * 0x94D049BB133111EB) % 2**64
+    x ^= x >> 31
+    x = (x * 0xD6E8FEB86659FD93) % 2**64
+    x ^= x >> 32
     gen = torch.Generator(device=device)
-    gen.manual_seed(params.seed + index)
+    gen.manual_seed(x % 2**63)
     return gen
 
 

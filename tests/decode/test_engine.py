@@ -113,14 +113,18 @@ def test_whole_prompt_cached_still_computes_last_token(tiny_model_dir):
 @pytest.mark.parametrize("prompt_len", [20, 32])
 def test_n_samples_share_prompt_blocks_and_match_single_runs(tiny_model_dir, prompt_len):
     loaded = load_model(tiny_model_dir)
-    prompt = prompts_for(258, (prompt_len,), seed=2)[0]
-    singles = [
-        LLMEngine(loaded, EngineConfig(num_blocks=32)).generate(
-            [prompt], SamplingParams(max_tokens=12, temperature=1.0, seed=40 + i))[0][0]
-        for i in range(3)
-    ]
+    prompt, other = prompts_for(258, (prompt_len, 23), seed=2)
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=40, n=3)
+    # Reference: the same request in a fresh engine, busy with another request at the same time.
+    ref_engine = LLMEngine(loaded, EngineConfig(num_blocks=32))
+    [ref, _] = ref_engine.generate([prompt, other], [params, SamplingParams(max_tokens=5)])
+    [[first]] = LLMEngine(loaded, EngineConfig(num_blocks=32)).generate(
+        [prompt], SamplingParams(max_tokens=12, temperature=1.0, seed=40))
+    assert ref[0] == first  # sample 0 of n is the n = 1 stream
+    assert len({tuple(r) for r in ref}) == 3
+
     eng = LLMEngine(loaded, EngineConfig(num_blocks=32))
-    eng.add_request("n3", prompt, SamplingParams(max_tokens=12, temperature=1.0, seed=40, n=3))
+    eng.add_request("n3", prompt, params)
     eng.step()  # prefill + fork
     seqs = eng._requests["n3"].seqs
     assert len(seqs) == 3
@@ -135,14 +139,14 @@ def test_n_samples_share_prompt_blocks_and_match_single_runs(tiny_model_dir, pro
     while eng.has_unfinished():
         eng.step()
         eng.check_integrity()
-    assert [s.output_token_ids for s in seqs] == singles
+    assert [s.output_token_ids for s in seqs] == ref
     assert eng.pool.stats().num_in_use == 0
 
 
 def test_preemption_by_recompute_keeps_outputs(tiny_model_dir):
     loaded = load_model(tiny_model_dir)
     prompts = prompts_for(258, (30, 30, 30, 30), seed=4)
-    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    params = SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.9, seed=11)
     ref = [LLMEngine(loaded, EngineConfig(num_blocks=64)).generate([p], params)[0][0] for p in prompts]
     eng = LLMEngine(loaded, EngineConfig(num_blocks=12))  # 4 × 5 blocks needed at the end: must preempt
     outs = eng.generate(prompts, params)
