@@ -32,7 +32,7 @@ def _hf_generate(hf_model: torch.nn.Module, prompts: list[list[int]], max_new: i
 def run(*, model_dir: str | None, prompt_len: int, max_out: int, seed: int) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from decode.engine import EngineConfig, LLMEngine
+    from engine.engine import EngineConfig, LLMEngine
     from model.loader import load_model
     from model.sampling import SamplingParams
 

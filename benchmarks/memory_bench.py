@@ -16,7 +16,7 @@ from benchmarks.common import emit, ensure_tiny_model, machine_label, read_trace
 def run(*, model_dir: str | None, num_requests: int, scale: int, num_blocks: int, block_size: int) -> dict:
     import random
 
-    from decode.engine import EngineConfig, LLMEngine
+    from engine.engine import EngineConfig, LLMEngine
     from model.loader import load_model
     from model.sampling import SamplingParams
 

@@ -34,7 +34,7 @@ def _parse_prompt_ids(text: str) -> list[int]:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from decode.engine import EngineConfig, LLMEngine, RequestError
+    from engine.engine import EngineConfig, LLMEngine, RequestError
     from model.loader import load_model
     from model.sampling import SamplingParams
     from model.tokenizer import load_tokenizer

@@ -60,7 +60,8 @@ def test_sharded_checkpoint_loads_like_single_file(tmp_path: Path) -> None:
 def test_missing_tensor_is_named(tiny_dir: Path, tmp_path: Path) -> None:
     model_dir = _copy(tiny_dir, tmp_path / "m")
     _rewrite_weights(model_dir, {"model.layers.1.mlp.up_proj.weight": None})
-    with pytest.raises(ValueError, match=rf"{model_dir}: the checkpoint has no tensor 'model.layers.1.mlp.up_proj.weight'"):
+    expected = rf"{model_dir}: the checkpoint has no tensor 'model.layers.1.mlp.up_proj.weight'"
+    with pytest.raises(ValueError, match=expected):
         load_model(model_dir)
 
 
@@ -131,7 +132,8 @@ def test_half_precision_load(tiny_dir: Path, dtype: str) -> None:
 
 
 def test_unsupported_dtype_is_named(tiny_dir: Path) -> None:
-    with pytest.raises(ValueError, match=r"dtype 'int8' is not supported; use one of \['bfloat16', 'float16', 'float32'\]"):
+    expected = r"dtype 'int8' is not supported; use one of \['bfloat16', 'float16', 'float32'\]"
+    with pytest.raises(ValueError, match=expected):
         load_model(tiny_dir, dtype="int8")
 
 

@@ -91,7 +91,8 @@ def test_mistral_sliding_window_caps_the_context() -> None:
 
 
 def test_unknown_model_type_lists_supported_ones() -> None:
-    with pytest.raises(ValueError, match=r"model_type 'gemma2'.*supported model types: \['llama', 'mistral', 'qwen2'\]"):
+    expected = r"model_type 'gemma2'.*supported model types: \['llama', 'mistral', 'qwen2'\]"
+    with pytest.raises(ValueError, match=expected):
         ModelConfig.from_hf_dict({**LLAMA31_CLASSIC, "model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"]})
 
 

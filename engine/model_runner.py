@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from decode.scheduler import ScheduledStep
-from decode.sequence import Sequence
+from engine.scheduler import ScheduledStep
+from engine.sequence import Sequence
 from model.attention import AttentionBackend, AttentionBatch
 
 

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decode.model_runner import ModelRunner
-from decode.scheduler import ScheduledStep, Scheduler, SchedulerConfig
-from decode.sequence import Sequence, SequenceStatus
+from engine.model_runner import ModelRunner
+from engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
+from engine.sequence import Sequence, SequenceStatus
 from kvstore.block_pool import BlockPool
 from kvstore.block_spec import BlockSpec
 from model.attention import default_backend_name, make_backend

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from decode.engine import EngineConfig, LLMEngine, RequestError
+from engine.engine import EngineConfig, LLMEngine, RequestError
 from model.loader import load_model
 from model.sampling import SamplingParams
 from tests.hf_models import HF_CONFIGS

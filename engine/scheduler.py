@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from decode.sequence import Sequence, SequenceStatus
+from engine.sequence import Sequence, SequenceStatus
 from kvstore.block_key import BlockKey, extend_block_keys
 from kvstore.block_pool import BlockPool
 
