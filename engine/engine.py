@@ -110,6 +110,7 @@ class LLMEngine:
         self._next_seq_id = 0
         self._device = device
         self._seed_rng = random.Random()
+        self._pending_outputs: list[StepOutput] = []
 
     # ------------------------------------------------------------------ inputs
     def validate_prompt(self, prompt_token_ids: Seq[int]) -> None:
@@ -132,20 +133,54 @@ class LLMEngine:
             )
 
     def add_request(
-        self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, *, salt: bytes = b""
+        self,
+        request_id: str,
+        prompt_token_ids: Seq[int],
+        params: SamplingParams,
+        *,
+        salt: bytes = b"",
+        first_token_ids: Seq[int] | None = None,
+        pinned_block_ids: Seq[int] = (),
     ) -> None:
         """Queue a request. Its ``params.n`` samples share the prompt's blocks after prefill.
 
+        Args:
+            first_token_ids: one first token per sample, already sampled elsewhere (the prefill
+                service); each sample then continues from ``prompt + [first]``. A sample that its
+                first token already finishes is reported by the next `step`.
+            pinned_block_ids: blocks the caller holds a reference on (KV pulled from a peer, keyed
+                in this pool). The engine takes over those references and drops them once the
+                request's last sample has been admitted (its prefix match has acquired them) or ends.
+
         Raises:
-            RequestError: invalid prompt, or a duplicate ``request_id``.
+            RequestError: invalid prompt or first tokens, or a duplicate ``request_id``.
         """
         if request_id in self._requests:
             raise RequestError(f"request id {request_id!r} is already running")
         self.validate_prompt(prompt_token_ids)
-        seq = self._new_sequence(request_id, 0, list(prompt_token_ids), len(prompt_token_ids), params, salt)
-        self._requests[request_id] = _Request(request_id, params, [seq])
-        self.stats.prompt_tokens += len(prompt_token_ids)
-        self.scheduler.add(seq)
+        prompt = list(prompt_token_ids)
+        req = _Request(request_id, params)
+        if first_token_ids is None:
+            req.seqs.append(self._new_sequence(request_id, 0, prompt, len(prompt), params, salt))
+        else:
+            if len(first_token_ids) != params.n:
+                raise RequestError(f"got {len(first_token_ids)} first tokens for n={params.n} samples")
+            self.validate_prompt(prompt + list(first_token_ids))
+            for index, tok in enumerate(first_token_ids):
+                seq = self._new_sequence(request_id, index, prompt + [tok], len(prompt), params, salt)
+                seq.forked = True
+                req.seqs.append(seq)
+        self._requests[request_id] = req
+        self.stats.prompt_tokens += len(prompt)
+        req.seqs[-1].pinned_block_ids = list(pinned_block_ids)
+        for seq in req.seqs:
+            self.scheduler.add(seq)
+            if first_token_ids is not None:
+                reason = self._finish_reason(seq, seq.token_ids[-1])
+                if reason is not None:
+                    self.scheduler.finish(seq, reason)
+                    self._pending_outputs.append(StepOutput(request_id, seq.index, [], True, reason))
+        self._forget_if_done(request_id)
 
     def _new_sequence(
         self, request_id: str, index: int, token_ids: list[int], num_prompt: int, params: SamplingParams, salt: bytes
@@ -172,17 +207,18 @@ class LLMEngine:
         return outs
 
     def has_unfinished(self) -> bool:
-        return bool(self._requests)
+        return bool(self._requests) or bool(self._pending_outputs)
 
     # -------------------------------------------------------------------- step
     def step(self) -> list[StepOutput]:
         """Run one scheduled model step; return the new tokens of every sample that got one."""
+        outputs, self._pending_outputs = self._pending_outputs, []
         sched: ScheduledStep = self.scheduler.schedule()
         self.stats.preemptions += len(sched.preempted)
         if sched.empty:
             if self._requests and not self.scheduler.running:
                 raise RuntimeError("no request can be scheduled: the KV pool is too small for the waiting prompt")
-            return []
+            return outputs
         result = self.runner.run(sched)
         self.stats.steps += 1
         for chunk in sched.prefills:
@@ -190,7 +226,6 @@ class LLMEngine:
             self.scheduler.commit(chunk.seq, chunk.num_tokens)
         for seq in sched.decodes:
             self.scheduler.commit(seq, 1)
-        outputs: list[StepOutput] = []
         pairs = self._expand_forks(result.seqs)
         rows = torch.tensor([row for _, row in pairs], dtype=torch.int64, device=result.logits.device)
         gens = [None if s.params.greedy else
@@ -198,10 +233,8 @@ class LLMEngine:
         tokens = sample(result.logits.index_select(0, rows), [s.params for s, _ in pairs], gens)
         for (seq, _), tok in zip(pairs, tokens):
             outputs.append(self._append_token(seq, tok))
-        for req_id in [o.request_id for o in outputs if o.finished]:
-            req = self._requests.get(req_id)
-            if req is not None and all(s.status is SequenceStatus.FINISHED for s in req.seqs):
-                del self._requests[req_id]
+        for req_id in {o.request_id for o in outputs if o.finished}:
+            self._forget_if_done(req_id)
         return outputs
 
     def _expand_forks(self, seqs: list[Sequence]) -> list[tuple[Sequence, int]]:
@@ -232,20 +265,27 @@ class LLMEngine:
                     out.append((child, row))
         return out
 
+    def _finish_reason(self, seq: Sequence, tok: int) -> str | None:
+        """Why ``seq`` stops after ``tok`` (already appended), or None."""
+        p = seq.params
+        if (not p.ignore_eos and tok in self.eos_token_ids) or tok in p.stop_token_ids:
+            return "stop"
+        if seq.num_output_tokens >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            return "length"
+        return None
+
     def _append_token(self, seq: Sequence, tok: int) -> StepOutput:
         seq.token_ids.append(tok)
         self.stats.generated_tokens += 1
-        p = seq.params
-        reason = None
-        if not p.ignore_eos and tok in self.eos_token_ids:
-            reason = "stop"
-        elif tok in p.stop_token_ids:
-            reason = "stop"
-        elif seq.num_output_tokens >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
-            reason = "length"
+        reason = self._finish_reason(seq, tok)
         if reason is not None:
             self.scheduler.finish(seq, reason)
         return StepOutput(seq.request_id, seq.index, [tok], reason is not None, reason)
+
+    def _forget_if_done(self, request_id: str) -> None:
+        req = self._requests.get(request_id)
+        if req is not None and all(s.status is SequenceStatus.FINISHED for s in req.seqs):
+            del self._requests[request_id]
 
     # -------------------------------------------------------------- helpers
     def generate(
@@ -271,7 +311,7 @@ class LLMEngine:
         for req in self._requests.values():
             for seq in req.seqs:
                 if seq.status is not SequenceStatus.FINISHED:
-                    for b in seq.block_table:
+                    for b in seq.block_table + seq.pinned_block_ids:
                         expected[b] += 1
         for b, n in enumerate(expected):
             assert self.pool.ref_count(b) == n, f"block {b}: ref count {self.pool.ref_count(b)}, sequences hold {n}"

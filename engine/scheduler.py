@@ -136,6 +136,7 @@ class Scheduler:
             if chunk == 0:
                 break
             self.waiting.pop(0)
+            self._drop_pins(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self.running.sort(key=lambda s: s.arrival)
@@ -200,6 +201,11 @@ class Scheduler:
                 self.pool.register_key(seq.block_table[i], keys[i])
             seq.num_keyed_blocks = full
 
+    def _drop_pins(self, seq: Sequence) -> None:
+        if seq.pinned_block_ids:
+            self.pool.release(seq.pinned_block_ids)
+            seq.pinned_block_ids = []
+
     def free_blocks(self, seq: Sequence) -> None:
         if seq.block_table:
             self.pool.release(seq.block_table)
@@ -212,5 +218,6 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.free_blocks(seq)
+        self._drop_pins(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

@@ -44,6 +44,7 @@ class Sequence:
     num_cached_prompt_tokens: int = 0  # prompt tokens reused from the prefix cache at admission
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
+    pinned_block_ids: list[int] = field(default_factory=list)  # refs handed over by the caller, see add_request
     forked: bool = False  # n > 1: the other samples have been split off this one
 
     @property

@@ -182,3 +182,44 @@ def test_bad_prompts_are_refused_with_named_problem(tiny_model_dir):
         SamplingParams(temperature=-1)
     assert not eng.has_unfinished()
     eng.check_integrity()
+
+
+def test_continue_from_first_token_and_pulled_blocks(tiny_model_dir):
+    """The decode-service path: KV of the full prompt blocks arrives from elsewhere, plus the first token."""
+    loaded = load_model(tiny_model_dir)
+    prompt = prompts_for(258, (45,), seed=6)[0]  # 2 full blocks + 13-token tail
+    params = SamplingParams(max_tokens=10, temperature=0.7, seed=5)
+    src = LLMEngine(loaded, EngineConfig(num_blocks=16))
+    [[full]] = src.generate([prompt], params)
+    keys = _keys(src, prompt)
+    src_ids = [src.pool.block_id_of(k) for k in keys]
+
+    dst = LLMEngine(loaded, EngineConfig(num_blocks=16))
+    filler = dst.pool.allocate(3)  # make the destination ids differ from the source ids
+    got = dst.pool.allocate(2)
+    for s_id, d_id, k in zip(src_ids, got, keys):
+        dst.kv_pool[d_id].copy_(src.kv_pool[s_id])
+        assert dst.pool.register_key(d_id, k)
+    dst.add_request("c", prompt, params, first_token_ids=[full[0]], pinned_block_ids=got)
+    assert [dst.pool.ref_count(b) for b in got] == [1, 1]
+    rest: list[int] = []
+    while dst.has_unfinished():
+        for out in dst.step():
+            rest.extend(out.new_token_ids)
+    assert [full[0]] + rest == full
+    assert dst.stats.computed_prefill_tokens == 13 + 1  # the tail and the first token, nothing pulled
+    assert [dst.pool.ref_count(b) for b in got] == [0, 0]
+    dst.pool.release(filler)
+    dst.check_integrity()
+
+
+def test_first_token_that_finishes_is_reported_without_compute(tiny_model_dir):
+    eng = LLMEngine(load_model(tiny_model_dir), EngineConfig(num_blocks=8))
+    eos = sorted(eng.eos_token_ids)[0]
+    eng.add_request("e", [5, 6, 7], SamplingParams(max_tokens=4, n=2), first_token_ids=[eos, 9])
+    outs = []
+    while eng.has_unfinished():
+        outs.extend(eng.step())
+    assert [(o.index, o.finished, o.finish_reason) for o in outs if o.index == 0] == [(0, True, "stop")]
+    assert sum(len(o.new_token_ids) for o in outs if o.index == 1) == 3
+    eng.check_integrity()
