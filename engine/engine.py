@@ -206,6 +206,10 @@ class LLMEngine:
                 outs.append(StepOutput(request_id, seq.index, [], True, "abort"))
         return outs
 
+    def is_active(self, request_id: str) -> bool:
+        """True while any sample of the request is waiting or running."""
+        return request_id in self._requests
+
     def has_unfinished(self) -> bool:
         return bool(self._requests) or bool(self._pending_outputs)
 

@@ -1,0 +1,225 @@
+"""`EngineWorker`: one `LLMEngine` on its own thread, driven from asyncio.
+
+The engine and its `BlockPool` are touched only by the worker thread. Callers on the event loop
+submit requests and read their outputs from an async iterator, or run a function on the worker
+thread between two steps with `call` (pool operations of the transfer layer go through there).
+
+    worker = EngineWorker(engine); worker.start()
+    stream = worker.submit("r1", prompt_ids, params)
+    async for out in stream: ...
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from engine.engine import LLMEngine, RequestError, StepOutput
+from model.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+FinishHook = Callable[[LLMEngine, str], None]
+
+
+class EngineFailure(RuntimeError):
+    """The engine raised while stepping; every in-flight request ends with this error."""
+
+
+@dataclass(eq=False)
+class RequestStream:
+    """Outputs of one request; iterate with ``async for``. Ends when every sample has finished.
+
+    Raises (while iterating):
+        RequestError: the engine refused the request.
+        EngineFailure: the engine failed mid-step.
+    """
+
+    request_id: str
+    num_samples: int
+    _queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    _remaining: int = 0
+
+    def __post_init__(self) -> None:
+        self._remaining = self.num_samples
+
+    def __aiter__(self) -> AsyncIterator[StepOutput]:
+        return self._iter()
+
+    async def _iter(self) -> AsyncIterator[StepOutput]:
+        while self._remaining > 0:
+            item = await self._queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item.finished:
+                self._remaining -= 1
+            yield item
+
+
+@dataclass(frozen=True, slots=True)
+class _Submit:
+    stream: RequestStream
+    prompt: list[int]
+    params: SamplingParams
+    salt: bytes
+    first_token_ids: list[int] | None
+    pinned_block_ids: list[int]
+    on_finish: FinishHook | None
+
+
+class EngineWorker:
+    """Runs ``engine`` on a daemon thread. ``after_step(engine)`` runs on that thread after each step."""
+
+    def __init__(self, engine: LLMEngine, *, after_step: Callable[[LLMEngine], None] | None = None) -> None:
+        self.engine = engine
+        self._after_step = after_step
+        self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}  # touched on the worker thread only
+        self._finish_hooks: dict[str, FinishHook] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self.num_running = 0  # written by the worker thread, read anywhere (a snapshot for load reports)
+        self.num_waiting = 0
+        self.num_free_blocks = engine.pool.num_free_blocks
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        """Start the thread; must be called from the event loop that will consume outputs."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="engine-worker", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        self._commands.put(None)
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 10.0)
+
+    # ------------------------------------------------------------------ API
+    def submit(
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        *,
+        salt: bytes = b"",
+        first_token_ids: Sequence[int] | None = None,
+        pinned_block_ids: Sequence[int] = (),
+        on_finish: FinishHook | None = None,
+    ) -> RequestStream:
+        """Queue a request (see `LLMEngine.add_request`). ``on_finish(engine, request_id)`` runs on the
+        worker thread right after the step that finishes the request, before any other step."""
+        stream = RequestStream(request_id, params.n)
+        cmd = _Submit(stream, list(prompt), params, salt, None if first_token_ids is None else list(first_token_ids),
+                      list(pinned_block_ids), on_finish)
+        self._commands.put(lambda: self._do_submit(cmd))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """End a request now (client gone); its blocks go back to the pool. Unknown ids are ignored."""
+        self._commands.put(lambda: self._do_abort(request_id))
+
+    async def call(self, fn: Callable[[LLMEngine], T], *, timeout_s: float = 30.0) -> T:
+        """Run ``fn(engine)`` on the worker thread between steps and return its result (or raise its error)."""
+        assert self._loop is not None, "EngineWorker.start() was not called"
+        fut: asyncio.Future[T] = self._loop.create_future()
+
+        def run() -> None:
+            try:
+                result: Any = fn(self.engine)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                self._loop.call_soon_threadsafe(_set_exception, fut, exc)
+            else:
+                self._loop.call_soon_threadsafe(_set_result, fut, result)
+
+        self._commands.put(run)
+        return await asyncio.wait_for(fut, timeout_s)
+
+    # --------------------------------------------------------- worker thread
+    def _emit(self, stream: RequestStream, item: StepOutput | BaseException) -> None:
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(stream._queue.put_nowait, item)
+
+    def _do_submit(self, cmd: _Submit) -> None:
+        rid = cmd.stream.request_id
+        try:
+            self.engine.add_request(rid, cmd.prompt, cmd.params, salt=cmd.salt,
+                                    first_token_ids=cmd.first_token_ids, pinned_block_ids=cmd.pinned_block_ids)
+        except RequestError as exc:
+            if cmd.pinned_block_ids:
+                self.engine.pool.release(cmd.pinned_block_ids)
+            self._emit(cmd.stream, exc)
+            return
+        self._streams[rid] = cmd.stream
+        if cmd.on_finish is not None:
+            self._finish_hooks[rid] = cmd.on_finish
+
+    def _do_abort(self, request_id: str) -> None:
+        for out in self.engine.abort_request(request_id):
+            self._deliver(out)
+
+    def _deliver(self, out: StepOutput) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is None:
+            return
+        self._emit(stream, out)
+        if out.finished and not self.engine.is_active(out.request_id):
+            del self._streams[out.request_id]
+            hook = self._finish_hooks.pop(out.request_id, None)
+            if hook is not None:
+                hook(self.engine, out.request_id)
+
+    def _drain(self, *, wait: bool) -> list[Callable[[], None] | None]:
+        """Every queued command; waits up to 0.5 s for the first one when ``wait``."""
+        cmds: list[Callable[[], None] | None] = []
+        try:
+            cmds.append(self._commands.get(timeout=0.5) if wait else self._commands.get_nowait())
+            while True:
+                cmds.append(self._commands.get_nowait())
+        except queue.Empty:
+            return cmds
+
+    def _run(self) -> None:
+        while True:
+            for cmd in self._drain(wait=not self.engine.has_unfinished()):
+                if cmd is None:
+                    return
+                cmd()
+            if self.engine.has_unfinished():
+                try:
+                    outputs = self.engine.step()
+                except Exception as exc:  # noqa: BLE001 - a failed step must not take the server down
+                    log.exception("engine step failed; failing %d in-flight requests", len(self._streams))
+                    self._fail_all(EngineFailure(f"engine step failed: {exc}"))
+                    outputs = []
+                for out in outputs:
+                    self._deliver(out)
+                if self._after_step is not None:
+                    self._after_step(self.engine)
+            self._snapshot()
+
+    def _fail_all(self, exc: EngineFailure) -> None:
+        for rid, stream in list(self._streams.items()):
+            self.engine.abort_request(rid)
+            self._emit(stream, exc)
+        self._streams.clear()
+        self._finish_hooks.clear()
+
+    def _snapshot(self) -> None:
+        self.num_running = len(self.engine.scheduler.running)
+        self.num_waiting = len(self.engine.scheduler.waiting)
+        self.num_free_blocks = self.engine.pool.num_free_blocks
+
+
+def _set_result(fut: asyncio.Future, value: object) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)

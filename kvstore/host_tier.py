@@ -1,0 +1,148 @@
+"""`HostTier`: the ``host`` tier — device's victim cache in pinned CPU memory.
+
+One pool tensor ``[num_blocks, L, 2, H, B, D]`` (same layout as the device pool, so block ``s`` is one
+contiguous byte range NIXL can register), pinned when CUDA is available and plain otherwise, plus a
+key → slot map kept in LRU order::
+
+    _key_to_slot (OrderedDict):  LRU ─▶ key_a:3, key_b:0, key_c:5 ◀─ MRU
+    _free_slots  (deque):        1, 2, 4, ...
+
+``put`` into a full tier evicts the LRU key; ``on_evict(slot, key)`` runs first, while the slot still
+holds the evicted block, so the owner can demote it to ``disk``.
+
+Copies use ``non_blocking`` when the pool is pinned: on CUDA they are asynchronous on the current
+stream and the caller orders CPU reads of a slot after them (`TieredStore` does, through
+`BlockMover`). Not thread-safe: one thread (the engine's) calls it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+
+import torch
+
+from kvstore.block_key import BlockKey
+from kvstore.block_spec import BlockSpec
+from kvstore.tier import TierStats
+
+HostEvictHook = Callable[[int, BlockKey], None]
+
+
+class HostTier:
+    """``num_blocks`` slots of host memory with an LRU key index.
+
+    Args:
+        spec: block layout; every block put or read has ``spec.block_shape`` and ``spec.torch_dtype``.
+        num_blocks: slots (> 0).
+        on_evict: ``on_evict(slot, key)`` before the LRU key loses its slot to a `put`.
+
+    Raises:
+        ValueError: ``num_blocks`` is not positive.
+    """
+
+    name = "host"
+
+    def __init__(self, spec: BlockSpec, num_blocks: int, *, on_evict: HostEvictHook | None = None) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"host tier needs a positive number of blocks, got {num_blocks}")
+        self.spec = spec
+        self.num_blocks = num_blocks
+        pool = spec.new_pool(num_blocks)
+        self.pinned = torch.cuda.is_available()  # pin_memory() raises without an accelerator
+        self.pool = pool.pin_memory() if self.pinned else pool
+        self._on_evict = on_evict
+        # Owned by HostTier alone.
+        self._key_to_slot: OrderedDict[BlockKey, int] = OrderedDict()  # first = least recently used
+        self._free_slots: deque[int] = deque(range(num_blocks))
+
+    # ----------------------------------------------------------------- queries
+    def block(self, slot: int) -> torch.Tensor:
+        """The pool's view of one slot, ``spec.block_shape``."""
+        return self.pool[slot]
+
+    def slot_of(self, key: BlockKey) -> int | None:
+        return self._key_to_slot.get(key)
+
+    def contains(self, key: BlockKey) -> bool:
+        return key in self._key_to_slot
+
+    def match_prefix(self, keys: Sequence[BlockKey]) -> int:
+        n = 0
+        for key in keys:
+            if key not in self._key_to_slot:
+                break
+            n += 1
+        return n
+
+    def keys_lru_first(self) -> list[BlockKey]:
+        """Held keys, least recently used first (the eviction order)."""
+        return list(self._key_to_slot)
+
+    def stats(self) -> TierStats:
+        return TierStats(self.name, len(self._key_to_slot), self.num_blocks, self.spec.block_bytes)
+
+    # --------------------------------------------------------------- mutations
+    def put(self, key: BlockKey, src: torch.Tensor) -> bool:
+        """Copy ``src`` into a slot under ``key`` (evicting the LRU key when full). Always True.
+
+        A key already held only moves to most recently used; nothing is copied.
+
+        Raises:
+            ValueError: ``src`` has the wrong shape or dtype.
+        """
+        if self.touch(key):
+            return True
+        if tuple(src.shape) != self.spec.block_shape or src.dtype != self.spec.torch_dtype:
+            raise ValueError(
+                f"host tier block must be {self.spec.block_shape} {self.spec.torch_dtype}, "
+                f"got {tuple(src.shape)} {src.dtype}"
+            )
+        if self._free_slots:
+            slot = self._free_slots.popleft()
+        else:
+            victim, slot = self._key_to_slot.popitem(last=False)
+            if self._on_evict is not None:
+                self._on_evict(slot, victim)
+        self.pool[slot].copy_(src, non_blocking=self.pinned)
+        self._key_to_slot[key] = slot
+        return True
+
+    def get_into(self, key: BlockKey, dst: torch.Tensor) -> bool:
+        """Copy the block under ``key`` into ``dst`` and mark it most recently used; False on a miss."""
+        slot = self._key_to_slot.get(key)
+        if slot is None:
+            return False
+        dst.copy_(self.pool[slot], non_blocking=self.pinned)
+        self._key_to_slot.move_to_end(key)
+        return True
+
+    def touch(self, key: BlockKey) -> bool:
+        if key not in self._key_to_slot:
+            return False
+        self._key_to_slot.move_to_end(key)
+        return True
+
+    def discard(self, key: BlockKey) -> bool:
+        slot = self._key_to_slot.pop(key, None)
+        if slot is None:
+            return False
+        self._free_slots.append(slot)
+        return True
+
+    # --------------------------------------------------------------- integrity
+    def check_integrity(self) -> None:
+        """Assert every slot is either free or held by exactly one key.
+
+        Raises:
+            AssertionError: naming the first inconsistency found.
+        """
+        held = list(self._key_to_slot.values())
+        free = list(self._free_slots)
+        assert len(set(held)) == len(held), "a host slot is held by two keys"
+        assert len(set(free)) == len(free), "a host slot is listed twice in the free list"
+        assert not set(held) & set(free), f"host slots both held and free: {sorted(set(held) & set(free))}"
+        assert len(held) + len(free) == self.num_blocks, (
+            f"host: held {len(held)} + free {len(free)} != total {self.num_blocks}"
+        )
+        assert all(0 <= s < self.num_blocks for s in held + free), "host slot out of range"

@@ -1,0 +1,80 @@
+"""Prometheus metrics of one `TieredStore`.
+
+Metric objects are created per store in the `CollectorRegistry` the caller passes (a new one by
+default), never in the process-wide default registry, so several stores (and tests) in one process do
+not collide. ``deploy/`` exposes the registry on ``/metrics``.
+
+=============================================  ============  ===========================================
+name                                           labels        meaning
+=============================================  ============  ===========================================
+``kvrelay_kv_blocks``                          tier, state   blocks now per tier and state (gauge)
+``kvrelay_prefix_cache_queries_total``                       blocks looked up by `match_prefix`
+``kvrelay_prefix_cache_hits_total``            tier          blocks of the matched run, by tier
+``kvrelay_tier_moves_total``                   src, dst      blocks copied between tiers
+``kvrelay_tier_evictions_total``               tier          blocks dropped from a tier for good
+``kvrelay_store_corrupt_total``                              disk values or environments found corrupt
+``kvrelay_store_dropped_writes_total``                       disk writes dropped (queue full, no room)
+``kvrelay_prompts_total``                                    prompts reported by `record_prompt`
+``kvrelay_prefix_shorter_than_block_total``                  prompts whose shareable prefix < one block
+=============================================  ============  ===========================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+
+@dataclass(frozen=True, slots=True)
+class StoreMetrics:
+    """The metric objects of one store; create with `StoreMetrics.create`."""
+
+    registry: CollectorRegistry
+    kv_blocks: Gauge
+    prefix_queries: Counter
+    prefix_hits: Counter
+    tier_moves: Counter
+    tier_evictions: Counter
+    store_corrupt: Counter
+    dropped_writes: Counter
+    prompts: Counter
+    prefix_shorter_than_block: Counter
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry | None = None) -> StoreMetrics:
+        """Register every store metric in ``registry`` (a fresh registry when None).
+
+        Raises:
+            ValueError: ``registry`` already holds these names (one store per registry).
+        """
+        reg = registry if registry is not None else CollectorRegistry()
+        return cls(
+            registry=reg,
+            kv_blocks=Gauge("kvrelay_kv_blocks", "KV blocks per tier and state", ["tier", "state"], registry=reg),
+            prefix_queries=Counter(
+                "kvrelay_prefix_cache_queries_total", "Blocks looked up in the prefix cache", registry=reg
+            ),
+            prefix_hits=Counter(
+                "kvrelay_prefix_cache_hits_total", "Blocks found in the prefix cache, by tier", ["tier"],
+                registry=reg,
+            ),
+            tier_moves=Counter(
+                "kvrelay_tier_moves_total", "Blocks copied between tiers", ["src", "dst"], registry=reg
+            ),
+            tier_evictions=Counter(
+                "kvrelay_tier_evictions_total", "Blocks dropped from a tier for good", ["tier"], registry=reg
+            ),
+            store_corrupt=Counter(
+                "kvrelay_store_corrupt_total", "Disk values or environments found corrupt", registry=reg
+            ),
+            dropped_writes=Counter(
+                "kvrelay_store_dropped_writes_total", "Disk writes dropped (queue full or no room)", registry=reg
+            ),
+            prompts=Counter("kvrelay_prompts_total", "Prompts reported to the store", registry=reg),
+            prefix_shorter_than_block=Counter(
+                "kvrelay_prefix_shorter_than_block_total",
+                "Prompts whose shareable prefix is shorter than one block (they cannot hit the cache)",
+                registry=reg,
+            ),
+        )

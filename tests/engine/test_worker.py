@@ -1,0 +1,44 @@
+"""EngineWorker: async streams, aborts, calls on the worker thread, refused requests."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine.engine import EngineConfig, LLMEngine, RequestError
+from engine.worker import EngineWorker
+from model.loader import load_model
+from model.sampling import SamplingParams
+
+
+async def _collect(stream) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    async for item in stream:
+        out.setdefault(item.index, []).extend(item.new_token_ids)
+    return out
+
+
+def test_concurrent_streams_match_offline_and_abort_frees_blocks(tiny_model_dir):
+    loaded = load_model(tiny_model_dir)
+    prompts = [[5, 6, 7, 8] * 5, [9, 10, 11], [12] * 40]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    offline = LLMEngine(loaded, EngineConfig(num_blocks=64)).generate(prompts, params)
+
+    async def main() -> None:
+        worker = EngineWorker(LLMEngine(loaded, EngineConfig(num_blocks=64)))
+        worker.start()
+        streams = [worker.submit(f"r{i}", p, params) for i, p in enumerate(prompts)]
+        long = worker.submit("long", [3] * 10, SamplingParams(max_tokens=500, ignore_eos=True))
+        results = await asyncio.gather(*(_collect(s) for s in streams))
+        assert [r[0] for r in results] == [o[0] for o in offline]
+        worker.abort("long")
+        got = await _collect(long)
+        assert len(got[0]) < 500
+        with pytest.raises(RequestError, match="prompt is empty"):
+            await _collect(worker.submit("bad", [], params))
+        in_use = await worker.call(lambda e: (e.check_integrity(), e.pool.stats().num_in_use)[1])
+        assert in_use == 0
+        await worker.stop()
+
+    asyncio.run(main())
