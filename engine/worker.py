@@ -112,7 +112,8 @@ class EngineWorker:
         on_finish: FinishHook | None = None,
     ) -> RequestStream:
         """Queue a request (see `LLMEngine.add_request`). ``on_finish(engine, request_id)`` runs on the
-        worker thread right after the step that finishes the request, before any other step."""
+        worker thread right after the step that finishes the request, before any other step and
+        before the stream yields its last output."""
         stream = RequestStream(request_id, params.n)
         cmd = _Submit(stream, list(prompt), params, salt, None if first_token_ids is None else list(first_token_ids),
                       list(pinned_block_ids), on_finish)
@@ -166,12 +167,17 @@ class EngineWorker:
         stream = self._streams.get(out.request_id)
         if stream is None:
             return
-        self._emit(stream, out)
         if out.finished and not self.engine.is_active(out.request_id):
             del self._streams[out.request_id]
             hook = self._finish_hooks.pop(out.request_id, None)
-            if hook is not None:
-                hook(self.engine, out.request_id)
+            if hook is not None:  # before the last output, so the caller sees the hook's effect
+                try:
+                    hook(self.engine, out.request_id)
+                except Exception as exc:  # noqa: BLE001 - reported to that request alone
+                    log.exception("finish hook of %s failed", out.request_id)
+                    self._emit(stream, EngineFailure(f"finishing the request failed: {exc}"))
+                    return
+        self._emit(stream, out)
 
     def _drain(self, *, wait: bool) -> list[Callable[[], None] | None]:
         """Every queued command; waits up to 0.5 s for the first one when ``wait``."""

@@ -162,6 +162,7 @@ def paged_decode_attention(
         block_tables: ``[N, max_blocks]`` int32/int64 (int64 is converted); entries past a
             sequence's length are never read.
         seq_lens: ``[N]`` int32/int64, tokens to attend over (>= 1); a 0 gives a zero output row.
+            Each must be <= ``max_blocks * B``; that is not checked (it would need a device sync).
         scale: softmax scale, usually ``D ** -0.5``.
 
     Returns:

@@ -18,10 +18,19 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvstore.block_key import BlockKey
 
 EvictHook = Callable[[int, BlockKey], None]
+
+
+class PoolListener(Protocol):
+    """Told about keys entering and leaving the pool (KV events); called on the pool owner's thread."""
+
+    def block_stored(self, block_id: int, key: BlockKey) -> None: ...
+
+    def block_removed(self, block_id: int, key: BlockKey) -> None: ...
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -61,6 +70,11 @@ class BlockPool:
         self._cached: OrderedDict[int, None] = OrderedDict()  # first = least recently used
         self._block_id_to_key: dict[int, BlockKey] = {}
         self._key_to_block_id: dict[BlockKey, int] = {}
+        self._listeners: list[PoolListener] = []
+
+    def add_listener(self, listener: PoolListener) -> None:
+        """Report every key registered (`register_key`) and dropped (eviction) from now on."""
+        self._listeners.append(listener)
 
     # ----------------------------------------------------------------- queries
     @property
@@ -176,6 +190,8 @@ class BlockPool:
             return False
         self._key_to_block_id[key] = block_id
         self._block_id_to_key[block_id] = key
+        for listener in self._listeners:
+            listener.block_stored(block_id, key)
         return True
 
     def evict_cached(self, block_ids: Sequence[int]) -> None:
@@ -196,6 +212,8 @@ class BlockPool:
         del self._key_to_block_id[key]
         if self._on_evict is not None:
             self._on_evict(block_id, key)
+        for listener in self._listeners:
+            listener.block_removed(block_id, key)
 
     # --------------------------------------------------------------- integrity
     def check_integrity(self) -> None:

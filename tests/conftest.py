@@ -8,8 +8,14 @@ from pathlib import Path
 
 import pytest
 
+import torch
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Triton reads this when it is first imported (anything may import it: transformers, torch), so it is set
+# here, before any test module loads. With CUDA present the kernels compile for the GPU instead.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests.hf_models import build_hf_model
 

@@ -1,32 +1,31 @@
 """Run the Triton kernels under the interpreter on machines without CUDA.
 
-`triton.jit` decides at decoration time (when `kernels.triton_attention` is imported) whether a kernel
-is compiled or interpreted, reading ``TRITON_INTERPRET`` then; importing `triton` itself earlier is
-harmless. So this conftest, which pytest imports before the test modules of this folder, sets
-``TRITON_INTERPRET=1`` when there is no CUDA device, and re-imports `kernels.triton_attention` if a
-module collected earlier already imported it compiled.
+``TRITON_INTERPRET`` is read when Triton's own ``@triton.jit`` helpers (``tl.max``, ``tl.sum``, ...)
+are decorated, i.e. when `triton` is first imported, so it must be set before that. Pytest imports
+``tests/conftest.py`` before any test module, and it sets the variable for the whole run; this
+conftest checks again so that running this folder on its own, or a future import order, cannot let
+the kernels fail obscurely.
 
-With CUDA present nothing is set: the kernels compile and the CPU-style tests run on the GPU
-(see ``kernel_device``); ``pytest -m gpu`` adds the bf16 and large-shape comparisons.
+With CUDA present nothing is set: the kernels compile and the tests here run on the GPU too
+(see ``kernel_device``); ``pytest -m gpu`` adds bf16 and large-shape comparisons.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    if "triton" in sys.modules:
+        raise RuntimeError(
+            "triton was imported before tests/kernels/conftest.py could set TRITON_INTERPRET=1, so its "
+            "kernels would not run on CPU; run with TRITON_INTERPRET=1 in the environment "
+            "or set it in tests/conftest.py"
+        )
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    _module = sys.modules.get("kernels.triton_attention")
-    if _module is not None:
-        from triton.runtime.interpreter import InterpretedFunction
-
-        if not isinstance(_module._decode_split_kernel, InterpretedFunction):
-            importlib.reload(_module)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,137 @@
+"""The decode service: pulls a request's KV from the prefill node that computed it, joins the
+continuous batch and streams tokens back to the router.
+
+    POST /generate   msgpack request (see `engine.protocol`) → a stream of msgpack frames
+
+A request without a KV handle is prefilled here (aggregated mode, and the recompute fallback).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from engine.engine import RequestError
+from engine.node_app import EngineNode, NodeConfig, NodeMetrics, msgpack_response
+from engine.protocol import ProtocolError, field, int_list, pack, params_from_wire, unpack
+from engine.worker import EngineFailure, EngineWorker
+
+log = logging.getLogger(__name__)
+
+FAILURE_POLICIES = ("recompute", "fail")
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeConfig:
+    """Decode-only settings. ``on_transfer_failure``: ``recompute`` the prompt here, or ``fail`` the request."""
+
+    on_transfer_failure: str = "recompute"
+    transfer_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.on_transfer_failure not in FAILURE_POLICIES:
+            raise ValueError(f"on_transfer_failure must be one of {FAILURE_POLICIES}, got {self.on_transfer_failure!r}")
+
+
+# ``pull(handle, request_id) -> pinned local block ids``; raises on failure. Supplied by transfer/.
+PullFn = Callable[[dict[str, Any], str], Awaitable[list[int]]]
+
+
+class TransferFailed(RuntimeError):
+    """Pulling KV from the prefill node failed; the message says why."""
+
+
+class DecodeService(EngineNode):
+    def __init__(
+        self,
+        node: NodeConfig,
+        config: DecodeConfig,
+        worker: EngineWorker,
+        *,
+        pull: PullFn | None = None,
+        metrics: NodeMetrics | None = None,
+    ) -> None:
+        super().__init__(node, worker, metrics=metrics)
+        self.decode_config = config
+        self._pull = pull
+
+    def make_app(self, *, client_max_size: int = 64 * 1024 * 1024) -> web.Application:
+        app = super().make_app(client_max_size=client_max_size)
+        app.router.add_post("/generate", self.generate)
+        return app
+
+    async def _pinned_blocks(self, handle: Any, request_id: str) -> list[int] | None:
+        """Pull the handle's KV. None: pulled nothing (recompute); raises TransferFailed under ``fail``."""
+        if handle is None:
+            return []
+        if self._pull is None:
+            raise TransferFailed("this decode node has no KV transfer agent")
+        t0 = time.perf_counter()
+        try:
+            pinned = await asyncio.wait_for(self._pull(handle, request_id), self.decode_config.transfer_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - every transfer failure takes the same policy
+            self.metrics.transfer_failures.inc()
+            log.warning("request %s: KV pull failed: %s", request_id, exc)
+            if self.decode_config.on_transfer_failure == "fail":
+                raise TransferFailed(f"KV transfer from the prefill node failed: {exc}") from None
+            return None
+        self.metrics.transfer_seconds.observe(time.perf_counter() - t0)
+        return pinned
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        try:
+            msg = unpack(await request.read())
+            rid = field(msg, "request_id", str)
+            prompt = int_list(msg, "prompt")
+            params = params_from_wire(field(msg, "params", dict))
+            salt = field(msg, "salt", bytes)
+            first = int_list(msg, "first_token_ids", optional=True)
+            handle = field(msg, "handle", dict, optional=True)
+        except ProtocolError as exc:
+            self.metrics.request_done("bad_request")
+            return msgpack_response({"error": str(exc)}, status=400)
+        if self.overloaded():
+            self.metrics.request_done("overloaded")
+            return msgpack_response({"error": "decode node is at capacity; retry later"}, status=429)
+        try:
+            pinned = await self._pinned_blocks(handle, rid)
+        except TransferFailed as exc:
+            self.metrics.request_done("transfer_failed")
+            return msgpack_response({"error": str(exc)}, status=502)
+        stream = self.worker.submit(rid, prompt, params, salt=salt, first_token_ids=first,
+                                    pinned_block_ids=pinned or [])
+        resp = web.StreamResponse(headers={"Content-Type": "application/msgpack"})
+        done = False
+        try:
+            async for out in stream:
+                if not resp.prepared:
+                    await resp.prepare(request)
+                await resp.write(pack({"index": out.index, "tokens": out.new_token_ids, "finished": out.finished,
+                                       "reason": out.finish_reason}))
+            done = True
+        except RequestError as exc:
+            self.metrics.request_done("bad_request")
+            if not resp.prepared:
+                return msgpack_response({"error": str(exc)}, status=400)
+            await resp.write(pack({"error": str(exc), "status": 400}))
+            return resp
+        except EngineFailure as exc:
+            self.metrics.request_done("error")
+            if not resp.prepared:
+                return msgpack_response({"error": str(exc)}, status=500)
+            await resp.write(pack({"error": str(exc), "status": 500}))
+            return resp
+        finally:
+            if not done:
+                self.worker.abort(rid)  # client gone or error: give the blocks back now
+        self.metrics.request_done("ok")
+        if not resp.prepared:
+            await resp.prepare(request)
+        await resp.write_eof()
+        return resp

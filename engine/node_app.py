@@ -1,0 +1,165 @@
+"""`EngineNode`: what every engine-backed service (prefill, decode) serves besides its own API.
+
+    GET /health       liveness and load (no token needed: for probes)
+    GET /metrics      Prometheus text (no token needed)
+    GET /info         model and block layout the router needs to compute block keys (msgpack)
+    GET /kv/events    ?after=SEQ: block stored/removed events, or a snapshot on a gap (msgpack)
+
+Every path but /health and /metrics requires ``X-Kvrelay-Token`` when an internal token is set.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from engine.protocol import pack
+from engine.worker import EngineWorker
+from kvstore.kv_events import KvEventLog
+
+log = logging.getLogger(__name__)
+TOKEN_HEADER = "X-Kvrelay-Token"
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclass(frozen=True, slots=True)
+class NodeConfig:
+    """Identity and limits of one engine node.
+
+    Attributes:
+        role: ``prefill`` or ``decode``.
+        name: unique node name (appears in KV events and logs).
+        max_pending_requests: requests waiting or running beyond which new ones get 429.
+        internal_token: shared secret for internal endpoints; None leaves them open (loopback only).
+    """
+
+    role: str
+    name: str
+    model_name: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    max_pending_requests: int = 256
+    internal_token: str | None = None
+
+
+class NodeMetrics:
+    """Prometheus metrics of one node, in its own registry (no process globals)."""
+
+    def __init__(self, role: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.role = role
+        self.requests = Counter("kvrelay_requests", "Requests by outcome", ["role", "status"], registry=self.registry)
+        self.running = Gauge("kvrelay_running_requests", "Requests in the engine", ["role"], registry=self.registry)
+        self.transfer_bytes = Counter("kvrelay_kv_transfer_bytes", "KV bytes pulled from peers",
+                                      registry=self.registry)
+        self.transfer_seconds = Histogram("kvrelay_kv_transfer_seconds", "Time to pull a request's KV",
+                                          registry=self.registry,
+                                          buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30))
+        self.transfer_failures = Counter("kvrelay_kv_transfer_failures", "KV pulls that failed",
+                                         registry=self.registry)
+        self.prefix_hit_tokens = Counter("kvrelay_engine_prefix_hit_tokens", "Prompt tokens served from cache",
+                                         registry=self.registry)
+        self.computed_tokens = Counter("kvrelay_engine_prefill_tokens", "Prompt tokens computed",
+                                       registry=self.registry)
+
+    def request_done(self, status: str) -> None:
+        self.requests.labels(self.role, status).inc()
+
+
+def token_middleware(token: str | None) -> Callable:
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if token is not None and request.path not in OPEN_PATHS:
+            given = request.headers.get(TOKEN_HEADER, "")
+            if not hmac.compare_digest(given.encode(), token.encode()):
+                return web.json_response({"error": f"missing or wrong {TOKEN_HEADER}"}, status=401)
+        return await handler(request)
+
+    return check
+
+
+class EngineNode:
+    """Common routes and state of an engine node. Subclasses (services) add their API routes."""
+
+    def __init__(self, config: NodeConfig, worker: EngineWorker, *, metrics: NodeMetrics | None = None) -> None:
+        self.config = config
+        self.worker = worker
+        self.engine = worker.engine
+        self.metrics = metrics or NodeMetrics(config.role)
+        self.events = KvEventLog()
+        self.engine.pool.add_listener(self.events)
+        self._hit_tokens_seen = 0
+        self._computed_seen = 0
+
+    def make_app(self, *, client_max_size: int) -> web.Application:
+        app = web.Application(middlewares=[token_middleware(self.config.internal_token)],
+                              client_max_size=client_max_size)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.prometheus)
+        app.router.add_get("/info", self.info)
+        app.router.add_get("/kv/events", self.kv_events)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, app: web.Application) -> None:
+        self.worker.start()
+
+    async def _stop(self, app: web.Application) -> None:
+        await self.worker.stop()
+
+    def overloaded(self) -> bool:
+        return self.worker.num_running + self.worker.num_waiting >= self.config.max_pending_requests
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({
+            "status": "ok", "role": self.config.role, "node": self.config.name,
+            "running": self.worker.num_running, "waiting": self.worker.num_waiting,
+            "free_blocks": self.worker.num_free_blocks, "total_blocks": self.engine.pool.num_blocks,
+        })
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        self.metrics.running.labels(self.config.role).set(self.worker.num_running + self.worker.num_waiting)
+        hit = self.engine.scheduler.num_prefix_hit_tokens
+        computed = self.engine.stats.computed_prefill_tokens
+        self.metrics.prefix_hit_tokens.inc(hit - self._hit_tokens_seen)
+        self.metrics.computed_tokens.inc(computed - self._computed_seen)
+        self._hit_tokens_seen, self._computed_seen = hit, computed
+        return web.Response(body=generate_latest(self.metrics.registry),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def info(self, request: web.Request) -> web.Response:
+        spec = self.engine.spec
+        return _msgpack({
+            "role": self.config.role, "node": self.config.name, "model": self.config.model_name,
+            "vocab_size": self.engine.model_config.vocab_size, "max_model_len": self.engine.max_model_len,
+            "block_size_tokens": spec.block_size_tokens, "spec_fingerprint": spec.fingerprint,
+            "eos_token_ids": sorted(self.engine.eos_token_ids),
+        })
+
+    async def kv_events(self, request: web.Request) -> web.Response:
+        try:
+            after = int(request.query.get("after", "0"))
+        except ValueError:
+            return web.json_response({"error": "after must be an integer"}, status=400)
+        batch = self.events.since(after)
+        return _msgpack({
+            "node": self.config.name, "last_seq": batch.last_seq,
+            "events": None if batch.events is None else [[e.seq, e.kind, e.key] for e in batch.events],
+            "snapshot": batch.snapshot,
+            "load": {"running": self.worker.num_running, "waiting": self.worker.num_waiting},
+        })
+
+
+def _msgpack(obj: object, status: int = 200) -> web.Response:
+    return web.Response(body=pack(obj), status=status, content_type="application/msgpack")
+
+
+def msgpack_response(obj: object, status: int = 200) -> web.Response:
+    return _msgpack(obj, status)

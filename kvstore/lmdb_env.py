@@ -1,0 +1,143 @@
+"""Opening the ``disk`` tier's LMDB environment: ownership, stale readers, corruption, sub-databases.
+
+Layout on disk (``path`` is ``kvstore.disk.path``)::
+
+    path/             mode 0700
+      data.mdb        blocks, access order, metadata (three named sub-databases)
+      lock.mdb        LMDB reader table
+    path.owner.lock   flock held by the one process that owns the tier (it has the pid in it)
+    path.corrupt-…    environments moved aside because they failed to open or reported corruption
+
+Sub-databases: ``blocks`` (key → record, see `block_record`), ``atime`` (key → u64 BE access
+sequence, written in the writer's batches; the LRU order survives restarts approximately) and
+``meta`` (format, block size, lifetime counters as u64 BE).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import lmdb
+
+log = logging.getLogger(__name__)
+
+FORMAT_TAG = b"kvrelay.lmdb.v1"
+CORRUPTION_ERRORS: tuple[type[BaseException], ...] = tuple(
+    getattr(lmdb, name)
+    for name in ("CorruptedError", "PageNotFoundError", "InvalidError", "VersionMismatchError", "PanicError",
+                 "IncompatibleError", "BadChecksumError")
+    if hasattr(lmdb, name)
+)
+
+
+class DiskTierInUseError(RuntimeError):
+    """Another process owns the disk tier at this path."""
+
+
+@dataclass(frozen=True, slots=True)
+class OpenedEnv:
+    """An open environment and its sub-databases."""
+
+    env: lmdb.Environment
+    blocks: lmdb._Database
+    atime: lmdb._Database
+    meta: lmdb._Database
+    page_bytes: int
+
+
+class OwnerLock:
+    """An exclusive ``flock`` on ``path.owner.lock``; released by `release` or when the process dies.
+
+    Raises:
+        DiskTierInUseError: another live process holds it.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.lock_path = path.with_name(path.name + ".owner.lock")
+        self.lock_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            other = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise DiskTierInUseError(
+                f"disk tier {path} is in use by another kvrelay process (pid {other}); stop it first, "
+                f"or give this process its own kvstore.disk.path"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd: int | None = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def is_owned(path: Path) -> bool:
+    """Whether a live process owns the disk tier at ``path`` now."""
+    try:
+        OwnerLock(path).release()
+    except DiskTierInUseError:
+        return True
+    return False
+
+
+def move_aside(path: Path, reason: str) -> Path:
+    """Rename ``path`` to ``path.corrupt-<time>-<pid>[-n]`` and log why. Returns the new path."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    target = path.with_name(f"{path.name}.corrupt-{stamp}-{os.getpid()}")
+    n = 0
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}.corrupt-{stamp}-{os.getpid()}-{n}")
+    os.rename(path, target)
+    log.warning("disk tier %s moved aside to %s (%s); starting a fresh one", path, target, reason)
+    return target
+
+
+def open_env(path: Path, *, map_bytes: int, max_readers: int) -> OpenedEnv:
+    """Open (creating if absent) the environment at ``path``, clear stale readers, open sub-databases.
+
+    Raises:
+        one of CORRUPTION_ERRORS: the files are not a readable LMDB environment.
+        lmdb.Error / OSError: anything else (permissions, disk full): not corruption, not handled here.
+    """
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+    env = lmdb.open(
+        str(path), map_size=map_bytes, subdir=True, max_dbs=3, max_readers=max_readers, mode=0o600,
+        readahead=True, lock=True,
+    )
+    try:
+        cleared = env.reader_check()
+        if cleared:
+            log.info("disk tier %s: cleared %d stale LMDB readers", path, cleared)
+        opened = OpenedEnv(
+            env=env, blocks=env.open_db(b"blocks"), atime=env.open_db(b"atime"), meta=env.open_db(b"meta"),
+            page_bytes=env.stat()["psize"],
+        )
+        with env.begin(write=True) as txn:
+            tag = txn.get(b"format", db=opened.meta)
+            if tag is None:
+                txn.put(b"format", FORMAT_TAG, db=opened.meta)
+            elif tag != FORMAT_TAG:
+                raise lmdb.VersionMismatchError(f"{path}: format {tag!r}, expected {FORMAT_TAG!r}")
+    except BaseException:
+        env.close()
+        raise
+    return opened
+
+
+def read_u64(value: bytes | memoryview | None) -> int:
+    return 0 if value is None else int.from_bytes(bytes(value), "big")
+
+
+def u64(n: int) -> bytes:
+    return n.to_bytes(8, "big")

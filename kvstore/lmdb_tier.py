@@ -1,0 +1,494 @@
+"""`LmdbTier`: the ``disk`` tier — one LMDB environment per process, persistent and checksummed.
+
+Who does what::
+
+    caller thread (engine)                         writer thread (one per LmdbTier)
+    ──────────────────────                         ────────────────────────────────
+    put:  copy block → record (one memcpy),        batches up to max_batch_blocks ops per
+          index it (readable at once), pick LRU    transaction: seal (checksum) records, put
+          victims past the high watermark,         blocks and access order, delete victims,
+          queue Put/Delete ─────────────────────▶  add lifetime counters, commit;
+    get_into: zero-copy read txn, check header     MDB_MAP_FULL → evict more, retry once
+          and checksum, copy into dst
+
+* The in-memory index (``_key_to_entry``, LRU order) is the truth for `contains`/`match_prefix`; a
+  queued record is served from memory until committed. The index and counters are shared with the
+  writer thread and guarded by ``_lock``; everything else is the caller thread's.
+* Any header mismatch or checksum failure is a miss, the entry is deleted and
+  ``kvrelay_store_corrupt_total`` counts it: never wrong KV. An I/O error on read is a miss that keeps
+  the entry. LMDB reporting corruption moves the environment aside and starts a fresh one.
+* A full write queue (``max_pending_writes`` records) drops the write rather than block the caller.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import lmdb
+import numpy as np
+import torch
+
+from kvstore.block_key import BlockKey
+from kvstore.block_record import HEADER_BYTES, RecordCodec, disk_bytes_of
+from kvstore.block_spec import BlockSpec
+from kvstore.lmdb_env import CORRUPTION_ERRORS, OwnerLock, move_aside, open_env, read_u64
+from kvstore.lmdb_writer import Delete, Entry, LmdbWriter, Put
+from kvstore.metrics import StoreMetrics
+from kvstore.tier import TierStats
+
+log = logging.getLogger(__name__)
+_RESERVED_PAGES = 64  # meta pages, sub-database roots and branch pages
+
+
+@dataclass(frozen=True, slots=True)
+class LmdbOptions:
+    """Tuning of the disk tier; the defaults suit blocks of tens of KiB to a few MiB.
+
+    ``high_watermark_frac``/``low_watermark_frac`` of the usable map: a put that would pass the high
+    mark evicts LRU blocks down to the low mark. The gap leaves LMDB room for pages freed by recent
+    transactions, which it can reuse only two commits later.
+    """
+
+    high_watermark_frac: float = 0.90
+    low_watermark_frac: float = 0.80
+    max_readers: int = 126
+    max_pending_writes: int = 64
+    max_batch_blocks: int = 16
+    checksum: str = "sectorsum"
+
+
+@dataclass(frozen=True, slots=True)
+class DiskStats:
+    """Occupancy and lifetime counters of the disk tier (counters since this process opened it)."""
+
+    path: str
+    num_blocks: int
+    capacity_blocks: int
+    block_bytes: int
+    used_bytes: int
+    map_bytes: int
+    file_bytes: int
+    num_pending: int
+    num_corrupt: int
+    num_dropped: int
+    num_evicted: int
+    num_map_full: int
+    moved_aside: tuple[str, ...]
+
+    @property
+    def free_bytes(self) -> int:
+        return max(0, self.map_bytes - self.used_bytes)
+
+
+@dataclass(slots=True)
+class _Counts:
+    corrupt: int = 0
+    dropped: int = 0
+    evicted: int = 0
+    map_full: int = 0
+    moved_aside: list[str] = field(default_factory=list)
+
+
+def copy_payload(dst: torch.Tensor, payload: memoryview, staging: torch.Tensor | None) -> None:
+    """Copy ``payload`` bytes into the contiguous tensor ``dst`` (through ``staging`` when on a GPU)."""
+    flat = dst.view(-1).view(torch.uint8)
+    src = np.frombuffer(payload, dtype=np.uint8)
+    if flat.device.type == "cpu":
+        np.copyto(flat.numpy(), src)
+    else:
+        assert staging is not None
+        np.copyto(staging.numpy(), src)
+        flat.copy_(staging)
+
+
+class LmdbTier:
+    """Blocks keyed by `BlockKey` in the LMDB environment at ``path``.
+
+    Args:
+        spec: block layout; the fingerprint is in every record.
+        path: environment directory (created, mode 0700).
+        capacity_bytes: LMDB ``map_size`` (rounded up to whole pages).
+        metrics: where to count corruption, drops and evictions (fresh metrics if None).
+        options: watermarks, queue and batch sizes, checksum.
+
+    Raises:
+        DiskTierInUseError: another process owns ``path``.
+        ValueError: ``capacity_bytes`` cannot hold one block.
+    """
+
+    name = "disk"
+
+    def __init__(
+        self, spec: BlockSpec, path: str | Path, *, capacity_bytes: int, metrics: StoreMetrics | None = None,
+        options: LmdbOptions = LmdbOptions(),
+    ) -> None:
+        self.spec = spec
+        self.path = Path(path)
+        self.options = options
+        self.metrics = metrics if metrics is not None else StoreMetrics.create()
+        self._lock = threading.Lock()
+        self._key_to_entry: OrderedDict[BlockKey, Entry] = OrderedDict()  # first = LRU; under _lock
+        self._used_bytes = 0  # under _lock
+        self._counts = _Counts()  # under _lock
+        self._touched: dict[BlockKey, None] = {}  # read or refreshed since the writer's last batch; under _lock
+        self._counter_deltas: dict[str, int] = {}  # lifetime counters not yet persisted; under _lock
+        self._needs_reset = threading.Event()
+        self._closed = False
+        self._map_bytes = -(-capacity_bytes // 4096) * 4096
+        self._owner = OwnerLock(self.path)
+        try:
+            self._start()
+        except BaseException:
+            self._owner.release()
+            raise
+        if self._high_bytes < self._record_disk_bytes:
+            self.close()
+            raise ValueError(
+                f"disk tier capacity {capacity_bytes} bytes cannot hold one {spec.block_bytes}-byte block; "
+                f"raise kvstore.disk.bytes"
+            )
+
+    def _start(self) -> None:
+        """Open the environment (moving a corrupt one aside), load the index, start the writer."""
+        try:
+            self._opened = open_env(self.path, map_bytes=self._map_bytes, max_readers=self.options.max_readers)
+        except CORRUPTION_ERRORS as exc:
+            self._note_corrupt_env(exc)
+            self._opened = open_env(self.path, map_bytes=self._map_bytes, max_readers=self.options.max_readers)
+        o = self._opened
+        self._codec = RecordCodec(self.spec, o.page_bytes, self.options.checksum)
+        self._record_disk_bytes = disk_bytes_of(self._codec.value_bytes, o.page_bytes)
+        usable = max(0, self._map_bytes - _RESERVED_PAGES * o.page_bytes)
+        self._high_bytes = int(usable * self.options.high_watermark_frac)
+        self._low_bytes = int(usable * self.options.low_watermark_frac)
+        self._staging = (
+            torch.empty(self.spec.block_bytes, dtype=torch.uint8, pin_memory=True)
+            if torch.cuda.is_available() else None
+        )
+        try:
+            self._load_index()
+        except CORRUPTION_ERRORS as exc:
+            o.env.close()
+            self._note_corrupt_env(exc)
+            self._opened = open_env(self.path, map_bytes=self._map_bytes, max_readers=self.options.max_readers)
+            self._load_index()
+        self._writer = LmdbWriter(self._opened, self._codec, tier=self, first_seq=self._first_seq)
+        self._writer.start()
+
+    def _note_corrupt_env(self, exc: BaseException) -> None:
+        moved = str(move_aside(self.path, f"{type(exc).__name__}: {exc}"))
+        self._count("corrupt")
+        with self._lock:
+            self._counts.moved_aside.append(moved)
+
+    def _count(self, name: str, n: int = 1) -> None:
+        """Count ``n`` events in memory, in the metrics and (with the next batch) in ``meta``."""
+        if n <= 0:
+            return
+        with self._lock:
+            setattr(self._counts, name, getattr(self._counts, name) + n)
+            self._counter_deltas[f"disk.{name}"] = self._counter_deltas.get(f"disk.{name}", 0) + n
+        if name == "corrupt":
+            self.metrics.store_corrupt.inc(n)
+        elif name == "dropped":
+            self.metrics.dropped_writes.inc(n)
+        elif name == "evicted":
+            self.metrics.tier_evictions.labels("disk").inc(n)
+
+    def _load_index(self) -> None:
+        o = self._opened
+        with o.env.begin(buffers=True) as txn:
+            key_to_seq = {bytes(k): read_u64(v) for k, v in txn.cursor(db=o.atime).iternext()}
+            sized = [(bytes(k), len(v)) for k, v in txn.cursor(db=o.blocks).iternext()]
+        sized.sort(key=lambda kv: (key_to_seq.get(kv[0], 0), kv[0]))
+        with self._lock:
+            self._key_to_entry.clear()
+            self._used_bytes = 0
+            for key, value_len in sized:
+                entry = Entry(disk_bytes_of(value_len, o.page_bytes))
+                self._key_to_entry[BlockKey(key)] = entry
+                self._used_bytes += entry.disk_bytes
+        self._first_seq = max(key_to_seq.values(), default=0) + 1
+
+    # ----------------------------------------------------------------- queries
+    def contains(self, key: BlockKey) -> bool:
+        return key in self._key_to_entry
+
+    def match_prefix(self, keys: Sequence[BlockKey]) -> int:
+        n = 0
+        for key in keys:
+            if key not in self._key_to_entry:
+                break
+            n += 1
+        return n
+
+    def keys_lru_first(self) -> list[BlockKey]:
+        with self._lock:
+            return list(self._key_to_entry)
+
+    @property
+    def capacity_blocks(self) -> int:
+        return self._high_bytes // self._record_disk_bytes
+
+    def stats(self) -> TierStats:
+        return TierStats(self.name, len(self._key_to_entry), self.capacity_blocks, self.spec.block_bytes)
+
+    def disk_stats(self) -> DiskStats:
+        data = self.path / "data.mdb"
+        with self._lock:
+            num, used = len(self._key_to_entry), self._used_bytes
+            pending = sum(1 for e in self._key_to_entry.values() if e.record is not None)
+            c = _Counts(**{f: getattr(self._counts, f) for f in _Counts.__dataclass_fields__})
+        return DiskStats(
+            str(self.path), num, self.capacity_blocks, self.spec.block_bytes, used, self._map_bytes,
+            data.stat().st_size if data.exists() else 0, pending, c.corrupt, c.dropped, c.evicted, c.map_full,
+            tuple(c.moved_aside),
+        )
+
+    # --------------------------------------------------------------- mutations
+    def put(self, key: BlockKey, src: torch.Tensor) -> bool:
+        """Queue ``src`` (``spec.block_shape``, any device) for writing under ``key``.
+
+        The block is readable at once. Returns False (nothing queued, counted as dropped) when the
+        write queue is full or the block cannot fit; True otherwise (also when the key is already held,
+        which only refreshes it).
+        """
+        self._reset_if_needed()
+        if self.touch(key):
+            return True
+        record = self._codec.new_record(key)
+        flat = torch.frombuffer(record, dtype=torch.uint8, count=self.spec.block_bytes, offset=HEADER_BYTES)
+        flat.copy_(src.reshape(-1).view(torch.uint8))
+        entry = Entry(self._record_disk_bytes, record)
+        victims: list[BlockKey] = []
+        with self._lock:
+            pending = self._writer.num_pending_puts
+            fits = self._make_room(entry.disk_bytes, victims) if pending < self.options.max_pending_writes else False
+            if fits:
+                self._key_to_entry[key] = entry
+                self._used_bytes += entry.disk_bytes
+        self._count("evicted", len(victims))
+        for victim in victims:
+            self._writer.submit(Delete(victim))
+        if not fits:
+            self._count("dropped")
+            return False
+        self._writer.submit(Put(key, entry))
+        return True
+
+    def _make_room(self, need: int, victims: list[BlockKey]) -> bool:
+        """Under ``_lock``: evict LRU entries (into ``victims``) so ``need`` more bytes fit."""
+        if need > self._high_bytes:
+            return False
+        if self._used_bytes + need > self._high_bytes:
+            while self._key_to_entry and self._used_bytes + need > self._low_bytes:
+                key, entry = self._key_to_entry.popitem(last=False)
+                self._used_bytes -= entry.disk_bytes
+                victims.append(key)
+        return True
+
+    def evict_lru_locked(self, need: int, keep: set[BlockKey]) -> list[BlockKey]:
+        """Under ``_lock`` (writer thread, after MDB_MAP_FULL): drop LRU entries not in ``keep`` until
+        ``need`` bytes are freed. Returns their keys."""
+        victims: list[BlockKey] = []
+        freed = 0
+        for key in list(self._key_to_entry):
+            if freed >= need:
+                break
+            if key in keep:
+                continue
+            freed += self._key_to_entry.pop(key).disk_bytes
+            victims.append(key)
+        self._used_bytes -= freed
+        return victims
+
+    def touch(self, key: BlockKey) -> bool:
+        with self._lock:
+            if key not in self._key_to_entry:
+                return False
+            self._key_to_entry.move_to_end(key)
+            self._touched.pop(key, None)
+            self._touched[key] = None
+            return True
+
+    def discard(self, key: BlockKey) -> bool:
+        with self._lock:
+            entry = self._key_to_entry.pop(key, None)
+            if entry is None:
+                return False
+            self._used_bytes -= entry.disk_bytes
+        self._writer.submit(Delete(key))
+        return True
+
+    def get_into(self, key: BlockKey, dst: torch.Tensor) -> bool:
+        """Copy the block under ``key`` into the contiguous tensor ``dst`` (any device).
+
+        True only if the record's header matches this spec and key and its checksum holds. A bad record
+        is deleted and counted (`kvrelay_store_corrupt_total`); an I/O error keeps the entry. Either is
+        a miss (False) and ``dst`` may hold anything.
+        """
+        self._reset_if_needed()
+        with self._lock:
+            entry = self._key_to_entry.get(key)
+            if entry is None:
+                return False
+            self._key_to_entry.move_to_end(key)
+            self._touched.pop(key, None)
+            self._touched[key] = None
+            record = entry.record
+        if record is not None:
+            copy_payload(dst, self._codec.payload_view(record), self._staging)
+            return True
+        try:
+            try:
+                return self._read_committed(key, dst)
+            except lmdb.ReadersFullError:
+                self.clear_stale_readers()
+                return self._read_committed(key, dst)
+        except CORRUPTION_ERRORS as exc:
+            self._on_bad_record(key, f"LMDB reports corruption: {exc}")
+            self._needs_reset.set()
+            return False
+        except (OSError, lmdb.Error) as exc:
+            log.warning("disk tier %s: I/O error reading block %s (%s); treated as a miss, entry kept",
+                        self.path, key.hex()[:16], exc)
+            return False
+
+    def _read_committed(self, key: BlockKey, dst: torch.Tensor) -> bool:
+        o = self._opened
+        with o.env.begin(db=o.blocks, buffers=True) as txn:
+            value = txn.get(key)
+            if value is None:
+                self._forget(key)
+                return False
+            problem = self._codec.problem(key, value)
+            if problem is not None:
+                self._on_bad_record(key, problem)
+                return False
+            copy_payload(dst, self._codec.payload_view(value), self._staging)
+        return True
+
+    def _forget(self, key: BlockKey) -> None:
+        with self._lock:
+            entry = self._key_to_entry.pop(key, None)
+            if entry is not None:
+                self._used_bytes -= entry.disk_bytes
+
+    def _on_bad_record(self, key: BlockKey, problem: str) -> None:
+        log.warning("disk tier %s: block %s is corrupt (%s); deleted", self.path, key.hex()[:16], problem)
+        self._count("corrupt")
+        self.discard(key)
+
+    def add_counters(self, deltas: Mapping[str, int]) -> None:
+        """Add to the lifetime counters persisted in the ``meta`` sub-database (with the next batch)."""
+        with self._lock:
+            for name, d in deltas.items():
+                if d:
+                    self._counter_deltas[name] = self._counter_deltas.get(name, 0) + d
+
+    def take_batch_state_locked(self) -> tuple[dict[BlockKey, None], dict[str, int]]:
+        """Under ``_lock`` (writer thread): the touched keys and counter deltas since the last batch."""
+        touched, deltas = self._touched, self._counter_deltas
+        self._touched, self._counter_deltas = {}, {}
+        return touched, deltas
+
+    def clear_stale_readers(self) -> int:
+        """Free reader slots of dead processes (``mdb_reader_check``). Returns how many."""
+        return self._opened.env.reader_check()
+
+    # ------------------------------------------------------------ housekeeping
+    def flush(self, timeout_s: float = 30.0) -> None:
+        """Wait until every queued write is committed (or dropped).
+
+        Raises:
+            TimeoutError: the writer did not finish within ``timeout_s``.
+        """
+        self._reset_if_needed()
+        self._writer.flush(timeout_s)
+
+    def _reset_if_needed(self) -> None:
+        if not self._needs_reset.is_set():
+            return
+        self._needs_reset.clear()
+        self._writer.stop(timeout_s=30.0)
+        self._opened.env.close()
+        moved = str(move_aside(self.path, "LMDB reported corruption"))
+        with self._lock:
+            self._counts.moved_aside.append(moved)
+        self._start()
+
+    def request_reset(self) -> None:
+        """Called by the writer when LMDB reports corruption: the caller thread resets at its next call."""
+        self._count("corrupt")
+        self._needs_reset.set()
+
+    def close(self) -> None:
+        """Commit queued writes, stop the writer and close the environment. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._writer.stop(timeout_s=60.0)
+        finally:
+            self._opened.env.close()
+            self._owner.release()
+
+    def note_dropped(self, n: int) -> None:
+        """Writer thread: ``n`` queued writes could not be committed."""
+        self._count("dropped", n)
+
+    def note_map_full(self, num_evicted: int) -> None:
+        """Writer thread: MDB_MAP_FULL happened and ``num_evicted`` blocks were evicted for room."""
+        self._count("map_full")
+        self._count("evicted", num_evicted)
+
+    def entry_of_locked(self, key: BlockKey) -> Entry | None:
+        return self._key_to_entry.get(key)
+
+    def forget_entry(self, key: BlockKey, entry: Entry) -> None:
+        """Writer thread: drop ``key`` from the index if ``entry`` is still its entry."""
+        with self._lock:
+            if self._key_to_entry.get(key) is entry:
+                del self._key_to_entry[key]
+                self._used_bytes -= entry.disk_bytes
+
+    @property
+    def lock(self) -> threading.Lock:
+        return self._lock
+
+    # --------------------------------------------------------------- integrity
+    def check_integrity(self) -> None:
+        """Flush, then assert the index matches the ``blocks`` and ``atime`` sub-databases exactly.
+
+        Raises:
+            AssertionError: naming the first inconsistency found.
+        """
+        self.flush()
+        o = self._opened
+        with o.env.begin(buffers=True) as txn:
+            on_disk = {bytes(k): len(v) for k, v in txn.cursor(db=o.blocks).iternext()}
+            timed = {bytes(k) for k in txn.cursor(db=o.atime).iternext(values=False)}
+        with self._lock:
+            index = {bytes(k): e for k, e in self._key_to_entry.items()}
+            used = self._used_bytes
+        assert set(index) == set(on_disk), (
+            f"disk index and LMDB differ: {len(set(index) - set(on_disk))} only indexed, "
+            f"{len(set(on_disk) - set(index))} only stored"
+        )
+        assert timed == set(on_disk), "atime and blocks sub-databases hold different keys"
+        assert all(e.record is None for e in index.values()), "a record is still pending after flush"
+        assert used == sum(e.disk_bytes for e in index.values()), "disk used bytes do not add up"
+        for k, value_len in on_disk.items():
+            assert index[k].disk_bytes == disk_bytes_of(value_len, o.page_bytes), f"size of {k.hex()[:16]}"
+
+    def read_counters(self) -> dict[str, int]:
+        """Lifetime counters from the ``meta`` sub-database (committed ones)."""
+        o = self._opened
+        with o.env.begin(db=o.meta) as txn:
+            return {k.decode()[6:]: read_u64(v) for k, v in txn.cursor().iternext() if k.startswith(b"count.")}
+

@@ -1,0 +1,227 @@
+"""`LmdbWriter`: the one writer thread of an `LmdbTier`, committing queued ops in batched transactions.
+
+::
+
+    submit(Put | Delete | Barrier | Stop) ──▶ queue ──▶ [op, op, … ≤ max_batch_blocks] ──▶ one write txn
+                                                        deletes, then puts (+ access sequence),
+                                                        touched keys' access sequence, counters
+
+Deletes go first in a transaction: for any key, a Put still current in the tier's index is the last
+thing that happened to it (an eviction or discard removes the entry from the index before queueing
+its Delete), so "deletes, then current puts" reproduces the op order. Stale puts are skipped.
+
+On ``MDB_MAP_FULL`` the writer evicts LRU blocks (in their own commit, plus one more commit so LMDB
+may reuse the freed pages) and retries once; if that fails too the batch's puts are dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import lmdb
+
+from kvstore.block_key import BlockKey
+from kvstore.block_record import RecordCodec
+from kvstore.lmdb_env import CORRUPTION_ERRORS, OpenedEnv, read_u64, u64
+
+if TYPE_CHECKING:
+    from kvstore.lmdb_tier import LmdbTier
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Entry:
+    """One indexed block. ``record`` is set while it waits for the writer and None once committed."""
+
+    disk_bytes: int
+    record: bytearray | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Put:
+    key: BlockKey
+    entry: Entry
+
+
+@dataclass(frozen=True, slots=True)
+class Delete:
+    key: BlockKey
+
+
+@dataclass(frozen=True, slots=True)
+class Barrier:
+    """Forces a batch (persisting access order and counters); `flush` waits for it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """Last op: the thread exits after the batch that holds it."""
+
+
+Op = Put | Delete | Barrier | Stop
+
+
+class LmdbWriter:
+    """Applies ops to ``opened`` from one daemon thread.
+
+    Each batch also persists the access order of keys the tier touched and its counter deltas
+    (`LmdbTier.take_batch_state_locked`).
+    """
+
+    def __init__(self, opened: OpenedEnv, codec: RecordCodec, *, tier: LmdbTier, first_seq: int) -> None:
+        self._opened = opened
+        self._codec = codec
+        self._tier = tier
+        self._max_batch = max(1, tier.options.max_batch_blocks)
+        self._queue: queue.SimpleQueue[Op] = queue.SimpleQueue()
+        self._cond = threading.Condition()
+        self._submitted = 0  # under _cond
+        self._completed = 0  # under _cond
+        self.num_pending_puts = 0  # under _cond; read without it as a hint
+        self._next_seq = first_seq
+        self._thread = threading.Thread(target=self._run, name=f"kvrelay-lmdb-writer:{tier.path}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, op: Op) -> None:
+        with self._cond:
+            self._submitted += 1
+            self.num_pending_puts += isinstance(op, Put)
+        self._queue.put(op)
+
+    def flush(self, timeout_s: float) -> None:
+        """Wait until every op submitted so far is applied.
+
+        Raises:
+            TimeoutError: not done within ``timeout_s``.
+        """
+        if not self._thread.is_alive():
+            return
+        self.submit(Barrier())
+        with self._cond:
+            target = self._submitted
+            done = self._cond.wait_for(
+                lambda: self._completed >= target or not self._thread.is_alive(), timeout=timeout_s
+            )
+        if not done:
+            raise TimeoutError(f"disk tier writer did not commit within {timeout_s} s")
+
+    def stop(self, timeout_s: float) -> None:
+        """Apply everything queued, then end the thread. Idempotent.
+
+        Raises:
+            TimeoutError: the thread did not end within ``timeout_s``.
+        """
+        if not self._thread.is_alive():
+            return
+        self.submit(Stop())
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise TimeoutError(f"disk tier writer did not stop within {timeout_s} s")
+
+    # ------------------------------------------------------------------ thread
+    def _run(self) -> None:
+        stop = False
+        while not stop:
+            batch = [self._queue.get()]
+            while len(batch) < self._max_batch:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            stop = any(isinstance(op, Stop) for op in batch)
+            try:
+                self._apply(batch)
+            except Exception:
+                log.exception("disk tier %s: writer batch failed", self._tier.path)
+            with self._cond:
+                self._completed += len(batch)
+                self.num_pending_puts -= sum(isinstance(op, Put) for op in batch)
+                self._cond.notify_all()
+
+    def _apply(self, batch: list[Op]) -> None:
+        tier = self._tier
+        puts: list[Put] = []
+        deletes: list[BlockKey] = []
+        with tier.lock:
+            for op in batch:
+                if isinstance(op, Put) and tier.entry_of_locked(op.key) is op.entry:
+                    puts.append(op)
+                elif isinstance(op, Delete):
+                    deletes.append(op.key)
+            put_keys = {op.key for op in puts}
+            touched_keys, deltas = tier.take_batch_state_locked()
+            touched = [k for k in touched_keys if self._is_stored(k, put_keys)]
+        if not (puts or deletes or touched or deltas):
+            return
+        for op in puts:
+            assert op.entry.record is not None
+            self._codec.seal(op.entry.record)
+        try:
+            try:
+                self._write(puts, deletes, touched, deltas)
+            except lmdb.MapFullError:
+                self._evict_and_retry(puts, deletes, touched, deltas)
+        except CORRUPTION_ERRORS as exc:
+            log.error("disk tier %s: LMDB reports corruption while writing (%s)", tier.path, exc)
+            tier.request_reset()
+            self._drop(puts)
+            return
+        except (lmdb.Error, OSError) as exc:
+            log.error("disk tier %s: write failed (%s); %d blocks not stored", tier.path, exc, len(puts))
+            self._drop(puts)
+            return
+        with tier.lock:
+            for op in puts:
+                op.entry.record = None
+
+    def _is_stored(self, key: BlockKey, put_keys: set[BlockKey]) -> bool:
+        """Under ``tier.lock``: the key is indexed and committed, or put in this batch."""
+        entry = self._tier.entry_of_locked(key)
+        return entry is not None and (entry.record is None or key in put_keys)
+
+    def _evict_and_retry(
+        self, puts: list[Put], deletes: list[BlockKey], touched: list[BlockKey], deltas: dict[str, int]
+    ) -> None:
+        tier = self._tier
+        need = 2 * sum(op.entry.disk_bytes for op in puts) + 16 * self._opened.page_bytes
+        with tier.lock:
+            victims = tier.evict_lru_locked(need, keep={op.key for op in puts})
+        tier.note_map_full(len(victims))
+        log.warning("disk tier %s: LMDB map full; evicted %d blocks and retrying", tier.path, len(victims))
+        self._write([], deletes + victims, [], {})
+        self._write([], [], [], {"ticks": 1})  # one more commit: LMDB reuses freed pages only after it
+        self._write(puts, [], touched, deltas)
+
+    def _drop(self, puts: list[Put]) -> None:
+        tier = self._tier
+        for op in puts:
+            tier.forget_entry(op.key, op.entry)
+        tier.note_dropped(len(puts))
+
+    def _write(
+        self, puts: list[Put], deletes: list[BlockKey], touched: list[BlockKey], deltas: dict[str, int]
+    ) -> None:
+        o = self._opened
+        seq = self._next_seq
+        with o.env.begin(write=True) as txn:
+            for key in deletes:
+                txn.delete(key, db=o.blocks)
+                txn.delete(key, db=o.atime)
+            for op in puts:
+                txn.put(op.key, op.entry.record, db=o.blocks)
+                txn.put(op.key, u64(seq), db=o.atime)
+                seq += 1
+            for key in touched:
+                txn.put(key, u64(seq), db=o.atime)
+                seq += 1
+            for name, d in deltas.items():
+                k = b"count." + name.encode()
+                txn.put(k, u64(read_u64(txn.get(k, db=o.meta)) + d), db=o.meta)
+        self._next_seq = seq

@@ -1,0 +1,354 @@
+"""The router: the client-facing OpenAI-compatible API.
+
+    POST /v1/completions, /v1/chat/completions   (stream: SSE ending with ``data: [DONE]``)
+    GET  /v1/models, /health, /metrics
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from model.tokenizer import load_tokenizer
+from router.backends import Backends, NodeUnavailable
+from router.dispatch import ClusterInfo, Dispatcher, SampleDelta
+from router.nodes import Node, NodeSet
+from router.openai_api import (
+    ApiError,
+    GenerationRequest,
+    ServedModel,
+    full_response,
+    parse_chat,
+    parse_completion,
+    stream_chunk,
+    usage_chunk,
+)
+from router.text_output import SampleText
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    """Router settings. ``api_keys`` empty: no authentication and one shared cache salt."""
+
+    model_name: str
+    model_dir: str
+    prefill_urls: tuple[str, ...] = ()
+    decode_urls: tuple[str, ...] = ()
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: tuple[str, ...] = ()
+    max_body_bytes: int = 1024 * 1024
+    request_timeout_s: float = 300.0
+    max_n: int = 4
+    internal_token: str | None = None
+    load_weight_tokens: int = 64
+    event_poll_interval_s: float = 0.1
+    node_retry_s: float = 5.0
+    startup_timeout_s: float = 120.0
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("kvrelay_requests", "Requests by outcome", ["role", "status"], registry=self.registry)
+        self.running = Gauge("kvrelay_running_requests", "Requests in flight", ["role"], registry=self.registry)
+        buckets = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+        self.ttft = Histogram("kvrelay_ttft_seconds", "Time to first token", registry=self.registry, buckets=buckets)
+        self.tpot = Histogram("kvrelay_tpot_seconds", "Time per output token after the first",
+                              registry=self.registry, buckets=buckets)
+
+
+def salt_for_key(api_key: str | None) -> bytes:
+    """Per-tenant cache salt: derived from the API key by the router, never taken from the client."""
+    if api_key is None:
+        return b""
+    return hashlib.sha256(b"kvrelay.salt.v1" + api_key.encode()).digest()[:16]
+
+
+class Router:
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.metrics = RouterMetrics()
+        self.backends = Backends(internal_token=config.internal_token, timeout_s=config.request_timeout_s)
+        self.nodes: NodeSet | None = None
+        self.dispatcher: Dispatcher | None = None
+        self.served: ServedModel | None = None
+        self._poller: asyncio.Task | None = None
+
+    # ------------------------------------------------------------ lifecycle
+    def make_app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.max_body_bytes)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.prometheus)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, app: web.Application) -> None:
+        await self.backends.start()
+        cfg = self.config
+        probe = NodeSet(cfg.prefill_urls, cfg.decode_urls, block_size_tokens=1)
+        info = await self._cluster_info(probe.all)
+        self.nodes = NodeSet(cfg.prefill_urls, cfg.decode_urls, block_size_tokens=info.block_size_tokens,
+                             load_weight_tokens=cfg.load_weight_tokens, retry_after_s=cfg.node_retry_s)
+        self.dispatcher = Dispatcher(self.nodes, self.backends, info)
+        self.served = ServedModel(cfg.model_name, info.vocab_size, info.max_model_len, cfg.max_n,
+                                  load_tokenizer(cfg.model_dir))
+        self._poller = asyncio.create_task(self._poll_events())
+
+    async def _stop(self, app: web.Application) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+        await self.backends.close()
+
+    async def _cluster_info(self, nodes: list[Node]) -> ClusterInfo:
+        """Model and block layout from the first node that answers ``/info``."""
+        if not nodes:
+            raise RuntimeError("router: no prefill or decode nodes configured")
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        while True:
+            for node in nodes:
+                try:
+                    info = await self.backends.get_msgpack(node, "/info")
+                except NodeUnavailable:
+                    continue
+                if info["model"] != self.config.model_name:
+                    raise RuntimeError(f"router serves model {self.config.model_name!r} but {node.url} serves "
+                                       f"{info['model']!r}")
+                return ClusterInfo(int(info["block_size_tokens"]), bytes(info["spec_fingerprint"]),
+                                   int(info["vocab_size"]), int(info["max_model_len"]),
+                                   tuple(info["eos_token_ids"]))
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"router: no node answered /info within {self.config.startup_timeout_s} s")
+            await asyncio.sleep(0.2)
+
+    async def _poll_events(self) -> None:
+        """Keep the KV index current from every node's events; detect dead and revived nodes."""
+        assert self.nodes is not None
+        while True:
+            now = time.monotonic()
+            for node in self.nodes.all:
+                if not node.healthy(now) and node.failures and now < node.down_until:
+                    continue
+                after = self.nodes.index.node_to_last_seq.get(node.name, 0)
+                try:
+                    batch = await self.backends.get_msgpack(node, f"/kv/events?after={after}", timeout_s=2.0)
+                except NodeUnavailable:
+                    if node.healthy(now):
+                        log.warning("node %s stopped answering; taken out for %.0f s", node.name,
+                                    self.config.node_retry_s)
+                    self.nodes.mark_down(node)
+                    continue
+                self.nodes.mark_up(node)
+                node.reported_load = dict(batch.get("load") or {})
+                if batch["snapshot"] is not None:
+                    self.nodes.index.replace(node.name, batch["snapshot"], batch["last_seq"])
+                else:
+                    stored = [e[2] for e in batch["events"] if e[1] == "stored"]
+                    removed = [e[2] for e in batch["events"] if e[1] == "removed"]
+                    self.nodes.index.apply(node.name, stored, removed, batch["last_seq"])
+            await asyncio.sleep(self.config.event_poll_interval_s)
+
+    # -------------------------------------------------------------- helpers
+    def _auth(self, request: web.Request) -> bytes:
+        """The tenant's cache salt. Raises ApiError(401) for a missing or wrong key."""
+        keys = self.config.api_keys
+        if not keys:
+            return salt_for_key(None)
+        header = request.headers.get("Authorization", "")
+        given = header[7:].strip() if header.lower().startswith("bearer ") else ""
+        for key in keys:
+            if given and hmac.compare_digest(given.encode(), key.encode()):
+                return salt_for_key(key)
+        raise ApiError(401, "missing or invalid API key; send 'Authorization: Bearer <key>'",
+                       kind="authentication_error")
+
+    async def _body(self, request: web.Request) -> Any:
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise ApiError(413, f"request body exceeds the {self.config.max_body_bytes}-byte limit") from None
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+
+    def _error(self, exc: ApiError) -> web.Response:
+        self.metrics.requests.labels("router", str(exc.status)).inc()
+        return web.json_response(exc.body(), status=exc.status)
+
+    # ------------------------------------------------------------- handlers
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, parse_completion)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, parse_chat)
+
+    async def _handle(self, request: web.Request, parse: Any) -> web.StreamResponse:
+        try:
+            salt = self._auth(request)
+            assert self.served is not None
+            req: GenerationRequest = parse(await self._body(request), self.served)
+        except ApiError as exc:
+            return self._error(exc)
+        self.metrics.running.labels("router").inc()
+        try:
+            if req.stream:
+                return await self._stream(request, req, salt)
+            return await self._complete(req, salt)
+        finally:
+            self.metrics.running.labels("router").dec()
+
+    async def _complete(self, req: GenerationRequest, salt: bytes) -> web.Response:
+        assert self.dispatcher is not None and self.served is not None
+        texts = [SampleText(self.served.tokenizer, req.stop) for _ in range(req.params.n)]
+        parts: list[list[str]] = [[] for _ in range(req.params.n)]
+        reasons: list[str | None] = [None] * req.params.n
+        timer = _Timer()
+        gen = self.dispatcher.run(req, salt)
+        try:
+            async for delta in _with_deadline(gen, self.config.request_timeout_s):
+                timer.tokens(len(delta.token_ids))
+                if reasons[delta.index] is not None:
+                    continue
+                t = texts[delta.index]
+                parts[delta.index].append(t.push(delta.token_ids))
+                if t.stopped:
+                    reasons[delta.index] = "stop"
+                elif delta.finished:
+                    parts[delta.index].append(t.flush())
+                    reasons[delta.index] = delta.reason
+                if all(r is not None for r in reasons):
+                    break
+        except ApiError as exc:
+            return self._error(exc)
+        finally:
+            await gen.aclose()
+        timer.observe(self.metrics)
+        self.metrics.requests.labels("router", "200").inc()
+        return web.json_response(full_response(req, self.served.name, ["".join(p) for p in parts], reasons,
+                                               sum(t.num_tokens for t in texts)))
+
+    async def _stream(self, request: web.Request, req: GenerationRequest, salt: bytes) -> web.StreamResponse:
+        assert self.dispatcher is not None and self.served is not None
+        name = self.served.name
+        texts = [SampleText(self.served.tokenizer, req.stop) for _ in range(req.params.n)]
+        reasons: list[str | None] = [None] * req.params.n
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        timer = _Timer()
+        gen = self.dispatcher.run(req, salt)
+        try:
+            async for delta in _with_deadline(gen, self.config.request_timeout_s):
+                if not resp.prepared:
+                    await resp.prepare(request)
+                timer.tokens(len(delta.token_ids))
+                i = delta.index
+                if reasons[i] is not None:
+                    continue
+                t = texts[i]
+                text = t.push(delta.token_ids)
+                if t.stopped:
+                    reasons[i] = "stop"
+                elif delta.finished:
+                    text += t.flush()
+                    reasons[i] = delta.reason
+                first = t.num_tokens == len(delta.token_ids)
+                await _sse(resp, stream_chunk(req, name, i, text, reasons[i], first=first))
+                if all(r is not None for r in reasons):
+                    break
+        except ApiError as exc:
+            if not resp.prepared:
+                return self._error(exc)
+            self.metrics.requests.labels("router", str(exc.status)).inc()
+            await _sse(resp, exc.body())
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+        except (ConnectionResetError, asyncio.CancelledError):
+            self.metrics.requests.labels("router", "client_closed").inc()
+            raise
+        finally:
+            await gen.aclose()  # closes the decode stream: the decode node aborts the request
+        if req.include_usage:
+            await _sse(resp, usage_chunk(req, name, sum(t.num_tokens for t in texts)))
+        await resp.write(b"data: [DONE]\n\n")
+        timer.observe(self.metrics)
+        self.metrics.requests.labels("router", "200").inc()
+        return resp
+
+    async def models(self, request: web.Request) -> web.Response:
+        try:
+            self._auth(request)
+        except ApiError as exc:
+            return self._error(exc)
+        assert self.served is not None
+        return web.json_response({"object": "list", "data": [{
+            "id": self.served.name, "object": "model", "created": 0, "owned_by": "kvrelay",
+            "max_model_len": self.served.max_model_len}]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.nodes is None:
+            return web.json_response({"status": "starting"}, status=503)
+        now = time.monotonic()
+        nodes = {n.name: {"url": n.url, "healthy": n.healthy(now), "in_flight": n.in_flight,
+                          "kv_keys": self.nodes.index.num_keys(n.name)} for n in self.nodes.all}
+        ok = any(n.healthy(now) for n in self.nodes.decode)
+        return web.json_response({"status": "ok" if ok else "degraded", "nodes": nodes}, status=200 if ok else 503)
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+class _Timer:
+    """TTFT and TPOT of one request."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.first: float | None = None
+        self.last = self.start
+        self.count = 0
+
+    def tokens(self, n: int) -> None:
+        now = time.perf_counter()
+        if self.first is None and n:
+            self.first = now
+        self.last = now
+        self.count += n
+
+    def observe(self, metrics: RouterMetrics) -> None:
+        if self.first is None:
+            return
+        metrics.ttft.observe(self.first - self.start)
+        if self.count > 1:
+            metrics.tpot.observe((self.last - self.first) / (self.count - 1))
+
+
+async def _with_deadline(gen: AsyncIterator[SampleDelta], timeout_s: float) -> AsyncIterator[SampleDelta]:
+    """Items of ``gen`` until it ends; ApiError(504) once ``timeout_s`` have passed in all."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            item = await asyncio.wait_for(gen.__anext__(), max(0.0, deadline - time.monotonic()))
+        except StopAsyncIteration:
+            return
+        except asyncio.TimeoutError:
+            raise ApiError(504, f"request did not finish within {timeout_s} s") from None
+        yield item
+
+
+async def _sse(resp: web.StreamResponse, obj: dict[str, Any]) -> None:
+    await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")

@@ -1,0 +1,132 @@
+"""`Dispatcher`: one request's path through the cluster.
+
+    prefill node (longest cached prefix vs. queue) ─▶ first token(s) + KV handle
+    decode node (load vs. own prefix)              ─▶ pulls the KV, streams the rest
+
+No prefill node (aggregated deployment, or all prefill nodes down): the decode node prefills the
+request itself. A prefill node that fails is taken out and the next one is tried; a decode node that
+fails before its first frame is taken out and the next one is tried; one that fails mid-stream ends
+the request with 503 (its tokens so far were already sent).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from engine.protocol import params_to_wire
+from kvstore.block_key import block_keys
+from router.backends import Backends, NodeRefused, NodeUnavailable
+from router.nodes import NodeSet
+from router.openai_api import ApiError, GenerationRequest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class SampleDelta:
+    index: int
+    token_ids: list[int]
+    finished: bool
+    reason: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterInfo:
+    """Learned from a node's ``/info`` at start."""
+
+    block_size_tokens: int
+    spec_fingerprint: bytes
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+
+
+class Dispatcher:
+    def __init__(self, nodes: NodeSet, backends: Backends, info: ClusterInfo) -> None:
+        self.nodes = nodes
+        self.backends = backends
+        self.info = info
+
+    def keys_for(self, prompt: list[int], salt: bytes) -> list[bytes]:
+        return block_keys(prompt, block_size_tokens=self.info.block_size_tokens,
+                          spec_fingerprint=self.info.spec_fingerprint, salt=salt)
+
+    async def _prefill(self, req: GenerationRequest, salt: bytes, keys: list[bytes]) -> dict | None:
+        """First tokens and KV handle from a prefill node; None when no prefill node can serve."""
+        tried: set[str] = set()
+        body = {"request_id": req.request_id, "prompt": req.prompt_token_ids,
+                "params": params_to_wire(req.params), "salt": salt}
+        while True:
+            node = self.nodes.pick_prefill(keys, len(req.prompt_token_ids), exclude=tried)
+            if node is None:
+                return None
+            tried.add(node.name)
+            node.in_flight += 1
+            node.queued_tokens += len(req.prompt_token_ids)
+            try:
+                answer = await self.backends.post_msgpack(node, "/prefill", body)
+                answer["node"] = node.name
+                return answer
+            except NodeUnavailable as exc:
+                log.warning("request %s: %s; trying another prefill node", req.request_id, exc)
+                self.nodes.mark_down(node)
+            except NodeRefused as exc:
+                raise ApiError(exc.status, exc.message) from None
+            finally:
+                node.in_flight -= 1
+                node.queued_tokens -= len(req.prompt_token_ids)
+
+    async def run(self, req: GenerationRequest, salt: bytes) -> AsyncIterator[SampleDelta]:
+        """Yield token deltas per sample until every sample has finished.
+
+        Raises:
+            ApiError: 4xx for a refused request, 429 when full, 503 when no node can serve.
+        """
+        keys = self.keys_for(req.prompt_token_ids, salt)
+        n = req.params.n
+        finished = [False] * n
+        pre = await self._prefill(req, salt, keys)
+        first = None
+        handle = None
+        if pre is not None:
+            first = list(pre["first_token_ids"])
+            handle = pre.get("handle")
+            for i, (tok, reason) in enumerate(zip(first, pre["finish_reasons"])):
+                finished[i] = reason is not None
+                yield SampleDelta(i, [tok], finished[i], reason)
+            if all(finished):
+                return
+        tried: set[str] = set()
+        while True:
+            node = self.nodes.pick_decode(keys, exclude=tried)
+            if node is None:
+                raise ApiError(503, "no decode node is available; retry later")
+            tried.add(node.name)
+            body = {"request_id": req.request_id, "prompt": req.prompt_token_ids,
+                    "params": params_to_wire(req.params), "salt": salt, "first_token_ids": first, "handle": handle}
+            started = False
+            node.in_flight += 1
+            try:
+                async for frame in self.backends.stream(node, "/generate", body):
+                    if "error" in frame:
+                        raise ApiError(int(frame.get("status", 500)), str(frame["error"]))
+                    started = True
+                    i = int(frame["index"])
+                    if finished[i]:
+                        continue
+                    finished[i] = bool(frame["finished"])
+                    yield SampleDelta(i, list(frame["tokens"]), finished[i], frame["reason"])
+                if not all(finished):
+                    raise NodeUnavailable(f"{node.name} ended the stream before every sample finished")
+                return
+            except NodeUnavailable as exc:
+                self.nodes.mark_down(node)
+                if started:
+                    raise ApiError(503, f"the decode node failed mid-request: {exc}") from None
+                log.warning("request %s: %s; trying another decode node", req.request_id, exc)
+            except NodeRefused as exc:
+                raise ApiError(exc.status, exc.message) from None
+            finally:
+                node.in_flight -= 1

@@ -1,0 +1,91 @@
+"""`NodeSet`: the router's view of its prefill and decode nodes, and the routing decision.
+
+Prefill: the node that holds the longest prefix of the request's block keys, weighed against the
+tokens it still has to compute for requests the router sent it:
+
+    cost(node) = (prompt_tokens - cached_prefix_tokens(node)) + queued_prompt_tokens(node)
+
+Decode: the node with the fewest in-flight requests, each weighed as ``load_weight_tokens``, minus
+the prompt tokens it already holds (its own prefix cache saves a pull):
+
+    cost(node) = in_flight(node) · load_weight_tokens - cached_prefix_tokens(node)
+
+A node that fails a call is taken out for ``retry_after_s`` and then tried again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvstore.block_key import BlockKey
+from router.kv_index import KvIndex
+
+
+@dataclass(slots=True)
+class Node:
+    name: str
+    url: str
+    role: str
+    in_flight: int = 0
+    queued_tokens: int = 0
+    down_until: float = 0.0
+    failures: int = 0
+    reported_load: dict[str, int] = field(default_factory=dict)
+
+    def healthy(self, now: float) -> bool:
+        return now >= self.down_until
+
+
+class NodeSet:
+    """Owned by the router's event loop."""
+
+    def __init__(self, prefill_urls: Sequence[str], decode_urls: Sequence[str], *, block_size_tokens: int,
+                 load_weight_tokens: int = 64, retry_after_s: float = 5.0) -> None:
+        self.prefill = [Node(f"prefill-{i}", u.rstrip("/"), "prefill") for i, u in enumerate(prefill_urls)]
+        self.decode = [Node(f"decode-{i}", u.rstrip("/"), "decode") for i, u in enumerate(decode_urls)]
+        self.index = KvIndex()
+        self.block_size_tokens = block_size_tokens
+        self.load_weight_tokens = load_weight_tokens
+        self.retry_after_s = retry_after_s
+
+    @property
+    def all(self) -> list[Node]:
+        return self.prefill + self.decode
+
+    def mark_down(self, node: Node) -> None:
+        node.failures += 1
+        node.down_until = time.monotonic() + self.retry_after_s
+        self.index.drop_node(node.name)
+
+    def mark_up(self, node: Node) -> None:
+        node.failures = 0
+        node.down_until = 0.0
+
+    def pick_prefill(self, keys: Sequence[BlockKey], prompt_tokens: int, *, exclude: set[str] = frozenset()
+                     ) -> Node | None:
+        now = time.monotonic()
+        nodes = [n for n in self.prefill if n.healthy(now) and n.name not in exclude]
+        if not nodes:
+            return None
+        held = self.index.prefix_blocks(keys, [n.name for n in nodes])
+
+        def cost(pair: tuple[int, Node]) -> tuple[int, int, int]:
+            i, n = pair
+            return (prompt_tokens - held[n.name] * self.block_size_tokens + n.queued_tokens, n.in_flight, i)
+
+        return min(enumerate(nodes), key=cost)[1]
+
+    def pick_decode(self, keys: Sequence[BlockKey], *, exclude: set[str] = frozenset()) -> Node | None:
+        now = time.monotonic()
+        nodes = [n for n in self.decode if n.healthy(now) and n.name not in exclude]
+        if not nodes:
+            return None
+        held = self.index.prefix_blocks(keys, [n.name for n in nodes])
+
+        def cost(pair: tuple[int, Node]) -> tuple[int, int]:
+            i, n = pair
+            return (n.in_flight * self.load_weight_tokens - held[n.name] * self.block_size_tokens, i)
+
+        return min(enumerate(nodes), key=cost)[1]

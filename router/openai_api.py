@@ -1,0 +1,261 @@
+"""OpenAI-compatible request parsing and response shapes (``/v1/completions``, ``/v1/chat/completions``).
+
+Parsing turns a JSON body into a `GenerationRequest` or raises `ApiError` with the HTTP status and
+a message that names the offending field. Unknown fields are ignored, as OpenAI's API does.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from model.sampling import SamplingParams
+from model.tokenizer import Tokenizer
+
+MAX_STOP_STRINGS = 4
+# Fields this server does not implement, with the values that mean "not used" and are accepted.
+UNSUPPORTED_FIELD_TO_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, False), "top_logprobs": (None, 0), "logit_bias": (None, {}), "tools": (None, []),
+    "functions": (None, []), "suffix": (None, ""), "best_of": (None, 1), "echo": (None, False),
+}
+
+
+class ApiError(Exception):
+    """An error answered to the client as ``{"error": {...}}`` with ``status``."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, kind: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    """What the router serves: the name clients use, limits, and the tokenizer."""
+
+    name: str
+    vocab_size: int
+    max_model_len: int
+    max_n: int
+    tokenizer: Tokenizer | None
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """A validated request. ``kind`` is ``completion`` or ``chat``."""
+
+    request_id: str
+    kind: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    created: int
+
+
+def _get(body: dict[str, Any], name: str, types: type | tuple[type, ...], default: Any) -> Any:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise ApiError(400, f"{name} must be {_type_names(types)}, got a boolean", param=name)
+    if not isinstance(value, types):
+        raise ApiError(400, f"{name} must be {_type_names(types)}, got {type(value).__name__}", param=name)
+    return value
+
+
+def _type_names(types: type | tuple[type, ...]) -> str:
+    names = [t.__name__ for t in (types if isinstance(types, tuple) else (types,))]
+    return " or ".join({"int": "an integer", "float": "a number", "str": "a string", "bool": "a boolean",
+                        "list": "a list", "dict": "an object"}.get(n, n) for n in names)
+
+
+def _sampling(body: dict[str, Any], served: ServedModel, prompt_len: int) -> tuple[SamplingParams, tuple[str, ...]]:
+    max_tokens = _get(body, "max_tokens", int, None)
+    if max_tokens is None:
+        max_tokens = _get(body, "max_completion_tokens", int, 16)
+    if max_tokens <= 0:
+        raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+    if prompt_len + max_tokens > served.max_model_len:
+        raise ApiError(
+            400,
+            f"this model's context window is {served.max_model_len} tokens, but the request asks for "
+            f"{prompt_len + max_tokens} ({prompt_len} in the prompt, {max_tokens} in the completion); "
+            "shorten the prompt or lower max_tokens",
+            param="max_tokens" if prompt_len < served.max_model_len else "prompt",
+        )
+    temperature = float(_get(body, "temperature", (int, float), 1.0))
+    if temperature < 0 or temperature > 2:
+        raise ApiError(400, f"temperature must be in [0, 2], got {temperature}", param="temperature")
+    top_p = float(_get(body, "top_p", (int, float), 1.0))
+    if not 0 < top_p <= 1:
+        raise ApiError(400, f"top_p must be in (0, 1], got {top_p}", param="top_p")
+    top_k = _get(body, "top_k", int, 0)
+    if top_k < -1:
+        raise ApiError(400, f"top_k must be -1 or 0 (disabled) or a positive integer, got {top_k}", param="top_k")
+    seed = _get(body, "seed", int, None)
+    if seed is not None and not 0 <= seed < 2**63:
+        raise ApiError(400, f"seed must be in [0, 2**63), got {seed}", param="seed")
+    n = _get(body, "n", int, 1)
+    if not 1 <= n <= served.max_n:
+        raise ApiError(400, f"n must be between 1 and {served.max_n} on this server, got {n}", param="n")
+    stop = body.get("stop")
+    stops: tuple[str, ...]
+    if stop is None:
+        stops = ()
+    elif isinstance(stop, str):
+        stops = (stop,)
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        stops = tuple(stop)
+    else:
+        raise ApiError(400, "stop must be a string or a list of strings", param="stop")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ApiError(400, f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stops)}", param="stop")
+    if any(s == "" for s in stops):
+        raise ApiError(400, "stop strings must not be empty", param="stop")
+    stop_ids = _get(body, "stop_token_ids", list, [])
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
+        raise ApiError(400, "stop_token_ids must be a list of integers", param="stop_token_ids")
+    ignore_eos = _get(body, "ignore_eos", bool, False)
+    for name, allowed in UNSUPPORTED_FIELD_TO_NEUTRAL.items():
+        if body.get(name) not in allowed:
+            raise ApiError(400, f"{name} is not supported by this server", param=name)
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=max(top_k, 0), seed=seed, n=n,
+        stop_token_ids=tuple(stop_ids), ignore_eos=ignore_eos,
+    )
+    return params, stops
+
+
+def _check_model(body: dict[str, Any], served: ServedModel) -> None:
+    model = body.get("model")
+    if model is None:
+        raise ApiError(400, "model is required", param="model")
+    if model != served.name:
+        raise ApiError(404, f"model {model!r} not found; this server serves {served.name!r}", param="model",
+                       kind="not_found_error")
+
+
+def _check_ids(ids: list[Any], served: ServedModel, param: str) -> list[int]:
+    for pos, tok in enumerate(ids):
+        if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < served.vocab_size:
+            raise ApiError(400, f"token id {tok!r} at position {pos} is outside the vocabulary "
+                                f"[0, {served.vocab_size})", param=param)
+    return list(ids)
+
+
+def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
+    stream = _get(body, "stream", bool, False)
+    opts = _get(body, "stream_options", dict, {})
+    include_usage = bool(opts.get("include_usage", False))
+    return stream, include_usage
+
+
+def parse_completion(body: Any, served: ServedModel) -> GenerationRequest:
+    """``POST /v1/completions``: prompt as text or token ids (one prompt per request)."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    _check_model(body, served)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if served.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer; send the prompt as token ids", param="prompt")
+        ids = served.tokenizer.encode(prompt)
+    elif isinstance(prompt, list):
+        ids = _check_ids(prompt, served, "prompt")
+    else:
+        raise ApiError(400, "prompt must be a string or a list of token ids (one prompt per request)",
+                       param="prompt")
+    if not ids:
+        raise ApiError(400, "prompt is empty", param="prompt")
+    params, stops = _sampling(body, served, len(ids))
+    stream, include_usage = _stream_options(body)
+    return GenerationRequest(f"cmpl-{uuid.uuid4().hex}", "completion", ids, params, stops, stream, include_usage,
+                             int(time.time()))
+
+
+def parse_chat(body: Any, served: ServedModel) -> GenerationRequest:
+    """``POST /v1/chat/completions``: messages rendered with the model's chat template."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    _check_model(body, served)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages must be a non-empty list", param="messages")
+    clean = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
+            raise ApiError(400, f"messages[{i}] must be an object with a string role", param="messages")
+        content = msg.get("content")
+        if isinstance(content, list):  # content parts: only text is supported
+            parts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ApiError(400, f"messages[{i}].content: only text parts are supported", param="messages")
+                parts.append(part["text"])
+            content = "".join(parts)
+        if not isinstance(content, str):
+            raise ApiError(400, f"messages[{i}].content must be a string", param="messages")
+        clean.append({"role": msg["role"], "content": content})
+    tok = served.tokenizer
+    if tok is None or tok.chat_template is None:
+        raise ApiError(400, "this model has no chat template; use /v1/completions", param="messages")
+    try:
+        text = tok.apply_chat_template(clean, add_generation_prompt=True)
+    except Exception as exc:  # noqa: BLE001 - template errors are the client's messages' fault
+        raise ApiError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
+    ids = tok.encode(text, add_bos=False)
+    params, stops = _sampling(body, served, len(ids))
+    stream, include_usage = _stream_options(body)
+    return GenerationRequest(f"chatcmpl-{uuid.uuid4().hex}", "chat", ids, params, stops, stream, include_usage,
+                             int(time.time()))
+
+
+# ------------------------------------------------------------------ responses
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def full_response(req: GenerationRequest, model: str, texts: list[str], reasons: list[str | None],
+                  completion_tokens: int) -> dict[str, Any]:
+    if req.kind == "chat":
+        choices = [{"index": i, "message": {"role": "assistant", "content": t}, "finish_reason": r, "logprobs": None}
+                   for i, (t, r) in enumerate(zip(texts, reasons))]
+        obj = "chat.completion"
+    else:
+        choices = [{"index": i, "text": t, "finish_reason": r, "logprobs": None}
+                   for i, (t, r) in enumerate(zip(texts, reasons))]
+        obj = "text_completion"
+    return {"id": req.request_id, "object": obj, "created": req.created, "model": model, "choices": choices,
+            "usage": usage(len(req.prompt_token_ids), completion_tokens)}
+
+
+def stream_chunk(req: GenerationRequest, model: str, index: int, text: str | None, reason: str | None,
+                 *, first: bool = False) -> dict[str, Any]:
+    if req.kind == "chat":
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        if text:
+            delta["content"] = text
+        choice = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": None}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": index, "text": text or "", "finish_reason": reason, "logprobs": None}
+        obj = "text_completion"
+    return {"id": req.request_id, "object": obj, "created": req.created, "model": model, "choices": [choice]}
+
+
+def usage_chunk(req: GenerationRequest, model: str, completion_tokens: int) -> dict[str, Any]:
+    obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
+    return {"id": req.request_id, "object": obj, "created": req.created, "model": model, "choices": [],
+            "usage": usage(len(req.prompt_token_ids), completion_tokens)}
