@@ -13,6 +13,7 @@ import importlib
 import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 
 def _cmd_tiny_model(args: argparse.Namespace) -> int:
@@ -66,6 +67,30 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load(args: argparse.Namespace):  # noqa: ANN202 - returns deploy.config.Config
+    from deploy.config import load_config
+
+    return load_config(args.config, model_path=args.model, router_port=getattr(args, "port", None))
+
+
+def _overrides(args: argparse.Namespace) -> list[str]:
+    out = ["--model", args.model] if args.model else []
+    return out + (["--port", str(args.port)] if getattr(args, "port", None) else [])
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from deploy.up import up
+
+    config = _load(args)
+    return up(config, args.config, overrides=_overrides(args))
+
+
+def _cmd_role(args: argparse.Namespace) -> int:
+    from deploy.serve import run_role
+
+    return run_role(_load(args), args.command, args.index)
+
+
 BENCH_NAME_TO_MODULE: dict[str, str] = {
     "memory": "benchmarks.memory_bench",
     "decode": "benchmarks.decode_bench",
@@ -109,6 +134,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-blocks", type=int, default=1024)
     p.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": "..."}')
     p.set_defaults(func=_cmd_generate)
+
+    from deploy.config import DEFAULT_CONFIG
+
+    p = sub.add_parser("up", help="router + prefill + decode nodes from one YAML file, on this machine")
+    p.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
+    p.add_argument("--model", default=None, help="override model.path")
+    p.add_argument("--port", type=int, default=None, help="override router.port")
+    p.set_defaults(func=_cmd_up)
+    for role in ("router", "prefill", "decode"):
+        p = sub.add_parser(role, help=f"run one {role} process (for separate deployments)")
+        p.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
+        p.add_argument("--index", type=int, default=0, help=f"which of the configured {role} ports to serve")
+        p.add_argument("--model", default=None, help="override model.path")
+        p.add_argument("--port", type=int, default=None, help="override router.port")
+        p.set_defaults(func=_cmd_role)
 
     p = sub.add_parser("bench", help="benchmarks; JSON to stdout (see `kvrelay bench NAME --help`)")
     p.add_argument("name", choices=sorted(BENCH_NAME_TO_MODULE))

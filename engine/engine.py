@@ -52,6 +52,7 @@ class StepOutput:
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None = None
+    num_cached_prompt_tokens: int = 0  # prompt tokens this sample reused from the prefix cache
 
 
 @dataclass(slots=True)
@@ -86,11 +87,7 @@ class LLMEngine:
         self.model_config = cfg
         self.model = loaded.model
         device = next(self.model.parameters()).device
-        dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
-        self.spec = BlockSpec(
-            num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
-            block_size_tokens=self.config.block_size_tokens, dtype=dtype, model_fingerprint=loaded.fingerprint,
-        )
+        self.spec = self.block_spec_for(loaded, self.config.block_size_tokens)
         self.max_model_len = self.config.max_model_len or cfg.max_context_tokens
         self.eos_token_ids = frozenset(cfg.eos_token_ids)
         self.pool = BlockPool(self.config.num_blocks)
@@ -111,6 +108,16 @@ class LLMEngine:
         self._device = device
         self._seed_rng = random.Random()
         self._pending_outputs: list[StepOutput] = []
+
+    @staticmethod
+    def block_spec_for(loaded: LoadedModel, block_size_tokens: int) -> BlockSpec:
+        """The KV block layout of ``loaded`` (its KV dtype is its parameters' dtype)."""
+        cfg = loaded.config
+        dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
+        return BlockSpec(
+            num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+            block_size_tokens=block_size_tokens, dtype=dtype, model_fingerprint=loaded.fingerprint,
+        )
 
     # ------------------------------------------------------------------ inputs
     def validate_prompt(self, prompt_token_ids: Seq[int]) -> None:
@@ -284,7 +291,7 @@ class LLMEngine:
         reason = self._finish_reason(seq, tok)
         if reason is not None:
             self.scheduler.finish(seq, reason)
-        return StepOutput(seq.request_id, seq.index, [tok], reason is not None, reason)
+        return StepOutput(seq.request_id, seq.index, [tok], reason is not None, reason, seq.num_cached_prompt_tokens)
 
     def _forget_if_done(self, request_id: str) -> None:
         req = self._requests.get(request_id)

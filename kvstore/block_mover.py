@@ -47,8 +47,9 @@ class BlockMover:
             event.record()
             self._slot_to_event[slot] = event
 
-    def before_device_reuse(self, slot: int) -> None:
-        """The device block copied into ``slot`` is about to be overwritten: order it after the copy."""
+    def order_after_copy_into(self, slot: int) -> None:
+        """Order the current stream's next work after the last copy into host ``slot``: before the device
+        block it was copied from is overwritten, or before the slot is copied back to device."""
         event = self._slot_to_event.get(slot)
         if event is not None:
             torch.cuda.current_stream().wait_event(event)

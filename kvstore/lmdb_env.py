@@ -102,8 +102,9 @@ def move_aside(path: Path, reason: str) -> Path:
     return target
 
 
-def open_env(path: Path, *, map_bytes: int, max_readers: int) -> OpenedEnv:
-    """Open (creating if absent) the environment at ``path``, clear stale readers, open sub-databases.
+def open_env(path: Path, *, map_bytes: int, max_readers: int, block_bytes: int) -> OpenedEnv:
+    """Open (creating if absent) the environment at ``path``, clear stale readers, open sub-databases,
+    and record the format and ``block_bytes`` in ``meta``.
 
     Raises:
         one of CORRUPTION_ERRORS: the files are not a readable LMDB environment.
@@ -129,6 +130,7 @@ def open_env(path: Path, *, map_bytes: int, max_readers: int) -> OpenedEnv:
                 txn.put(b"format", FORMAT_TAG, db=opened.meta)
             elif tag != FORMAT_TAG:
                 raise lmdb.VersionMismatchError(f"{path}: format {tag!r}, expected {FORMAT_TAG!r}")
+            txn.put(b"block_bytes", u64(block_bytes), db=opened.meta)
     except BaseException:
         env.close()
         raise
@@ -141,3 +143,52 @@ def read_u64(value: bytes | memoryview | None) -> int:
 
 def u64(n: int) -> bytes:
     return n.to_bytes(8, "big")
+
+
+@dataclass(frozen=True, slots=True)
+class DiskSnapshot:
+    """What `read_snapshot` finds in an environment (for ``kvrelay store stats``)."""
+
+    path: str
+    num_blocks: int
+    used_bytes: int
+    block_bytes: int
+    map_bytes: int
+    file_bytes: int
+    counters: dict[str, int]
+
+    @property
+    def free_bytes(self) -> int:
+        return max(0, self.map_bytes - self.used_bytes)
+
+
+def read_snapshot(path: Path) -> DiskSnapshot | None:
+    """Read-only look at the environment at ``path`` (safe while its owner runs); None if absent.
+
+    Clears stale readers first, so readers killed earlier cannot make it fail with READERS_FULL.
+
+    Raises:
+        lmdb.Error: the environment cannot be read.
+    """
+    if not (path / "data.mdb").exists():
+        return None
+    env = lmdb.open(str(path), readonly=True, lock=True, subdir=True, max_dbs=3)
+    try:
+        env.reader_check()
+        page = env.stat()["psize"]
+        blocks, meta = env.open_db(b"blocks", create=False), env.open_db(b"meta", create=False)
+        used = num = 0
+        with env.begin(buffers=True) as txn:
+            for _, value in txn.cursor(db=blocks).iternext():
+                num += 1
+                used += -(-(16 + len(value)) // page) * page
+            counters = {
+                bytes(k).decode()[6:]: read_u64(v)
+                for k, v in txn.cursor(db=meta).iternext() if bytes(k).startswith(b"count.")
+            }
+            block_bytes = read_u64(txn.get(b"block_bytes", db=meta))
+        return DiskSnapshot(
+            str(path), num, used, block_bytes, env.info()["map_size"], (path / "data.mdb").stat().st_size, counters
+        )
+    finally:
+        env.close()

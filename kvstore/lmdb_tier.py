@@ -36,13 +36,12 @@ import torch
 from kvstore.block_key import BlockKey
 from kvstore.block_record import HEADER_BYTES, RecordCodec, disk_bytes_of
 from kvstore.block_spec import BlockSpec
-from kvstore.lmdb_env import CORRUPTION_ERRORS, OwnerLock, move_aside, open_env, read_u64
+from kvstore.lmdb_env import CORRUPTION_ERRORS, OpenedEnv, OwnerLock, move_aside, open_env, read_u64
 from kvstore.lmdb_writer import Delete, Entry, LmdbWriter, Put
 from kvstore.metrics import StoreMetrics
 from kvstore.tier import TierStats
 
 log = logging.getLogger(__name__)
-_RESERVED_PAGES = 64  # meta pages, sub-database roots and branch pages
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +50,8 @@ class LmdbOptions:
 
     ``high_watermark_frac``/``low_watermark_frac`` of the usable map: a put that would pass the high
     mark evicts LRU blocks down to the low mark. The gap leaves LMDB room for pages freed by recent
-    transactions, which it can reuse only two commits later.
+    transactions, which it can reuse only two commits later. ``reserved_pages`` (meta pages,
+    sub-database roots, branch pages) are kept out of the usable map.
     """
 
     high_watermark_frac: float = 0.90
@@ -60,6 +60,7 @@ class LmdbOptions:
     max_pending_writes: int = 64
     max_batch_blocks: int = 16
     checksum: str = "sectorsum"
+    reserved_pages: int = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +140,9 @@ class LmdbTier:
         self._counter_deltas: dict[str, int] = {}  # lifetime counters not yet persisted; under _lock
         self._needs_reset = threading.Event()
         self._closed = False
+        self._staging = (
+            torch.empty(spec.block_bytes, dtype=torch.uint8, pin_memory=True) if torch.cuda.is_available() else None
+        )
         self._map_bytes = -(-capacity_bytes // 4096) * 4096
         self._owner = OwnerLock(self.path)
         try:
@@ -156,29 +160,27 @@ class LmdbTier:
     def _start(self) -> None:
         """Open the environment (moving a corrupt one aside), load the index, start the writer."""
         try:
-            self._opened = open_env(self.path, map_bytes=self._map_bytes, max_readers=self.options.max_readers)
+            opened = self._open_env()
+            self._load_index(opened)
         except CORRUPTION_ERRORS as exc:
-            self._note_corrupt_env(exc)
-            self._opened = open_env(self.path, map_bytes=self._map_bytes, max_readers=self.options.max_readers)
-        o = self._opened
-        self._codec = RecordCodec(self.spec, o.page_bytes, self.options.checksum)
-        self._record_disk_bytes = disk_bytes_of(self._codec.value_bytes, o.page_bytes)
-        usable = max(0, self._map_bytes - _RESERVED_PAGES * o.page_bytes)
+            self._note_corrupt_env(exc)  # open_env or _load_index closed it
+            opened = self._open_env()
+            self._load_index(opened)
+        self._opened = opened
+        self._writer = LmdbWriter(opened, self._codec, tier=self, first_seq=self._first_seq)
+        self._writer.start()
+
+    def _open_env(self) -> OpenedEnv:
+        opened = open_env(
+            self.path, map_bytes=self._map_bytes, max_readers=self.options.max_readers,
+            block_bytes=self.spec.block_bytes,
+        )
+        self._codec = RecordCodec(self.spec, opened.page_bytes, self.options.checksum)
+        self._record_disk_bytes = disk_bytes_of(self._codec.value_bytes, opened.page_bytes)
+        usable = max(0, self._map_bytes - self.options.reserved_pages * opened.page_bytes)
         self._high_bytes = int(usable * self.options.high_watermark_frac)
         self._low_bytes = int(usable * self.options.low_watermark_frac)
-        self._staging = (
-            torch.empty(self.spec.block_bytes, dtype=torch.uint8, pin_memory=True)
-            if torch.cuda.is_available() else None
-        )
-        try:
-            self._load_index()
-        except CORRUPTION_ERRORS as exc:
-            o.env.close()
-            self._note_corrupt_env(exc)
-            self._opened = open_env(self.path, map_bytes=self._map_bytes, max_readers=self.options.max_readers)
-            self._load_index()
-        self._writer = LmdbWriter(self._opened, self._codec, tier=self, first_seq=self._first_seq)
-        self._writer.start()
+        return opened
 
     def _note_corrupt_env(self, exc: BaseException) -> None:
         moved = str(move_aside(self.path, f"{type(exc).__name__}: {exc}"))
@@ -200,17 +202,21 @@ class LmdbTier:
         elif name == "evicted":
             self.metrics.tier_evictions.labels("disk").inc(n)
 
-    def _load_index(self) -> None:
-        o = self._opened
-        with o.env.begin(buffers=True) as txn:
-            key_to_seq = {bytes(k): read_u64(v) for k, v in txn.cursor(db=o.atime).iternext()}
-            sized = [(bytes(k), len(v)) for k, v in txn.cursor(db=o.blocks).iternext()]
+    def _load_index(self, opened: OpenedEnv) -> None:
+        """Index every stored key in its persisted access order. Closes ``opened`` if it is corrupt."""
+        try:
+            with opened.env.begin(buffers=True) as txn:
+                key_to_seq = {bytes(k): read_u64(v) for k, v in txn.cursor(db=opened.atime).iternext()}
+                sized = [(bytes(k), len(v)) for k, v in txn.cursor(db=opened.blocks).iternext()]
+        except CORRUPTION_ERRORS:
+            opened.env.close()
+            raise
         sized.sort(key=lambda kv: (key_to_seq.get(kv[0], 0), kv[0]))
         with self._lock:
             self._key_to_entry.clear()
             self._used_bytes = 0
             for key, value_len in sized:
-                entry = Entry(disk_bytes_of(value_len, o.page_bytes))
+                entry = Entry(disk_bytes_of(value_len, opened.page_bytes))
                 self._key_to_entry[BlockKey(key)] = entry
                 self._used_bytes += entry.disk_bytes
         self._first_seq = max(key_to_seq.values(), default=0) + 1
@@ -426,6 +432,10 @@ class LmdbTier:
         """Called by the writer when LMDB reports corruption: the caller thread resets at its next call."""
         self._count("corrupt")
         self._needs_reset.set()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def close(self) -> None:
         """Commit queued writes, stop the writer and close the environment. Idempotent."""

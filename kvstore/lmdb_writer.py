@@ -190,7 +190,7 @@ class LmdbWriter:
         self, puts: list[Put], deletes: list[BlockKey], touched: list[BlockKey], deltas: dict[str, int]
     ) -> None:
         tier = self._tier
-        need = 2 * sum(op.entry.disk_bytes for op in puts) + 16 * self._opened.page_bytes
+        need = 2 * sum(op.entry.disk_bytes for op in puts) + 2 * self._opened.page_bytes
         with tier.lock:
             victims = tier.evict_lru_locked(need, keep={op.key for op in puts})
         tier.note_map_full(len(victims))

@@ -1,0 +1,104 @@
+"""Run one role (router, prefill or decode node) from a loaded `Config`, until SIGTERM or Ctrl-C."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from typing import Any
+
+from aiohttp import web
+
+from engine.engine import EngineConfig, LLMEngine
+from engine.node_app import NodeConfig
+from engine.worker import EngineWorker
+from model.loader import load_model
+
+log = logging.getLogger(__name__)
+ROLES = ("router", "prefill", "decode")
+
+
+def node_url(host: str, port: int) -> str:
+    return f"http://{host}:{port}"
+
+
+def _reachable(bind: str) -> str:
+    """An address to reach a node listening on ``bind`` from this machine."""
+    return "127.0.0.1" if bind in ("0.0.0.0", "") else bind
+
+
+def build_engine(config: Any) -> LLMEngine:
+    """The engine of a prefill or decode node: model from ``config.model``, pool sized by ``config.kvstore``."""
+    m = config.model
+    loaded = load_model(m.path, dtype=m.dtype, device=m.device)
+    spec_probe = LLMEngine.block_spec_for(loaded, config.kvstore.block_size_tokens)
+    num_blocks = config.kvstore.device_num_blocks(spec_probe.block_bytes)
+    e = config.engine
+    return LLMEngine(loaded, EngineConfig(
+        num_blocks=num_blocks, block_size_tokens=config.kvstore.block_size_tokens, max_num_seqs=e.max_num_seqs,
+        max_num_batched_tokens=e.max_num_batched_tokens, max_model_len=e.max_model_len,
+    ))
+
+
+def build_app(config: Any, role: str, index: int) -> tuple[web.Application, str, int]:
+    """The aiohttp app of ``role`` number ``index`` and the (host, port) it listens on.
+
+    Raises:
+        ValueError: unknown role, or an index past the configured nodes.
+    """
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r}; use one of {ROLES}")
+    internal = config.internal
+    if role == "router":
+        from router.app import Router, RouterConfig
+
+        r = config.router
+        router = Router(RouterConfig(
+            model_name=config.model.name, model_dir=config.model.path,
+            prefill_urls=r.prefill_urls or tuple(node_url(_reachable(internal.bind), p) for p in config.prefill.ports),
+            decode_urls=r.decode_urls or tuple(node_url(_reachable(internal.bind), p) for p in config.decode.ports),
+            host=r.host, port=r.port, api_keys=r.api_keys, max_body_bytes=r.max_body_bytes,
+            request_timeout_s=r.request_timeout_s, max_n=r.max_n, internal_token=internal.token,
+            load_weight_tokens=r.load_weight_tokens,
+        ))
+        return router.make_app(), r.host, r.port
+    ports = config.prefill.ports if role == "prefill" else config.decode.ports
+    if not 0 <= index < len(ports):
+        raise ValueError(f"{role}.ports has {len(ports)} entries; --index {index} is out of range")
+    port = ports[index]
+    engine = build_engine(config)
+    node = NodeConfig(role=role, name=f"{role}-{index}", model_name=config.model.name, host=internal.bind, port=port,
+                      max_pending_requests=config.decode.max_pending_requests, internal_token=internal.token)
+    worker = EngineWorker(engine)
+    if role == "prefill":
+        from prefill.service import PrefillService
+
+        return PrefillService(node, worker).make_app(), internal.bind, port
+    from decode.service import DecodeConfig, DecodeService
+
+    service = DecodeService(node, DecodeConfig(config.decode.on_transfer_failure, config.decode.transfer_timeout_s),
+                            worker)
+    return service.make_app(), internal.bind, port
+
+
+def run_role(config: Any, role: str, index: int = 0) -> int:
+    """Serve until SIGTERM/SIGINT; returns the exit code."""
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role}-{index} %(levelname)s %(name)s: %(message)s")
+    app, host, port = build_app(config, role, index)
+
+    async def main() -> None:
+        runner = web.AppRunner(app, handler_cancellation=True)
+        await runner.setup()
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        log.info("%s-%d listening on http://%s:%d", role, index, host, port)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        log.info("%s-%d stopping", role, index)
+        await runner.cleanup()
+
+    asyncio.run(main())
+    return 0

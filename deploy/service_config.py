@@ -1,0 +1,206 @@
+"""The service sections of the YAML config: ``model``, ``engine``, ``internal``, ``prefill``,
+``decode``, ``router``. Read by `deploy.config.load_config`; every error names its YAML key.
+
+    model:    {path, name, dtype, device}
+    engine:   {max_num_seqs, max_num_batched_tokens, max_model_len}
+    internal: {bind, token, token_env}
+    prefill:  {ports: [8100, ...], lease_ttl_s}
+    decode:   {ports: [8200, ...], on_transfer_failure, max_pending_requests, transfer_timeout_s}
+    router:   {host, port, api_keys, api_keys_env, max_body_bytes, request_timeout_s, max_n, load_weight_tokens,
+               prefill_urls, decode_urls}
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from deploy.sizes import ConfigError, parse_size
+
+DTYPES = ("float32", "bfloat16", "float16")
+FAILURE_POLICIES = ("recompute", "fail")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSection:
+    path: str
+    name: str
+    dtype: str = "float32"
+    device: str = "cpu"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSection:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    max_model_len: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class InternalSection:
+    bind: str = "127.0.0.1"
+    token: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillSection:
+    ports: tuple[int, ...] = (8100,)
+    lease_ttl_s: float = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeSection:
+    ports: tuple[int, ...] = (8200,)
+    on_transfer_failure: str = "recompute"
+    max_pending_requests: int = 256
+    transfer_timeout_s: float = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class RouterSection:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: tuple[str, ...] = ()
+    max_body_bytes: int = 1024 * 1024
+    request_timeout_s: float = 300.0
+    max_n: int = 4
+    load_weight_tokens: int = 64
+    prefill_urls: tuple[str, ...] = ()  # empty: http://{internal.bind}:{port} for each prefill port
+    decode_urls: tuple[str, ...] = ()
+
+
+class Section:
+    """Typed reads from one YAML mapping; each read removes its key so leftovers can be reported."""
+
+    def __init__(self, raw: Any, path: str) -> None:
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"{path}: must be a mapping, got {type(raw).__name__}")
+        self._raw = dict(raw)
+        self.path = path
+
+    def key(self, name: str) -> str:
+        return f"{self.path}.{name}" if self.path else name
+
+    def take(self, name: str, check: Callable[[Any], Any], default: Any) -> Any:
+        if name not in self._raw or self._raw[name] is None:
+            self._raw.pop(name, None)
+            return default
+        value = self._raw.pop(name)
+        try:
+            return check(value)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{self.key(name)}: {value!r} {exc}") from None
+
+    def section(self, name: str) -> Section:
+        return Section(self._raw.pop(name, None), self.key(name))
+
+    def done(self) -> None:
+        if self._raw:
+            raise ConfigError(f"{self.key(sorted(self._raw)[0])}: unknown key")
+
+
+def positive_int(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise ValueError("is not a positive integer")
+    return v
+
+
+def positive_float(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+        raise ValueError("is not a positive number")
+    return float(v)
+
+
+def string(v: Any) -> str:
+    if not isinstance(v, str) or not v:
+        raise ValueError("is not a non-empty string")
+    return v
+
+
+def one_of(options: tuple[str, ...]) -> Callable[[Any], str]:
+    def check(v: Any) -> str:
+        if v not in options:
+            raise ValueError(f"is not one of {list(options)}")
+        return v
+
+    return check
+
+
+def port_list(v: Any) -> tuple[int, ...]:
+    if not isinstance(v, list) or not v or not all(isinstance(p, int) and 0 <= p < 65536 for p in v):
+        raise ValueError("is not a non-empty list of TCP ports")
+    return tuple(v)
+
+
+def size(v: Any) -> int:
+    return parse_size(v)
+
+
+def _env(name: str | None, env: Mapping[str, str]) -> str | None:
+    return env.get(name) if name else None
+
+
+def parse_services(root: Section, *, base_dir: Path, env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Read the service sections from ``root``; returns them by name. Relative paths resolve from ``base_dir``."""
+    env = os.environ if env is None else env
+    m = root.section("model")
+    path = m.take("path", string, None)
+    if path is None:
+        raise ConfigError("model.path: required (a Hugging Face model directory)")
+    model_path = Path(path) if Path(path).is_absolute() else base_dir / path
+    model = ModelSection(str(model_path), m.take("name", string, model_path.name),
+                         m.take("dtype", one_of(DTYPES), "float32"), m.take("device", string, "cpu"))
+    m.done()
+    e = root.section("engine")
+    engine = EngineSection(e.take("max_num_seqs", positive_int, 64), e.take("max_num_batched_tokens", positive_int, 1024),
+                           e.take("max_model_len", positive_int, None))
+    e.done()
+    i = root.section("internal")
+    bind = i.take("bind", string, "127.0.0.1")
+    token = i.take("token", string, None) or _env(i.take("token_env", string, None), env)
+    i.done()
+    p = root.section("prefill")
+    prefill = PrefillSection(p.take("ports", port_list, ()), p.take("lease_ttl_s", positive_float, 30.0))
+    p.done()
+    d = root.section("decode")
+    decode = DecodeSection(d.take("ports", port_list, (8200,)),
+                           d.take("on_transfer_failure", one_of(FAILURE_POLICIES), "recompute"),
+                           d.take("max_pending_requests", positive_int, 256),
+                           d.take("transfer_timeout_s", positive_float, 10.0))
+    d.done()
+    r = root.section("router")
+    keys = r.take("api_keys", _string_list, ())
+    env_keys = _env(r.take("api_keys_env", string, None), env)
+    if env_keys:
+        keys = keys + tuple(k.strip() for k in env_keys.split(",") if k.strip())
+    router = RouterSection(r.take("host", string, "127.0.0.1"), r.take("port", _port, 8000), keys,
+                           r.take("max_body_bytes", size, 1024 * 1024), r.take("request_timeout_s", positive_float,
+                                                                                 300.0),
+                           r.take("max_n", positive_int, 4), r.take("load_weight_tokens", positive_int, 64),
+                           r.take("prefill_urls", _url_list, ()), r.take("decode_urls", _url_list, ()))
+    r.done()
+    return {"model": model, "engine": engine, "internal": InternalSection(bind, token), "prefill": prefill,
+            "decode": decode, "router": router}
+
+
+def _string_list(v: Any) -> tuple[str, ...]:
+    if not isinstance(v, list) or not all(isinstance(s, str) and s for s in v):
+        raise ValueError("is not a list of non-empty strings")
+    return tuple(v)
+
+
+def _url_list(v: Any) -> tuple[str, ...]:
+    if not isinstance(v, list) or not all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in v):
+        raise ValueError("is not a list of http:// URLs")
+    return tuple(u.rstrip("/") for u in v)
+
+
+def _port(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 65536:
+        raise ValueError("is not a TCP port")
+    return v

@@ -1,0 +1,88 @@
+"""``kvrelay up``: router + prefill + decode nodes from one YAML file, on this machine.
+
+Starts every node as its own process (``kvrelay prefill|decode|router --config FILE --index I``),
+waits until the router reports healthy, prints the URL, and on Ctrl-C or SIGTERM stops all of them
+(SIGTERM, then SIGKILL after a grace period). If any process dies, the others are stopped too.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+GRACE_S = 10.0
+
+
+def _role_cmd(role: str, config_path: Path, index: int, overrides: list[str]) -> list[str]:
+    return [sys.executable, "-m", "deploy.cli", role, "--config", str(config_path), "--index", str(index),
+            *overrides]
+
+
+def _router_health(url: str) -> dict[str, Any] | None:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+            return json.loads(resp.read())
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + GRACE_S
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def up(config: Any, config_path: Path, *, overrides: list[str], startup_timeout_s: float = 300.0) -> int:
+    """Run the whole deployment until a signal; returns the exit code."""
+    plan = [("prefill", i) for i in range(len(config.prefill.ports))]
+    plan += [("decode", i) for i in range(len(config.decode.ports))]
+    plan.append(("router", 0))
+    procs: list[subprocess.Popen] = []
+    stopping = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        for role, index in plan:
+            procs.append(subprocess.Popen(_role_cmd(role, config_path, index, overrides)))
+        url = f"http://{config.router.host}:{config.router.port}"
+        deadline = time.monotonic() + startup_timeout_s
+        ready = False
+        while not stopping:
+            dead = [(r, i, p.returncode) for (r, i), p in zip(plan, procs) if p.poll() is not None]
+            if dead:
+                role, index, code = dead[0]
+                print(f"kvrelay up: {role}-{index} exited with code {code}; stopping everything", file=sys.stderr)
+                return 1
+            if not ready:
+                health = _router_health(url)
+                if health is not None and health.get("status") == "ok":
+                    ready = True
+                    print(f"kvrelay is serving {config.model.name!r} at {url}/v1 "
+                          f"({len(config.prefill.ports)} prefill, {len(config.decode.ports)} decode)", flush=True)
+                elif time.monotonic() > deadline:
+                    print(f"kvrelay up: router not healthy after {startup_timeout_s:.0f} s", file=sys.stderr)
+                    return 1
+            time.sleep(0.2)
+        return 0
+    finally:
+        _stop(procs)
+        for s, h in old.items():
+            signal.signal(s, h)

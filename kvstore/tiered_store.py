@@ -1,0 +1,380 @@
+"""`TieredStore`: the device `BlockPool` plus optional ``host`` and ``disk`` tiers behind one interface.
+
+::
+
+    match_prefix(keys) ─▶ PrefixMatch(num_blocks=5, tiers=(device, device, host, disk, disk))
+    load(keys, match)  ─▶ [12, 7, 30, 31, 9]   device block ids, one reference each for the caller:
+                          device hits acquired; host/disk hits copied into fresh device blocks
+
+    demotion (on eviction, synchronous unless pre-copied):
+    device ──BlockPool.on_evict──▶ host ──HostTier.on_evict──▶ disk (if admitted) ──LRU──▶ gone
+       └── maintain_watermark(): pre-copies the coldest cached device blocks to host, so that an
+           eviction at allocation time finds them there and copies nothing
+
+* The store constructs the `BlockPool` (as ``block_pool``) with its own ``on_evict`` hook; the engine
+  allocates, releases and registers keys through ``store.block_pool`` and computes on ``device_pool``.
+* ``host`` is a victim cache: a block promoted from host leaves host. ``disk`` keeps what it holds (a
+  block promoted from disk stays there, so demoting it again writes nothing, and it survives restarts).
+* Everything runs on the caller's (engine's) thread except the disk writer thread inside `LmdbTier`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from prometheus_client import CollectorRegistry
+
+from kvstore.admission import parse_admission
+from kvstore.block_key import BlockKey
+from kvstore.block_mover import BlockMover
+from kvstore.block_pool import BlockPool, PoolStats
+from kvstore.block_spec import BlockSpec
+from kvstore.host_tier import HostTier
+from kvstore.lmdb_tier import DiskStats, LmdbOptions, LmdbTier
+from kvstore.metrics import StoreMetrics
+from kvstore.tier import Tier, TierStats
+
+TIER_NAMES = ("device", "host", "disk")
+# Whether a lower tier keeps its copy when a block is promoted to device.
+TIER_KEEPS_PROMOTED: dict[str, bool] = {"host": False, "disk": True}
+
+
+@dataclass(frozen=True, slots=True)
+class TieredStoreConfig:
+    """Sizes (in blocks, or bytes for disk) and policies of one store.
+
+    ``num_host_blocks == 0`` means no host tier and ``disk_path is None`` no disk tier.
+    ``watermark_blocks``: free-or-pre-copied device blocks `maintain_watermark` keeps ready (default
+    ``max(1, num_device_blocks // 32)`` with a host tier, else 0). ``admit``: ``"all"`` | ``"seen>=N"``.
+    """
+
+    num_device_blocks: int
+    num_host_blocks: int = 0
+    disk_path: str | None = None
+    disk_capacity_bytes: int = 0
+    admit: str = "all"
+    watermark_blocks: int | None = None
+    device: str = "cpu"
+    disk_options: LmdbOptions = field(default_factory=LmdbOptions)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """The longest leading run of keys held in any tier.
+
+    ``tiers[i]`` is where block ``i`` was found; ``device_block_ids`` are the device hits' block ids
+    in order (``len == tiers.count("device")``).
+    """
+
+    num_blocks: int
+    tiers: tuple[str, ...]
+    device_block_ids: tuple[int, ...]
+
+    def num_hits(self, tier: str) -> int:
+        return self.tiers.count(tier)
+
+
+@dataclass(frozen=True, slots=True)
+class TierMove:
+    """One block copied from tier ``src`` to tier ``dst`` (for `TieredStore`'s ``on_move`` listener)."""
+
+    key: BlockKey
+    src: str
+    dst: str
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    device: PoolStats
+    block_bytes: int
+    host: TierStats | None
+    disk: DiskStats | None
+    queries: int
+    tier_to_hits: dict[str, int]
+
+
+class TieredStore:
+    """Device pool + optional host and disk tiers.
+
+    Args:
+        spec: block layout.
+        config: sizes and policies.
+        device_pool: the device pool tensor ``spec.pool_shape(config.num_device_blocks)``; allocated on
+            ``config.device`` when None.
+        registry: Prometheus registry for this store's metrics (a new one when None).
+        on_move: called with every `TierMove`, after the copy is issued.
+
+    Raises:
+        ValueError: sizes, admission policy or ``device_pool`` shape are wrong.
+        DiskTierInUseError: another process owns the disk path.
+    """
+
+    def __init__(
+        self, spec: BlockSpec, config: TieredStoreConfig, *, device_pool: torch.Tensor | None = None,
+        registry: CollectorRegistry | None = None, on_move: Callable[[TierMove], None] | None = None,
+    ) -> None:
+        self.spec = spec
+        self.config = config
+        self._admission = parse_admission(config.admit)
+        if device_pool is None:
+            device_pool = spec.new_pool(config.num_device_blocks, device=config.device)
+        want_shape = spec.pool_shape(config.num_device_blocks)
+        if tuple(device_pool.shape) != want_shape:
+            raise ValueError(f"device pool shape {tuple(device_pool.shape)} != {want_shape}")
+        self.device_pool = device_pool
+        self.metrics = StoreMetrics.create(registry)
+        self.block_pool = BlockPool(config.num_device_blocks, on_evict=self._on_device_evict)
+        self.host = (
+            HostTier(spec, config.num_host_blocks, on_evict=self._on_host_evict) if config.num_host_blocks else None
+        )
+        self.disk = (
+            LmdbTier(spec, config.disk_path, capacity_bytes=config.disk_capacity_bytes, metrics=self.metrics,
+                     options=config.disk_options)
+            if config.disk_path is not None else None
+        )
+        # Lookup and promotion walk the lower tiers in this order.
+        self._lower: dict[str, Tier] = {n: t for n, t in (("host", self.host), ("disk", self.disk)) if t is not None}
+        default_watermark = max(1, config.num_device_blocks // 32) if self.host is not None else 0
+        self.watermark_blocks = config.watermark_blocks if config.watermark_blocks is not None else default_watermark
+        self._mover = BlockMover(device_pool.device)
+        self._on_move = on_move
+        self._closed = False
+        self._queries = 0
+        self._tier_to_hits = dict.fromkeys(TIER_NAMES, 0)
+        self._set_gauges()
+
+    def _set_gauges(self) -> None:
+        g = self.metrics.kv_blocks
+        pool = self.block_pool
+        g.labels("device", "free").set_function(lambda: pool.stats().num_free)
+        g.labels("device", "cached").set_function(lambda: pool.stats().num_cached)
+        g.labels("device", "in_use").set_function(lambda: pool.stats().num_in_use)
+        for name, tier in self._lower.items():
+            g.labels(name, "stored").set_function(lambda t=tier: t.stats().num_blocks)
+            g.labels(name, "free").set_function(lambda t=tier: max(0, t.stats().capacity_blocks - t.stats().num_blocks))
+
+    # ------------------------------------------------------------------ lookup
+    def match_prefix(self, keys: Sequence[BlockKey]) -> PrefixMatch:
+        """The longest leading run of ``keys`` found tier by tier; changes no ref count and no LRU.
+
+        Counts ``len(keys)`` queried blocks and the run's hits per tier; each key counts as seen once
+        for the admission policy.
+        """
+        tiers: list[str] = []
+        device_ids: list[int] = []
+        for key in keys:
+            block_id = self.block_pool.block_id_of(key)
+            if block_id is not None:
+                tiers.append("device")
+                device_ids.append(block_id)
+                continue
+            found = next((name for name, tier in self._lower.items() if tier.contains(key)), None)
+            if found is None:
+                break
+            tiers.append(found)
+        self._admission.record_seen(keys)
+        match = PrefixMatch(len(tiers), tuple(tiers), tuple(device_ids))
+        self._count_query(len(keys), match)
+        return match
+
+    def _count_query(self, num_keys: int, match: PrefixMatch) -> None:
+        self._queries += num_keys
+        self.metrics.prefix_queries.inc(num_keys)
+        deltas = {"queries": num_keys}
+        for name in TIER_NAMES:
+            n = match.num_hits(name)
+            if n:
+                self._tier_to_hits[name] += n
+                self.metrics.prefix_hits.labels(name).inc(n)
+                deltas[f"hits.{name}"] = n
+        if self.disk is not None:
+            self.disk.add_counters(deltas)
+
+    def record_prompt(self, num_prompt_tokens: int, num_matched_tokens: int) -> None:
+        """Count a prompt, and count it in ``kvrelay_prefix_shorter_than_block_total`` when it got less
+        than one block from the cache because what it could share is shorter than one block: it has no
+        full block before its last token (``num_prompt_tokens - 1 < block_size_tokens``), or the caller
+        knows it shares ``0 < num_matched_tokens < block_size_tokens`` tokens with an earlier prompt.
+        """
+        self.metrics.prompts.inc()
+        b = self.spec.block_size_tokens
+        if num_matched_tokens < b and (num_prompt_tokens - 1 < b or num_matched_tokens > 0):
+            self.metrics.prefix_shorter_than_block.inc()
+
+    # --------------------------------------------------------------- promotion
+    def load(self, keys: Sequence[BlockKey], match: PrefixMatch) -> list[int]:
+        """Device block ids for the first ``match.num_blocks`` keys, each with one reference for the caller.
+
+        Device hits are acquired; host and disk hits are copied into newly allocated device blocks that
+        are registered under their key. Where a block is looked up again (it may have moved since
+        `match_prefix`). If one cannot be loaded (no free device block, a disk record corrupt or
+        unreadable), the shorter run before it is returned and nothing after it stays held: the caller
+        computes the rest.
+        """
+        keys = list(keys[: match.num_blocks])
+        block_ids: list[int | None] = [self.block_pool.block_id_of(k) for k in keys]
+        held = [b for b in block_ids if b is not None]
+        self.block_pool.acquire(held)
+        end = len(keys)
+        for i, key in enumerate(keys):
+            if block_ids[i] is not None:
+                continue
+            got = self.block_pool.try_allocate(1)
+            if got is None:
+                end = i
+                break
+            if not self._promote(key, got[0]):
+                self.block_pool.release(got)
+                end = i
+                break
+            block_ids[i] = got[0]
+        self.block_pool.release([b for b in block_ids[end:] if b is not None])
+        return [b for b in block_ids[:end] if b is not None]
+
+    def _promote(self, key: BlockKey, block_id: int) -> bool:
+        """Copy ``key``'s block from the highest lower tier holding it into device block ``block_id``."""
+        dst = self.device_pool[block_id]
+        for name, tier in self._lower.items():
+            if not tier.contains(key):
+                continue
+            if name == "host":
+                self._mover.order_after_copy_into(self.host.slot_of(key))  # type: ignore[union-attr,arg-type]
+            if tier.get_into(key, dst):
+                if not TIER_KEEPS_PROMOTED[name]:
+                    tier.discard(key)
+                registered = self.block_pool.register_key(block_id, key)
+                assert registered, "a promoted key was already on device"
+                self._moved(key, name, "device")
+                return True
+        return False
+
+    # ---------------------------------------------------------------- demotion
+    def _on_device_evict(self, block_id: int, key: BlockKey) -> None:
+        """BlockPool hook: ``key`` leaves device block ``block_id`` (bytes still intact)."""
+        src = self.device_pool[block_id]
+        if self.host is not None:
+            slot = self.host.slot_of(key)
+            if slot is not None:  # pre-copied by maintain_watermark: nothing to copy
+                self.host.touch(key)
+                self._mover.order_after_copy_into(slot)
+                return
+            self.host.put(key, src)
+            self._mover.copied_into(self.host.slot_of(key))  # type: ignore[arg-type]
+            self._moved(key, "device", "host")
+        elif self.disk is not None:
+            self._demote_to_disk(key, src, "device")
+        else:
+            self.metrics.tier_evictions.labels("device").inc()
+
+    def _on_host_evict(self, slot: int, key: BlockKey) -> None:
+        """HostTier hook: ``key`` leaves host ``slot`` (bytes still intact)."""
+        if self.disk is None:
+            self.metrics.tier_evictions.labels("host").inc()
+            return
+        self._mover.before_cpu_read(slot)
+        self._demote_to_disk(key, self.host.block(slot), "host")  # type: ignore[union-attr]
+
+    def _demote_to_disk(self, key: BlockKey, src: torch.Tensor, src_tier: str) -> None:
+        assert self.disk is not None
+        if self.disk.touch(key):
+            return  # already stored: disk keeps promoted blocks
+        if self._admission.admit(key) and self.disk.put(key, src):
+            self._moved(key, src_tier, "disk")
+        else:
+            self.metrics.tier_evictions.labels(src_tier).inc()
+
+    def maintain_watermark(self) -> int:
+        """Pre-copy the coldest cached device blocks to host until ``watermark_blocks`` device blocks are
+        free or already on host. Call once per engine step; cheap when nothing is to do. On CUDA the
+        copies run on a side stream. Returns how many blocks were copied.
+        """
+        if self.host is None or self.watermark_blocks == 0:
+            return 0
+        want = self.watermark_blocks - self.block_pool.stats().num_free
+        if want <= 0:
+            return 0
+        todo: list[tuple[int, BlockKey]] = []
+        for block_id in self.block_pool.coldest_cached(want):
+            key = self.block_pool.key_of(block_id)
+            if key is not None and not self.host.contains(key):
+                todo.append((block_id, key))
+        if not todo:
+            return 0
+        with self._mover.precopy_stream():
+            for block_id, key in todo:
+                self.host.put(key, self.device_pool[block_id])
+                self._mover.copied_into(self.host.slot_of(key))  # type: ignore[arg-type]
+                self._moved(key, "device", "host")
+        return len(todo)
+
+    def _moved(self, key: BlockKey, src: str, dst: str) -> None:
+        self.metrics.tier_moves.labels(src, dst).inc()
+        if self._on_move is not None:
+            self._on_move(TierMove(key, src, dst))
+
+    # ------------------------------------------------------------ housekeeping
+    def persist(self) -> int:
+        """Write every keyed device and host block that disk lacks (ignoring admission), then flush.
+
+        For a planned shutdown. Returns how many blocks were queued; 0 without a disk tier.
+        """
+        if self.disk is None:
+            return 0
+        written = 0
+        sources: list[tuple[BlockKey, torch.Tensor]] = []
+        for block_id in range(self.block_pool.num_blocks):
+            key = self.block_pool.key_of(block_id)
+            if key is not None:
+                sources.append((key, self.device_pool[block_id]))
+        if self.host is not None:
+            for key in self.host.keys_lru_first():
+                slot = self.host.slot_of(key)
+                self._mover.before_cpu_read(slot)  # type: ignore[arg-type]
+                sources.append((key, self.host.block(slot)))  # type: ignore[arg-type]
+        if self._mover.is_cuda:
+            torch.cuda.synchronize()
+        for key, src in sources:
+            if self.disk.contains(key):
+                continue
+            if not self.disk.put(key, src):  # queue full: let the writer catch up once
+                self.disk.flush()
+                if not self.disk.put(key, src):
+                    continue
+            written += 1
+        self.disk.flush()
+        return written
+
+    def flush(self, timeout_s: float = 30.0) -> None:
+        """Wait until queued disk writes are committed (no-op without a disk tier)."""
+        if self.disk is not None:
+            self.disk.flush(timeout_s)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Commit queued disk writes and close the disk tier. Device and host contents are dropped."""
+        self._closed = True
+        if self.disk is not None:
+            self.disk.close()
+
+    def stats(self) -> StoreStats:
+        return StoreStats(
+            self.block_pool.stats(), self.spec.block_bytes,
+            self.host.stats() if self.host is not None else None,
+            self.disk.disk_stats() if self.disk is not None else None,
+            self._queries, dict(self._tier_to_hits),
+        )
+
+    def check_integrity(self) -> None:
+        """`check_integrity` of every tier (the disk tier's flushes first).
+
+        Raises:
+            AssertionError: naming the first inconsistency found.
+        """
+        self.block_pool.check_integrity()
+        for tier in self._lower.values():
+            tier.check_integrity()

@@ -1,0 +1,114 @@
+"""The prefill service: computes a prompt's KV into paged blocks, samples the first token and hands
+the decode node a leased KV handle to pull the blocks from.
+
+    POST /prefill   msgpack {"request_id", "prompt", "params", "salt"}
+                 →  msgpack {"first_token_ids", "finish_reasons", "handle", "num_cached_tokens"}
+
+Prompts are batched by the engine under its token budget (long prompts chunked across steps) and
+reuse cached prefix blocks. The request's full blocks are published (keyed, KV events) and pinned
+under a lease the moment the engine finishes the prompt, before any later step could evict them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+from engine.engine import LLMEngine, RequestError
+from engine.node_app import EngineNode, NodeConfig, NodeMetrics, msgpack_response
+from engine.protocol import ProtocolError, field, int_list, params_from_wire, unpack
+from engine.worker import EngineFailure, EngineWorker
+
+log = logging.getLogger(__name__)
+
+# ``publish(engine, prompt, salt) -> handle``: pin the prompt's full blocks under a lease and describe
+# them for a reader. Runs on the engine thread. Supplied by transfer/.
+PublishFn = Callable[[LLMEngine, list[int], bytes], dict[str, Any] | None]
+# ``release(handle)``: drop a handle's lease when no decode node will read it.
+ReleaseFn = Callable[[dict[str, Any]], None]
+
+
+class PrefillService(EngineNode):
+    def __init__(
+        self,
+        node: NodeConfig,
+        worker: EngineWorker,
+        *,
+        publish: PublishFn | None = None,
+        release: ReleaseFn | None = None,
+        metrics: NodeMetrics | None = None,
+    ) -> None:
+        super().__init__(node, worker, metrics=metrics)
+        self._publish = publish
+        self._release = release
+
+    def make_app(self, *, client_max_size: int = 64 * 1024 * 1024) -> web.Application:
+        app = super().make_app(client_max_size=client_max_size)
+        app.router.add_post("/prefill", self.prefill)
+        return app
+
+    def _reason(self, tok: int, prompt_len: int, params: Any) -> str | None:
+        """Why a sample ends with its first token ``tok``, or None when decode continues it."""
+        if (not params.ignore_eos and tok in self.engine.eos_token_ids) or tok in params.stop_token_ids:
+            return "stop"
+        if params.max_tokens <= 1 or prompt_len + 1 >= self.engine.max_model_len:
+            return "length"
+        return None
+
+    async def prefill(self, request: web.Request) -> web.Response:
+        try:
+            msg = unpack(await request.read())
+            rid = field(msg, "request_id", str)
+            prompt = int_list(msg, "prompt")
+            params = params_from_wire(field(msg, "params", dict))
+            salt = field(msg, "salt", bytes)
+        except ProtocolError as exc:
+            self.metrics.request_done("bad_request")
+            return msgpack_response({"error": str(exc)}, status=400)
+        if self.overloaded():
+            self.metrics.request_done("overloaded")
+            return msgpack_response({"error": "prefill node is at capacity; retry later"}, status=429)
+        published: dict[str, Any] = {}
+
+        def on_finish(engine: LLMEngine, request_id: str) -> None:
+            if self._publish is not None:
+                published["handle"] = self._publish(engine, prompt, salt)
+
+        first: list[int | None] = [None] * params.n
+        num_cached = 0
+        stream = self.worker.submit(rid, prompt, dataclasses.replace(params, max_tokens=1), salt=salt,
+                                    on_finish=on_finish)
+        done = False
+        try:
+            async for out in stream:
+                if out.new_token_ids:
+                    first[out.index] = out.new_token_ids[0]
+                num_cached = max(num_cached, out.num_cached_prompt_tokens)
+            done = True
+        except RequestError as exc:
+            self.metrics.request_done("bad_request")
+            return msgpack_response({"error": str(exc)}, status=400)
+        except EngineFailure as exc:
+            self.metrics.request_done("error")
+            return msgpack_response({"error": str(exc)}, status=500)
+        finally:
+            if not done:
+                self.worker.abort(rid)
+        tokens = [t for t in first if t is not None]
+        if len(tokens) != params.n:
+            self.metrics.request_done("error")
+            return msgpack_response({"error": "prefill produced no first token"}, status=500)
+        reasons = [self._reason(t, len(prompt), params) for t in tokens]
+        handle = published.get("handle")
+        if handle is not None and all(r is not None for r in reasons) and self._release is not None:
+            self._release(handle)  # nothing left for a decode node to read
+            handle = None
+        self.metrics.request_done("ok")
+        return msgpack_response({
+            "first_token_ids": tokens, "finish_reasons": reasons, "handle": handle,
+            "num_cached_tokens": num_cached,
+        })

@@ -1,0 +1,45 @@
+"""`TransferConfig`: the settings of one node's transfer layer (built by `deploy/` from YAML)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class TransferConfig:
+    """Settings of the NIXL agent, the owner's leases and the reader's waits.
+
+    Attributes:
+        agent_name: this node's NIXL agent name; unique among the nodes that talk to each other.
+        backends: NIXL backends to create (``UCX`` moves DRAM and VRAM).
+        lease_ttl_s: how long an owner pins blocks for a reader that neither renews nor finishes.
+        handshake_timeout_s: bound on one ``GET /kv/meta``.
+        renew_timeout_s: bound on one ``POST /kv/lease/renew``.
+        internal_token: shared secret sent and required as ``X-Kvrelay-Token``; None leaves the
+            endpoints open (bind them to loopback or a private address then).
+        reap_interval_s: how often the owner unpins expired leases.
+        notif_poll_interval_s: how often the owner drains NIXL notifications.
+        max_quarantined_blocks: blocks a reader may hold back for abandoned reads before `pull`
+            refuses new work (see `Puller`).
+    """
+
+    agent_name: str
+    backends: tuple[str, ...] = ("UCX",)
+    lease_ttl_s: float = 30.0
+    handshake_timeout_s: float = 5.0
+    renew_timeout_s: float = 2.0
+    internal_token: str | None = None
+    reap_interval_s: float = 0.5
+    notif_poll_interval_s: float = 0.005
+    max_quarantined_blocks: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        if not self.agent_name or len(self.agent_name) > 128:
+            raise ValueError(f"transfer.agent_name must be 1..128 characters, got {self.agent_name!r}")
+        for name in ("lease_ttl_s", "handshake_timeout_s", "renew_timeout_s", "reap_interval_s",
+                     "notif_poll_interval_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"transfer.{name} must be a positive number of seconds, got {value!r}")
+        if self.max_quarantined_blocks < 0:
+            raise ValueError(f"transfer.max_quarantined_blocks must be >= 0, got {self.max_quarantined_blocks}")

@@ -1,0 +1,271 @@
+"""msgpack encoding of everything the transfer layer sends: metadata, KV handles, lease messages.
+
+Nothing is pickled, ever. Every decoder
+
+* refuses input longer than its ``max_bytes`` before decoding (``msgpack.unpackb`` has no
+  ``max_buffer_size``; only the streaming ``Unpacker`` does),
+* decodes with explicit ``max_bin_len``/``max_str_len``/``max_array_len``/``max_map_len`` and
+  ``max_ext_len=0`` (so a declared 4 GiB length fails before any allocation), ``strict_map_key``,
+  ``raw=False``,
+* checks the schema: a map with a protocol version ``v`` first, then every field's type, range and length,
+
+and raises one `WireError` naming the message and field. Unknown extra fields are ignored (a newer
+minor sender may add some); a different ``v`` raises `WireVersionError`.
+
+    meta     {"v", "agent", "incarnation", "nixl_md": bin, "fingerprint": bin32,
+              "tiers": [{"name", "mem", "dev", "base", "block_bytes", "stride", "num_blocks"}]}
+    handle   {"v", "owner_agent", "owner_incarnation", "owner_url", "keys": [bin32], "tiers": [str],
+              "block_ids": [int], "num_tokens", "lease_id", "lease_ttl_s"}
+    notif    {"v", "kind": "done"|"abort", "lease_id"}             (NIXL notification, reader → owner)
+    renew    {"v", "lease_id"}  →  {"v", "ttl_s": float}            (POST /kv/lease/renew)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from kvstore.block_key import BlockKey
+from transfer.handle import KvHandle
+from transfer.lease import TierBlock
+from transfer.metadata import PROTOCOL_VERSION, AgentMeta, TierRegion
+
+MAX_META_BYTES = 4 << 20
+MAX_NIXL_METADATA_BYTES = 2 << 20
+MAX_HANDLE_BYTES = 8 << 20
+MAX_BLOCKS_PER_HANDLE = 1 << 16
+MAX_SMALL_MESSAGE_BYTES = 1024
+MAX_NAME_CHARS = 128
+MAX_URL_CHARS = 2048
+MAX_LEASE_ID_CHARS = 64
+MAX_TIERS = 8
+MAX_POOL_BLOCKS = 1 << 31
+KEY_BYTES = 32
+NOTIF_KINDS = ("done", "abort")
+
+
+class WireError(ValueError):
+    """A malformed or oversized message; the text names the message and the field."""
+
+
+class WireVersionError(WireError):
+    """A well-formed message of another protocol version."""
+
+    def __init__(self, what: str, version: int) -> None:
+        super().__init__(f"{what}: protocol version {version}, this node speaks {PROTOCOL_VERSION}")
+        self.version = version
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseNotif:
+    """A reader's word on a lease: ``done`` (READ complete) or ``abort`` (gave up); both unpin."""
+
+    kind: str
+    lease_id: str
+
+
+def _pack(obj: dict[str, Any]) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def _unpack(data: Any, what: str, *, max_bytes: int, max_array_len: int, max_bin_len: int) -> dict[str, Any]:
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise WireError(f"{what}: expected bytes, got {type(data).__name__}")
+    if len(data) > max_bytes:
+        raise WireError(f"{what}: {len(data)} bytes exceeds the {max_bytes}-byte limit")
+    try:
+        obj = msgpack.unpackb(
+            data, raw=False, strict_map_key=True, use_list=True, max_bin_len=max_bin_len,
+            max_str_len=MAX_URL_CHARS, max_array_len=max_array_len, max_map_len=32, max_ext_len=0,
+        )
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:  # StackError, ExtraData are ValueErrors
+        raise WireError(f"{what}: malformed msgpack ({type(exc).__name__}: {str(exc)[:200]})") from None
+    return _check_version(obj, what)
+
+
+def _check_version(obj: Any, what: str) -> dict[str, Any]:
+    if not isinstance(obj, dict):
+        raise WireError(f"{what}: expected a map, got {type(obj).__name__}")
+    version = _field(obj, "v", int, what)
+    if version != PROTOCOL_VERSION:
+        raise WireVersionError(what, version)
+    return obj
+
+
+def _field(msg: dict[str, Any], name: str, kind: type, what: str) -> Any:
+    if name not in msg:
+        raise WireError(f"{what}.{name}: missing")
+    value = msg[name]
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise WireError(f"{what}.{name}: expected {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _int(msg: dict[str, Any], name: str, what: str, lo: int, hi: int) -> int:
+    value = _field(msg, name, int, what)
+    if not lo <= value < hi:
+        raise WireError(f"{what}.{name}: {value} is outside [{lo}, {hi})")
+    return value
+
+
+def _str(msg: dict[str, Any], name: str, what: str, max_chars: int) -> str:
+    value = _field(msg, name, str, what)
+    if not 0 < len(value) <= max_chars:
+        raise WireError(f"{what}.{name}: length {len(value)} is outside [1, {max_chars}]")
+    return value
+
+
+def _seconds(msg: dict[str, Any], name: str, what: str) -> float:
+    value = _field(msg, name, float, what)
+    if not (math.isfinite(value) and 0 < value <= 86400):
+        raise WireError(f"{what}.{name}: {value} is not a duration in (0, 86400] seconds")
+    return value
+
+
+# ------------------------------------------------------------------ metadata
+def encode_meta(meta: AgentMeta) -> bytes:
+    return _pack({
+        "v": meta.version, "agent": meta.agent_name, "incarnation": meta.incarnation,
+        "nixl_md": meta.nixl_metadata, "fingerprint": meta.spec_fingerprint,
+        "tiers": [{"name": t.name, "mem": t.mem_type, "dev": t.device_id, "base": t.base_addr,
+                   "block_bytes": t.block_bytes, "stride": t.block_stride_bytes, "num_blocks": t.num_blocks}
+                  for t in meta.tiers],
+    })
+
+
+def decode_meta(data: Any) -> AgentMeta:
+    """Decode a ``/kv/meta`` body. Raises WireError (WireVersionError for another version)."""
+    what = "kv meta"
+    msg = _unpack(data, what, max_bytes=MAX_META_BYTES, max_array_len=MAX_TIERS,
+                  max_bin_len=MAX_NIXL_METADATA_BYTES)
+    fingerprint = _field(msg, "fingerprint", bytes, what)
+    if len(fingerprint) != KEY_BYTES:
+        raise WireError(f"{what}.fingerprint: {len(fingerprint)} bytes, expected {KEY_BYTES}")
+    nixl_md = _field(msg, "nixl_md", bytes, what)
+    if not nixl_md:
+        raise WireError(f"{what}.nixl_md: empty")
+    tiers_raw = _field(msg, "tiers", list, what)
+    tiers: list[TierRegion] = []
+    for i, raw in enumerate(tiers_raw):
+        where = f"{what}.tiers[{i}]"
+        if not isinstance(raw, dict):
+            raise WireError(f"{where}: expected a map, got {type(raw).__name__}")
+        mem = _str(raw, "mem", where, 8)
+        if mem not in ("DRAM", "VRAM"):
+            raise WireError(f"{where}.mem: {mem!r} is not DRAM or VRAM")
+        block_bytes = _int(raw, "block_bytes", where, 1, 1 << 40)
+        stride = _int(raw, "stride", where, block_bytes, 1 << 40)
+        region = TierRegion(
+            name=_str(raw, "name", where, MAX_NAME_CHARS), mem_type=mem, device_id=_int(raw, "dev", where, 0, 1 << 16),
+            base_addr=_int(raw, "base", where, 1, 1 << 64), block_bytes=block_bytes, block_stride_bytes=stride,
+            num_blocks=_int(raw, "num_blocks", where, 1, MAX_POOL_BLOCKS),
+        )
+        if region.base_addr + region.num_blocks * stride > 1 << 64:
+            raise WireError(f"{where}: the region runs past the end of the address space")
+        if any(t.name == region.name for t in tiers):
+            raise WireError(f"{where}.name: tier {region.name!r} is listed twice")
+        tiers.append(region)
+    return AgentMeta(
+        version=PROTOCOL_VERSION, agent_name=_str(msg, "agent", what, MAX_NAME_CHARS),
+        incarnation=_str(msg, "incarnation", what, MAX_NAME_CHARS), nixl_metadata=nixl_md,
+        spec_fingerprint=fingerprint, tiers=tuple(tiers),
+    )
+
+
+# -------------------------------------------------------------------- handle
+def handle_to_wire(handle: KvHandle) -> dict[str, Any]:
+    """The handle as a msgpack-ready map (it travels inside the prefill response)."""
+    return {
+        "v": PROTOCOL_VERSION, "owner_agent": handle.owner_agent, "owner_incarnation": handle.owner_incarnation,
+        "owner_url": handle.owner_url, "keys": [bytes(k) for k in handle.keys],
+        "tiers": [b.tier for b in handle.blocks], "block_ids": [b.block_id for b in handle.blocks],
+        "num_tokens": handle.num_tokens, "lease_id": handle.lease_id, "lease_ttl_s": handle.lease_ttl_s,
+    }
+
+
+def encode_handle(handle: KvHandle) -> bytes:
+    return _pack(handle_to_wire(handle))
+
+
+def decode_handle(data: Any) -> KvHandle:
+    """Decode an encoded handle. Raises WireError."""
+    msg = _unpack(data, "kv handle", max_bytes=MAX_HANDLE_BYTES, max_array_len=MAX_BLOCKS_PER_HANDLE,
+                  max_bin_len=KEY_BYTES)
+    return handle_from_wire(msg)
+
+
+def handle_from_wire(msg: Any) -> KvHandle:
+    """Check an already-decoded handle map (e.g. a field of a decode request). Raises WireError."""
+    what = "kv handle"
+    msg = _check_version(msg, what)
+    keys = _field(msg, "keys", list, what)
+    tiers = _field(msg, "tiers", list, what)
+    block_ids = _field(msg, "block_ids", list, what)
+    if not 0 < len(keys) <= MAX_BLOCKS_PER_HANDLE:
+        raise WireError(f"{what}.keys: {len(keys)} keys is outside [1, {MAX_BLOCKS_PER_HANDLE}]")
+    if len(tiers) != len(keys) or len(block_ids) != len(keys):
+        raise WireError(f"{what}: {len(keys)} keys but {len(tiers)} tiers and {len(block_ids)} block ids")
+    for i, key in enumerate(keys):
+        if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+            raise WireError(f"{what}.keys[{i}]: expected {KEY_BYTES} bytes")
+    if len(set(keys)) != len(keys):
+        raise WireError(f"{what}.keys: a key is listed twice")
+    blocks: list[TierBlock] = []
+    for i, (tier, block_id) in enumerate(zip(tiers, block_ids, strict=True)):
+        if not isinstance(tier, str) or not 0 < len(tier) <= MAX_NAME_CHARS:
+            raise WireError(f"{what}.tiers[{i}]: expected a tier name")
+        if not isinstance(block_id, int) or isinstance(block_id, bool) or not 0 <= block_id < MAX_POOL_BLOCKS:
+            raise WireError(f"{what}.block_ids[{i}]: expected an int in [0, {MAX_POOL_BLOCKS})")
+        blocks.append(TierBlock(tier, block_id))
+    owner_url = _str(msg, "owner_url", what, MAX_URL_CHARS)
+    if not owner_url.startswith(("http://", "https://")):
+        raise WireError(f"{what}.owner_url: {owner_url[:80]!r} is not an http(s) URL")
+    return KvHandle(
+        owner_agent=_str(msg, "owner_agent", what, MAX_NAME_CHARS),
+        owner_incarnation=_str(msg, "owner_incarnation", what, MAX_NAME_CHARS),
+        owner_url=owner_url.rstrip("/"), keys=tuple(BlockKey(k) for k in keys), blocks=tuple(blocks),
+        num_tokens=_int(msg, "num_tokens", what, 1, 1 << 40),
+        lease_id=_str(msg, "lease_id", what, MAX_LEASE_ID_CHARS), lease_ttl_s=_seconds(msg, "lease_ttl_s", what),
+    )
+
+
+# ------------------------------------------------------------ lease messages
+def encode_notif(kind: str, lease_id: str) -> bytes:
+    assert kind in NOTIF_KINDS, kind
+    return _pack({"v": PROTOCOL_VERSION, "kind": kind, "lease_id": lease_id})
+
+
+def decode_notif(data: Any) -> LeaseNotif:
+    what = "lease notification"
+    msg = _unpack(data, what, max_bytes=MAX_SMALL_MESSAGE_BYTES, max_array_len=0, max_bin_len=0)
+    kind = _str(msg, "kind", what, 8)
+    if kind not in NOTIF_KINDS:
+        raise WireError(f"{what}.kind: {kind!r} is not one of {NOTIF_KINDS}")
+    return LeaseNotif(kind, _str(msg, "lease_id", what, MAX_LEASE_ID_CHARS))
+
+
+def encode_renew_request(lease_id: str) -> bytes:
+    return _pack({"v": PROTOCOL_VERSION, "lease_id": lease_id})
+
+
+def decode_renew_request(data: Any) -> str:
+    """The lease id of a renew request. Raises WireError."""
+    what = "lease renew request"
+    msg = _unpack(data, what, max_bytes=MAX_SMALL_MESSAGE_BYTES, max_array_len=0, max_bin_len=0)
+    return _str(msg, "lease_id", what, MAX_LEASE_ID_CHARS)
+
+
+def encode_renew_reply(ttl_s: float) -> bytes:
+    return _pack({"v": PROTOCOL_VERSION, "ttl_s": float(ttl_s)})
+
+
+def decode_renew_reply(data: Any) -> float:
+    """The lease's new ttl in seconds. Raises WireError."""
+    what = "lease renew reply"
+    msg = _unpack(data, what, max_bytes=MAX_SMALL_MESSAGE_BYTES, max_array_len=0, max_bin_len=0)
+    return _seconds(msg, "ttl_s", what)
