@@ -15,7 +15,6 @@ class SampleText:
     def __init__(self, tokenizer: Tokenizer | None, stops: tuple[str, ...]) -> None:
         self._decoder = StreamDecoder(tokenizer) if tokenizer is not None else None
         self._stops = stops
-        self._hold = max((len(s) for s in stops), default=1) - 1
         self._text = ""
         self._emitted = 0
         self.stopped = False
@@ -29,12 +28,22 @@ class SampleText:
         if self._decoder is None:
             return ""
         self._text += self._decoder.push(token_ids)
-        cut = min((i for i in (self._text.find(s, max(0, self._emitted - self._hold)) for s in self._stops)
+        cut = min((i for i in (self._text.find(s, max(0, self._emitted - len(s) + 1)) for s in self._stops)
                    if i >= 0), default=-1)
         if cut >= 0:
             self.stopped = True
             return self._take(cut)
-        return self._take(max(self._emitted, len(self._text) - self._hold))
+        return self._take(max(self._emitted, len(self._text) - self._partial_stop_len()))
+
+    def _partial_stop_len(self) -> int:
+        """Length of the longest text suffix that is a proper prefix of a stop string."""
+        longest = 0
+        for stop in self._stops:
+            for k in range(min(len(stop) - 1, len(self._text)), longest, -1):
+                if self._text.endswith(stop[:k]):
+                    longest = k
+                    break
+        return longest
 
     def flush(self) -> str:
         """The held-back text, once the sample has finished without a stop string."""

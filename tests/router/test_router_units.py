@@ -1,0 +1,96 @@
+"""Router pieces without a network: request validation, stop strings, KV index, node choice."""
+
+from __future__ import annotations
+
+import pytest
+
+from model.tokenizer import load_tokenizer
+from router.kv_index import KvIndex
+from router.nodes import NodeSet
+from router.openai_api import ApiError, ServedModel, parse_chat, parse_completion
+from router.text_output import SampleText
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir) -> ServedModel:
+    return ServedModel("tiny", 258, 128, 4, load_tokenizer(tiny_model_dir))
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "message"),
+    [
+        ([1, 2], 400, "the request body must be a JSON object"),
+        ({"model": "other", "prompt": "x"}, 404, "model 'other' not found; this server serves 'tiny'"),
+        ({"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens must be at least 1, got 0"),
+        ({"model": "tiny", "prompt": "x", "max_tokens": -3}, 400, "max_tokens must be at least 1, got -3"),
+        ({"model": "tiny", "prompt": "x", "n": 5}, 400, "n must be between 1 and 4 on this server, got 5"),
+        ({"model": "tiny", "prompt": "x", "temperature": -0.5}, 400, "temperature must be in [0, 2], got -0.5"),
+        ({"model": "tiny", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop takes at most 4 strings, got 5"),
+        ({"model": "tiny", "prompt": [1, 258]}, 400, "token id 258 at position 1 is outside the vocabulary [0, 258)"),
+        ({"model": "tiny", "prompt": []}, 400, "prompt is empty"),
+        ({"model": "tiny", "prompt": [1] * 120, "max_tokens": 9}, 400, "context window is 128 tokens"),
+        ({"model": "tiny", "prompt": "x", "max_tokens": "9"}, 400, "max_tokens must be an integer, got str"),
+        ({"model": "tiny", "prompt": "x", "logprobs": 2}, 400, "logprobs is not supported by this server"),
+        ({"model": "tiny", "prompt": {"a": 1}}, 400, "prompt must be a string or a list of token ids"),
+    ],
+)
+def test_completion_validation(served, body, status, message):
+    with pytest.raises(ApiError) as err:
+        parse_completion(body, served)
+    assert err.value.status == status
+    assert message in err.value.message
+
+
+def test_valid_completion_and_chat(served):
+    req = parse_completion({"model": "tiny", "prompt": "hi", "max_tokens": 5, "temperature": 0, "top_k": -1,
+                            "stop": "x", "stream": True, "stream_options": {"include_usage": True}, "user": "u"},
+                           served)
+    assert req.prompt_token_ids == [256, ord("h"), ord("i")]
+    assert (req.params.max_tokens, req.params.temperature, req.params.top_k) == (5, 0.0, 0)
+    assert req.stop == ("x",) and req.stream and req.include_usage
+    chat = parse_chat({"model": "tiny", "messages": [{"role": "user", "content": "hey"}]}, served)
+    text = served.tokenizer.apply_chat_template([{"role": "user", "content": "hey"}])
+    assert chat.prompt_token_ids == served.tokenizer.encode(text, add_bos=False)
+    with pytest.raises(ApiError, match="messages must be a non-empty list"):
+        parse_chat({"model": "tiny", "messages": []}, served)
+
+
+def test_stop_string_cuts_text_and_holds_back_partial_match(served):
+    tok = served.tokenizer
+    st = SampleText(tok, ("END",))
+    out = st.push(tok.encode("hello E", add_bos=False))
+    assert out == "hello " and not st.stopped  # "E" may start "END": held back
+    out += st.push(tok.encode("Nx", add_bos=False))
+    assert out == "hello ENx" and not st.stopped  # "ENx" cannot start "END" any more
+    out += st.push(tok.encode("y END more", add_bos=False))
+    assert st.stopped and out == "hello ENxy "
+    plain = SampleText(tok, ())
+    assert plain.push(tok.encode("abc", add_bos=False)) + plain.flush() == "abc"
+
+
+def test_kv_index_prefix_per_node():
+    idx = KvIndex()
+    k = [bytes([i]) * 32 for i in range(4)]
+    idx.apply("a", k[:3], (), 3)
+    idx.apply("b", k[:1], (), 1)
+    assert idx.prefix_blocks(k, ["a", "b", "c"]) == {"a": 3, "b": 1, "c": 0}
+    idx.apply("a", (), [k[1]], 4)
+    assert idx.prefix_blocks(k, ["a", "b"]) == {"a": 1, "b": 1}
+    idx.replace("b", k, 9)
+    assert idx.prefix_blocks(k, ["a", "b"]) == {"a": 1, "b": 4}
+    idx.drop_node("b")
+    assert idx.prefix_blocks(k, ["b"]) == {"b": 0} and "b" not in idx.node_to_last_seq
+
+
+def test_prefill_choice_weighs_prefix_against_queue():
+    nodes = NodeSet(["http://p0", "http://p1"], ["http://d0", "http://d1"], block_size_tokens=16)
+    keys = [bytes([i]) * 32 for i in range(4)]
+    nodes.index.apply("prefill-1", keys, (), 4)
+    assert nodes.pick_prefill(keys, 70).name == "prefill-1"  # cost 70-64=6 vs 70
+    nodes.prefill[1].queued_tokens = 100
+    assert nodes.pick_prefill(keys, 70).name == "prefill-0"  # 106 vs 70
+    nodes.mark_down(nodes.prefill[0])
+    assert nodes.pick_prefill(keys, 70).name == "prefill-1"
+    nodes.decode[0].in_flight = 2
+    assert nodes.pick_decode(keys).name == "decode-1"
+    assert nodes.pick_decode(keys, exclude={"decode-1"}).name == "decode-0"
