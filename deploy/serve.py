@@ -87,7 +87,8 @@ def run_role(config: Any, role: str, index: int = 0) -> int:
     app, host, port = build_app(config, role, index)
 
     async def main() -> None:
-        runner = web.AppRunner(app, handler_cancellation=True)
+        # Nodes answer the router's event polls several times a second: no access log for those.
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=log if role == "router" else None)
         await runner.setup()
         site = web.TCPSite(runner, host, port)
         await site.start()

@@ -132,8 +132,9 @@ def one_of(options: tuple[str, ...]) -> Callable[[Any], str]:
 
 
 def port_list(v: Any) -> tuple[int, ...]:
-    if not isinstance(v, list) or not v or not all(isinstance(p, int) and 0 <= p < 65536 for p in v):
-        raise ValueError("is not a non-empty list of TCP ports")
+    if not isinstance(v, list) or not all(isinstance(p, int) and not isinstance(p, bool) and 0 <= p < 65536
+                                          for p in v):
+        raise ValueError("is not a list of TCP ports")
     return tuple(v)
 
 
@@ -168,7 +169,10 @@ def parse_services(root: Section, *, base_dir: Path, env: Mapping[str, str] | No
     prefill = PrefillSection(p.take("ports", port_list, ()), p.take("lease_ttl_s", positive_float, 30.0))
     p.done()
     d = root.section("decode")
-    decode = DecodeSection(d.take("ports", port_list, (8200,)),
+    decode_ports = d.take("ports", port_list, (8200,))
+    if not decode_ports:
+        raise ConfigError("decode.ports: at least one decode node is required")
+    decode = DecodeSection(decode_ports,
                            d.take("on_transfer_failure", one_of(FAILURE_POLICIES), "recompute"),
                            d.take("max_pending_requests", positive_int, 256),
                            d.take("transfer_timeout_s", positive_float, 10.0))

@@ -21,9 +21,8 @@ from model.sampling import SamplingParams
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
 MAX_PROMPT_TOKENS = 4 * 1024 * 1024
-_LIMITS: dict[str, int] = dict(max_buffer_size=MAX_BODY_BYTES, max_bin_len=16 * 1024 * 1024,
-                               max_str_len=1024 * 1024, max_array_len=MAX_PROMPT_TOKENS, max_map_len=64,
-                               max_ext_len=0)
+_LIMITS: dict[str, int] = dict(max_bin_len=16 * 1024 * 1024, max_str_len=1024 * 1024,
+                               max_array_len=MAX_PROMPT_TOKENS, max_map_len=64, max_ext_len=0)
 
 
 class ProtocolError(ValueError):
@@ -46,7 +45,7 @@ def unpack(data: bytes) -> Any:
 
 def new_unpacker() -> msgpack.Unpacker:
     """A streaming unpacker with the same limits (for decode's framed token stream)."""
-    return msgpack.Unpacker(raw=False, strict_map_key=True, **_LIMITS)
+    return msgpack.Unpacker(raw=False, strict_map_key=True, max_buffer_size=MAX_BODY_BYTES, **_LIMITS)
 
 
 def field(msg: Any, name: str, kind: type | tuple[type, ...], *, optional: bool = False) -> Any:

@@ -172,7 +172,7 @@ def read_snapshot(path: Path) -> DiskSnapshot | None:
     """
     if not (path / "data.mdb").exists():
         return None
-    env = lmdb.open(str(path), readonly=True, lock=True, subdir=True, max_dbs=3)
+    env = lmdb.open(str(path), map_size=0, readonly=True, lock=True, subdir=True, max_dbs=3)  # 0: as stored
     try:
         env.reader_check()
         page = env.stat()["psize"]

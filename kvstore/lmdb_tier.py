@@ -4,7 +4,7 @@ Who does what::
 
     caller thread (engine)                         writer thread (one per LmdbTier)
     ──────────────────────                         ────────────────────────────────
-    put:  copy block → record (one memcpy),        batches up to max_batch_blocks ops per
+    put:  copy block → record (one memcpy),        batches up to max_batch_bytes of ops per
           index it (readable at once), pick LRU    transaction: seal (checksum) records, put
           victims past the high watermark,         blocks and access order, delete victims,
           queue Put/Delete ─────────────────────▶  add lifetime counters, commit;
@@ -17,7 +17,7 @@ Who does what::
 * Any header mismatch or checksum failure is a miss, the entry is deleted and
   ``kvrelay_store_corrupt_total`` counts it: never wrong KV. An I/O error on read is a miss that keeps
   the entry. LMDB reporting corruption moves the environment aside and starts a fresh one.
-* A full write queue (``max_pending_writes`` records) drops the write rather than block the caller.
+* A full write queue (``max_pending_bytes`` of records) drops the write rather than block the caller.
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ class LmdbOptions:
     high_watermark_frac: float = 0.90
     low_watermark_frac: float = 0.80
     max_readers: int = 126
-    max_pending_writes: int = 64
-    max_batch_blocks: int = 16
+    max_pending_bytes: int = 256 << 20
+    max_batch_bytes: int = 32 << 20
     checksum: str = "sectorsum"
     reserved_pages: int = 64
 
@@ -273,8 +273,8 @@ class LmdbTier:
         entry = Entry(self._record_disk_bytes, record)
         victims: list[BlockKey] = []
         with self._lock:
-            pending = self._writer.num_pending_puts
-            fits = self._make_room(entry.disk_bytes, victims) if pending < self.options.max_pending_writes else False
+            queued = self._writer.pending_put_bytes + entry.disk_bytes <= self.options.max_pending_bytes
+            fits = queued and self._make_room(entry.disk_bytes, victims)
             if fits:
                 self._key_to_entry[key] = entry
                 self._used_bytes += entry.disk_bytes

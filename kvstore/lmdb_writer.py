@@ -2,7 +2,7 @@
 
 ::
 
-    submit(Put | Delete | Barrier | Stop) ──▶ queue ──▶ [op, op, … ≤ max_batch_blocks] ──▶ one write txn
+    submit(Put | Delete | Barrier | Stop) ──▶ queue ──▶ [op, op, … ≤ max_batch_bytes] ──▶ one write txn
                                                         deletes, then puts (+ access sequence),
                                                         touched keys' access sequence, counters
 
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from kvstore.lmdb_tier import LmdbTier
 
 log = logging.getLogger(__name__)
+_MAX_BATCH_OPS = 4096
 
 
 @dataclass(slots=True)
@@ -77,12 +78,12 @@ class LmdbWriter:
         self._opened = opened
         self._codec = codec
         self._tier = tier
-        self._max_batch = max(1, tier.options.max_batch_blocks)
+        self._max_batch_bytes = tier.options.max_batch_bytes
         self._queue: queue.SimpleQueue[Op] = queue.SimpleQueue()
         self._cond = threading.Condition()
         self._submitted = 0  # under _cond
         self._completed = 0  # under _cond
-        self.num_pending_puts = 0  # under _cond; read without it as a hint
+        self.pending_put_bytes = 0  # under _cond; read without it as a hint
         self._next_seq = first_seq
         self._thread = threading.Thread(target=self._run, name=f"kvrelay-lmdb-writer:{tier.path}", daemon=True)
 
@@ -92,7 +93,7 @@ class LmdbWriter:
     def submit(self, op: Op) -> None:
         with self._cond:
             self._submitted += 1
-            self.num_pending_puts += isinstance(op, Put)
+            self.pending_put_bytes += op.entry.disk_bytes if isinstance(op, Put) else 0
         self._queue.put(op)
 
     def flush(self, timeout_s: float) -> None:
@@ -130,11 +131,14 @@ class LmdbWriter:
         stop = False
         while not stop:
             batch = [self._queue.get()]
-            while len(batch) < self._max_batch:
+            batch_bytes = 0
+            while batch_bytes < self._max_batch_bytes and len(batch) < _MAX_BATCH_OPS:
                 try:
-                    batch.append(self._queue.get_nowait())
+                    op = self._queue.get_nowait()
                 except queue.Empty:
                     break
+                batch.append(op)
+                batch_bytes += op.entry.disk_bytes if isinstance(op, Put) else 0
             stop = any(isinstance(op, Stop) for op in batch)
             try:
                 self._apply(batch)
@@ -142,7 +146,7 @@ class LmdbWriter:
                 log.exception("disk tier %s: writer batch failed", self._tier.path)
             with self._cond:
                 self._completed += len(batch)
-                self.num_pending_puts -= sum(isinstance(op, Put) for op in batch)
+                self.pending_put_bytes -= sum(op.entry.disk_bytes for op in batch if isinstance(op, Put))
                 self._cond.notify_all()
 
     def _apply(self, batch: list[Op]) -> None:

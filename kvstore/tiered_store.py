@@ -208,7 +208,7 @@ class TieredStore:
         """Device block ids for the first ``match.num_blocks`` keys, each with one reference for the caller.
 
         Device hits are acquired; host and disk hits are copied into newly allocated device blocks that
-        are registered under their key. Where a block is looked up again (it may have moved since
+        are registered under their key. Each block is looked up again (it may have moved since
         `match_prefix`). If one cannot be loaded (no free device block, a disk record corrupt or
         unreadable), the shorter run before it is returned and nothing after it stays held: the caller
         computes the rest.

@@ -68,6 +68,7 @@ class PeerLink:
 
     meta: AgentMeta
     tier_to_dlist: dict[str, Any] = field(default_factory=dict)
+    active: bool = True  # False once removed from the agent (replaced by a newer incarnation, or closed)
 
     @property
     def name(self) -> str:
@@ -122,10 +123,11 @@ class KvAgent:
         self._local_dlists: dict[str, Any] = {}
         self._loopback_dlists: dict[str, Any] = {}
         self._peers: dict[str, PeerLink] = {}
+        self._stuck_handles: list[Any] = []
         self._executor.submit(self._nx_start, list(tiers), tuple(backends)).result()
         self.meta = AgentMeta(
             version=PROTOCOL_VERSION, agent_name=name, incarnation=self.incarnation,
-            nixl_metadata=self._executor.submit(lambda: self._agent.get_agent_metadata()).result(),
+            nixl_metadata=self._executor.submit(self._nx_local_metadata).result(),
             spec_fingerprint=spec.fingerprint,
             tiers=tuple(p.region for p in self._tiers.values() if p.registered),
         )
@@ -163,6 +165,13 @@ class KvAgent:
                             "of it use torch", tier, pool.region.mem_type, type(exc).__name__)
                 continue
             self._tiers[tier] = TierPool(tier, tensor, pool.region, registered=True)
+
+    def _nx_local_metadata(self) -> bytes:
+        try:
+            return self._agent.get_agent_metadata()
+        except NIXL_ERRORS as exc:  # no backend that peers could reach
+            log.warning("NIXL has no metadata for peers (%s): this node cannot serve reads", type(exc).__name__)
+            return b""
 
     # ------------------------------------------------------------- queries
     @property
@@ -218,6 +227,7 @@ class KvAgent:
         return link
 
     def _nx_remove_peer(self, link: PeerLink) -> None:
+        link.active = False
         for dlist in link.tier_to_dlist.values():
             dlist.release()
         link.tier_to_dlist.clear()
@@ -357,9 +367,8 @@ class KvAgent:
             raise TransferError("read_error", f"loopback copy {src_tier}→{dst_tier} failed: "
                                 f"{type(exc).__name__}") from None
         if state == "PROC":
-            # Still copying: keep the handle alive (released with the agent) rather than free it mid-copy.
-            self._agent._leaked_xfer_handles.append(handle._handle)
-            handle._released = True
+            # Still copying: keep the handle alive (released at close) rather than free it mid-copy.
+            self._stuck_handles.append(handle)
             raise TransferError("timeout", f"loopback copy {src_tier}→{dst_tier} of {len(src_ids)} blocks "
                                 f"did not finish in {timeout_s}s")
         handle.release()
@@ -380,6 +389,12 @@ class KvAgent:
                 dlist.release()
             self._local_dlists.clear()
             self._loopback_dlists.clear()
+            for handle in self._stuck_handles:
+                try:
+                    handle.release()
+                except NIXL_ERRORS as exc:
+                    log.warning("releasing a stuck loopback copy at close: %s", exc)
+            self._stuck_handles.clear()
 
         self._executor.submit(teardown).result()
         self._executor.shutdown(wait=True)
@@ -388,7 +403,8 @@ class KvAgent:
 def _block_descs(region: TierRegion) -> np.ndarray:
     """``[num_blocks, 3]`` uint64 rows ``(addr, block_bytes, device id)``: one descriptor per block."""
     descs = np.empty((region.num_blocks, 3), dtype=np.uint64)
-    descs[:, 0] = region.base_addr + np.arange(region.num_blocks, dtype=np.uint64) * np.uint64(region.block_stride_bytes)
+    offsets = np.arange(region.num_blocks, dtype=np.uint64) * np.uint64(region.block_stride_bytes)
+    descs[:, 0] = np.uint64(region.base_addr) + offsets
     descs[:, 1] = region.block_bytes
     descs[:, 2] = region.device_id
     return descs

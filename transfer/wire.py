@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 import msgpack
 
 from kvstore.block_key import BlockKey
@@ -269,3 +270,16 @@ def decode_renew_reply(data: Any) -> float:
     what = "lease renew reply"
     msg = _unpack(data, what, max_bytes=MAX_SMALL_MESSAGE_BYTES, max_array_len=0, max_bin_len=0)
     return _seconds(msg, "ttl_s", what)
+
+
+# --------------------------------------------------------------- HTTP bodies
+async def read_body(content: aiohttp.StreamReader, *, max_bytes: int, what: str) -> bytes:
+    """Read an HTTP body of at most ``max_bytes`` (whatever Content-Length claims). Raises WireError."""
+    chunks: list[bytes] = []
+    total = 0
+    async for chunk in content.iter_any():
+        total += len(chunk)
+        if total > max_bytes:
+            raise WireError(f"{what}: body exceeds the {max_bytes}-byte limit")
+        chunks.append(chunk)
+    return b"".join(chunks)

@@ -137,7 +137,8 @@ def test_garbage_over_data_mdb_moves_the_environment_aside(make_disk, tmp_path):
 
 def test_tiny_map_filled_past_capacity_keeps_serving(make_disk):
     # No watermark headroom: LMDB itself runs out of pages (MDB_MAP_FULL), the writer evicts and retries.
-    options = LmdbOptions(high_watermark_frac=1.0, low_watermark_frac=1.0, max_batch_blocks=4, reserved_pages=0)
+    options = LmdbOptions(high_watermark_frac=1.0, low_watermark_frac=1.0, max_batch_bytes=4 * PAGE,
+                          reserved_pages=0)
     tier = make_disk(capacity_bytes=32 * PAGE, options=options)
     keys = chain(120)
     for i, key in enumerate(keys):

@@ -1,0 +1,258 @@
+"""YAML config → frozen dataclasses: the only place that reads the config file (``yaml.safe_load``).
+
+`load_config` reads one file with these sections (see ``deploy/configs/``)::
+
+    model, engine, internal, prefill, decode, router      →  deploy.service_config
+    kvstore:                                              →  KvStoreConfig (here)
+      block_size_tokens: 16
+      device: {bytes: 4GiB}              # or {fraction_of_free: 0.9}: of free GPU memory, through NVML
+      host: {bytes: 16GiB}               # optional: no host tier when absent
+      disk: {path: /var/lib/kvrelay/kv, bytes: 200GiB, admit: "seen>=2"}   # optional; admit: all | seen>=N
+
+Sizes are integers (bytes) or strings with a binary unit (``"4096"``, ``512MiB``, ``8GiB``, ``1.5TiB``).
+Relative paths resolve from the working directory. Every bad value or unknown key raises `ConfigError`
+naming its key path, e.g. ``kvstore.disk.bytes: '8GB' is not a size; use e.g. "8GiB"``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from deploy.service_config import (
+    DecodeSection,
+    EngineSection,
+    InternalSection,
+    ModelSection,
+    PrefillSection,
+    RouterSection,
+    Section,
+    parse_services,
+    positive_int,
+    size,
+    string,
+)
+from deploy.sizes import ConfigError
+from kvstore.admission import parse_admission
+from kvstore.block_spec import BlockSpec
+from kvstore.tiered_store import TieredStoreConfig
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "local.yaml"
+GpuFreeBytes = Callable[[], int]
+
+__all__ = ["DEFAULT_CONFIG", "Config", "ConfigError", "KvStoreConfig", "load_config", "parse_config"]
+
+
+def nvml_free_bytes() -> int:
+    """Free memory of this process's first visible GPU, read through NVML (``pynvml``).
+
+    Raises:
+        Exception: whatever NVML raises (``NVMLError_LibraryNotFound`` on a machine without a driver).
+    """
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"
+        if first.startswith(("GPU-", "MIG-")):
+            handle = pynvml.nvmlDeviceGetHandleByUUID(first)
+        else:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(int(first))
+        return int(pynvml.nvmlDeviceGetMemoryInfo(handle).free)
+    finally:
+        pynvml.nvmlShutdown()
+
+
+# ---------------------------------------------------------------- dataclasses
+@dataclass(frozen=True, slots=True)
+class DeviceTierConfig:
+    """Exactly one of ``size_bytes`` and ``free_memory_frac`` is set."""
+
+    size_bytes: int | None = None
+    free_memory_frac: float | None = None
+
+    def resolve_bytes(self, gpu_free_bytes: GpuFreeBytes = nvml_free_bytes) -> int:
+        """Bytes for the device pool: ``size_bytes``, or the fraction of GPU memory free now (call it
+        after the model weights are loaded, like ``gpu_memory_utilization``)."""
+        if self.size_bytes is not None:
+            return self.size_bytes
+        assert self.free_memory_frac is not None
+        return int(gpu_free_bytes() * self.free_memory_frac)
+
+
+@dataclass(frozen=True, slots=True)
+class HostTierConfig:
+    size_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class DiskTierConfig:
+    path: str
+    size_bytes: int
+    admit: str = "all"
+
+
+@dataclass(frozen=True, slots=True)
+class KvStoreConfig:
+    device: DeviceTierConfig
+    block_size_tokens: int = 16
+    host: HostTierConfig | None = None
+    disk: DiskTierConfig | None = None
+
+    def device_num_blocks(self, block_bytes: int, gpu_free_bytes: GpuFreeBytes = nvml_free_bytes) -> int:
+        """Device blocks of ``block_bytes`` that fit the device tier.
+
+        Raises:
+            ConfigError: not even one.
+        """
+        device_bytes = self.device.resolve_bytes(gpu_free_bytes)
+        if device_bytes < block_bytes:
+            key = "bytes" if self.device.size_bytes is not None else "fraction_of_free"
+            raise ConfigError(
+                f"kvstore.device.{key}: {device_bytes} bytes hold no {block_bytes}-byte KV block; raise it"
+            )
+        return device_bytes // block_bytes
+
+    def store_config(
+        self, spec: BlockSpec, *, device: str = "cpu", gpu_free_bytes: GpuFreeBytes = nvml_free_bytes
+    ) -> TieredStoreConfig:
+        """Sizes in blocks of ``spec`` for `kvstore.tiered_store.TieredStore`.
+
+        Raises:
+            ConfigError: the device tier holds no block, or ``spec`` has another block size.
+        """
+        if spec.block_size_tokens != self.block_size_tokens:
+            raise ConfigError(
+                f"kvstore.block_size_tokens: {self.block_size_tokens} but the model's KV blocks have "
+                f"{spec.block_size_tokens} tokens"
+            )
+        return TieredStoreConfig(
+            num_device_blocks=self.device_num_blocks(spec.block_bytes, gpu_free_bytes),
+            num_host_blocks=self.host.size_bytes // spec.block_bytes if self.host is not None else 0,
+            disk_path=self.disk.path if self.disk is not None else None,
+            disk_capacity_bytes=self.disk.size_bytes if self.disk is not None else 0,
+            admit=self.disk.admit if self.disk is not None else "all",
+            device=device,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """The whole config file, one field per section."""
+
+    model: ModelSection
+    kvstore: KvStoreConfig
+    engine: EngineSection
+    internal: InternalSection
+    prefill: PrefillSection
+    decode: DecodeSection
+    router: RouterSection
+
+
+# -------------------------------------------------------------------- kvstore
+def _fraction(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v <= 1:
+        raise ValueError("is not a fraction in (0, 1]")
+    return float(v)
+
+
+def _admission(v: Any) -> str:
+    try:
+        parse_admission(v)
+    except ValueError:
+        raise ValueError('is not an admission policy; use "all" or "seen>=N" with N >= 1, e.g. "seen>=2"') from None
+    return v.strip()
+
+
+def parse_kvstore(root: Section, *, base_dir: Path, gpu_free_bytes: GpuFreeBytes = nvml_free_bytes) -> KvStoreConfig:
+    """Read the ``kvstore`` section of ``root``.
+
+    ``fraction_of_free`` asks NVML for free GPU memory once here, so a machine without NVML fails at
+    start; the pool itself is sized later by `DeviceTierConfig.resolve_bytes`.
+
+    Raises:
+        ConfigError: naming the key path of the first bad value or unknown key.
+    """
+    k = root.section("kvstore")
+    block_size_tokens = k.take("block_size_tokens", positive_int, 16)
+    d = k.section("device")
+    device = DeviceTierConfig(d.take("bytes", size, None), d.take("fraction_of_free", _fraction, None))
+    d.done()
+    if (device.size_bytes is None) == (device.free_memory_frac is None):
+        raise ConfigError('kvstore.device: set exactly one of bytes (e.g. 8GiB) and fraction_of_free (e.g. 0.9)')
+    if device.free_memory_frac is not None:
+        try:
+            gpu_free_bytes()
+        except Exception as exc:  # NVML missing or failing: fail now, naming the key
+            raise ConfigError(
+                f"kvstore.device.fraction_of_free: cannot read free GPU memory through NVML "
+                f'({type(exc).__name__}: {exc}); set kvstore.device.bytes instead, e.g. "8GiB"'
+            ) from None
+    h = k.section("host")
+    host_bytes = h.take("bytes", size, None)
+    h.done()
+    s = k.section("disk")
+    disk_path, disk_bytes, admit = s.take("path", string, None), s.take("bytes", size, None), s.take(
+        "admit", _admission, "all"
+    )
+    s.done()
+    disk = None
+    if disk_path is not None or disk_bytes is not None:
+        for name, value, example in (("path", disk_path, "/var/lib/kvrelay/kv"), ("bytes", disk_bytes, "200GiB")):
+            if value is None:
+                raise ConfigError(f"kvstore.disk.{name}: required with a disk tier; e.g. {example}")
+        assert disk_path is not None and disk_bytes is not None
+        disk = DiskTierConfig(str(base_dir / Path(disk_path).expanduser()), disk_bytes, admit)
+    k.done()
+    return KvStoreConfig(device, block_size_tokens, HostTierConfig(host_bytes) if host_bytes else None, disk)
+
+
+# ---------------------------------------------------------------------- files
+def parse_config(
+    data: Any, *, base_dir: Path, gpu_free_bytes: GpuFreeBytes = nvml_free_bytes, env: Mapping[str, str] | None = None
+) -> Config:
+    """A `Config` from already-loaded YAML ``data``.
+
+    Raises:
+        ConfigError: naming the key path of the first bad value or unknown key.
+    """
+    root = Section(data, "")
+    kvstore = parse_kvstore(root, base_dir=base_dir, gpu_free_bytes=gpu_free_bytes)
+    services = parse_services(root, base_dir=base_dir, env=env)
+    root.done()
+    return Config(kvstore=kvstore, **services)
+
+
+def load_config(
+    path: str | Path, *, model_path: str | None = None, router_port: int | None = None,
+    gpu_free_bytes: GpuFreeBytes = nvml_free_bytes,
+) -> Config:
+    """Read and validate the YAML file at ``path``; ``model_path``/``router_port`` override
+    ``model.path``/``router.port``. Relative paths resolve from the working directory.
+
+    Raises:
+        ConfigError: unreadable file, invalid YAML, or a bad value (the message names the key path).
+    """
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read config file ({exc.strerror})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{p}: not valid YAML: {exc}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{p}: the top level must be a mapping of sections (model, kvstore, ...)")
+    data = dict(data)
+    for section, key, value in (("model", "path", model_path), ("router", "port", router_port)):
+        if value is not None:
+            data[section] = {**(data.get(section) or {}), key: value}
+    return parse_config(data, base_dir=Path.cwd(), gpu_free_bytes=gpu_free_bytes)

@@ -1,0 +1,119 @@
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from deploy.config import DEFAULT_CONFIG, ConfigError, load_config, nvml_free_bytes
+from kvstore.block_spec import BlockSpec
+
+GOOD = """
+model: {path: models/tiny}
+kvstore:
+  block_size_tokens: 4
+  device: {bytes: 64KiB}
+  host: {bytes: "1.5MiB"}
+  disk: {path: kv/disk, bytes: 8388608, admit: "seen >= 2"}
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "kvrelay.yaml"
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def no_nvml() -> int:
+    raise RuntimeError("NVML Shared Library Not Found")
+
+
+def test_kvstore_section_becomes_sizes_in_bytes_and_paths_from_the_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    kv = load_config(write(tmp_path, GOOD), gpu_free_bytes=no_nvml).kvstore
+    assert kv.block_size_tokens == 4
+    assert (kv.device.size_bytes, kv.device.free_memory_frac) == (65536, None)
+    assert kv.host.size_bytes == 1572864
+    assert (kv.disk.path, kv.disk.size_bytes, kv.disk.admit) == (str(tmp_path / "kv/disk"), 8388608, "seen >= 2")
+    spec = BlockSpec(num_layers=2, num_kv_heads=2, head_dim=16, block_size_tokens=4)  # 2 KiB blocks
+    store = kv.store_config(spec, gpu_free_bytes=no_nvml)
+    assert (store.num_device_blocks, store.num_host_blocks, store.disk_capacity_bytes) == (32, 768, 8388608)
+    assert (store.disk_path, store.admit) == (kv.disk.path, "seen >= 2")
+    with pytest.raises(ConfigError, match="kvstore.block_size_tokens: 4 but the model's KV blocks have 16"):
+        kv.store_config(BlockSpec(num_layers=2, num_kv_heads=2, head_dim=16))
+
+
+def test_tiers_are_optional_and_fraction_of_free_reads_nvml(tmp_path):
+    path = write(tmp_path, """
+        model: {path: m}
+        kvstore: {device: {fraction_of_free: 0.5}}
+    """)
+    kv = load_config(path, gpu_free_bytes=lambda: 10 << 20).kvstore
+    assert kv.host is None and kv.disk is None and kv.block_size_tokens == 16
+    assert kv.device.free_memory_frac == 0.5
+    assert kv.device_num_blocks(1 << 20, lambda: 10 << 20) == 5
+    with pytest.raises(ConfigError, match="kvstore.device.fraction_of_free: 524288 bytes hold no 1048576-byte"):
+        kv.device_num_blocks(1 << 20, lambda: 1 << 20)
+
+
+def test_fraction_of_free_without_nvml_fails_at_start_saying_to_use_bytes(tmp_path):
+    path = write(tmp_path, "model: {path: m}\nkvstore: {device: {fraction_of_free: 0.9}}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path, gpu_free_bytes=no_nvml)
+    assert str(err.value).startswith("kvstore.device.fraction_of_free: cannot read free GPU memory through NVML")
+    assert 'set kvstore.device.bytes instead, e.g. "8GiB"' in str(err.value)
+    try:
+        nvml_free_bytes()
+    except Exception:  # this machine has no NVML: the real reader fails the same way
+        with pytest.raises(ConfigError, match="kvstore.device.fraction_of_free: cannot read free GPU memory"):
+            load_config(path)
+
+
+@pytest.mark.parametrize(
+    ("kvstore", "message"),
+    [
+        ("{device: {bytes: 1GiB}, disk: {path: d, bytes: 8GB}}",
+         'kvstore.disk.bytes: \'8GB\' is not a size; use e.g. "8GiB"'),
+        ("{device: {bytes: -4096}}", "kvstore.device.bytes: -4096 must be positive"),
+        ("{device: {bytes: true}}", "kvstore.device.bytes: True is not a size"),
+        ("{device: {bytes: 1GiB, fraction_of_free: 0.5}}", "kvstore.device: set exactly one of bytes"),
+        ("{device: {}}", "kvstore.device: set exactly one of bytes"),
+        ("{block_size_tokens: 16}", "kvstore.device: set exactly one of bytes"),
+        ("{device: 8GiB}", "kvstore.device: must be a mapping"),
+        ("{device: {fraction_of_free: 1.5}}", "kvstore.device.fraction_of_free: 1.5 is not a fraction in (0, 1]"),
+        ("{device: {bytes: 1GiB, size: 2}}", "kvstore.device.size: unknown key"),
+        ("{device: {bytes: 1GiB}, host: {bytes: lots}}", "kvstore.host.bytes: 'lots' is not a size"),
+        ("{device: {bytes: 1GiB}, host: {byte: 1GiB}}", "kvstore.host.byte: unknown key"),
+        ("{device: {bytes: 1GiB}, disk: {path: d, bytes: 1GiB, admit: twice}}",
+         "kvstore.disk.admit: 'twice' is not an admission policy"),
+        ("{device: {bytes: 1GiB}, disk: {path: d, bytes: 1GiB, admit: seen>=0}}",
+         "kvstore.disk.admit: 'seen>=0' is not an admission policy"),
+        ("{device: {bytes: 1GiB}, disk: {bytes: 1GiB}}", "kvstore.disk.path: required with a disk tier"),
+        ("{device: {bytes: 1GiB}, disk: {path: d}}", "kvstore.disk.bytes: required with a disk tier"),
+        ("{device: {bytes: 1GiB}, disk: {path: d, bytes: 1GiB, sizee: 2}}", "kvstore.disk.sizee: unknown key"),
+        ("{device: {bytes: 1GiB}, colour: blue}", "kvstore.colour: unknown key"),
+        ("{device: {bytes: 1GiB}, block_size_tokens: 0}", "kvstore.block_size_tokens: 0 is not a positive integer"),
+        ("[1, 2]", "kvstore: must be a mapping"),
+    ],
+)
+def test_every_bad_value_names_its_key_path(tmp_path, kvstore, message):
+    path = write(tmp_path, f"model: {{path: m}}\nkvstore: {kvstore}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path, gpu_free_bytes=no_nvml)
+    assert str(err.value).startswith(message), str(err.value)
+
+
+def test_file_level_errors(tmp_path):
+    with pytest.raises(ConfigError, match="kvstor: unknown key"):
+        load_config(write(tmp_path, "model: {path: m}\nkvstore: {device: {bytes: 1GiB}}\nkvstor: {}\n"))
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(write(tmp_path, "kvstore: {device: [\n"))
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(write(tmp_path, "- 1\n"))
+
+
+def test_shipped_configs_load(monkeypatch):
+    monkeypatch.chdir(DEFAULT_CONFIG.parent.parent.parent)
+    for path in sorted(DEFAULT_CONFIG.parent.glob("*.yaml")):
+        config = load_config(path, gpu_free_bytes=lambda: 80 << 30)
+        assert config.kvstore.device.size_bytes or config.kvstore.device.free_memory_frac, path

@@ -1,0 +1,96 @@
+"""Issue 4, test 1: owner and reader in separate processes — byte-identical reads, pins back to zero
+after the completion notification, and only missing keys read."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.transfer.harness import SPEC, await_until, in_thread, keys_of, open_reader, run, tokens
+from transfer.errors import TransferError
+
+
+def test_pulled_blocks_are_byte_identical_and_owner_unpins_after_notification(owner):
+    async def body():
+        async with open_reader() as r:
+            toks = tokens(1, 24)
+            handle = await in_thread(lambda: owner.offer(toks))
+            assert (await in_thread(owner.state))["pinned_refs"] == 24
+            result = await r.puller.pull(handle, deadline_s=20)
+            assert (result.num_read, result.num_held, result.bytes_read) == (24, 0, 24 * SPEC.block_bytes)
+            assert len(set(result.block_ids)) == 24
+            r.assert_holds(result.block_ids, keys_of(toks))
+            assert [r.pool.ref_count(b) for b in result.block_ids] == [1] * 24
+            assert [r.pool.key_of(b) for b in result.block_ids] == keys_of(toks)
+            await await_until(lambda: owner.state()["pinned_refs"] == 0, 10, "owner pins to drop to zero")
+            assert owner.state()["leases"] == 0
+            r.pool.release(result.block_ids)
+
+    run(body())
+
+
+def test_only_missing_keys_are_read_and_a_held_prefix_is_not_pulled_again(owner):
+    async def body():
+        async with open_reader() as r:
+            toks = tokens(2, 10)
+            first = await r.puller.pull(await in_thread(lambda: owner.offer(toks[: 4 * SPEC.block_size_tokens])),
+                                        deadline_s=20)
+            assert (first.num_read, first.num_held) == (4, 0)
+            r.pool.release(first.block_ids)  # cached now: still keyed in the reader's pool
+
+            full = await r.puller.pull(await in_thread(lambda: owner.offer(toks)), deadline_s=20)
+            assert (full.num_read, full.num_held, full.bytes_read) == (6, 4, 6 * SPEC.block_bytes)
+            assert full.block_ids[:4] == first.block_ids
+            r.assert_holds(full.block_ids, keys_of(toks))
+
+            again = await r.puller.pull(await in_thread(lambda: owner.offer(toks)), deadline_s=20)
+            assert (again.num_read, again.num_held, again.bytes_read) == (0, 10, 0)
+            assert again.block_ids == full.block_ids
+            assert [r.pool.ref_count(b) for b in full.block_ids] == [2] * 10
+            r.pool.release(full.block_ids)
+            r.pool.release(again.block_ids)
+            await await_until(lambda: owner.state()["leases"] == 0, 10, "both leases to be released")
+
+    run(body())
+
+
+def test_blocks_on_two_owner_tiers_come_in_one_pull(owner):
+    async def body():
+        async with open_reader() as r:
+            toks = tokens(3, 12)
+            handle = await in_thread(lambda: owner.offer(toks, tier="split"))
+            assert [b.tier for b in handle.blocks] == ["device"] * 6 + ["host"] * 6
+            result = await r.puller.pull(handle, deadline_s=20)
+            assert result.num_read == 12
+            r.assert_holds(result.block_ids, keys_of(toks))
+            r.pool.release(result.block_ids)
+
+    run(body())
+
+
+def test_a_large_pull_of_many_descriptors_is_byte_identical(owner):
+    async def body():
+        async with open_reader() as r:
+            toks = tokens(4, 512)  # 64 MiB, 512 descriptors
+            result = await r.puller.pull(await in_thread(lambda: owner.offer(toks)), deadline_s=60)
+            assert result.num_read == 512
+            r.assert_holds(result.block_ids, keys_of(toks))
+            r.pool.release(result.block_ids)
+
+    run(body())
+
+
+def test_too_few_free_blocks_is_a_typed_error_and_reserves_nothing(owner):
+    async def body():
+        async with open_reader() as r:
+            hog = r.pool.allocate(r.pool.num_blocks - 3)
+            handle = await in_thread(lambda: owner.offer(tokens(5, 4)))
+            with pytest.raises(TransferError, match="need 4 free KV blocks") as err:
+                await r.puller.pull(handle, deadline_s=10)
+            assert err.value.reason == "no_blocks"
+            assert r.pool.num_free_blocks == 3
+            r.pool.release(hog)
+            # The lease is still live on the owner; a pull with room succeeds and unpins it.
+            result = await r.puller.pull(handle, deadline_s=10)
+            r.pool.release(result.block_ids)
+
+    run(body())

@@ -1,0 +1,135 @@
+"""`KvOwner`: the owner side of a KV transfer — hand out handles under leases, unpin when told or expired.
+
+::
+
+    offer(keys, blocks, num_tokens) ──▶ LeaseTable.grant ──▶ KvHandle (to the reader, via the router)
+    reader's NIXL notification {"done"|"abort", lease_id} ──▶ drain_notifications ──▶ LeaseTable.release
+    POST /kv/lease/renew                                  ──▶ renew
+    every reap_interval_s                                 ──▶ reap (expired leases unpin)
+
+The reader READs the blocks one-sidedly; the owner does nothing per READ but keep them pinned.
+`run` drives the notification drain and the reaper until cancelled (`transfer.server` starts it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+from kvstore.block_key import BlockKey
+from transfer.config import TransferConfig
+from transfer.handle import KvHandle
+from transfer.lease import LeaseTable, TierBlock
+from transfer.nixl_agent import KvAgent
+from transfer.pool_call import PoolCall, run_inline
+from transfer.wire import WireError, decode_notif
+
+log = logging.getLogger(__name__)
+
+
+class KvOwner:
+    """Leases out blocks of ``agent``'s tiers to readers.
+
+    Args:
+        agent: this node's agent (its `meta` is what ``/kv/meta`` serves).
+        leases: the lease table over this node's pools; touched only through ``pool_call`` (or, for
+            `offer`, by a caller already where the pools live).
+        owner_url: base URL readers reach this node's transfer endpoints at (goes into handles).
+        config: ``lease_ttl_s``, ``reap_interval_s``, ``notif_poll_interval_s``, ``internal_token``.
+        pool_call: runs lease operations where the pools live.
+    """
+
+    def __init__(
+        self, agent: KvAgent, leases: LeaseTable, *, owner_url: str, config: TransferConfig,
+        pool_call: PoolCall = run_inline,
+    ) -> None:
+        if not owner_url.startswith(("http://", "https://")):
+            raise ValueError(f"owner_url must be an http(s) URL, got {owner_url!r}")
+        self.agent = agent
+        self.leases = leases
+        self.owner_url = owner_url.rstrip("/")
+        self.config = config
+        self._pool_call = pool_call
+        self.num_notifs = 0
+        self.num_bad_notifs = 0
+        self.num_reaped = 0
+
+    def offer(self, keys: Sequence[BlockKey], blocks: Sequence[TierBlock], *, num_tokens: int) -> KvHandle:
+        """Pin ``blocks`` (``blocks[i]`` holds ``keys[i]``) under a new lease and describe them to a reader.
+
+        Call where the pools live (it mutates them). The blocks must be full, keyed and in use or cached.
+
+        Raises:
+            ValueError: lengths differ, nothing to offer, ``num_tokens`` is not ``len(keys)·block_size_tokens``,
+                a tier is not readable by peers (not registered with NIXL), or `LeaseTable.grant` refuses.
+        """
+        if not keys or len(keys) != len(blocks):
+            raise ValueError(f"offer needs one block per key, got {len(keys)} keys and {len(blocks)} blocks")
+        if num_tokens != len(keys) * self.agent.spec.block_size_tokens:
+            raise ValueError(f"{len(keys)} full blocks hold {len(keys) * self.agent.spec.block_size_tokens} tokens, "
+                             f"not {num_tokens}")
+        readable = {t.name for t in self.agent.meta.tiers}
+        for tier, _ in blocks:
+            if tier not in readable:
+                raise ValueError(f"tier {tier!r} is not readable by peers (registered: {sorted(readable)})")
+        lease_id = self.leases.grant(blocks, ttl_s=self.config.lease_ttl_s)
+        return KvHandle(
+            owner_agent=self.agent.name, owner_incarnation=self.agent.incarnation, owner_url=self.owner_url,
+            keys=tuple(keys), blocks=tuple(TierBlock(t, b) for t, b in blocks), num_tokens=num_tokens,
+            lease_id=lease_id, lease_ttl_s=self.config.lease_ttl_s,
+        )
+
+    async def renew(self, lease_id: str) -> float | None:
+        """Extend a lease; its ttl in seconds, or None if it is gone."""
+        return await self._pool_call(lambda: self.leases.renew(lease_id))
+
+    async def release(self, lease_id: str) -> bool:
+        return await self._pool_call(lambda: self.leases.release(lease_id))
+
+    async def drain_notifications(self) -> int:
+        """Apply the notifications received so far; returns how many leases they released.
+
+        Malformed notifications are counted (``num_bad_notifs``), logged and dropped.
+        """
+        released = 0
+        for sender, messages in (await self.agent.get_notifs()).items():
+            for message in messages:
+                self.num_notifs += 1
+                try:
+                    notif = decode_notif(message)
+                except WireError as exc:
+                    self.num_bad_notifs += 1
+                    log.warning("dropped a malformed notification from %r: %s", str(sender)[:128], exc)
+                    continue
+                if await self.release(notif.lease_id):
+                    released += 1
+        return released
+
+    async def reap(self) -> list[str]:
+        """Unpin expired leases; returns their ids."""
+        expired: list[str] = await self._pool_call(self.leases.reap)
+        self.num_reaped += len(expired)
+        for lease_id in expired:
+            log.info("lease %s expired; its blocks are unpinned", lease_id)
+        return expired
+
+    async def run(self) -> None:
+        """Drain notifications every ``notif_poll_interval_s`` and reap every ``reap_interval_s``, until cancelled."""
+        loop = asyncio.get_running_loop()
+        next_reap = loop.time()
+        while True:
+            try:
+                await self.drain_notifications()
+                if loop.time() >= next_reap:
+                    await self.reap()
+                    next_reap = loop.time() + self.config.reap_interval_s
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - keep unpinning whatever one pass hit
+                log.exception("transfer owner background pass failed")
+            await asyncio.sleep(self.config.notif_poll_interval_s)
+
+    def check_integrity(self) -> None:
+        """Lease integrity (run where the pools live). Raises AssertionError."""
+        self.leases.check_integrity()

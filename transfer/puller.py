@@ -1,0 +1,377 @@
+"""`Puller`: the reader side of a KV transfer — pull a handle's blocks into the local device pool.
+
+::
+
+    pull(handle, deadline_s)
+      1 link = PeerCache.link(handle)                    handshake on first contact (bounded)
+      2 reserve (on the pool's thread):  keys held locally → acquire;  missing → allocate
+      3 nothing missing?  notify "done" → return
+      4 one NIXL READ per remote tier for the missing blocks, posted on the nixl thread;
+        meanwhile the lease is renewed (now, then every ttl/3) over HTTP
+      5 poll from asyncio (200 µs → 5 ms backoff) until every READ is DONE, one is ERR, or the deadline
+      6 confirm the lease was held when the READ completed (a renew sent before completion that
+        returned ttl covers it), so the bytes are the ones the owner pinned
+      7 notify "done" (the owner unpins), key the new blocks in the pool → PullResult
+
+Failure (read error, timeout, vanished or restarted owner, lost lease, cancellation) raises one
+`TransferError` after: released handles of finished READs, blocks held for keys back to the pool,
+blocks whose READ finished (any outcome) back to the pool unkeyed, an "abort" notification to the owner.
+
+Quarantine. NIXL may still write into the destination blocks of a READ that has not finished: with
+UCX the bytes of a stalled READ were seen landing before it reported DONE, and even after its handle
+was released and the peer removed. So a READ still in flight when the pull gives up keeps its blocks
+out of the pool (``in use``, unkeyed, never handed out) and its handle alive; a background task polls
+it and returns the blocks once NIXL reports DONE or ERR (a late completion is thus ignored: its bytes
+are never keyed or used). If the peer stays stalled the blocks stay quarantined until it dies (UCX then
+reports an error) or the agent is torn down. `pull` refuses new work beyond
+``config.max_quarantined_blocks`` quarantined blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from dataclasses import dataclass
+
+from kvstore.block_key import BlockKey
+from kvstore.block_pool import BlockPool
+from transfer.config import TransferConfig
+from transfer.errors import TransferError
+from transfer.handle import KvHandle
+from transfer.nixl_agent import KvAgent, PeerLink, XferRequest
+from transfer.peer_cache import PeerCache
+from transfer.pool_call import PoolCall, run_inline
+from transfer.wire import encode_notif
+
+log = logging.getLogger(__name__)
+POLL_MIN_S = 0.0002
+POLL_MAX_S = 0.005
+QUARANTINE_POLL_MIN_S = 0.01
+QUARANTINE_POLL_MAX_S = 0.1
+
+
+@dataclass(frozen=True, slots=True)
+class PullResult:
+    """A completed pull.
+
+    ``block_ids[i]`` is the local device block holding ``handle.keys[i]``; the caller holds one reference
+    on each and releases it (`BlockPool.release`) or hands it over (the engine's ``pinned_block_ids``).
+    """
+
+    block_ids: list[int]
+    num_read: int
+    num_held: int
+    bytes_read: int
+    elapsed_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Reservation:
+    block_ids: list[int]
+    missing: list[int]  # indices into the handle's keys that must be read
+    held: list[int]  # indices already in the pool (acquired)
+
+
+@dataclass(eq=False)
+class _Quarantined:
+    xfers: list[XferRequest]
+    block_ids: list[int]
+
+
+class _LeaseKeeper:
+    """Renews a handle's lease while its READ runs and knows until when the lease is surely held."""
+
+    def __init__(self, peers: PeerCache, handle: KvHandle, *, renew_timeout_s: float) -> None:
+        self._peers = peers
+        self._handle = handle
+        self._renew_timeout_s = renew_timeout_s
+        self.valid_until = -math.inf  # loop time before which the owner surely held the lease
+        self.failure: TransferError | None = None
+        self._changed = asyncio.Event()
+        self._task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        interval = self._handle.lease_ttl_s / 3
+        while True:
+            sent = loop.time()
+            try:
+                ttl = await self._peers.renew(self._handle, timeout_s=min(self._renew_timeout_s, interval))
+            except TransferError as exc:
+                if exc.reason != "timeout":
+                    self._fail(exc)
+                    return
+                self._changed.set()
+                continue
+            if ttl is None:
+                self._fail(TransferError("lease_lost", f"owner {self._handle.owner_agent!r} no longer holds lease "
+                                         f"{self._handle.lease_id} (expired or released)"))
+                return
+            # The owner set expiry = (its now) + ttl after `sent`, and leases never come back.
+            self.valid_until = max(self.valid_until, sent + ttl)
+            self._changed.set()
+            await asyncio.sleep(interval)
+
+    def _fail(self, exc: TransferError) -> None:
+        self.failure = exc
+        self._changed.set()
+
+    async def wait_covers(self, t: float, t_end: float) -> None:
+        """Return once the lease is known to have been held at loop time ``t``. Raises TransferError."""
+        loop = asyncio.get_running_loop()
+        while self.valid_until < t:
+            self._changed.clear()
+            if self.failure is not None:
+                raise self.failure
+            remaining = t_end - loop.time()
+            if remaining <= 0:
+                raise TransferError("timeout", f"could not confirm lease {self._handle.lease_id} with "
+                                    f"{self._handle.owner_agent!r} before the deadline")
+            try:
+                await asyncio.wait_for(self._changed.wait(), remaining)
+            except asyncio.TimeoutError:
+                pass
+
+    def stop(self) -> None:
+        self._task.cancel()
+
+
+class Puller:
+    """Pulls KV handles into ``pool`` (the device tier registered in ``agent`` as ``local_tier``).
+
+    Args:
+        agent: this node's agent; its ``local_tier`` pool tensor backs ``pool``.
+        pool: the device `BlockPool`; mutated only through ``pool_call``.
+        peers: the handshake cache (also renews leases).
+        config: ``renew_timeout_s``, ``max_quarantined_blocks``.
+        pool_call: runs pool operations where the pool lives (`transfer.pool_call`).
+    """
+
+    def __init__(
+        self, agent: KvAgent, pool: BlockPool, peers: PeerCache, *, config: TransferConfig,
+        pool_call: PoolCall = run_inline,
+    ) -> None:
+        self._agent = agent
+        self._pool = pool
+        self._peers = peers
+        self._config = config
+        self._pool_call = pool_call
+        self.local_tier = "device"
+        if agent.pool(self.local_tier).shape[0] != pool.num_blocks:
+            raise ValueError(f"pool has {pool.num_blocks} blocks, agent tier 'device' "
+                             f"{agent.pool(self.local_tier).shape[0]}")
+        # Owned by Puller alone (event loop thread).
+        self._quarantined: list[_Quarantined] = []
+        self._drain_task: asyncio.Task[None] | None = None
+        self.num_reads_in_flight = 0  # pulls with a posted READ not yet finished or abandoned
+
+    # ------------------------------------------------------------ queries
+    @property
+    def num_quarantined_blocks(self) -> int:
+        return sum(len(q.block_ids) for q in self._quarantined)
+
+    def check_integrity(self) -> None:
+        """Assert quarantined blocks are distinct, unkeyed and in use. Run where the pool lives.
+
+        Raises:
+            AssertionError: naming the first inconsistent block.
+        """
+        seen: set[int] = set()
+        for q in self._quarantined:
+            for b in q.block_ids:
+                assert b not in seen, f"block {b} is quarantined twice"
+                seen.add(b)
+                assert self._pool.ref_count(b) >= 1, f"quarantined block {b} is not in use"
+                assert self._pool.key_of(b) is None, f"quarantined block {b} has a key"
+
+    # --------------------------------------------------------------- pull
+    async def pull(self, handle: KvHandle, *, deadline_s: float) -> PullResult:
+        """Make every block of ``handle`` present in the local pool, reading only the missing ones.
+
+        Returns:
+            `PullResult`; its ``block_ids`` each carry one reference for the caller.
+
+        Raises:
+            TransferError: see `transfer.errors` for the reasons. No block of a failed pull is handed out,
+                and by the time it is raised every block it reserved is back in the pool or quarantined.
+            ValueError: ``deadline_s`` is not positive.
+        """
+        if not deadline_s > 0:
+            raise ValueError(f"deadline_s must be positive, got {deadline_s}")
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        t_end = t0 + deadline_s
+        self._check_shape(handle)
+        if self.num_quarantined_blocks > self._config.max_quarantined_blocks:
+            raise TransferError("no_blocks", f"{self.num_quarantined_blocks} blocks are held back for reads from "
+                                "stalled peers; refusing new pulls until they finish")
+        link = await self._peers.link(handle, timeout_s=min(self._config.handshake_timeout_s, deadline_s))
+        self._check_blocks(handle, link)
+        res: _Reservation = await self._pool_call(lambda: self._reserve(handle.keys))
+        if not res.missing:
+            await self._notify(link, "done", handle)
+            return PullResult(res.block_ids, 0, len(res.held), 0, loop.time() - t0)
+        keeper = _LeaseKeeper(self._peers, handle, renew_timeout_s=self._config.renew_timeout_s)
+        xfers: list[XferRequest] = []
+        try:
+            xfers = await self._agent.read(link, [handle.blocks[i] for i in res.missing], self.local_tier,
+                                           [res.block_ids[i] for i in res.missing])
+            self.num_reads_in_flight += 1
+            t_done = await self._wait(xfers, handle, keeper, t_end)
+            await keeper.wait_covers(t_done, t_end)
+        except BaseException as exc:
+            keeper.stop()
+            cleanup = asyncio.ensure_future(self._abandon(link, handle, res, xfers, exc))
+            await asyncio.shield(cleanup)  # a second cancellation leaves the clean-up running
+            raise
+        finally:
+            if xfers:
+                self.num_reads_in_flight -= 1
+        keeper.stop()
+        finish = asyncio.ensure_future(self._finish(link, handle, res, xfers))
+        try:
+            await asyncio.shield(finish)
+        except asyncio.CancelledError:
+            # The caller gave up after the bytes arrived: the blocks (keyed) go back to the pool.
+            finish.add_done_callback(lambda _: asyncio.ensure_future(
+                self._pool_call(lambda: self._pool.release(res.block_ids))))
+            raise
+        return PullResult(res.block_ids, len(res.missing), len(res.held), sum(x.num_bytes for x in xfers),
+                          loop.time() - t0)
+
+    async def _finish(self, link: PeerLink, handle: KvHandle, res: _Reservation, xfers: list[XferRequest]) -> None:
+        await self._agent.release(xfers)
+        await self._notify(link, "done", handle)
+        await self._pool_call(lambda: self._register(handle.keys, res))
+
+    def _check_shape(self, handle: KvHandle) -> None:
+        expected = handle.num_blocks * self._agent.spec.block_size_tokens
+        if handle.num_tokens != expected:
+            raise TransferError("bad_handle", f"handle covers {handle.num_tokens} tokens with {handle.num_blocks} "
+                                f"full blocks of {self._agent.spec.block_size_tokens}; expected {expected}")
+
+    def _check_blocks(self, handle: KvHandle, link: PeerLink) -> None:
+        for tier, block_id in handle.blocks:
+            region = link.meta.tier(tier)
+            if region is None:
+                raise TransferError("bad_handle", f"handle names tier {tier!r}, which {link.name!r} does not "
+                                    f"publish (it has {[t.name for t in link.meta.tiers]})")
+            if not 0 <= block_id < region.num_blocks:
+                raise TransferError("bad_handle", f"handle names {tier} block {block_id}; {link.name!r} has "
+                                    f"{region.num_blocks}")
+
+    def _reserve(self, keys: tuple[BlockKey, ...]) -> _Reservation:
+        found = [self._pool.block_id_of(key) for key in keys]
+        held = [i for i, b in enumerate(found) if b is not None]
+        held_ids = [b for b in found if b is not None]
+        self._pool.acquire(held_ids)  # before allocating, so allocation cannot evict them
+        missing = [i for i, b in enumerate(found) if b is None]
+        new = self._pool.try_allocate(len(missing))
+        if new is None:
+            self._pool.release(held_ids)
+            raise TransferError("no_blocks", f"need {len(missing)} free KV blocks to pull into but only "
+                                f"{self._pool.num_free_blocks} are free or evictable")
+        block_ids = [b if b is not None else -1 for b in found]
+        for i, b in zip(missing, new, strict=True):
+            block_ids[i] = b
+        return _Reservation(block_ids, missing, held)
+
+    def _register(self, keys: tuple[BlockKey, ...], res: _Reservation) -> None:
+        for i in res.missing:
+            self._pool.register_key(res.block_ids[i], keys[i])  # False: a concurrent pull keyed it first
+
+    async def _wait(self, xfers: list[XferRequest], handle: KvHandle, keeper: _LeaseKeeper, t_end: float) -> float:
+        """Poll until every READ is DONE; returns the loop time it was seen. Raises TransferError."""
+        loop = asyncio.get_running_loop()
+        interval = POLL_MIN_S
+        while True:
+            await self._agent.poll(xfers)
+            failed = [x for x in xfers if x.state == "ERR"]
+            if failed:
+                gone = any(x.error in ("nixlRemoteDisconnectError", "nixlNotFoundError") for x in failed)
+                raise TransferError(
+                    "peer_gone" if gone else "read_error",
+                    f"READ of {sum(len(x.local_ids) for x in xfers)} blocks from {handle.owner_agent!r} failed: "
+                    f"{failed[0].error}")
+            now = loop.time()
+            if all(x.state == "DONE" for x in xfers):
+                return now
+            if keeper.failure is not None and keeper.failure.reason != "timeout":
+                raise keeper.failure
+            if now >= t_end:
+                raise TransferError("timeout", f"READ of {sum(len(x.local_ids) for x in xfers)} blocks from "
+                                    f"{handle.owner_agent!r} did not complete before the deadline")
+            await asyncio.sleep(min(interval, t_end - now))
+            interval = min(interval * 2, POLL_MAX_S)
+
+    async def _notify(self, link: PeerLink, kind: str, handle: KvHandle) -> None:
+        if not await self._agent.send_notif(link.name, encode_notif(kind, handle.lease_id)):
+            log.warning("could not tell %r that lease %s is %s; it unpins at expiry", link.name, handle.lease_id, kind)
+
+    # ---------------------------------------------------------- failure
+    async def _abandon(
+        self, link: PeerLink, handle: KvHandle, res: _Reservation, xfers: list[XferRequest], exc: BaseException,
+    ) -> None:
+        try:
+            if xfers:
+                await self._agent.poll(xfers)  # learn the final states (a completion may have raced)
+                await self._agent.release(xfers)
+        finally:
+            in_flight = [x for x in xfers if not x.finished]
+            stuck_ids = [b for x in in_flight for b in x.local_ids]
+            stuck = set(stuck_ids)
+            to_free = [b for b in res.block_ids if b not in stuck]
+            await self._pool_call(lambda: self._pool.release(to_free))
+            if in_flight:
+                self._quarantine(_Quarantined(in_flight, stuck_ids))
+        reason = exc.reason if isinstance(exc, TransferError) else type(exc).__name__
+        log.warning("pull from %r abandoned (%s): %d blocks freed, %d quarantined", handle.owner_agent, reason,
+                    len(to_free), len(stuck_ids))
+        if isinstance(exc, TransferError) and exc.reason == "peer_gone":
+            await self._peers.invalidate(handle.owner_url)
+        elif link.active:
+            await self._notify(link, "abort", handle)
+
+    def _quarantine(self, q: _Quarantined) -> None:
+        self._quarantined.append(q)
+        if self._drain_task is None or self._drain_task.done():
+            self._drain_task = asyncio.create_task(self._drain_quarantine())
+
+    async def _drain_quarantine(self) -> None:
+        interval = QUARANTINE_POLL_MIN_S
+        while self._quarantined:
+            await asyncio.sleep(interval)
+            interval = min(interval * 2, QUARANTINE_POLL_MAX_S)
+            try:
+                await self._agent.poll([x for q in self._quarantined for x in q.xfers])
+            except RuntimeError:  # the agent was closed: its READs can no longer land
+                log.warning("agent closed with %d blocks quarantined", self.num_quarantined_blocks)
+                return
+            finished = [q for q in self._quarantined if all(x.finished for x in q.xfers)]
+            for q in finished:
+                self._quarantined.remove(q)
+                await self._agent.release(q.xfers)
+                await self._pool_call(lambda q=q: self._pool.release(q.block_ids))
+                log.info("late READ finished (%s); %d quarantined blocks back in the pool, bytes ignored",
+                         ",".join(x.state for x in q.xfers), len(q.block_ids))
+
+    async def wait_quarantine_drained(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for every quarantined block to return; True if none is left."""
+        task = self._drain_task
+        if task is None or task.done():
+            return not self._quarantined
+        try:
+            await asyncio.wait_for(asyncio.shield(task), timeout_s)
+        except asyncio.TimeoutError:
+            pass
+        return not self._quarantined
+
+    async def aclose(self) -> None:
+        """Stop polling quarantined READs (their blocks stay out of the pool; tear the agent down next)."""
+        if self._drain_task is not None:
+            self._drain_task.cancel()
+            try:
+                await self._drain_task
+            except asyncio.CancelledError:
+                pass
