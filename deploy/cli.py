@@ -172,8 +172,14 @@ def _add_optional(sub: argparse._SubParsersAction, module_name: str, fn_name: st
 
 
 def main(argv: list[str] | None = None) -> int:
+    from deploy.sizes import ConfigError
+
     args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except ConfigError as exc:
+        print(f"kvrelay: config error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

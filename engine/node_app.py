@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -119,7 +120,7 @@ class EngineNode:
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({
-            "status": "ok", "role": self.config.role, "node": self.config.name,
+            "status": "ok", "role": self.config.role, "node": self.config.name, "pid": os.getpid(),
             "running": self.worker.num_running, "waiting": self.worker.num_waiting,
             "free_blocks": self.worker.num_free_blocks, "total_blocks": self.engine.pool.num_blocks,
         })

@@ -81,6 +81,7 @@ class EngineWorker:
         self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # touched on the worker thread only
         self._finish_hooks: dict[str, FinishHook] = {}
+        self._unfinished: dict[str, int] = {}  # samples of each request still to finish
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.num_running = 0  # written by the worker thread, read anywhere (a snapshot for load reports)
@@ -156,6 +157,7 @@ class EngineWorker:
             self._emit(cmd.stream, exc)
             return
         self._streams[rid] = cmd.stream
+        self._unfinished[rid] = cmd.params.n
         if cmd.on_finish is not None:
             self._finish_hooks[rid] = cmd.on_finish
 
@@ -167,7 +169,10 @@ class EngineWorker:
         stream = self._streams.get(out.request_id)
         if stream is None:
             return
-        if out.finished and not self.engine.is_active(out.request_id):
+        if out.finished:
+            self._unfinished[out.request_id] -= 1
+        if out.finished and self._unfinished[out.request_id] == 0:
+            del self._unfinished[out.request_id]
             del self._streams[out.request_id]
             hook = self._finish_hooks.pop(out.request_id, None)
             if hook is not None:  # before the last output, so the caller sees the hook's effect
@@ -214,6 +219,7 @@ class EngineWorker:
             self._emit(stream, exc)
         self._streams.clear()
         self._finish_hooks.clear()
+        self._unfinished.clear()
 
     def _snapshot(self) -> None:
         self.num_running = len(self.engine.scheduler.running)

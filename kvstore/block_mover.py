@@ -18,7 +18,21 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+import numpy as np
 import torch
+
+
+def copy_block(dst: torch.Tensor, src: torch.Tensor, *, non_blocking: bool = False) -> None:
+    """``dst.copy_(src)`` for blocks of the same shape and dtype.
+
+    CPU to CPU it is one single-threaded memcpy: torch's CPU copy forks its intra-op thread pool, which
+    costs more than copying a few MiB (measured 0.3 vs 10 GB/s per 2 MiB block on a busy 2-core machine).
+    """
+    if (dst.device.type == "cpu" and src.device.type == "cpu" and dst.dtype == src.dtype
+            and dst.is_contiguous() and src.is_contiguous() and dst.shape == src.shape):
+        np.copyto(dst.view(-1).view(torch.uint8).numpy(), src.view(-1).view(torch.uint8).numpy())
+    else:
+        dst.copy_(src, non_blocking=non_blocking)
 
 
 class BlockMover:

@@ -132,6 +132,10 @@ class RecordCodec:
 
     def problem(self, key: bytes, value: memoryview) -> str | None:
         """Why ``value`` (read under ``key``) is not a valid record of this spec, or None if it is."""
+        return self.header_problem(key, value) or self.checksum_problem(value, self.payload_view(value))
+
+    def header_problem(self, key: bytes, value: memoryview) -> str | None:
+        """`problem` without the checksum: magic, version, sizes, fingerprint, key, length."""
         if len(value) < HEADER_BYTES:
             return f"value of {len(value)} bytes is shorter than the {HEADER_BYTES}-byte header"
         magic, version, algo_id, header_len, payload_len, fingerprint, stored_key = _HEAD.unpack_from(value, 0)
@@ -147,10 +151,15 @@ class RecordCodec:
             return "stored under another key"
         if len(value) < HEADER_BYTES + payload_len:
             return f"truncated: {len(value)} bytes, need {HEADER_BYTES + payload_len}"
-        algo = CHECKSUM_ID_TO_ALGO.get(algo_id)
-        if algo is None:
+        if algo_id not in CHECKSUM_ID_TO_ALGO:
             return f"unknown checksum algorithm id {algo_id}"
+        return None
+
+    def checksum_problem(self, value: memoryview, payload: memoryview) -> str | None:
+        """Whether ``payload`` (the record's payload, or a copy of it) matches the checksum in the header of
+        ``value``, which `header_problem` has accepted."""
+        name, algo = CHECKSUM_ID_TO_ALGO[value[10]]
         want = bytes(value[CHECKSUM_OFFSET : CHECKSUM_OFFSET + CHECKSUM_BYTES])
-        if algo[1](value[:CHECKSUM_OFFSET], self.payload_view(value)) != want:
-            return f"{algo[0]} checksum mismatch"
+        if algo(value[:CHECKSUM_OFFSET], payload) != want:
+            return f"{name} checksum mismatch"
         return None

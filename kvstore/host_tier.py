@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from kvstore.block_key import BlockKey
+from kvstore.block_mover import copy_block
 from kvstore.block_spec import BlockSpec
 from kvstore.tier import TierStats
 
@@ -104,7 +105,7 @@ class HostTier:
             victim, slot = self._key_to_slot.popitem(last=False)
             if self._on_evict is not None:
                 self._on_evict(slot, victim)
-        self.pool[slot].copy_(src, non_blocking=self.pinned)
+        copy_block(self.pool[slot], src, non_blocking=self.pinned)
         self._key_to_slot[key] = slot
         return True
 
@@ -113,7 +114,7 @@ class HostTier:
         slot = self._key_to_slot.get(key)
         if slot is None:
             return False
-        dst.copy_(self.pool[slot], non_blocking=self.pinned)
+        copy_block(dst, self.pool[slot], non_blocking=self.pinned)
         self._key_to_slot.move_to_end(key)
         return True
 

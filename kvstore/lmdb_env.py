@@ -15,6 +15,7 @@ sequence, written in the writer's batches; the LRU order survives restarts appro
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import logging
 import os
@@ -135,6 +136,32 @@ def open_env(path: Path, *, map_bytes: int, max_readers: int, block_bytes: int) 
         env.close()
         raise
     return opened
+
+
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_GLIBC_MAX_MMAP_THRESHOLD = 32 << 20
+
+
+def keep_block_buffers_on_heap(record_bytes: int) -> bool:
+    """Ask glibc to serve allocations of up to ``record_bytes`` from its heap instead of fresh ``mmap``s.
+
+    Every put allocates a record and LMDB mallocs the value's dirty overflow pages; as fresh mmaps each of
+    those is zero-filled page by page on first touch (measured: 96 puts of 2 MiB took 0.24 s, 0.03 s with
+    this). Process-wide (``mallopt``): raises M_MMAP_THRESHOLD to 32 MiB and M_TRIM_THRESHOLD to 4 times
+    that, so up to ~128 MiB of freed heap may stay with the process. Returns False where it does not
+    apply (not glibc, or records larger than glibc's 32 MiB cap).
+    """
+    if record_bytes > _GLIBC_MAX_MMAP_THRESHOLD:
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, _GLIBC_MAX_MMAP_THRESHOLD)) and bool(
+        mallopt(_M_TRIM_THRESHOLD, 4 * _GLIBC_MAX_MMAP_THRESHOLD)
+    )
 
 
 def read_u64(value: bytes | memoryview | None) -> int:

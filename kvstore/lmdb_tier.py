@@ -34,9 +34,18 @@ import numpy as np
 import torch
 
 from kvstore.block_key import BlockKey
+from kvstore.block_mover import copy_block
 from kvstore.block_record import HEADER_BYTES, RecordCodec, disk_bytes_of
 from kvstore.block_spec import BlockSpec
-from kvstore.lmdb_env import CORRUPTION_ERRORS, OpenedEnv, OwnerLock, move_aside, open_env, read_u64
+from kvstore.lmdb_env import (
+    CORRUPTION_ERRORS,
+    OpenedEnv,
+    OwnerLock,
+    keep_block_buffers_on_heap,
+    move_aside,
+    open_env,
+    read_u64,
+)
 from kvstore.lmdb_writer import Delete, Entry, LmdbWriter, Put
 from kvstore.metrics import StoreMetrics
 from kvstore.tier import TierStats
@@ -95,16 +104,9 @@ class _Counts:
     moved_aside: list[str] = field(default_factory=list)
 
 
-def copy_payload(dst: torch.Tensor, payload: memoryview, staging: torch.Tensor | None) -> None:
-    """Copy ``payload`` bytes into the contiguous tensor ``dst`` (through ``staging`` when on a GPU)."""
-    flat = dst.view(-1).view(torch.uint8)
-    src = np.frombuffer(payload, dtype=np.uint8)
-    if flat.device.type == "cpu":
-        np.copyto(flat.numpy(), src)
-    else:
-        assert staging is not None
-        np.copyto(staging.numpy(), src)
-        flat.copy_(staging)
+def copy_payload(dst: np.ndarray, payload: memoryview) -> None:
+    """Copy a record's ``payload`` into the uint8 array ``dst``: the one read of the mapped value."""
+    np.copyto(dst, np.frombuffer(payload, dtype=np.uint8))
 
 
 class LmdbTier:
@@ -147,6 +149,7 @@ class LmdbTier:
         self._owner = OwnerLock(self.path)
         try:
             self._start()
+            keep_block_buffers_on_heap(self._codec.value_bytes)
         except BaseException:
             self._owner.release()
             raise
@@ -268,8 +271,8 @@ class LmdbTier:
         if self.touch(key):
             return True
         record = self._codec.new_record(key)
-        flat = torch.frombuffer(record, dtype=torch.uint8, count=self.spec.block_bytes, offset=HEADER_BYTES)
-        flat.copy_(src.reshape(-1).view(torch.uint8))
+        payload = torch.frombuffer(record, dtype=torch.uint8, count=self.spec.block_bytes, offset=HEADER_BYTES)
+        copy_block(payload, src.reshape(-1).view(torch.uint8))
         entry = Entry(self._record_disk_bytes, record)
         victims: list[BlockKey] = []
         with self._lock:
@@ -347,8 +350,10 @@ class LmdbTier:
             self._touched.pop(key, None)
             self._touched[key] = None
             record = entry.record
-        if record is not None:
-            copy_payload(dst, self._codec.payload_view(record), self._staging)
+        if record is not None:  # still queued: trusted memory
+            landing = self._landing(dst)
+            copy_payload(landing, self._codec.payload_view(record))
+            self._finish_copy(dst, landing)
             return True
         try:
             try:
@@ -372,12 +377,28 @@ class LmdbTier:
             if value is None:
                 self._forget(key)
                 return False
-            problem = self._codec.problem(key, value)
+            problem = self._codec.header_problem(key, value)
+            landing = self._landing(dst)
+            if problem is None:
+                # Copy first, then checksum the copy: it is still in the CPU cache, the mapped value is not.
+                copy_payload(landing, self._codec.payload_view(value))
+                problem = self._codec.checksum_problem(value, memoryview(landing))
             if problem is not None:
                 self._on_bad_record(key, problem)
                 return False
-            copy_payload(dst, self._codec.payload_view(value), self._staging)
+        self._finish_copy(dst, landing)
         return True
+
+    def _landing(self, dst: torch.Tensor) -> np.ndarray:
+        """Where a read lands on the CPU: ``dst``'s own bytes, or the pinned staging buffer for a GPU ``dst``."""
+        if dst.device.type == "cpu":
+            return dst.view(-1).view(torch.uint8).numpy()
+        assert self._staging is not None
+        return self._staging.numpy()
+
+    def _finish_copy(self, dst: torch.Tensor, landing: np.ndarray) -> None:
+        if dst.device.type != "cpu":
+            dst.view(-1).view(torch.uint8).copy_(self._staging)
 
     def _forget(self, key: BlockKey) -> None:
         with self._lock:

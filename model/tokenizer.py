@@ -115,6 +115,14 @@ class StreamDecoder:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return full[len(prefix) :]
 
+    def flush(self) -> str:
+        """The text still held back (an incomplete UTF-8 tail decodes to U+FFFD, as ``decode`` does)."""
+        skip = self.skip_special_tokens
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset], skip)
+        full = self.tokenizer.decode(self.ids[self.prefix_offset :], skip)
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return full[len(prefix) :]
+
 
 def compile_chat_template(source: str) -> jinja2.Template:
     """Compile a chat template in a sandboxed environment configured as transformers configures it."""

@@ -47,7 +47,11 @@ class SampleText:
 
     def flush(self) -> str:
         """The held-back text, once the sample has finished without a stop string."""
-        return "" if self.stopped else self._take(len(self._text))
+        if self.stopped:
+            return ""
+        if self._decoder is not None:
+            self._text += self._decoder.flush()
+        return self._take(len(self._text))
 
     def _take(self, end: int) -> str:
         out = self._text[self._emitted : end]

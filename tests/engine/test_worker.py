@@ -42,3 +42,19 @@ def test_concurrent_streams_match_offline_and_abort_frees_blocks(tiny_model_dir)
         await worker.stop()
 
     asyncio.run(main())
+
+
+def test_n_samples_finishing_in_one_step_all_reach_the_stream(tiny_model_dir):
+    loaded = load_model(tiny_model_dir)
+
+    async def main() -> None:
+        worker = EngineWorker(LLMEngine(loaded, EngineConfig(num_blocks=16)))
+        worker.start()
+        finished_seen: list[str] = []
+        got = await _collect(worker.submit("n3", [4, 5, 6], SamplingParams(max_tokens=1, n=3, temperature=1.0, seed=1),
+                                           on_finish=lambda e, rid: finished_seen.append(rid)))
+        assert sorted(got) == [0, 1, 2] and all(len(v) == 1 for v in got.values())
+        assert finished_seen == ["n3"]
+        await worker.stop()
+
+    asyncio.run(main())

@@ -1,6 +1,7 @@
 """The disk tier across real processes: restart, a writer killed mid-transaction, killed readers."""
 
 import json
+import os
 import select
 import signal
 import subprocess
@@ -109,34 +110,52 @@ def test_200_readers_killed_leave_no_readers_full(make_disk, tmp_path):
     owner = make_disk(options=LmdbOptions(max_readers=16))
     owner.put(keys[0], block_value(0))
     owner.flush()
-    reader = f"""
-        import sys, lmdb
-        env = lmdb.open({str(path)!r}, max_dbs=3, readonly=True)
-        try:
-            txn = env.begin()
-        except lmdb.ReadersFullError:
-            print("full", flush=True)
-            sys.exit(0)
-        print("reading", flush=True)
-        sys.stdin.read()
-    """
+    # A light process that forks one reader per request: each opens the environment, begins a read
+    # transaction (taking a reader slot) and waits to be killed. Children are reaped at once (SIGCHLD
+    # ignored), so a killed reader is really dead, not a zombie.
+    zygote = spawn(f"""
+        import os, signal, sys, lmdb
+        signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+        for _ in sys.stdin:
+            if os.fork() == 0:
+                env = lmdb.open({str(path)!r}, max_dbs=3, readonly=True)
+                try:
+                    txn = env.begin()
+                    os.write(1, b"%d reading\\n" % os.getpid())
+                    signal.pause()
+                except lmdb.ReadersFullError:
+                    os.write(1, b"%d full\\n" % os.getpid())
+                os._exit(0)
+    """)
+
+    def reader() -> str:
+        zygote.stdin.write("go\n")
+        zygote.stdin.flush()
+        pid, state = read_line(zygote, 60).split()
+        if state == "reading":
+            os.kill(int(pid), signal.SIGKILL)
+        return state
+
     killed = fulls = cleared = 0
-    deadline = time.monotonic() + 150
-    while killed < 200:
-        assert time.monotonic() < deadline, f"only {killed} readers killed in time"
-        wave = [spawn(reader) for _ in range(min(8, 200 - killed))]
-        for proc in wave:
-            if read_line(proc, 60) == "reading":
-                kill(proc)
+    deadline = time.monotonic() + 120
+    try:
+        while killed < 200:
+            assert time.monotonic() < deadline, f"only {killed} readers killed in time"
+            if reader() == "reading":
                 killed += 1
-            else:
-                proc.wait(timeout=30)
-                proc.communicate()
-                fulls += 1
-                dst = torch.empty(SPEC.block_shape)  # the owner keeps serving with the table full
-                assert owner.get_into(keys[0], dst) and torch.equal(dst, block_value(0))
-                cleared += owner.clear_stale_readers()
-    assert fulls > 0 and cleared > 0  # the dead readers really filled the table
+                continue
+            fulls += 1
+            dst = torch.empty(SPEC.block_shape)  # the owner keeps serving with the table full of dead readers
+            assert owner.get_into(keys[0], dst) and torch.equal(dst, block_value(0))
+            cleared += owner.clear_stale_readers()
+        assert fulls > 0 and cleared > 0  # the dead readers really filled the table
+        for _ in range(16):  # fill the table with dead readers once more
+            if reader() == "full":
+                break
+        else:
+            raise AssertionError("the reader table never filled")
+    finally:
+        kill(zygote)
     # A new process finds the table full of dead readers and still reads (reader_check at open).
     stats = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(f"""

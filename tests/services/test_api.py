@@ -1,0 +1,136 @@
+"""The OpenAI-compatible API through `kvrelay up` (router + prefill + decode processes on loopback)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from engine.engine import EngineConfig, LLMEngine
+from model.loader import load_model
+from model.sampling import SamplingParams
+from model.tokenizer import load_tokenizer
+from tests.services.cluster import Cluster, get_json
+
+API_KEY = "sk-test-1"
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir, tmp_path_factory):
+    with Cluster(tmp_path_factory.mktemp("api"), tiny_model_dir,
+                 overrides={"router": {"api_keys": [API_KEY], "max_body_bytes": "64KiB", "max_n": 3}}) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    return openai.OpenAI(base_url=cluster.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def reference_text(model_dir, prompt_ids: list[int], max_tokens: int) -> str:
+    engine = LLMEngine(load_model(model_dir), EngineConfig(num_blocks=256))
+    [[ids]] = engine.generate([prompt_ids], SamplingParams(max_tokens=max_tokens))
+    return load_tokenizer(model_dir).decode(ids)
+
+
+def post(cluster, path: str, body: bytes, *, key: str | None = API_KEY) -> tuple[int, dict]:
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(cluster.url + path, data=body, headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def test_completions_stream_and_not_equal_generate(cluster, client, tiny_model_dir):
+    tok = load_tokenizer(tiny_model_dir)
+    prompt = "The quick brown fox jumps over the lazy dog. " * 2
+    want = reference_text(tiny_model_dir, tok.encode(prompt), 24)
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0)
+    assert out.choices[0].text == want
+    assert out.usage.prompt_tokens == len(tok.encode(prompt)) and out.usage.completion_tokens == 24
+    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+    assert chunks[-1].usage.completion_tokens == 24
+    ids = tok.encode("token ids work too")
+    by_ids = client.completions.create(model="tiny", prompt=ids, max_tokens=10, temperature=0)
+    assert by_ids.choices[0].text == reference_text(tiny_model_dir, ids, 10)
+
+
+def test_chat_stream_and_not(client, tiny_model_dir):
+    tok = load_tokenizer(tiny_model_dir)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    ids = tok.encode(tok.apply_chat_template(messages), add_bos=False)
+    want = reference_text(tiny_model_dir, ids, 16)
+    out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0)
+    assert out.choices[0].message.content == want and out.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0,
+                                            stream=True)
+    parts = [c.choices[0].delta.content or "" for c in stream if c.choices]
+    assert "".join(parts) == want
+
+
+def test_n_seed_and_stop(client):
+    a = client.completions.create(model="tiny", prompt="abc", max_tokens=12, temperature=1.0, seed=7, n=3)
+    b = client.completions.create(model="tiny", prompt="abc", max_tokens=12, temperature=1.0, seed=7, n=3)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert len({c.text for c in a.choices}) > 1
+    full = client.completions.create(model="tiny", prompt="xyz", max_tokens=20, temperature=0).choices[0].text
+    stop = full[5:7]
+    cut = client.completions.create(model="tiny", prompt="xyz", max_tokens=20, temperature=0, stop=[stop])
+    assert cut.choices[0].text == full[: full.index(stop)] and cut.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "message"),
+    [
+        ({"model": "tiny", "prompt": [1] * 2100, "max_tokens": 1}, 400, "context window"),
+        ({"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens must be at least 1"),
+        ({"model": "tiny", "prompt": "x", "n": 4}, 400, "n must be between 1 and 3"),
+        ({"model": "tiny", "prompt": "x", "temperature": -1}, 400, "temperature must be in [0, 2]"),
+        ({"model": "tiny", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop takes at most 4"),
+        ({"model": "tiny", "prompt": [5, 999]}, 400, "token id 999 at position 1 is outside the vocabulary"),
+        ({"model": "nope", "prompt": "x"}, 404, "model 'nope' not found"),
+    ],
+)
+def test_bad_requests_get_named_errors(cluster, body, status, message):
+    code, err = post(cluster, "/v1/completions", json.dumps(body).encode())
+    assert code == status and message in err["error"]["message"]
+    assert get_json(cluster.url + "/health")["status"] == "ok"
+
+
+def test_malformed_bodies_and_auth(cluster):
+    assert post(cluster, "/v1/completions", b"{not json")[0] == 400
+    code, err = post(cluster, "/v1/completions", b"[1, 2]")
+    assert code == 400 and "JSON object" in err["error"]["message"]
+    code, err = post(cluster, "/v1/completions", b'{"model": "tiny", "prompt": "' + b"a" * 70000 + b'"}')
+    assert code == 413 and "65536-byte limit" in err["error"]["message"]
+    body = json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 2}).encode()
+    assert post(cluster, "/v1/completions", body, key=None)[0] == 401
+    code, err = post(cluster, "/v1/completions", body, key="sk-wrong")
+    assert code == 401 and "API key" in err["error"]["message"]
+    models = get_json(cluster.url + "/v1/models", headers={"Authorization": f"Bearer {API_KEY}"})
+    assert [m["id"] for m in models["data"]] == ["tiny"]
+    assert get_json(cluster.url + "/health")["status"] == "ok"
+
+
+def test_bad_yaml_fails_at_start_naming_the_key(tmp_path, tiny_model_dir):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(f"model: {{path: {tiny_model_dir}}}\nkvstore: {{device: {{bytes: 8GB}}}}\n")
+    run = subprocess.run([sys.executable, "-m", "deploy.cli", "up", "--config", str(bad)], capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 2
+    assert "kvstore.device.bytes: '8GB' is not a size" in run.stderr and "Traceback" not in run.stderr
+    bad.write_text(f"model: {{path: {tiny_model_dir}}}\nkvstore: {{device: {{bytes: 8MiB}}}}\nrouter: {{prot: 9}}\n")
+    run = subprocess.run([sys.executable, "-m", "deploy.cli", "up", "--config", str(bad)], capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 2 and "router.prot: unknown key" in run.stderr

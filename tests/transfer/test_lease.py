@@ -1,0 +1,91 @@
+"""`LeaseTable`: pins under leases, renewal, idempotent release and the reaper, on an injected clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstore.block_key import BlockKey
+from kvstore.block_pool import BlockPool
+from transfer.lease import LeaseTable, TierBlock
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def keyed_pool(num_blocks: int, num_keyed: int) -> BlockPool:
+    """A pool whose first ``num_keyed`` blocks are cached (keyed, ref 0)."""
+    pool = BlockPool(num_blocks)
+    ids = pool.allocate(num_keyed)
+    for b in ids:
+        assert pool.register_key(b, BlockKey(bytes([b]) * 32))
+    pool.release(ids)
+    return pool
+
+
+def test_grant_renew_release_and_reap():
+    clock = Clock()
+    device, host = keyed_pool(8, 4), keyed_pool(4, 2)
+    table = LeaseTable({"device": device, "host": host}, clock=clock)
+    a = table.grant([TierBlock("device", 0), TierBlock("device", 1), TierBlock("host", 1)], ttl_s=10)
+    b = table.grant([TierBlock("device", 1)], ttl_s=2)
+    assert len(a) == 32 and a != b
+    assert [device.ref_count(i) for i in range(4)] == [1, 2, 0, 0] and host.ref_count(1) == 1
+    assert (table.num_leases, table.num_pinned_blocks) == (2, 4)
+    table.check_integrity()
+
+    clock.now += 1.5
+    assert table.renew(b) == 2  # b now expires at 103.5
+    clock.now += 1.9
+    assert table.reap() == []
+    clock.now += 0.1
+    assert table.reap() == [b]
+    assert table.renew(b) is None and table.release(b) is False
+    assert [device.ref_count(i) for i in range(4)] == [1, 1, 0, 0]
+
+    assert table.release(a) is True
+    assert table.release(a) is False  # idempotent
+    assert [device.ref_count(i) for i in range(4)] == [0] * 4 and host.ref_count(1) == 0
+    assert device.stats().num_cached == 4  # unpinned blocks stay cached, still keyed
+    assert table.num_leases == 0
+    device.check_integrity()
+    table.check_integrity()
+
+
+def test_an_expired_lease_is_not_renewed_back_to_life():
+    clock = Clock()
+    pool = keyed_pool(4, 1)
+    table = LeaseTable({"device": pool}, clock=clock)
+    lease = table.grant([TierBlock("device", 0)], ttl_s=1)
+    clock.now += 1.0
+    assert table.renew(lease) is None
+    assert pool.ref_count(0) == 0 and table.num_leases == 0
+
+
+def test_grant_refuses_free_blocks_unknown_tiers_and_bad_ids_and_pins_nothing():
+    pool = keyed_pool(4, 2)
+    table = LeaseTable({"device": pool}, clock=Clock())
+    with pytest.raises(ValueError, match="block 3 is free"):
+        table.grant([TierBlock("device", 0), TierBlock("device", 1), TierBlock("device", 3)], ttl_s=5)
+    with pytest.raises(ValueError, match="no pool for tier 'disk'"):
+        table.grant([TierBlock("disk", 0)], ttl_s=5)
+    with pytest.raises(ValueError, match="out of range"):
+        table.grant([TierBlock("device", 4)], ttl_s=5)
+    with pytest.raises(ValueError, match="ttl must be positive"):
+        table.grant([TierBlock("device", 0)], ttl_s=0)
+    assert [pool.ref_count(i) for i in range(4)] == [0] * 4
+    assert table.num_leases == 0
+    pool.check_integrity()
+
+
+def test_check_integrity_catches_a_pin_released_behind_the_tables_back():
+    pool = keyed_pool(4, 2)
+    table = LeaseTable({"device": pool}, clock=Clock())
+    table.grant([TierBlock("device", 0)], ttl_s=5)
+    pool.release([0])
+    with pytest.raises(AssertionError, match="device block 0 is pinned by 1 leases but has 0 refs"):
+        table.check_integrity()

@@ -1,0 +1,135 @@
+"""Issue 4, test 5 (decoders): malformed metadata, handles and lease messages are rejected with one
+typed `WireError`; memory stays bounded; a pickle payload is never executed."""
+
+from __future__ import annotations
+
+import pickle
+import resource
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from kvstore.block_key import BlockKey
+from transfer.handle import KvHandle
+from transfer.lease import TierBlock
+from transfer.metadata import PROTOCOL_VERSION, AgentMeta, TierRegion
+from transfer.wire import (
+    WireError,
+    WireVersionError,
+    decode_handle,
+    decode_meta,
+    decode_notif,
+    decode_renew_reply,
+    decode_renew_request,
+    encode_handle,
+    encode_meta,
+    encode_notif,
+    handle_from_wire,
+    handle_to_wire,
+)
+
+HANDLE = KvHandle("prefill-0", "ab12", "http://127.0.0.1:8101", (BlockKey(b"\x01" * 32), BlockKey(b"\x02" * 32)),
+                  (TierBlock("device", 7), TierBlock("host", 3)), 32, "c0ffee", 30.0)
+META = AgentMeta(PROTOCOL_VERSION, "prefill-0", "ab12", b"nixl-md", b"\x07" * 32,
+                 (TierRegion("device", "DRAM", 0, 0x7F0000000000, 131072, 131072, 640),))
+
+
+class MarkerPickle:
+    """Unpickling this creates ``path`` — proof that a pickle ran."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (self.path,))
+
+
+def malformed(tmp_path: Path) -> dict[str, bytes]:
+    good = encode_handle(HANDLE)
+    return {
+        "truncated": good[: len(good) // 2],
+        "empty": b"",
+        "bin 4 GiB declared": b"\x81\xa4keys\x91\xc6\xff\xff\xff\xff" + b"\x00" * 16,
+        "str 4 GiB declared": b"\x81\xa1v\xdb\xff\xff\xff\xff" + b"x" * 16,
+        "array 4 GiB declared": b"\x81\xa4keys\xdd\xff\xff\xff\xff",
+        "map 4 GiB declared": b"\xdf\xff\xff\xff\xff",
+        "deep nesting": b"\x91" * 100_000 + b"\xc0",
+        "nested maps": b"\x81\xa1v" * 5000 + b"\x01",
+        "not a map": msgpack.packb([1, 2, 3]),
+        "ext type": b"\xd4\x01\x00",
+        "int keys": msgpack.packb({1: 2}),
+        "extra data": good + b"\x00",
+        "pickle": pickle.dumps(MarkerPickle(tmp_path / "pwned")),
+        "oversized": msgpack.packb({"v": 1, "pad": b"x" * (9 << 20)}),
+    }
+
+
+@pytest.mark.parametrize("decoder", [decode_meta, decode_handle, decode_notif, decode_renew_request,
+                                     decode_renew_reply])
+def test_malformed_payloads_are_rejected_with_bounded_memory_and_no_pickle(decoder, tmp_path):
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    for name, payload in malformed(tmp_path).items():
+        with pytest.raises(WireError):
+            decoder(payload)
+        assert not (tmp_path / "pwned").exists(), name
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before < 64 * 1024  # KiB: no 4 GiB buffer
+
+
+def wire(**changes):
+    msg = handle_to_wire(HANDLE)
+    msg.update(changes)
+    return msg
+
+
+@pytest.mark.parametrize("msg, match", [
+    (wire(keys="nope"), "keys: expected list"),
+    (wire(keys=[b"\x01" * 31, b"\x02" * 32]), r"keys\[0\]: expected 32 bytes"),
+    (wire(keys=[b"\x01" * 32, b"\x01" * 32]), "listed twice"),
+    (wire(keys=[]), "outside"),
+    (wire(block_ids=[7]), "2 keys but 2 tiers and 1 block ids"),
+    (wire(block_ids=[7, -1]), r"block_ids\[1\]"),
+    (wire(block_ids=[7, True]), r"block_ids\[1\]"),
+    (wire(block_ids=[7, 2**40]), r"block_ids\[1\]"),
+    (wire(tiers=["device", 3]), r"tiers\[1\]"),
+    (wire(num_tokens="32"), "num_tokens: expected int"),
+    (wire(num_tokens=0), "num_tokens"),
+    (wire(lease_ttl_s=float("nan")), "lease_ttl_s"),
+    (wire(lease_ttl_s=-1), "lease_ttl_s"),
+    (wire(lease_id=""), "lease_id"),
+    (wire(lease_id="x" * 65), "lease_id"),
+    (wire(owner_url="file:///etc/passwd"), "not an http"),
+    (wire(owner_agent=None), "owner_agent: expected str"),
+    (wire(v="1"), "v: expected int"),
+    ({"keys": []}, "v: missing"),
+    ("a string", "expected a map"),
+])
+def test_handle_schema_violations_name_the_field(msg, match):
+    with pytest.raises(WireError, match=match):
+        handle_from_wire(msg)
+
+
+def test_round_trips_and_version_mismatch():
+    assert decode_handle(encode_handle(HANDLE)) == HANDLE
+    assert decode_meta(encode_meta(META)) == META
+    assert decode_notif(encode_notif("done", "c0ffee")).lease_id == "c0ffee"
+    with pytest.raises(WireVersionError, match="protocol version 2, this node speaks 1"):
+        handle_from_wire(wire(v=2))
+
+
+@pytest.mark.parametrize("tier, match", [
+    ({"mem": "HBM"}, "not DRAM or VRAM"),
+    ({"num_blocks": 0}, "num_blocks"),
+    ({"stride": 1}, "stride"),
+    ({"base": 2**64 - 4096}, "past the end"),
+    ({"name": 7}, "name: expected str"),
+])
+def test_meta_schema_violations_name_the_field(tier, match):
+    raw = msgpack.unpackb(encode_meta(META))
+    raw["tiers"][0].update(tier)
+    with pytest.raises(WireError, match=match):
+        decode_meta(msgpack.packb(raw))
+    raw = msgpack.unpackb(encode_meta(META))
+    raw["fingerprint"] = b"short"
+    with pytest.raises(WireError, match="fingerprint: 5 bytes"):
+        decode_meta(msgpack.packb(raw))
