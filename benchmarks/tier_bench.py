@@ -33,7 +33,7 @@ import torch
 
 from benchmarks.common import emit, machine_label, read_trace
 from kvstore.block_key import BlockKey, block_keys
-from kvstore.block_record import CHECKSUM_ID_TO_ALGO, disk_bytes_of, record_bytes
+from kvstore.block_record import CHECKSUM_ID_TO_ALGO, entry_bytes, record_bytes
 from kvstore.block_spec import BlockSpec
 from kvstore.lmdb_tier import LmdbTier
 from kvstore.tiered_store import TieredStore, TieredStoreConfig
@@ -159,7 +159,7 @@ def bench_lmdb(work_dir: Path, num_blocks: int, reps: int) -> dict[str, object]:
     values = [torch.randint(-30000, 30000, spec.block_shape, dtype=torch.int16).view(torch.float16) for _ in range(8)]
     keys = _keys(spec, num_blocks, salt=b"lmdb-bench")
     nbytes = num_blocks * spec.block_bytes
-    record_disk = disk_bytes_of(record_bytes(spec.block_bytes, 4096), 4096)
+    record_disk = entry_bytes(record_bytes(spec.block_bytes, 4096), 4096)
     capacity = int(num_blocks * record_disk / 0.85) + (256 << 20)
     plain = work_dir / "plain.bin"
     cpu = torch.device("cpu")
@@ -258,7 +258,7 @@ def offline_lru_hits(requests: list[list[BlockKey]], capacity_blocks: int) -> in
 def bench_trace(work_dir: Path, num_requests: int, sizes: tuple[int, int, int]) -> dict[str, object]:
     device_blocks, host_blocks, disk_blocks = sizes
     page = 4096
-    record_disk = disk_bytes_of(record_bytes(TRACE_SPEC.block_bytes, page), page)
+    record_disk = entry_bytes(record_bytes(TRACE_SPEC.block_bytes, page), page)
     disk_bytes = int(disk_blocks * record_disk / 0.9) + 65 * page  # high watermark 0.9 of (map - 64 pages)
     store = TieredStore(TRACE_SPEC, TieredStoreConfig(
         num_device_blocks=device_blocks, num_host_blocks=host_blocks, disk_path=str(work_dir / "trace-kv"),

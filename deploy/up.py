@@ -2,7 +2,7 @@
 
 Starts every node as its own process (``kvrelay prefill|decode|router --config FILE --index I``),
 waits until the router reports healthy, prints the URL, and on Ctrl-C or SIGTERM stops all of them
-(SIGTERM, then SIGKILL after a grace period). If any process dies, the others are stopped too.
+(SIGTERM, then SIGKILL after a grace period). A node that dies later is restarted.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 GRACE_S = 10.0
+RESTART_BACKOFF_S = 2.0
 
 
 def _role_cmd(role: str, config_path: Path, index: int, overrides: list[str]) -> list[str]:
@@ -47,11 +48,17 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 
 def up(config: Any, config_path: Path, *, overrides: list[str], startup_timeout_s: float = 300.0) -> int:
-    """Run the whole deployment until a signal; returns the exit code."""
+    """Run the whole deployment until a signal; returns the exit code.
+
+    A prefill or decode node that dies after start is restarted after ``RESTART_BACKOFF_S`` (the
+    router routes around it meanwhile), as a Kubernetes Deployment would; a router that dies, or any
+    process that dies before the deployment became healthy, stops everything.
+    """
     plan = [("prefill", i) for i in range(len(config.prefill.ports))]
     plan += [("decode", i) for i in range(len(config.decode.ports))]
     plan.append(("router", 0))
     procs: list[subprocess.Popen] = []
+    restart_at: dict[int, float] = {}
     stopping = False
 
     def on_signal(signum: int, frame: object) -> None:
@@ -66,18 +73,28 @@ def up(config: Any, config_path: Path, *, overrides: list[str], startup_timeout_
         deadline = time.monotonic() + startup_timeout_s
         ready = False
         while not stopping:
-            dead = [(r, i, p.returncode) for (r, i), p in zip(plan, procs) if p.poll() is not None]
-            if dead:
-                role, index, code = dead[0]
-                print(f"kvrelay up: {role}-{index} exited with code {code}; stopping everything", file=sys.stderr)
-                return 1
+            now = time.monotonic()
+            for k, ((role, index), p) in enumerate(zip(plan, procs)):
+                if p.poll() is None:
+                    continue
+                if not ready or role == "router":
+                    print(f"kvrelay up: {role}-{index} exited with code {p.returncode}; stopping everything",
+                          file=sys.stderr, flush=True)
+                    return 1
+                if k not in restart_at:
+                    print(f"kvrelay up: {role}-{index} exited with code {p.returncode}; restarting in "
+                          f"{RESTART_BACKOFF_S:.0f} s", file=sys.stderr, flush=True)
+                    restart_at[k] = now + RESTART_BACKOFF_S
+                elif now >= restart_at.pop(k):
+                    procs[k] = subprocess.Popen(_role_cmd(role, config_path, index, overrides))
             if not ready:
                 health = _router_health(url)
-                if health is not None and health.get("status") == "ok":
+                all_up = health is not None and all(n["healthy"] for n in health.get("nodes", {}).values())
+                if health is not None and health.get("status") == "ok" and all_up:
                     ready = True
                     print(f"kvrelay is serving {config.model.name!r} at {url}/v1 "
                           f"({len(config.prefill.ports)} prefill, {len(config.decode.ports)} decode)", flush=True)
-                elif time.monotonic() > deadline:
+                elif now > deadline:
                     print(f"kvrelay up: router not healthy after {startup_timeout_s:.0f} s", file=sys.stderr)
                     return 1
             time.sleep(0.2)

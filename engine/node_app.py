@@ -122,7 +122,8 @@ class EngineNode:
         return web.json_response({
             "status": "ok", "role": self.config.role, "node": self.config.name, "pid": os.getpid(),
             "running": self.worker.num_running, "waiting": self.worker.num_waiting,
-            "free_blocks": self.worker.num_free_blocks, "total_blocks": self.engine.pool.num_blocks,
+            "free_blocks": self.worker.num_free_blocks, "in_use_blocks": self.worker.num_in_use_blocks,
+            "total_blocks": self.engine.pool.num_blocks,
         })
 
     async def prometheus(self, request: web.Request) -> web.Response:

@@ -87,6 +87,7 @@ class EngineWorker:
         self.num_running = 0  # written by the worker thread, read anywhere (a snapshot for load reports)
         self.num_waiting = 0
         self.num_free_blocks = engine.pool.num_free_blocks
+        self.num_in_use_blocks = 0
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -225,6 +226,7 @@ class EngineWorker:
         self.num_running = len(self.engine.scheduler.running)
         self.num_waiting = len(self.engine.scheduler.waiting)
         self.num_free_blocks = self.engine.pool.num_free_blocks
+        self.num_in_use_blocks = self.engine.pool.stats().num_in_use
 
 
 def _set_result(fut: asyncio.Future, value: object) -> None:

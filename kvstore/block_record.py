@@ -92,6 +92,14 @@ def disk_bytes_of(value_len: int, page_bytes: int) -> int:
     return -(-(LMDB_PAGE_HEADER_BYTES + value_len) // page_bytes) * page_bytes
 
 
+LEAF_BYTES_PER_BLOCK = 128  # a 32-byte key in two sub-databases (blocks, atime): node headers and page slack
+
+
+def entry_bytes(value_len: int, page_bytes: int) -> int:
+    """Map bytes one stored block takes: its value's overflow pages plus its leaf-page nodes."""
+    return disk_bytes_of(value_len, page_bytes) + LEAF_BYTES_PER_BLOCK
+
+
 @dataclass(frozen=True, slots=True)
 class RecordCodec:
     """Builds and checks records for one `BlockSpec` and LMDB page size.

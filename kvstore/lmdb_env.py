@@ -25,6 +25,8 @@ from pathlib import Path
 
 import lmdb
 
+from kvstore.block_record import entry_bytes
+
 log = logging.getLogger(__name__)
 
 FORMAT_TAG = b"kvrelay.lmdb.v1"
@@ -103,6 +105,27 @@ def move_aside(path: Path, reason: str) -> Path:
     return target
 
 
+def open_retrying(path: Path, *, timeout_s: float = 5.0, **kwargs: object) -> lmdb.Environment:
+    """``lmdb.open(path, **kwargs)``, retried for up to ``timeout_s`` while the reader table is full.
+
+    py-lmdb begins a read transaction inside ``open``, so a process cannot open an environment whose
+    reader table is full of dead processes' slots, and cannot clear them (``reader_check``) before it has
+    opened. The owner clears them periodically (`LmdbOptions.stale_reader_check_s`); when no process has
+    the environment open, LMDB resets the table at the next open.
+
+    Raises:
+        lmdb.ReadersFullError: still full after ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return lmdb.open(str(path), **kwargs)
+        except lmdb.ReadersFullError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.05)
+
+
 def open_env(path: Path, *, map_bytes: int, max_readers: int, block_bytes: int) -> OpenedEnv:
     """Open (creating if absent) the environment at ``path``, clear stale readers, open sub-databases,
     and record the format and ``block_bytes`` in ``meta``.
@@ -113,9 +136,9 @@ def open_env(path: Path, *, map_bytes: int, max_readers: int, block_bytes: int) 
     """
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(path, 0o700)
-    env = lmdb.open(
-        str(path), map_size=map_bytes, subdir=True, max_dbs=3, max_readers=max_readers, mode=0o600,
-        readahead=True, lock=True,
+    env = open_retrying(
+        path, map_size=map_bytes, subdir=True, max_dbs=3, max_readers=max_readers, mode=0o600, readahead=True,
+        lock=True,
     )
     try:
         cleared = env.reader_check()
@@ -192,14 +215,14 @@ class DiskSnapshot:
 def read_snapshot(path: Path) -> DiskSnapshot | None:
     """Read-only look at the environment at ``path`` (safe while its owner runs); None if absent.
 
-    Clears stale readers first, so readers killed earlier cannot make it fail with READERS_FULL.
+    Clears stale readers after opening; see `open_retrying` for a reader table full of dead readers.
 
     Raises:
         lmdb.Error: the environment cannot be read.
     """
     if not (path / "data.mdb").exists():
         return None
-    env = lmdb.open(str(path), map_size=0, readonly=True, lock=True, subdir=True, max_dbs=3)  # 0: as stored
+    env = open_retrying(path, map_size=0, readonly=True, lock=True, subdir=True, max_dbs=3)  # 0: as stored
     try:
         env.reader_check()
         page = env.stat()["psize"]
@@ -208,7 +231,7 @@ def read_snapshot(path: Path) -> DiskSnapshot | None:
         with env.begin(buffers=True) as txn:
             for _, value in txn.cursor(db=blocks).iternext():
                 num += 1
-                used += -(-(16 + len(value)) // page) * page
+                used += entry_bytes(len(value), page)
             counters = {
                 bytes(k).decode()[6:]: read_u64(v)
                 for k, v in txn.cursor(db=meta).iternext() if bytes(k).startswith(b"count.")

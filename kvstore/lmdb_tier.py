@@ -22,10 +22,11 @@ Who does what::
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,7 +36,7 @@ import torch
 
 from kvstore.block_key import BlockKey
 from kvstore.block_mover import copy_block
-from kvstore.block_record import HEADER_BYTES, RecordCodec, disk_bytes_of
+from kvstore.block_record import HEADER_BYTES, RecordCodec, entry_bytes
 from kvstore.block_spec import BlockSpec
 from kvstore.lmdb_env import (
     CORRUPTION_ERRORS,
@@ -60,7 +61,9 @@ class LmdbOptions:
     ``high_watermark_frac``/``low_watermark_frac`` of the usable map: a put that would pass the high
     mark evicts LRU blocks down to the low mark. The gap leaves LMDB room for pages freed by recent
     transactions, which it can reuse only two commits later. ``reserved_pages`` (meta pages,
-    sub-database roots, branch pages) are kept out of the usable map.
+    sub-database roots, branch pages) are kept out of the usable map. Every ``stale_reader_check_s`` the
+    writer thread frees reader slots of dead processes (otherwise other processes could not even open the
+    environment once the table is full of them).
     """
 
     high_watermark_frac: float = 0.90
@@ -70,6 +73,7 @@ class LmdbOptions:
     max_batch_bytes: int = 32 << 20
     checksum: str = "sectorsum"
     reserved_pages: int = 64
+    stale_reader_check_s: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +146,7 @@ class LmdbTier:
         self._counter_deltas: dict[str, int] = {}  # lifetime counters not yet persisted; under _lock
         self._needs_reset = threading.Event()
         self._closed = False
+        self._reset_reason = "LMDB reported corruption"
         self._staging = (
             torch.empty(spec.block_bytes, dtype=torch.uint8, pin_memory=True) if torch.cuda.is_available() else None
         )
@@ -179,7 +184,7 @@ class LmdbTier:
             block_bytes=self.spec.block_bytes,
         )
         self._codec = RecordCodec(self.spec, opened.page_bytes, self.options.checksum)
-        self._record_disk_bytes = disk_bytes_of(self._codec.value_bytes, opened.page_bytes)
+        self._record_disk_bytes = entry_bytes(self._codec.value_bytes, opened.page_bytes)
         usable = max(0, self._map_bytes - self.options.reserved_pages * opened.page_bytes)
         self._high_bytes = int(usable * self.options.high_watermark_frac)
         self._low_bytes = int(usable * self.options.low_watermark_frac)
@@ -219,7 +224,7 @@ class LmdbTier:
             self._key_to_entry.clear()
             self._used_bytes = 0
             for key, value_len in sized:
-                entry = Entry(disk_bytes_of(value_len, opened.page_bytes))
+                entry = Entry(entry_bytes(value_len, opened.page_bytes))
                 self._key_to_entry[BlockKey(key)] = entry
                 self._used_bytes += entry.disk_bytes
         self._first_seq = max(key_to_seq.values(), default=0) + 1
@@ -239,6 +244,16 @@ class LmdbTier:
     def keys_lru_first(self) -> list[BlockKey]:
         with self._lock:
             return list(self._key_to_entry)
+
+    @property
+    def record_disk_bytes(self) -> int:
+        """Bytes of the map one block takes: its overflow pages plus its share of leaf pages."""
+        return self._record_disk_bytes
+
+    @property
+    def headroom_bytes(self) -> int:
+        """Map bytes above the high watermark, free for pages LMDB cannot reuse yet."""
+        return self._map_bytes - self._high_bytes
 
     @property
     def capacity_blocks(self) -> int:
@@ -356,13 +371,10 @@ class LmdbTier:
             self._finish_copy(dst, landing)
             return True
         try:
-            try:
-                return self._read_committed(key, dst)
-            except lmdb.ReadersFullError:
-                self.clear_stale_readers()
-                return self._read_committed(key, dst)
+            return self._read_committed(key, dst)
         except CORRUPTION_ERRORS as exc:
             self._on_bad_record(key, f"LMDB reports corruption: {exc}")
+            self._reset_reason = f"LMDB reported corruption: {exc}"
             self._needs_reset.set()
             return False
         except (OSError, lmdb.Error) as exc:
@@ -372,8 +384,8 @@ class LmdbTier:
 
     def _read_committed(self, key: BlockKey, dst: torch.Tensor) -> bool:
         o = self._opened
-        with o.env.begin(db=o.blocks, buffers=True) as txn:
-            value = txn.get(key)
+        with self._read_txn() as txn:
+            value = txn.get(key, db=o.blocks)
             if value is None:
                 self._forget(key)
                 return False
@@ -424,6 +436,18 @@ class LmdbTier:
         self._touched, self._counter_deltas = {}, {}
         return touched, deltas
 
+    @contextlib.contextmanager
+    def _read_txn(self) -> Iterator[lmdb.Transaction]:
+        """A read transaction (zero-copy buffers); a reader table full of dead processes is cleared once."""
+        env = self._opened.env
+        try:
+            txn = env.begin(buffers=True)
+        except lmdb.ReadersFullError:
+            self.clear_stale_readers()
+            txn = env.begin(buffers=True)
+        with txn:
+            yield txn
+
     def clear_stale_readers(self) -> int:
         """Free reader slots of dead processes (``mdb_reader_check``). Returns how many."""
         return self._opened.env.reader_check()
@@ -444,14 +468,17 @@ class LmdbTier:
         self._needs_reset.clear()
         self._writer.stop(timeout_s=30.0)
         self._opened.env.close()
-        moved = str(move_aside(self.path, "LMDB reported corruption"))
+        moved = str(move_aside(self.path, self._reset_reason))
         with self._lock:
             self._counts.moved_aside.append(moved)
         self._start()
 
-    def request_reset(self) -> None:
-        """Called by the writer when LMDB reports corruption: the caller thread resets at its next call."""
-        self._count("corrupt")
+    def request_reset(self, reason: str, *, corrupt: bool) -> None:
+        """Writer thread: the environment is corrupt (counted) or wedged; the caller thread moves it aside
+        and starts a fresh one at its next call."""
+        if corrupt:
+            self._count("corrupt")
+        self._reset_reason = reason
         self._needs_reset.set()
 
     @property
@@ -501,7 +528,7 @@ class LmdbTier:
         """
         self.flush()
         o = self._opened
-        with o.env.begin(buffers=True) as txn:
+        with self._read_txn() as txn:
             on_disk = {bytes(k): len(v) for k, v in txn.cursor(db=o.blocks).iternext()}
             timed = {bytes(k) for k in txn.cursor(db=o.atime).iternext(values=False)}
         with self._lock:
@@ -515,11 +542,14 @@ class LmdbTier:
         assert all(e.record is None for e in index.values()), "a record is still pending after flush"
         assert used == sum(e.disk_bytes for e in index.values()), "disk used bytes do not add up"
         for k, value_len in on_disk.items():
-            assert index[k].disk_bytes == disk_bytes_of(value_len, o.page_bytes), f"size of {k.hex()[:16]}"
+            assert index[k].disk_bytes == entry_bytes(value_len, o.page_bytes), f"size of {k.hex()[:16]}"
 
     def read_counters(self) -> dict[str, int]:
         """Lifetime counters from the ``meta`` sub-database (committed ones)."""
         o = self._opened
-        with o.env.begin(db=o.meta) as txn:
-            return {k.decode()[6:]: read_u64(v) for k, v in txn.cursor().iternext() if k.startswith(b"count.")}
+        with self._read_txn() as txn:
+            return {
+                bytes(k).decode()[6:]: read_u64(v)
+                for k, v in txn.cursor(db=o.meta).iternext() if bytes(k).startswith(b"count.")
+            }
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _MAX_BATCH_OPS = 4096
+_MAX_MAP_FULL_STREAK = 3
 
 
 @dataclass(slots=True)
@@ -78,13 +80,22 @@ class LmdbWriter:
         self._opened = opened
         self._codec = codec
         self._tier = tier
-        self._max_batch_bytes = tier.options.max_batch_bytes
         self._queue: queue.SimpleQueue[Op] = queue.SimpleQueue()
         self._cond = threading.Condition()
         self._submitted = 0  # under _cond
         self._completed = 0  # under _cond
         self.pending_put_bytes = 0  # under _cond; read without it as a hint
         self._next_seq = first_seq
+        self._deferred_deletes: list[BlockKey] = []  # deletes a full map refused; retried first
+        # Pages freed by a commit are reusable only two commits later, so the map must hold, above the
+        # high watermark, the blocks evicted in the last two commits, the batch being written and the
+        # leaf pages copied on write (each op dirties ~one leaf page in each of two sub-databases, and
+        # random keys spread ops over all leaves): keep a batch within an eighth of that room in bytes
+        # and one op per 12 pages of it (measured: a third, without the op limit, ran out of map).
+        headroom = tier.headroom_bytes
+        self._max_batch_bytes = max(tier.record_disk_bytes, min(tier.options.max_batch_bytes, headroom // 8))
+        self._max_batch_ops = max(1, min(_MAX_BATCH_OPS, headroom // (12 * opened.page_bytes)))
+        self._map_full_streak = 0  # batches in a row that MDB_MAP_FULL refused
         self._thread = threading.Thread(target=self._run, name=f"kvrelay-lmdb-writer:{tier.path}", daemon=True)
 
     def start(self) -> None:
@@ -129,10 +140,18 @@ class LmdbWriter:
     # ------------------------------------------------------------------ thread
     def _run(self) -> None:
         stop = False
+        interval_s = self._tier.options.stale_reader_check_s
+        next_check = time.monotonic() + interval_s
         while not stop:
-            batch = [self._queue.get()]
+            if time.monotonic() >= next_check:
+                self._clear_stale_readers()
+                next_check = time.monotonic() + interval_s
+            try:
+                batch: list[Op] = [self._queue.get(timeout=max(0.0, next_check - time.monotonic()))]
+            except queue.Empty:
+                continue
             batch_bytes = 0
-            while batch_bytes < self._max_batch_bytes and len(batch) < _MAX_BATCH_OPS:
+            while batch_bytes < self._max_batch_bytes and len(batch) < self._max_batch_ops:
                 try:
                     op = self._queue.get_nowait()
                 except queue.Empty:
@@ -149,6 +168,16 @@ class LmdbWriter:
                 self.pending_put_bytes -= sum(op.entry.disk_bytes for op in batch if isinstance(op, Put))
                 self._cond.notify_all()
 
+    def _clear_stale_readers(self) -> None:
+        """Free the reader slots of dead processes, so that new processes can open the environment."""
+        try:
+            cleared = self._opened.env.reader_check()
+        except lmdb.Error as exc:
+            log.warning("disk tier %s: reader check failed (%s)", self._tier.path, exc)
+            return
+        if cleared:
+            log.info("disk tier %s: cleared %d stale LMDB readers", self._tier.path, cleared)
+
     def _apply(self, batch: list[Op]) -> None:
         tier = self._tier
         puts: list[Put] = []
@@ -161,7 +190,9 @@ class LmdbWriter:
                     deletes.append(op.key)
             put_keys = {op.key for op in puts}
             touched_keys, deltas = tier.take_batch_state_locked()
-            touched = [k for k in touched_keys if self._is_stored(k, put_keys)]
+            # Access order is persisted approximately: the most recent touches, one batch's worth.
+            touched = [k for k in touched_keys if self._is_stored(k, put_keys)][-self._max_batch_ops :]
+        deletes, self._deferred_deletes = self._deferred_deletes + deletes, []
         if not (puts or deletes or touched or deltas):
             return
         for op in puts:
@@ -174,13 +205,23 @@ class LmdbWriter:
                 self._evict_and_retry(puts, deletes, touched, deltas)
         except CORRUPTION_ERRORS as exc:
             log.error("disk tier %s: LMDB reports corruption while writing (%s)", tier.path, exc)
-            tier.request_reset()
+            tier.request_reset(f"LMDB reported corruption: {exc}", corrupt=True)
             self._drop(puts)
+            return
+        except lmdb.MapFullError as exc:
+            self._map_full_streak += 1
+            log.error("disk tier %s: map still full after evicting (%s); %d blocks not stored",
+                      tier.path, exc, len(puts))
+            self._drop(puts)
+            if self._map_full_streak >= _MAX_MAP_FULL_STREAK:  # wedged: nothing can be freed any more
+                tier.request_reset(f"LMDB map full in {self._map_full_streak} batches in a row", corrupt=False)
             return
         except (lmdb.Error, OSError) as exc:
             log.error("disk tier %s: write failed (%s); %d blocks not stored", tier.path, exc, len(puts))
+            self._deferred_deletes = deletes + self._deferred_deletes  # their keys are out of the index
             self._drop(puts)
             return
+        self._map_full_streak = 0
         with tier.lock:
             for op in puts:
                 op.entry.record = None
@@ -199,8 +240,14 @@ class LmdbWriter:
             victims = tier.evict_lru_locked(need, keep={op.key for op in puts})
         tier.note_map_full(len(victims))
         log.warning("disk tier %s: LMDB map full; evicted %d blocks and retrying", tier.path, len(victims))
-        self._write([], deletes + victims, [], {})
-        self._write([], [], [], {"ticks": 1})  # one more commit: LMDB reuses freed pages only after it
+        try:
+            self._write([], deletes + victims, [], {})
+            self._write([], [], [], {"ticks": 1})  # one more commit: LMDB reuses freed pages only after it
+        except lmdb.MapFullError:
+            # Not even room to delete: keep the deletes for the next batch (the keys are out of the
+            # index already), and give up this batch's puts.
+            self._deferred_deletes = deletes + victims
+            raise
         self._write(puts, [], touched, deltas)
 
     def _drop(self, puts: list[Put]) -> None:

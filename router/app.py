@@ -143,13 +143,13 @@ class Router:
         while True:
             now = time.monotonic()
             for node in self.nodes.all:
-                if not node.healthy(now) and node.failures and now < node.down_until:
-                    continue
+                if node.seen and not node.healthy(now):
+                    continue  # taken out: wait for its retry time
                 after = self.nodes.index.node_to_last_seq.get(node.name, 0)
                 try:
                     batch = await self.backends.get_msgpack(node, f"/kv/events?after={after}", timeout_s=2.0)
                 except NodeUnavailable:
-                    if node.healthy(now):
+                    if node.seen and node.healthy(now):
                         log.warning("node %s stopped answering; taken out for %.0f s", node.name,
                                     self.config.node_retry_s)
                     self.nodes.mark_down(node)

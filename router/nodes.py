@@ -32,6 +32,7 @@ class Node:
     queued_tokens: int = 0
     down_until: float = 0.0
     failures: int = 0
+    seen: bool = False  # answered at least once; until then it is polled at every round
     reported_load: dict[str, int] = field(default_factory=dict)
 
     def healthy(self, now: float) -> bool:
@@ -60,6 +61,7 @@ class NodeSet:
         self.index.drop_node(node.name)
 
     def mark_up(self, node: Node) -> None:
+        node.seen = True
         node.failures = 0
         node.down_until = 0.0
 

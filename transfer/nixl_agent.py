@@ -124,7 +124,11 @@ class KvAgent:
         self._loopback_dlists: dict[str, Any] = {}
         self._peers: dict[str, PeerLink] = {}
         self._stuck_handles: list[Any] = []
-        self._executor.submit(self._nx_start, list(tiers), tuple(backends)).result()
+        try:
+            self._executor.submit(self._nx_start, list(tiers), tuple(backends)).result()
+        except BaseException:
+            self._executor.shutdown(wait=False)
+            raise
         self.meta = AgentMeta(
             version=PROTOCOL_VERSION, agent_name=name, incarnation=self.incarnation,
             nixl_metadata=self._executor.submit(self._nx_local_metadata).result(),
@@ -253,6 +257,8 @@ class KvAgent:
     def _nx_read(
         self, link: PeerLink, remote: Sequence[TierBlock], local_tier: str, local_ids: Sequence[int],
     ) -> list[XferRequest]:
+        if not link.active:  # another pull dropped this peer (it disconnected or restarted)
+            raise TransferError("peer_gone", f"peer {link.name!r} was removed (disconnected or restarted)")
         groups: dict[str, tuple[list[int], list[int]]] = {}
         for (tier, remote_id), local_id in zip(remote, local_ids, strict=True):
             remote_ids, locals_ = groups.setdefault(tier, ([], []))
@@ -307,14 +313,22 @@ class KvAgent:
     # ------------------------------------------------------- notifications
     async def send_notif(self, peer_name: str, message: bytes) -> bool:
         """Send a notification to a loaded peer. False if NIXL could not (peer gone); logged."""
-        def send() -> bool:
-            try:
-                self._agent.send_notif(peer_name, message)
-                return True
-            except NIXL_ERRORS as exc:
-                log.warning("notification to %r failed: %s", peer_name, type(exc).__name__)
-                return False
-        return await self.call(send)
+        return await self.call(lambda: self._nx_send_notif(peer_name, message))
+
+    async def complete(self, xfers: Sequence[XferRequest], peer_name: str, message: bytes) -> bool:
+        """`release` the finished requests and `send_notif` in one hop to the nixl thread."""
+        def run() -> bool:
+            self._nx_release(xfers)
+            return self._nx_send_notif(peer_name, message)
+        return await self.call(run)
+
+    def _nx_send_notif(self, peer_name: str, message: bytes) -> bool:
+        try:
+            self._agent.send_notif(peer_name, message)
+            return True
+        except NIXL_ERRORS as exc:
+            log.warning("notification to %r failed: %s", peer_name, type(exc).__name__)
+            return False
 
     async def get_notifs(self) -> dict[str, list[bytes]]:
         """Notifications received since the last call: sender agent name → messages."""

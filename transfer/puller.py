@@ -11,7 +11,7 @@
       5 poll from asyncio (200 µs → 5 ms backoff) until every READ is DONE, one is ERR, or the deadline
       6 confirm the lease was held when the READ completed (a renew sent before completion that
         returned ttl covers it), so the bytes are the ones the owner pinned
-      7 notify "done" (the owner unpins), key the new blocks in the pool → PullResult
+      7 release the READs and notify "done" (the owner unpins), key the new blocks → PullResult
 
 Failure (read error, timeout, vanished or restarted owner, lost lease, cancellation) raises one
 `TransferError` after: released handles of finished READs, blocks held for keys back to the pool,
@@ -241,8 +241,8 @@ class Puller:
                           loop.time() - t0)
 
     async def _finish(self, link: PeerLink, handle: KvHandle, res: _Reservation, xfers: list[XferRequest]) -> None:
-        await self._agent.release(xfers)
-        await self._notify(link, "done", handle)
+        if not await self._agent.complete(xfers, link.name, encode_notif("done", handle.lease_id)):
+            log.warning("could not tell %r that lease %s is done; it unpins at expiry", link.name, handle.lease_id)
         await self._pool_call(lambda: self._register(handle.keys, res))
 
     def _check_shape(self, handle: KvHandle) -> None:
@@ -286,7 +286,8 @@ class Puller:
         loop = asyncio.get_running_loop()
         interval = POLL_MIN_S
         while True:
-            await self._agent.poll(xfers)
+            if not all(x.finished for x in xfers):  # a same-host READ often finishes inside its post
+                await self._agent.poll(xfers)
             failed = [x for x in xfers if x.state == "ERR"]
             if failed:
                 gone = any(x.error in ("nixlRemoteDisconnectError", "nixlNotFoundError") for x in failed)

@@ -1,5 +1,6 @@
 """The disk tier across real processes: restart, a writer killed mid-transaction, killed readers."""
 
+import contextlib
 import json
 import os
 import select
@@ -8,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -104,22 +106,18 @@ def test_a_writer_killed_mid_transaction_leaves_committed_data_readable(make_dis
     assert reopened.match_prefix(keys) == 4
 
 
-def test_200_readers_killed_leave_no_readers_full(make_disk, tmp_path):
-    path = tmp_path / "kv"
-    keys = chain(1)
-    owner = make_disk(options=LmdbOptions(max_readers=16))
-    owner.put(keys[0], block_value(0))
-    owner.flush()
-    # A light process that forks one reader per request: each opens the environment, begins a read
-    # transaction (taking a reader slot) and waits to be killed. Children are reaped at once (SIGCHLD
-    # ignored), so a killed reader is really dead, not a zombie.
+@contextlib.contextmanager
+def reader_forker(path: Path) -> Iterator[Callable[[], str]]:
+    """``reader()`` forks (from a light process) one reader of ``path``: it opens the environment, begins a
+    read transaction (taking a slot in the reader table) and is SIGKILLed → "reading"; or finds the table
+    full → "full". Children are reaped at once (SIGCHLD ignored), so a killed reader is dead, not a zombie."""
     zygote = spawn(f"""
         import os, signal, sys, lmdb
         signal.signal(signal.SIGCHLD, signal.SIG_IGN)
         for _ in sys.stdin:
             if os.fork() == 0:
-                env = lmdb.open({str(path)!r}, max_dbs=3, readonly=True)
                 try:
+                    env = lmdb.open({str(path)!r}, max_dbs=3, readonly=True)
                     txn = env.begin()
                     os.write(1, b"%d reading\\n" % os.getpid())
                     signal.pause()
@@ -136,28 +134,21 @@ def test_200_readers_killed_leave_no_readers_full(make_disk, tmp_path):
             os.kill(int(pid), signal.SIGKILL)
         return state
 
-    killed = fulls = cleared = 0
-    deadline = time.monotonic() + 120
     try:
-        while killed < 200:
-            assert time.monotonic() < deadline, f"only {killed} readers killed in time"
-            if reader() == "reading":
-                killed += 1
-                continue
-            fulls += 1
-            dst = torch.empty(SPEC.block_shape)  # the owner keeps serving with the table full of dead readers
-            assert owner.get_into(keys[0], dst) and torch.equal(dst, block_value(0))
-            cleared += owner.clear_stale_readers()
-        assert fulls > 0 and cleared > 0  # the dead readers really filled the table
-        for _ in range(16):  # fill the table with dead readers once more
-            if reader() == "full":
-                break
-        else:
-            raise AssertionError("the reader table never filled")
+        yield reader
     finally:
         kill(zygote)
-    # A new process finds the table full of dead readers and still reads (reader_check at open).
-    stats = subprocess.run(
+
+
+def fill_reader_table(reader: Callable[[], str]) -> None:
+    for _ in range(64):
+        if reader() == "full":
+            return
+    raise AssertionError("the reader table never filled")
+
+
+def snapshot_in_new_process(path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(f"""
             from pathlib import Path
             from kvstore.lmdb_env import read_snapshot
@@ -165,9 +156,42 @@ def test_200_readers_killed_leave_no_readers_full(make_disk, tmp_path):
         """)],
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )
-    assert stats.returncode == 0, stats.stderr
-    assert stats.stdout.strip() == "1"
+
+
+def test_200_readers_killed_leave_no_readers_full(make_disk, tmp_path):
+    path = tmp_path / "kv"
+    keys = chain(1)
+    owner = make_disk(options=LmdbOptions(max_readers=16, stale_reader_check_s=3600))  # no periodic clearing
+    owner.put(keys[0], block_value(0))
+    owner.flush()
     dst = torch.empty(SPEC.block_shape)
+    killed = fulls = cleared = 0
+    deadline = time.monotonic() + 120
+    with reader_forker(path) as reader:
+        while killed < 200:
+            assert time.monotonic() < deadline, f"only {killed} readers killed in time"
+            if reader() == "reading":
+                killed += 1
+                continue
+            fulls += 1
+            cleared += owner.clear_stale_readers()
+        assert fulls > 0 and cleared > 0  # the dead readers really filled the table
+        fill_reader_table(reader)
+    # The owner's own read finds the table full of dead readers, clears it and reads.
     assert owner.get_into(keys[0], dst) and torch.equal(dst, block_value(0))
+    stats = snapshot_in_new_process(path)
+    assert (stats.returncode, stats.stdout.strip()) == (0, "1"), stats.stderr
     owner.close()
     assert read_snapshot(path).num_blocks == 1
+
+
+def test_the_owner_clears_dead_readers_so_new_processes_can_open(make_disk, tmp_path):
+    path = tmp_path / "kv"
+    owner = make_disk(options=LmdbOptions(max_readers=8, stale_reader_check_s=0.1))
+    owner.put(chain(1)[0], block_value(0))
+    owner.flush()
+    with reader_forker(path) as reader:
+        fill_reader_table(reader)
+    # No call into the owner: its writer thread frees the dead readers' slots on its own.
+    stats = snapshot_in_new_process(path)
+    assert (stats.returncode, stats.stdout.strip()) == (0, "1"), stats.stderr

@@ -56,7 +56,7 @@ def test_roundtrip_queued_then_committed_then_after_reopen_with_lru_order(make_d
 
 def test_high_watermark_evicts_lru_down_to_low_watermark(make_disk):
     options = LmdbOptions(high_watermark_frac=0.5, low_watermark_frac=0.25)
-    tier = make_disk(capacity_bytes=(64 + 40) * PAGE, options=options)  # usable 40 pages: high 20, low 10
+    tier = make_disk(capacity_bytes=106 * PAGE, options=options)  # 42 usable pages: high 20 blocks, low 10
     assert tier.capacity_blocks == 20
     keys = chain(21)
     for i in range(20):
@@ -153,6 +153,20 @@ def test_tiny_map_filled_past_capacity_keeps_serving(make_disk):
     assert 0 < len(held) <= tier.capacity_blocks
     for key in held:
         assert torch.equal(read(tier, key), block_value(keys.index(key)))
+
+
+def test_a_burst_of_small_blocks_never_fills_the_map(make_disk):
+    # Batches stay within the room above the high watermark, so the pages LMDB cannot reuse yet
+    # (freed by the previous two commits) never exhaust the map.
+    tier = make_disk(capacity_bytes=256 * PAGE)
+    keys = chain(1200)
+    for i, key in enumerate(keys):
+        assert tier.put(key, block_value(i))
+    tier.flush()
+    stats = tier.disk_stats()
+    assert (stats.num_map_full, stats.num_dropped) == (0, 0)
+    assert stats.num_blocks <= tier.capacity_blocks and stats.num_evicted == 1200 - stats.num_blocks
+    assert torch.equal(read(tier, keys[-1]), block_value(1199))
 
 
 def test_an_io_error_on_read_is_a_miss_that_keeps_the_entry(make_disk, monkeypatch):

@@ -118,5 +118,7 @@ class Cluster:
     def __enter__(self) -> Cluster:
         return self.start()
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, *exc: object) -> None:
         self.stop()
+        if exc_type is not None:  # show what the services said next to the failure
+            sys.stderr.write("---- kvrelay up output (last 60 lines) ----\n" + "".join(self.log[-60:]))

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import os
+import queue
 import select
 import signal
 import subprocess
@@ -65,6 +66,32 @@ async def await_until(cond: Callable[[], bool], timeout_s: float, what: str) -> 
         await asyncio.sleep(0.005)
 
 
+class LineReader:
+    """Reads a child's stdout on a thread (NIXL's logger writes there too, so it must be drained) and
+    hands out its JSON lines; other lines go to ``log``."""
+
+    def __init__(self, proc: subprocess.Popen, log: Any) -> None:
+        self._lines: queue.Queue[str] = queue.Queue()
+        self._log = log
+        threading.Thread(target=self._pump, args=(proc.stdout,), daemon=True).start()
+
+    def _pump(self, stream: Any) -> None:
+        for line in stream:
+            if line.startswith("{"):
+                self._lines.put(line)
+            elif self._log is not None:
+                self._log.write(line)
+        self._lines.put("")  # EOF
+
+    def next_json(self, timeout_s: float, what: str) -> dict[str, Any]:
+        try:
+            line = self._lines.get(timeout=timeout_s)
+        except queue.Empty:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}") from None
+        assert line, f"the child exited while waiting for {what}"
+        return json.loads(line)
+
+
 class OwnerProc:
     """A `tests.transfer.owner_proc` child process."""
 
@@ -78,26 +105,12 @@ class OwnerProc:
             args += ["--token", token]
         self._stderr = open(log_dir / f"{name}-{uuid.uuid4().hex[:6]}.log", "w")
         self.proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=self._stderr, text=True)
-        info = self._read_ready_line(timeout_s=60)
-        # NIXL's Python logger writes to stdout: keep draining it so the child never blocks on a full pipe.
-        threading.Thread(target=self._drain_stdout, daemon=True).start()
+        self.lines = LineReader(self.proc, self._stderr)
+        info = self.lines.next_json(60, f"owner {name} to start (see {self._stderr.name})")
         self.port: int = info["port"]
         self.pid: int = info["pid"]
         self.incarnation: str = info["incarnation"]
         self.url = f"http://127.0.0.1:{self.port}"
-
-    def _read_ready_line(self, timeout_s: float) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
-            line = self.proc.stdout.readline() if ready else ""
-            assert line, f"owner {self.name} did not start; see {self._stderr.name}"
-            if line.startswith("{"):
-                return json.loads(line)
-
-    def _drain_stdout(self) -> None:
-        for line in self.proc.stdout:
-            self._stderr.write(line)
 
     def _call(self, method: str, path: str, body: bytes | None = None) -> Any:
         req = urllib.request.Request(self.url + path, data=body, method=method)

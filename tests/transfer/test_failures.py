@@ -7,8 +7,6 @@ worker cannot acknowledge the READ, so it stays in flight (state PROC) until SIG
 from __future__ import annotations
 
 import asyncio
-import json
-import select
 import signal
 import subprocess
 import sys
@@ -20,6 +18,7 @@ from tests.transfer.harness import (
     REPO,
     SPEC,
     TOKEN,
+    LineReader,
     await_until,
     in_thread,
     keys_of,
@@ -34,16 +33,17 @@ from transfer.wire import encode_handle
 
 
 def test_reader_killed_before_reading_owner_unpins_at_lease_expiry(start_owner):
-    owner = start_owner("owner-ttl", ttl_s=2.0)
-    reader = subprocess.Popen(
+    reader = subprocess.Popen(  # starts while the owner starts
         [sys.executable, "-m", "tests.transfer.reader_proc", TOKEN], cwd=REPO,
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    lines = LineReader(reader, None)
     try:
-        assert _next_json(reader) == {"ready": True}
+        owner = start_owner("owner-ttl", ttl_s=2.0)
+        assert lines.next_json(60, "the reader to start") == {"ready": True}
         handle = owner.offer(tokens(10, 6))
         reader.stdin.write(encode_handle(handle).hex() + "\n")
         reader.stdin.flush()
-        assert _next_json(reader) == {"linked": True}
+        assert lines.next_json(60, "the reader to link") == {"linked": True}
         reader.send_signal(signal.SIGKILL)
         reader.wait(timeout=10)
         assert owner.state()["pinned_refs"] == 6  # nobody told the owner anything
@@ -54,17 +54,6 @@ def test_reader_killed_before_reading_owner_unpins_at_lease_expiry(start_owner):
         if reader.poll() is None:
             reader.kill()
         reader.wait()
-
-
-def _next_json(proc: subprocess.Popen) -> dict:
-    """The child's next JSON stdout line (NIXL logs to stdout too), within 60 s."""
-    deadline = time.monotonic() + 60
-    while True:
-        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
-        line = proc.stdout.readline() if ready else ""
-        assert line, "reader said nothing in time"
-        if line.startswith("{"):
-            return json.loads(line)
 
 
 async def _warm_pull(r, owner) -> None:

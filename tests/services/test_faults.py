@@ -1,0 +1,112 @@
+"""Failures through `kvrelay up`: dead decode node, client disconnects, overload, internal token."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.services.cluster import Cluster, get_json, metrics
+
+
+def post(url: str, body: dict, timeout: float = 60.0) -> tuple[int, dict]:
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def wait_for(cond, timeout_s: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        threading.Event().wait(0.1)
+
+
+def pools_idle(cluster: Cluster) -> bool:
+    return all(get_json(u + "/health")["in_use_blocks"] == 0 for u in cluster.prefill_urls + cluster.decode_urls)
+
+
+def test_decode_killed_fails_in_flight_with_503_and_new_requests_use_the_other(tiny_model_dir, tmp_path):
+    with Cluster(tmp_path, tiny_model_dir, prefill=1, decode=2) as c:
+        long = {"model": "tiny", "prompt": "abc", "max_tokens": 1500, "temperature": 0, "ignore_eos": True}
+        with ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(post, c.url, long) for _ in range(2)]
+            wait_for(lambda: sum(get_json(u + "/health")["running"] for u in c.decode_urls) == 2, what="2 running")
+            victim = next(u for u in c.decode_urls if get_json(u + "/health")["running"] > 0)
+            os.kill(c.node_pid(victim), signal.SIGKILL)
+            results = [f.result() for f in futures]
+        statuses = sorted(code for code, _ in results)
+        assert 503 in statuses
+        for code, body in results:
+            if code == 503:
+                assert "decode node failed mid-request" in body["error"]["message"]
+        survivor = next(u for u in c.decode_urls if u != victim)
+        before = get_json(survivor + "/health")
+        for _ in range(3):
+            code, body = post(c.url, {"model": "tiny", "prompt": "hi", "max_tokens": 4, "temperature": 0})
+            assert code == 200 and body["usage"]["completion_tokens"] == 4
+        assert get_json(survivor + "/health")["pid"] == before["pid"]
+        assert metrics(survivor)['kvrelay_requests_total{role="decode",status="ok"}'] >= 3
+        wait_for(lambda: get_json(survivor + "/health")["in_use_blocks"] == 0, what="survivor idle")
+
+
+def _stream_and_hang_up(url: str, n_bytes: int) -> None:
+    body = json.dumps({"model": "tiny", "prompt": "disconnect me", "max_tokens": 1500, "temperature": 0,
+                       "ignore_eos": True, "stream": True}).encode()
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        got = b""
+        while len(got) < n_bytes:
+            got += s.recv(4096)
+        assert b"data: " in got
+
+
+def test_client_disconnect_and_overload_leave_pools_at_baseline(tiny_model_dir, tmp_path):
+    with Cluster(tmp_path, tiny_model_dir, overrides={"decode": {"max_pending_requests": 8}}) as c:
+        _stream_and_hang_up(c.url, 2000)
+        wait_for(lambda: pools_idle(c) and get_json(c.decode_urls[0] + "/health")["running"] == 0,
+                 what="pools back to baseline after disconnect")
+        body = {"model": "tiny", "prompt": "load", "max_tokens": 8, "temperature": 0}
+        with ThreadPoolExecutor(64) as pool:
+            results = list(pool.map(lambda _: post(c.url, body, timeout=120), range(200)))
+        codes = [code for code, _ in results]
+        assert set(codes) <= {200, 429} and codes.count(200) >= 8
+        for code, b in results:
+            if code == 429:
+                assert "capacity" in b["error"]["message"]
+            else:
+                assert b["usage"]["completion_tokens"] == 8
+        wait_for(lambda: pools_idle(c), what="pools back to baseline after load")
+        assert get_json(c.url + "/health")["status"] == "ok"
+
+
+def test_internal_endpoints_need_the_token_and_bind_loopback(tiny_model_dir, tmp_path):
+    with Cluster(tmp_path, tiny_model_dir, overrides={"internal": {"token_env": "KVRELAY_TEST_TOKEN"}},
+                 env={"KVRELAY_TEST_TOKEN": "s3cret"}) as c:
+        for url in c.prefill_urls + c.decode_urls:
+            for path in ("/kv/events", "/info"):
+                with pytest.raises(urllib.error.HTTPError) as err:
+                    get_json(url + path)
+                assert err.value.code == 401
+            assert get_json(url + "/health")["status"] == "ok"
+        code, body = post(c.url, {"model": "tiny", "prompt": "hi", "max_tokens": 3})
+        assert code == 200 and body["usage"]["completion_tokens"] == 3
+        for url in c.prefill_urls + c.decode_urls:
+            port = url.rsplit(":", 1)[1]
+            rows = [line.split() for line in os.popen(f"ss -ltnH 'sport = :{port}'").read().splitlines()]
+            assert [r[3] for r in rows] == [f"127.0.0.1:{port}"]  # the local address: loopback only
