@@ -37,6 +37,7 @@ def build_engine(config: Any) -> LLMEngine:
     return LLMEngine(loaded, EngineConfig(
         num_blocks=num_blocks, block_size_tokens=config.kvstore.block_size_tokens, max_num_seqs=e.max_num_seqs,
         max_num_batched_tokens=e.max_num_batched_tokens, max_model_len=e.max_model_len,
+        enable_prefix_caching=e.enable_prefix_caching,
     ))
 
 

@@ -2,7 +2,7 @@
 ``decode``, ``router``. Read by `deploy.config.load_config`; every error names its YAML key.
 
     model:    {path, name, dtype, device}
-    engine:   {max_num_seqs, max_num_batched_tokens, max_model_len}
+    engine:   {max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching}
     internal: {bind, token, token_env}
     prefill:  {ports: [8100, ...], lease_ttl_s}
     decode:   {ports: [8200, ...], on_transfer_failure, max_pending_requests, transfer_timeout_s}
@@ -37,6 +37,7 @@ class EngineSection:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
     max_model_len: int | None = None
+    enable_prefix_caching: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +117,12 @@ def positive_float(v: Any) -> float:
     return float(v)
 
 
+def boolean(v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise ValueError("is not true or false")
+    return v
+
+
 def string(v: Any) -> str:
     if not isinstance(v, str) or not v:
         raise ValueError("is not a non-empty string")
@@ -159,7 +166,7 @@ def parse_services(root: Section, *, base_dir: Path, env: Mapping[str, str] | No
     m.done()
     e = root.section("engine")
     engine = EngineSection(e.take("max_num_seqs", positive_int, 64), e.take("max_num_batched_tokens", positive_int, 1024),
-                           e.take("max_model_len", positive_int, None))
+                           e.take("max_model_len", positive_int, None), e.take("enable_prefix_caching", boolean, True))
     e.done()
     i = root.section("internal")
     bind = i.take("bind", string, "127.0.0.1")

@@ -88,13 +88,14 @@ class LmdbWriter:
         self._next_seq = first_seq
         self._deferred_deletes: list[BlockKey] = []  # deletes a full map refused; retried first
         # Pages freed by a commit are reusable only two commits later, so the map must hold, above the
-        # high watermark, the blocks evicted in the last two commits, the batch being written and the
-        # leaf pages copied on write (each op dirties ~one leaf page in each of two sub-databases, and
-        # random keys spread ops over all leaves): keep a batch within an eighth of that room in bytes
-        # and one op per 12 pages of it (measured: a third, without the op limit, ran out of map).
+        # high watermark, what the last three commits wrote: their blocks and the leaf pages they copied
+        # on write. Keys are random, so every op (put, delete, access-time update) copies about one leaf
+        # page per sub-database it touches: ~4 pages per op with its access-time update, 12 for three
+        # commits. A batch gets an eighth of the room in bytes and one op per 24 pages of it (measured:
+        # a third of the room without an op limit wedged a map of 2 KiB blocks).
         headroom = tier.headroom_bytes
         self._max_batch_bytes = max(tier.record_disk_bytes, min(tier.options.max_batch_bytes, headroom // 8))
-        self._max_batch_ops = max(1, min(_MAX_BATCH_OPS, headroom // (12 * opened.page_bytes)))
+        self._max_batch_ops = max(1, min(_MAX_BATCH_OPS, headroom // (24 * opened.page_bytes)))
         self._map_full_streak = 0  # batches in a row that MDB_MAP_FULL refused
         self._thread = threading.Thread(target=self._run, name=f"kvrelay-lmdb-writer:{tier.path}", daemon=True)
 
@@ -190,8 +191,9 @@ class LmdbWriter:
                     deletes.append(op.key)
             put_keys = {op.key for op in puts}
             touched_keys, deltas = tier.take_batch_state_locked()
-            # Access order is persisted approximately: the most recent touches, one batch's worth.
-            touched = [k for k in touched_keys if self._is_stored(k, put_keys)][-self._max_batch_ops :]
+            # Access order is persisted approximately: at most one batch's worth of the latest touches.
+            room = max(1, self._max_batch_ops - len(batch))
+            touched = [k for k in touched_keys if self._is_stored(k, put_keys)][-room:]
         deletes, self._deferred_deletes = self._deferred_deletes + deletes, []
         if not (puts or deletes or touched or deltas):
             return

@@ -50,6 +50,15 @@ def test_reader_killed_before_reading_owner_unpins_at_lease_expiry(start_owner):
         wait_until(lambda: owner.state()["pinned_refs"] == 0, 10, "the lease to expire")
         state = owner.state()
         assert (state["leases"], state["reaped"], state["notifs"]) == (0, 1, 0)
+
+        async def late_reader():
+            async with open_reader() as r:
+                with pytest.raises(TransferError, match="no longer holds lease") as err:
+                    await r.puller.pull(handle, deadline_s=10)
+                assert err.value.reason == "lease_lost"
+                assert r.pool.num_free_blocks == r.pool.num_blocks  # nothing read is kept
+
+        run(late_reader())
     finally:
         if reader.poll() is None:
             reader.kill()

@@ -3,6 +3,9 @@ after the completion notification, and only missing keys read."""
 
 from __future__ import annotations
 
+import asyncio
+import signal
+
 import pytest
 
 from tests.transfer.harness import SPEC, await_until, in_thread, keys_of, open_reader, run, tokens
@@ -92,5 +95,33 @@ def test_too_few_free_blocks_is_a_typed_error_and_reserves_nothing(owner):
             # The lease is still live on the owner; a pull with room succeeds and unpins it.
             result = await r.puller.pull(handle, deadline_s=10)
             r.pool.release(result.block_ids)
+
+    run(body())
+
+
+def test_a_cancelled_pull_gives_its_blocks_back_once_the_read_settles(owner):
+    """The decode service bounds a pull with ``asyncio.wait_for``: cancellation must not leak blocks."""
+
+    async def body():
+        async with open_reader() as r:
+            warm = await r.puller.pull(await in_thread(lambda: owner.offer(tokens(6, 1))), deadline_s=20)
+            r.pool.release(warm.block_ids)
+            handle = await in_thread(lambda: owner.offer(tokens(7, 32)))
+            free_before = r.pool.num_free_blocks
+            owner.pause()
+            try:
+                task = asyncio.create_task(r.puller.pull(handle, deadline_s=30))
+                await await_until(lambda: r.puller.num_reads_in_flight == 1, 10, "the READ to be posted")
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                await await_until(lambda: r.puller.num_reads_in_flight == 0, 10, "the clean-up to run")
+                assert r.puller.num_quarantined_blocks in (0, 32)
+                r.check_integrity()
+            finally:
+                owner.signal(signal.SIGCONT)
+            assert await r.puller.wait_quarantine_drained(15)
+            assert r.pool.num_free_blocks == free_before
+            assert all(r.pool.block_id_of(k) is None for k in keys_of(tokens(7, 32)))
 
     run(body())
