@@ -104,6 +104,8 @@ class DecodeService(EngineNode):
         except TransferFailed as exc:
             self.metrics.request_done("transfer_failed")
             return msgpack_response({"error": str(exc)}, status=502)
+        log.info("request %s: joining the batch (%d prompt tokens, %d pulled blocks%s)", rid, len(prompt),
+                 len(pinned or []), ", recompute after a failed pull" if pinned is None else "")
         stream = self.worker.submit(rid, prompt, params, salt=salt, first_token_ids=first,
                                     pinned_block_ids=pinned or [])
         resp = web.StreamResponse(headers={"Content-Type": "application/msgpack"})

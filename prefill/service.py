@@ -108,6 +108,8 @@ class PrefillService(EngineNode):
             self._release(handle)  # nothing left for a decode node to read
             handle = None
         self.metrics.request_done("ok")
+        log.info("request %s: prefilled %d tokens (%d from cache), first tokens %s, handle %s", rid, len(prompt),
+                 num_cached, tokens, "leased" if handle is not None else "none")
         return msgpack_response({
             "first_token_ids": tokens, "finish_reasons": reasons, "handle": handle,
             "num_cached_tokens": num_cached,

@@ -68,6 +68,8 @@ class Dispatcher:
             try:
                 answer = await self.backends.post_msgpack(node, "/prefill", body)
                 answer["node"] = node.name
+                log.info("request %s: prefilled on %s (%d prompt tokens, %d from cache)", req.request_id, node.name,
+                         len(req.prompt_token_ids), answer.get("num_cached_tokens", 0))
                 return answer
             except NodeUnavailable as exc:
                 log.warning("request %s: %s; trying another prefill node", req.request_id, exc)
@@ -108,6 +110,7 @@ class Dispatcher:
                     "params": params_to_wire(req.params), "salt": salt, "first_token_ids": first, "handle": handle}
             started = False
             node.in_flight += 1
+            log.info("request %s: decoding on %s (KV handle: %s)", req.request_id, node.name, handle is not None)
             try:
                 async for frame in self.backends.stream(node, "/generate", body):
                     if "error" in frame:
