@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from prometheus_client import CollectorRegistry
 
 from engine.engine import EngineConfig, LLMEngine
-from engine.node_app import NodeConfig
+from engine.node_app import NodeConfig, NodeMetrics
 from engine.worker import EngineWorker
 from model.loader import load_model
 
@@ -27,18 +30,24 @@ def _reachable(bind: str) -> str:
     return "127.0.0.1" if bind in ("0.0.0.0", "") else bind
 
 
-def build_engine(config: Any) -> LLMEngine:
-    """The engine of a prefill or decode node: model from ``config.model``, pool sized by ``config.kvstore``."""
+def build_engine(config: Any, *, node_name: str, registry: CollectorRegistry) -> LLMEngine:
+    """The engine of one prefill or decode node: model from ``config.model``, tiers from ``config.kvstore``.
+
+    Each node keeps its disk tier in its own subdirectory (``disk.path/<node name>``): LMDB environments
+    are one per process.
+    """
     m = config.model
     loaded = load_model(m.path, dtype=m.dtype, device=m.device)
-    spec_probe = LLMEngine.block_spec_for(loaded, config.kvstore.block_size_tokens)
-    num_blocks = config.kvstore.device_num_blocks(spec_probe.block_bytes)
+    spec = LLMEngine.block_spec_for(loaded, config.kvstore.block_size_tokens)
+    store_config = config.kvstore.store_config(spec, device=m.device)
+    if store_config.disk_path is not None:
+        store_config = dataclasses.replace(store_config, disk_path=str(Path(store_config.disk_path) / node_name))
     e = config.engine
     return LLMEngine(loaded, EngineConfig(
-        num_blocks=num_blocks, block_size_tokens=config.kvstore.block_size_tokens, max_num_seqs=e.max_num_seqs,
-        max_num_batched_tokens=e.max_num_batched_tokens, max_model_len=e.max_model_len,
+        num_blocks=store_config.num_device_blocks, block_size_tokens=config.kvstore.block_size_tokens,
+        max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens, max_model_len=e.max_model_len,
         enable_prefix_caching=e.enable_prefix_caching,
-    ))
+    ), store_config=store_config, registry=registry)
 
 
 def build_app(config: Any, role: str, index: int) -> tuple[web.Application, str, int]:
@@ -67,18 +76,20 @@ def build_app(config: Any, role: str, index: int) -> tuple[web.Application, str,
     if not 0 <= index < len(ports):
         raise ValueError(f"{role}.ports has {len(ports)} entries; --index {index} is out of range")
     port = ports[index]
-    engine = build_engine(config)
-    node = NodeConfig(role=role, name=f"{role}-{index}", model_name=config.model.name, host=internal.bind, port=port,
+    name = f"{role}-{index}"
+    metrics = NodeMetrics(role)
+    engine = build_engine(config, node_name=name, registry=metrics.registry)
+    node = NodeConfig(role=role, name=name, model_name=config.model.name, host=internal.bind, port=port,
                       max_pending_requests=config.decode.max_pending_requests, internal_token=internal.token)
     worker = EngineWorker(engine)
     if role == "prefill":
         from prefill.service import PrefillService
 
-        return PrefillService(node, worker).make_app(), internal.bind, port
+        return PrefillService(node, worker, metrics=metrics).make_app(), internal.bind, port
     from decode.service import DecodeConfig, DecodeService
 
     service = DecodeService(node, DecodeConfig(config.decode.on_transfer_failure, config.decode.transfer_timeout_s),
-                            worker)
+                            worker, metrics=metrics)
     return service.make_app(), internal.bind, port
 
 

@@ -165,7 +165,8 @@ def parse_services(root: Section, *, base_dir: Path, env: Mapping[str, str] | No
                          m.take("dtype", one_of(DTYPES), "float32"), m.take("device", string, "cpu"))
     m.done()
     e = root.section("engine")
-    engine = EngineSection(e.take("max_num_seqs", positive_int, 64), e.take("max_num_batched_tokens", positive_int, 1024),
+    engine = EngineSection(e.take("max_num_seqs", positive_int, 64),
+                           e.take("max_num_batched_tokens", positive_int, 1024),
                            e.take("max_model_len", positive_int, None), e.take("enable_prefix_caching", boolean, True))
     e.done()
     i = root.section("internal")

@@ -15,12 +15,13 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 import torch
+from prometheus_client import CollectorRegistry
 
 from engine.model_runner import ModelRunner
 from engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from engine.sequence import Sequence, SequenceStatus
-from kvstore.block_pool import BlockPool
 from kvstore.block_spec import BlockSpec
+from kvstore.tiered_store import TieredStore, TieredStoreConfig
 from model.attention import default_backend_name, make_backend
 from model.loader import LoadedModel
 from model.sampling import SamplingParams, sample, token_generator
@@ -81,7 +82,14 @@ class LLMEngine:
         config: sizing.
     """
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        config: EngineConfig | None = None,
+        *,
+        store_config: TieredStoreConfig | None = None,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
         self.config = config or EngineConfig()
         cfg = loaded.config
         self.model_config = cfg
@@ -90,8 +98,11 @@ class LLMEngine:
         self.spec = self.block_spec_for(loaded, self.config.block_size_tokens)
         self.max_model_len = self.config.max_model_len or cfg.max_context_tokens
         self.eos_token_ids = frozenset(cfg.eos_token_ids)
-        self.pool = BlockPool(self.config.num_blocks)
-        self.kv_pool = self.spec.new_pool(self.config.num_blocks, device=device)
+        if store_config is None:
+            store_config = TieredStoreConfig(num_device_blocks=self.config.num_blocks, device=str(device))
+        self.store = TieredStore(self.spec, store_config, registry=registry)
+        self.pool = self.store.block_pool
+        self.kv_pool = self.store.device_pool
         backend = make_backend(self.config.attention_backend or default_backend_name(device))
         self.runner = ModelRunner(self.model, self.kv_pool, backend, block_size_tokens=self.spec.block_size_tokens)
         self.scheduler = Scheduler(
@@ -100,7 +111,7 @@ class LLMEngine:
                 max_num_batched_tokens=self.config.max_num_batched_tokens,
                 enable_prefix_caching=self.config.enable_prefix_caching,
             ),
-            self.pool, spec_fingerprint=self.spec.fingerprint, copy_block=self.runner.copy_block,
+            self.store, spec_fingerprint=self.spec.fingerprint, copy_block=self.runner.copy_block,
         )
         self.stats = EngineStats()
         self._requests: dict[str, _Request] = {}
@@ -246,6 +257,7 @@ class LLMEngine:
             outputs.append(self._append_token(seq, tok))
         for req_id in {o.request_id for o in outputs if o.finished}:
             self._forget_if_done(req_id)
+        self.store.maintain_watermark()
         return outputs
 
     def _expand_forks(self, seqs: list[Sequence]) -> list[tuple[Sequence, int]]:
@@ -315,9 +327,13 @@ class LLMEngine:
                     results[out.request_id][out.index].extend(out.new_token_ids)
         return [results[rid] for rid in ids]
 
+    def close(self) -> None:
+        """Commit queued disk writes and close the store; the engine is unusable afterwards."""
+        self.store.close()
+
     def check_integrity(self) -> None:
-        """Pool integrity plus: the blocks referenced by live sequences match the ref counts."""
-        self.pool.check_integrity()
+        """Every tier's integrity plus: the blocks referenced by live sequences match the ref counts."""
+        self.store.check_integrity()
         expected = [0] * self.pool.num_blocks
         for req in self._requests.values():
             for seq in req.seqs:

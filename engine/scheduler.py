@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from engine.sequence import Sequence, SequenceStatus
 from kvstore.block_key import BlockKey, extend_block_keys
-from kvstore.block_pool import BlockPool
+from kvstore.tiered_store import TieredStore
 
 CopyBlock = Callable[[int, int], None]
 
@@ -49,16 +49,18 @@ class Scheduler:
 
     Args:
         config: limits and block size.
-        pool: the device `BlockPool` (ref counts stay its business).
+        store: the tiered KV store; its device `BlockPool` holds the blocks (ref counts stay its
+            business) and its lower tiers answer prefix lookups the device misses.
         spec_fingerprint: enters every block key.
         copy_block: ``copy_block(src, dst)`` copies a block's bytes (copy-on-write of a shared tail).
     """
 
     def __init__(
-        self, config: SchedulerConfig, pool: BlockPool, *, spec_fingerprint: bytes, copy_block: CopyBlock
+        self, config: SchedulerConfig, store: TieredStore, *, spec_fingerprint: bytes, copy_block: CopyBlock
     ) -> None:
         self.config = config
-        self.pool = pool
+        self.store = store
+        self.pool = store.block_pool
         self.spec_fingerprint = spec_fingerprint
         self.copy_block = copy_block
         self.waiting: list[Sequence] = []  # sorted by arrival
@@ -90,9 +92,9 @@ class Scheduler:
             return
         bs = self.config.block_size_tokens
         keys = self.keys_of(seq)[: (len(seq.token_ids) - 1) // bs]
-        hit = self.pool.match_prefix(keys)
-        if hit:
-            self.pool.acquire(hit)
+        hit = self.store.load(keys, self.store.match_prefix(keys))  # acquired; lower tiers promoted
+        if seq.num_output_tokens == 0:
+            self.store.record_prompt(len(seq.token_ids), len(hit) * bs)
         seq.block_table = list(hit)
         seq.num_keyed_blocks = len(hit)
         seq.num_computed_tokens = len(hit) * bs

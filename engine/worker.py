@@ -97,9 +97,11 @@ class EngineWorker:
         self._thread.start()
 
     async def stop(self) -> None:
+        """Stop the thread, then close the engine (commits queued disk writes)."""
         self._commands.put(None)
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 10.0)
+        await asyncio.to_thread(self.engine.close)
 
     # ------------------------------------------------------------------ API
     def submit(

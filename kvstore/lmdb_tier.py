@@ -52,6 +52,7 @@ from kvstore.metrics import StoreMetrics
 from kvstore.tier import TierStats
 
 log = logging.getLogger(__name__)
+MAP_SLACK_FRAC = 0.1  # how far past disk.bytes `grow_map` may take the map, to let evictions through
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +152,8 @@ class LmdbTier:
             torch.empty(spec.block_bytes, dtype=torch.uint8, pin_memory=True) if torch.cuda.is_available() else None
         )
         self._map_bytes = -(-capacity_bytes // 4096) * 4096
+        self._configured_map_bytes = self._map_bytes
+        self._map_lock = threading.Lock()  # held by read transactions and by grow_map
         self._owner = OwnerLock(self.path)
         try:
             self._start()
@@ -180,11 +183,12 @@ class LmdbTier:
 
     def _open_env(self) -> OpenedEnv:
         opened = open_env(
-            self.path, map_bytes=self._map_bytes, max_readers=self.options.max_readers,
+            self.path, map_bytes=self._configured_map_bytes, max_readers=self.options.max_readers,
             block_bytes=self.spec.block_bytes,
         )
         self._codec = RecordCodec(self.spec, opened.page_bytes, self.options.checksum)
         self._record_disk_bytes = entry_bytes(self._codec.value_bytes, opened.page_bytes)
+        self._map_bytes = self._configured_map_bytes
         usable = max(0, self._map_bytes - self.options.reserved_pages * opened.page_bytes)
         self._high_bytes = int(usable * self.options.high_watermark_frac)
         self._low_bytes = int(usable * self.options.low_watermark_frac)
@@ -438,15 +442,32 @@ class LmdbTier:
 
     @contextlib.contextmanager
     def _read_txn(self) -> Iterator[lmdb.Transaction]:
-        """A read transaction (zero-copy buffers); a reader table full of dead processes is cleared once."""
-        env = self._opened.env
-        try:
-            txn = env.begin(buffers=True)
-        except lmdb.ReadersFullError:
-            self.clear_stale_readers()
-            txn = env.begin(buffers=True)
-        with txn:
-            yield txn
+        """A read transaction (zero-copy buffers); a reader table full of dead processes is cleared once.
+
+        Holds ``_map_lock``: `grow_map` remaps the environment, which must not happen under a reader."""
+        with self._map_lock:
+            env = self._opened.env
+            try:
+                txn = env.begin(buffers=True)
+            except lmdb.ReadersFullError:
+                self.clear_stale_readers()
+                txn = env.begin(buffers=True)
+            with txn:
+                yield txn
+
+    def grow_map(self) -> bool:
+        """Writer thread, after MDB_MAP_FULL left no page even to delete: enlarge the map by ~2% (at
+        most ``MAP_SLACK_FRAC`` of the configured size in all). Returns False when the slack is used up."""
+        limit = int(self._configured_map_bytes * (1 + MAP_SLACK_FRAC))
+        if self._map_bytes >= limit:
+            return False
+        page = self._opened.page_bytes
+        new = min(limit, self._map_bytes + max(64 * page, self._map_bytes // 50) // page * page)
+        with self._map_lock:
+            self._opened.env.set_mapsize(new)
+            self._map_bytes = new
+        log.warning("disk tier %s: LMDB map grown to %d bytes to make room for evictions", self.path, new)
+        return True
 
     def clear_stale_readers(self) -> int:
         """Free reader slots of dead processes (``mdb_reader_check``). Returns how many."""

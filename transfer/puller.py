@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from dataclasses import dataclass
 
 from kvstore.block_key import BlockKey
@@ -39,6 +38,7 @@ from kvstore.block_pool import BlockPool
 from transfer.config import TransferConfig
 from transfer.errors import TransferError
 from transfer.handle import KvHandle
+from transfer.lease_keeper import LeaseKeeper
 from transfer.nixl_agent import KvAgent, PeerLink, XferRequest
 from transfer.peer_cache import PeerCache
 from transfer.pool_call import PoolCall, run_inline
@@ -77,64 +77,6 @@ class _Reservation:
 class _Quarantined:
     xfers: list[XferRequest]
     block_ids: list[int]
-
-
-class _LeaseKeeper:
-    """Renews a handle's lease while its READ runs and knows until when the lease is surely held."""
-
-    def __init__(self, peers: PeerCache, handle: KvHandle, *, renew_timeout_s: float) -> None:
-        self._peers = peers
-        self._handle = handle
-        self._renew_timeout_s = renew_timeout_s
-        self.valid_until = -math.inf  # loop time before which the owner surely held the lease
-        self.failure: TransferError | None = None
-        self._changed = asyncio.Event()
-        self._task = asyncio.create_task(self._run())
-
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        interval = self._handle.lease_ttl_s / 3
-        while True:
-            sent = loop.time()
-            try:
-                ttl = await self._peers.renew(self._handle, timeout_s=min(self._renew_timeout_s, interval))
-            except TransferError as exc:
-                if exc.reason != "timeout":
-                    self._fail(exc)
-                    return
-                self._changed.set()
-                continue
-            if ttl is None:
-                self._fail(TransferError("lease_lost", f"owner {self._handle.owner_agent!r} no longer holds lease "
-                                         f"{self._handle.lease_id} (expired or released)"))
-                return
-            # The owner set expiry = (its now) + ttl after `sent`, and leases never come back.
-            self.valid_until = max(self.valid_until, sent + ttl)
-            self._changed.set()
-            await asyncio.sleep(interval)
-
-    def _fail(self, exc: TransferError) -> None:
-        self.failure = exc
-        self._changed.set()
-
-    async def wait_covers(self, t: float, t_end: float) -> None:
-        """Return once the lease is known to have been held at loop time ``t``. Raises TransferError."""
-        loop = asyncio.get_running_loop()
-        while self.valid_until < t:
-            self._changed.clear()
-            if self.failure is not None:
-                raise self.failure
-            remaining = t_end - loop.time()
-            if remaining <= 0:
-                raise TransferError("timeout", f"could not confirm lease {self._handle.lease_id} with "
-                                    f"{self._handle.owner_agent!r} before the deadline")
-            try:
-                await asyncio.wait_for(self._changed.wait(), remaining)
-            except asyncio.TimeoutError:
-                pass
-
-    def stop(self) -> None:
-        self._task.cancel()
 
 
 class Puller:
@@ -212,7 +154,7 @@ class Puller:
         if not res.missing:
             await self._notify(link, "done", handle)
             return PullResult(res.block_ids, 0, len(res.held), 0, loop.time() - t0)
-        keeper = _LeaseKeeper(self._peers, handle, renew_timeout_s=self._config.renew_timeout_s)
+        keeper = LeaseKeeper(self._peers, handle, renew_timeout_s=self._config.renew_timeout_s)
         xfers: list[XferRequest] = []
         try:
             xfers = await self._agent.read(link, [handle.blocks[i] for i in res.missing], self.local_tier,
@@ -281,7 +223,7 @@ class Puller:
         for i in res.missing:
             self._pool.register_key(res.block_ids[i], keys[i])  # False: a concurrent pull keyed it first
 
-    async def _wait(self, xfers: list[XferRequest], handle: KvHandle, keeper: _LeaseKeeper, t_end: float) -> float:
+    async def _wait(self, xfers: list[XferRequest], handle: KvHandle, keeper: LeaseKeeper, t_end: float) -> float:
         """Poll until every READ is DONE; returns the loop time it was seen. Raises TransferError."""
         loop = asyncio.get_running_loop()
         interval = POLL_MIN_S

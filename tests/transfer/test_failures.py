@@ -56,7 +56,9 @@ def test_reader_killed_before_reading_owner_unpins_at_lease_expiry(start_owner):
                 with pytest.raises(TransferError, match="no longer holds lease") as err:
                     await r.puller.pull(handle, deadline_s=10)
                 assert err.value.reason == "lease_lost"
+                assert await r.puller.wait_quarantine_drained(10)  # the READ may have been in flight
                 assert r.pool.num_free_blocks == r.pool.num_blocks  # nothing read is kept
+                assert all(r.pool.block_id_of(k) is None for k in handle.keys)
 
         run(late_reader())
     finally:

@@ -1,0 +1,135 @@
+"""`Deployment`: one ``kvrelay up`` on free loopback ports, for benchmarks that start their own servers.
+
+The config starts from a YAML file (default: ``deploy/configs/local.yaml``, the default deployment) and
+applies per-section overrides; ports are always fresh, the disk tier goes to a temporary directory, and
+the model path is the benchmark's model. Baselines are overrides::
+
+    BASELINE_TO_OVERRIDES["aggregated"] == {"prefill": {"ports": []}}      # decode prefills itself
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from deploy.config import DEFAULT_CONFIG
+
+READY = re.compile(r"kvrelay is serving .* at (http://\S+)/v1")
+BASELINE_TO_OVERRIDES: dict[str, dict[str, dict[str, Any]]] = {
+    "disaggregated": {},
+    "aggregated": {"prefill": {"ports": []}},
+    "prefix-cache-off": {"engine": {"enable_prefix_caching": False}},
+}
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct TCP ports free on loopback right now."""
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def get_text(url: str, *, timeout_s: float = 10.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+        return resp.read().decode()
+
+
+class Deployment:
+    """``kvrelay up`` with ``overrides`` merged into ``base_config`` section by section.
+
+    Attributes (after `start`): ``url`` (router root), ``model_name``, ``prefill_urls``, ``decode_urls``,
+    ``config`` (the dict written), ``log`` (the last lines the processes printed).
+    """
+
+    def __init__(self, model_dir: str, *, overrides: dict[str, dict[str, Any]] | None = None,
+                 base_config: Path = DEFAULT_CONFIG) -> None:
+        self.config: dict[str, Any] = yaml.safe_load(base_config.read_text())
+        for section, values in (overrides or {}).items():
+            self.config[section] = {**(self.config.get(section) or {}), **values}
+        num_prefill = len(self.config.get("prefill", {}).get("ports", []))
+        num_decode = len(self.config.get("decode", {}).get("ports", [8200]))
+        ports = free_ports(1 + num_prefill + num_decode)
+        self.config["model"] = {**self.config.get("model", {}), "path": str(Path(model_dir).resolve())}
+        self.config.setdefault("prefill", {})["ports"] = ports[1 : 1 + num_prefill]
+        self.config.setdefault("decode", {})["ports"] = ports[1 + num_prefill :]
+        self.config.setdefault("router", {})["port"] = ports[0]
+        self._tmp = tempfile.TemporaryDirectory(prefix="kvrelay-bench-")
+        disk = (self.config.get("kvstore") or {}).get("disk")
+        if disk:
+            self.config["kvstore"]["disk"] = {**disk, "path": str(Path(self._tmp.name) / "disk")}
+        self.path = Path(self._tmp.name) / "kvrelay.yaml"
+        self.path.write_text(yaml.safe_dump(self.config))
+        host = self.config["router"].get("host", "127.0.0.1")
+        self.url = f"http://{host}:{ports[0]}"
+        self.model_name: str = self.config["model"].get("name", "tiny")
+        self.prefill_urls: list[str] = []
+        self.decode_urls: list[str] = []
+        self.log: list[str] = []
+        self._proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 300.0) -> Deployment:
+        """Start and wait for the ready line, then read the node URLs from the router's ``/health``.
+
+        Raises:
+            RuntimeError: the processes exited or were not ready in ``timeout_s``; carries their output.
+        """
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "deploy.cli", "up", "--config", str(self.path)], stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, start_new_session=True, env={**os.environ},
+        )
+        ready = threading.Event()
+
+        def pump() -> None:
+            assert self._proc is not None and self._proc.stdout is not None
+            for line in self._proc.stdout:
+                self.log.append(line)
+                del self.log[:-200]
+                if READY.search(line):
+                    ready.set()
+
+        threading.Thread(target=pump, daemon=True).start()
+        deadline = time.monotonic() + timeout_s
+        while not ready.wait(0.2):
+            if self._proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("kvrelay up did not become ready:\n" + "".join(self.log[-40:]))
+        nodes = json.loads(get_text(self.url + "/health"))["nodes"]
+        self.prefill_urls = [n["url"] for name, n in sorted(nodes.items()) if name.startswith("prefill")]
+        self.decode_urls = [n["url"] for name, n in sorted(nodes.items()) if name.startswith("decode")]
+        return self
+
+    def stop(self) -> None:
+        """SIGTERM the process group (``kvrelay up`` stops its nodes), SIGKILL after 30 s; idempotent."""
+        if self._proc is not None:
+            if self._proc.poll() is None:
+                self._proc.send_signal(signal.SIGTERM)
+                try:
+                    self._proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(self._proc.pid, signal.SIGKILL)
+                    self._proc.wait()
+            self._proc = None
+        self._tmp.cleanup()
+
+    def __enter__(self) -> Deployment:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,239 @@
+"""``kvrelay bench serve``: serving workloads against any OpenAI-compatible server, or kvrelay baselines.
+
+    kvrelay bench serve --url http://127.0.0.1:8000 --workload shared-prefix --request-rate 2 4 inf
+    kvrelay bench serve --baselines --workload trace --trace-requests 100
+    kvrelay bench serve --standard            # what `make bench` runs (see `run_standard`)
+
+``--baselines`` starts, one after another, kvrelay disaggregated (1 prefill + 1 decode, the default
+config), aggregated (decode only, local prefill), prefix cache off (``engine.enable_prefix_caching:
+false``), and runs ``transformers`` ``generate`` offline over the same prompts. Each request rate gets its
+own workload seed (``--seed`` + rate index), so caches start cold at every rate and every baseline sees
+the same prompts. Output under ``--out-dir``: one JSON per run, ``summary.json``, ``summary.md`` and PNG
+plots. Field names follow ``vllm bench serve`` (`benchmarks.serve_metrics`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from benchmarks import serve_report, workloads
+from benchmarks.common import machine_label
+from benchmarks.serve_client import ClientConfig, LoadConfig
+from benchmarks.serve_metrics import parse_goodput
+from benchmarks.serve_run import ServerNodes, run_workload
+from benchmarks.ttft_prefix import ensure_bench_model
+
+SERVER_BASELINES = ("disaggregated", "aggregated", "prefix-cache-off")
+ALL_BASELINES = (*SERVER_BASELINES, "transformers")
+MakeWorkload = Callable[[int], workloads.Workload]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvrelay bench serve", description=__doc__.splitlines()[0])
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--url", help="server root, e.g. http://127.0.0.1:8000 (no /v1)")
+    mode.add_argument("--baselines", nargs="?", const=",".join(ALL_BASELINES), default=None,
+                      help=f"start kvrelay baselines here (comma list; default all: {','.join(ALL_BASELINES)})")
+    mode.add_argument("--standard", action="store_true", help="the `make bench` set (see run_standard)")
+    p.add_argument("--model", help="model directory (default: tiny model with 4,096 positions)")
+    p.add_argument("--model-name", help="model name for --url (default: first of /v1/models)")
+    p.add_argument("--api-key")
+    p.add_argument("--workload", choices=workloads.WORKLOADS, default="shared-prefix")
+    p.add_argument("--request-rate", type=float, nargs="+", default=[math.inf], help="req/s; inf = all at once")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--goodput", nargs="*", default=[], metavar="NAME:MS", help="SLOs, e.g. ttft:500 tpot:50")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout-s", type=float, default=300.0, help="per request")
+    p.add_argument("--out-dir", default="bench-out/serve")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--hf-batch-size", type=int, default=16, help="transformers baseline batch")
+    w = p.add_argument_group("workloads")
+    w.add_argument("--groups", type=int, default=4)
+    w.add_argument("--prompts-per-group", type=int, default=8)
+    w.add_argument("--system-tokens", type=int, default=512)
+    w.add_argument("--question-tokens", type=int, default=32)
+    w.add_argument("--output-tokens", type=int, default=32)
+    w.add_argument("--users", type=int, default=4)
+    w.add_argument("--rounds", type=int, default=3)
+    w.add_argument("--num-prompts", type=int, default=32, help="random workload")
+    w.add_argument("--input-tokens", type=int, default=256, help="random workload")
+    w.add_argument("--range-ratio", type=float, default=0.0, help="random workload")
+    w.add_argument("--trace", help="trace file (default: ../shared/traces/conversation_trace.jsonl)")
+    w.add_argument("--trace-start", type=int, default=0)
+    w.add_argument("--trace-requests", type=int, default=150)
+    w.add_argument("--trace-block-tokens", type=int, default=16, help="tokens per 512-token trace block")
+    w.add_argument("--time-compression", type=float, default=1.0)
+    w.add_argument("--max-prompt-tokens", type=int, default=2000)
+    w.add_argument("--max-output-tokens", type=int, default=64, help="trace outputs are clamped to this")
+    w.add_argument("--sample-interval-s", type=float, default=1.0, help="hit-rate timeline sampling")
+    return p
+
+
+def workload_factory(args: argparse.Namespace, model_dir: str | None) -> MakeWorkload:
+    """``seed → Workload`` for ``args.workload``."""
+    name = args.workload
+    if name == "shared-prefix":
+        return lambda seed: workloads.shared_prefix(
+            groups=args.groups, prompts_per_group=args.prompts_per_group, system_tokens=args.system_tokens,
+            question_tokens=args.question_tokens, output_tokens=args.output_tokens, seed=seed)
+    if name == "multi-round":
+        encode = _encoder(model_dir)
+        return lambda seed: workloads.multi_round(
+            users=args.users, rounds=args.rounds, system_tokens=args.system_tokens,
+            question_tokens=args.question_tokens, output_tokens=args.output_tokens, encode=encode,
+            max_prompt_tokens=args.max_prompt_tokens, seed=seed)
+    if name == "trace":
+        return lambda seed: workloads.trace(
+            start=args.trace_start, num_requests=args.trace_requests, block_tokens=args.trace_block_tokens,
+            time_compression=args.time_compression, max_prompt_tokens=args.max_prompt_tokens,
+            max_output_tokens=args.max_output_tokens, seed=seed, path=args.trace)
+    return lambda seed: workloads.random_prompts(
+        num_requests=args.num_prompts, input_tokens=args.input_tokens, output_tokens=args.output_tokens,
+        range_ratio=args.range_ratio, seed=seed)
+
+
+def _encoder(model_dir: str | None) -> Callable[[str], list[int]]:
+    """The model's tokenizer (no BOS) for re-tokenizing replies; the byte-level fallback is UTF-8 bytes."""
+    from model.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(model_dir) if model_dir else None
+    if tok is None:
+        return lambda text: list(text.encode("utf-8"))
+    return lambda text: tok.encode(text, add_bos=False)
+
+
+def _first_model(url: str) -> str:
+    with urllib.request.urlopen(url + "/v1/models", timeout=10) as resp:
+        return json.loads(resp.read())["data"][0]["id"]
+
+
+def run_rates(client: ClientConfig, nodes: ServerNodes, make: MakeWorkload, args: argparse.Namespace, *,
+              label: str, out_dir: Path) -> list[dict[str, Any]]:
+    """The workload at every ``--request-rate`` (seed ``--seed + i``); writes one JSON per run."""
+    goodput = parse_goodput(args.goodput)
+    runs = []
+    for i, rate in enumerate(args.request_rate):
+        load = LoadConfig(request_rate=rate, max_concurrency=args.max_concurrency, seed=args.seed,
+                          progress=not args.no_progress)
+        run = run_workload(client, make(args.seed + i), load, nodes=nodes, goodput=goodput,
+                           sample_interval_s=args.sample_interval_s)
+        run = {"baseline": label, **run, **machine_label()}
+        _write(out_dir / f"{label}-{run['workload']}-rate{_rate_tag(rate)}.json", run)
+        print(_one_line(run), flush=True)
+        runs.append(run)
+    return runs
+
+
+def run_baselines(args: argparse.Namespace, baselines: list[str], make: MakeWorkload, model_dir: str,
+                  out_dir: Path, *, on_disaggregated: Callable[[Any], None] | None = None
+                  ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """Start each server baseline in turn and run every rate; then the transformers baseline.
+
+    ``on_disaggregated(deployment)`` runs extra measurements while the disaggregated one is up.
+    """
+    from benchmarks.deployment import BASELINE_TO_OVERRIDES, Deployment
+
+    unknown = [b for b in baselines if b not in ALL_BASELINES]
+    if unknown:
+        raise SystemExit(f"--baselines: unknown {unknown}; choose from {list(ALL_BASELINES)}")
+    runs: list[dict[str, Any]] = []
+    for name in (b for b in baselines if b in SERVER_BASELINES):
+        with Deployment(model_dir, overrides=BASELINE_TO_OVERRIDES[name]) as dep:
+            bs = int(dep.config.get("kvstore", {}).get("block_size_tokens", 16))
+            nodes = ServerNodes(tuple(dep.prefill_urls), tuple(dep.decode_urls), bs)
+            client = ClientConfig(dep.url, dep.model_name, timeout_s=args.timeout_s)
+            runs += run_rates(client, nodes, make, args, label=name, out_dir=out_dir)
+            if name == "disaggregated" and on_disaggregated is not None:
+                on_disaggregated(dep)
+    hf = None
+    if "transformers" in baselines:
+        from benchmarks.hf_offline import run_transformers
+
+        hf = {**run_transformers(model_dir, make(args.seed).requests, batch_size=args.hf_batch_size),
+              "workload": args.workload, **machine_label()}
+        _write(out_dir / f"transformers-{args.workload}.json", hf)
+        print(f"transformers: {hf['output_throughput']:.1f} out tok/s", flush=True)
+    return runs, hf
+
+
+def _rate_tag(rate: float) -> str:
+    return "inf" if math.isinf(rate) else f"{rate:g}"
+
+
+def _write(path: Path, obj: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=2) + "\n")
+
+
+def _one_line(run: dict[str, Any]) -> str:
+    cache = run.get("prefix_cache") or {}
+    hit = f" hit {cache['hit_rate']['total']:.3f} (ideal {cache['ideal_hit_rate']:.3f})" if cache else ""
+    return (f"{run['baseline']:>17} {run['workload']} rate {run['request_rate']}: {run['completed']} ok "
+            f"{run['failed']} failed, {run['output_throughput']:.1f} out tok/s, TTFT mean {run['mean_ttft_ms']:.0f} "
+            f"ms p99 {run['p99_ttft_ms']:.0f} ms, TPOT mean {run['mean_tpot_ms']:.1f} ms{hit}")
+
+
+def write_report(runs: list[dict[str, Any]], hf: dict[str, Any] | None, out_dir: Path, *,
+                 extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Plots, ``summary.md`` and ``summary.json`` for a set of runs; returns the summary."""
+    plots = {}
+    by_workload: dict[str, list[dict[str, Any]]] = {}
+    for r in runs:
+        by_workload.setdefault(r["workload"], []).append(r)
+    for name, group in by_workload.items():
+        if name == "trace":
+            continue
+        plots[f"ttft_cdf_{name}"] = str(serve_report.plot_ttft_cdf(group, out_dir / f"ttft_cdf_{name}.png"))
+        plots[f"throughput_{name}"] = str(serve_report.plot_throughput(
+            group, out_dir / f"throughput_{name}.png", transformers=hf if hf and hf["workload"] == name else None))
+    for r in by_workload.get("trace", []):
+        tag = f"{r['baseline']}-rate{r['request_rate']}"
+        plots[f"trace_hit_rate_{tag}"] = str(serve_report.plot_hit_timeline(r, out_dir / f"trace_hit_rate_{tag}.png"))
+    label = machine_label()
+    table = serve_report.markdown_table(runs, transformers=hf)
+    summary = {"bench": "serve", **label, **(extra or {}), "plots": plots,
+               "runs": [{k: v for k, v in r.items() if k not in ("ttfts_ms", "start_times_s", "hit_rate_timeline")}
+                        for r in runs]}
+    head = f"Measured {label['date']} on {label['machine']}, {label['cpus']} CPUs, Python {label['python']}.\n\n"
+    (out_dir / "summary.md").write_text(head + (extra or {}).get("headline_md", "") + table)
+    _write(out_dir / "summary.json", summary)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        parse_goodput(args.goodput)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if args.standard:
+        from benchmarks.serve_standard import run_standard
+
+        run_standard(args, out_dir)
+        return 0
+    if args.url:
+        url = args.url.rstrip("/")
+        client = ClientConfig(url, args.model_name or _first_model(url), timeout_s=args.timeout_s,
+                              api_key=args.api_key)
+        runs = run_rates(client, ServerNodes.discover(url), workload_factory(args, args.model), args,
+                         label="server", out_dir=out_dir)
+        write_report(runs, None, out_dir)
+        return 0
+    model_dir = ensure_bench_model(args.model)
+    baselines = [b.strip() for b in args.baselines.split(",") if b.strip()]
+    runs, hf = run_baselines(args, baselines, workload_factory(args, model_dir), model_dir, out_dir)
+    summary = write_report(runs, hf, out_dir)
+    print(f"wrote {out_dir}/summary.md and {len(summary['plots'])} plots", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,44 @@
+"""The engine over a tiered store: a prefix spread over device, host and disk gives the cold-run tokens."""
+
+from __future__ import annotations
+
+import random
+
+from engine.engine import EngineConfig, LLMEngine
+from kvstore.block_key import block_keys
+from kvstore.tiered_store import TieredStoreConfig
+from model.loader import load_model
+from model.sampling import SamplingParams
+
+
+def test_prefix_split_across_device_host_disk_matches_cold_run(tiny_model_dir, tmp_path):
+    loaded = load_model(tiny_model_dir)
+    rng = random.Random(3)
+    prompt = [rng.randrange(258) for _ in range(6 * 16 + 5)]  # 6 full blocks + a tail
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    [[cold]] = LLMEngine(loaded, EngineConfig(num_blocks=64)).generate([prompt], params)
+
+    store_config = TieredStoreConfig(num_device_blocks=12, num_host_blocks=2, disk_path=str(tmp_path / "disk"),
+                                     disk_capacity_bytes=64 * 1024 * 1024, watermark_blocks=0)
+    eng = LLMEngine(loaded, EngineConfig(num_blocks=12), store_config=store_config)
+    eng.generate([prompt], params)
+    keys = block_keys(prompt, block_size_tokens=16, spec_fingerprint=eng.spec.fingerprint)
+    # The finished chain (6 prompt blocks + 1 block of output, all keyed) is cached; 5 blocks are free.
+    # Taking 5 + 5 blocks evicts the chain tail-first: 6, 5, 4, 3, 2 go to host (2 slots), pushing 6, 5, 4
+    # on to disk; blocks 0 and 1 stay on device.
+    filler = eng.pool.allocate(eng.pool.stats().num_free)
+    evicting = eng.pool.allocate(5)
+    eng.store.flush()
+    match = eng.store.match_prefix(keys)
+    assert match.tiers == ("device", "device", "host", "host", "disk", "disk")
+    assert [eng.pool.block_id_of(k) is not None for k in keys] == [True, True, False, False, False, False]
+    eng.pool.release(filler + evicting)
+    before = eng.store.stats().tier_to_hits
+    computed = eng.stats.computed_prefill_tokens
+    [[warm]] = eng.generate([prompt], params)
+    assert warm == cold
+    after = eng.store.stats().tier_to_hits
+    assert {t: after[t] - before[t] for t in after} == {"device": 2, "host": 2, "disk": 2}
+    assert eng.stats.computed_prefill_tokens - computed == 5  # only the tail was computed
+    eng.check_integrity()
+    eng.close()
