@@ -27,6 +27,7 @@ bench: $(BIN)/kvrelay $(MODEL_DIR)/config.json
 	$(BIN)/kvrelay bench memory --out bench-out/memory.json
 	$(BIN)/kvrelay bench decode --model $(MODEL_DIR) --out bench-out/decode.json
 	$(BIN)/kvrelay bench kernel --out bench-out/kernel.json
+	$(BIN)/kvrelay bench serve --standard --no-progress --out-dir bench-out/serve
 
 lint: $(BIN)/kvrelay
 	$(BIN)/ruff check .

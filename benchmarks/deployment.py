@@ -46,13 +46,24 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
+def merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``overrides`` applied recursively (mappings merge, anything else replaces); new dict."""
+    out = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
 def get_text(url: str, *, timeout_s: float = 10.0) -> str:
     with urllib.request.urlopen(url, timeout=timeout_s) as resp:
         return resp.read().decode()
 
 
 class Deployment:
-    """``kvrelay up`` with ``overrides`` merged into ``base_config`` section by section.
+    """``kvrelay up`` with ``overrides`` merged (recursively) into ``base_config``.
 
     Attributes (after `start`): ``url`` (router root), ``model_name``, ``prefill_urls``, ``decode_urls``,
     ``config`` (the dict written), ``log`` (the last lines the processes printed).
@@ -60,9 +71,7 @@ class Deployment:
 
     def __init__(self, model_dir: str, *, overrides: dict[str, dict[str, Any]] | None = None,
                  base_config: Path = DEFAULT_CONFIG) -> None:
-        self.config: dict[str, Any] = yaml.safe_load(base_config.read_text())
-        for section, values in (overrides or {}).items():
-            self.config[section] = {**(self.config.get(section) or {}), **values}
+        self.config: dict[str, Any] = merge(yaml.safe_load(base_config.read_text()), overrides or {})
         num_prefill = len(self.config.get("prefill", {}).get("ports", []))
         num_decode = len(self.config.get("decode", {}).get("ports", [8200]))
         ports = free_ports(1 + num_prefill + num_decode)

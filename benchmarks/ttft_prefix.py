@@ -41,7 +41,7 @@ def ensure_bench_model(model_dir: str | None, *, max_position_embeddings: int = 
 
 async def _measure(client: ClientConfig, *, prefix_tokens: int, question_tokens: int, repeats: int,
                    seed: int) -> list[dict[str, float]]:
-    rng = random.Random(seed)
+    rng = random.Random(f"ttft-prefix/{seed}")
 
     def toks(n: int) -> tuple[int, ...]:
         return tuple(rng.randrange(256) for _ in range(n))

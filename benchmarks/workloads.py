@@ -13,7 +13,8 @@ trace          Mooncake conversation trace replay: each 512-token trace block (h
 random         N prompts of ``input_len`` (± ``range_ratio``) random tokens, O output tokens.
 =============  ==============================================================================================
 
-All randomness comes from ``seed``; token ids are drawn from ``[0, vocab)``.
+All randomness comes from ``seed``, in a stream of its own per workload (two workloads never share
+tokens by accident, so runs on one server do not warm each other); token ids are drawn from ``[0, vocab)``.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def _tokens(rng: random.Random, n: int, vocab: int) -> tuple[int, ...]:
 def shared_prefix(*, groups: int, prompts_per_group: int, system_tokens: int, question_tokens: int,
                   output_tokens: int, seed: int = 0, vocab: int = 256) -> Workload:
     """G × P prompts sharing one system prompt per group (see the module table)."""
-    rng = random.Random(seed)
+    rng = random.Random(f"shared-prefix/{seed}")
     systems = [_tokens(rng, system_tokens, vocab) for _ in range(groups)]
     specs = [RequestSpec(systems[g] + _tokens(rng, question_tokens, vocab), output_tokens, conversation=g)
              for g in range(groups) for _ in range(prompts_per_group)]
@@ -83,11 +84,11 @@ def multi_round(*, users: int, rounds: int, system_tokens: int, question_tokens:
                 encode: Encode, max_prompt_tokens: int, seed: int = 0, vocab: int = 256) -> Workload:
     """U conversations of up to R rounds; a conversation ends early when its next prompt plus the reply
     would pass ``max_prompt_tokens + output_tokens`` (so it always fits the model's context)."""
-    rng = random.Random(seed)
+    rng = random.Random(f"multi-round/{seed}")
     system = _tokens(rng, system_tokens, vocab)
 
     def question(user: int, turn: int) -> tuple[int, ...]:
-        return _tokens(random.Random(f"{seed}/{user}/{turn}"), question_tokens, vocab)
+        return _tokens(random.Random(f"multi-round/{seed}/{user}/{turn}"), question_tokens, vocab)
 
     first = [RequestSpec(system + question(u, 0), output_tokens, conversation=u, turn=0) for u in range(users)]
 
@@ -133,7 +134,7 @@ def trace(*, start: int = 0, num_requests: int = 200, block_tokens: int = 16, ti
         tokens: list[int] = []
         for h in row.hash_ids:
             if h not in hash_to_tokens:
-                hash_to_tokens[h] = _tokens(random.Random(f"{seed}/hash/{h}"), block_tokens, vocab)
+                hash_to_tokens[h] = _tokens(random.Random(f"trace/{seed}/{h}"), block_tokens, vocab)
             tokens.extend(hash_to_tokens[h])
         length = max(1, math.ceil(row.input_length * scale))
         if length > max_prompt_tokens:
@@ -153,7 +154,7 @@ def trace(*, start: int = 0, num_requests: int = 200, block_tokens: int = 16, ti
 def random_prompts(*, num_requests: int, input_tokens: int, output_tokens: int, range_ratio: float = 0.0,
                    seed: int = 0, vocab: int = 256) -> Workload:
     """Independent random prompts, lengths uniform in ``input_tokens · [1 − r, 1 + r]``."""
-    rng = random.Random(seed)
+    rng = random.Random(f"random/{seed}")
     lo = max(1, int(input_tokens * (1 - range_ratio)))
     hi = max(lo, int(input_tokens * (1 + range_ratio)))
     specs = [RequestSpec(_tokens(rng, rng.randint(lo, hi), vocab), output_tokens) for _ in range(num_requests)]

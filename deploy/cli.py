@@ -97,6 +97,7 @@ BENCH_NAME_TO_MODULE: dict[str, str] = {
     "kernel": "benchmarks.kernel_bench",
     "tiers": "benchmarks.tier_bench",
     "transfer": "benchmarks.transfer_bench",
+    "serve": "benchmarks.serve_bench",
 }
 
 

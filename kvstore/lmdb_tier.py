@@ -178,7 +178,7 @@ class LmdbTier:
             opened = self._open_env()
             self._load_index(opened)
         self._opened = opened
-        self._writer = LmdbWriter(opened, self._codec, tier=self, first_seq=self._first_seq)
+        self._writer = LmdbWriter(opened, self._codec, tier=self)
         self._writer.start()
 
     def _open_env(self) -> OpenedEnv:
@@ -228,10 +228,10 @@ class LmdbTier:
             self._key_to_entry.clear()
             self._used_bytes = 0
             for key, value_len in sized:
-                entry = Entry(entry_bytes(value_len, opened.page_bytes))
+                entry = Entry(entry_bytes(value_len, opened.page_bytes), key_to_seq.get(key, 0))
                 self._key_to_entry[BlockKey(key)] = entry
                 self._used_bytes += entry.disk_bytes
-        self._first_seq = max(key_to_seq.values(), default=0) + 1
+        self._next_seq = max(key_to_seq.values(), default=0) + 1  # under _lock
 
     # ----------------------------------------------------------------- queries
     def contains(self, key: BlockKey) -> bool:
@@ -292,12 +292,13 @@ class LmdbTier:
         record = self._codec.new_record(key)
         payload = torch.frombuffer(record, dtype=torch.uint8, count=self.spec.block_bytes, offset=HEADER_BYTES)
         copy_block(payload, src.reshape(-1).view(torch.uint8))
-        entry = Entry(self._record_disk_bytes, record)
+        entry = Entry(self._record_disk_bytes, 0, record)
         victims: list[BlockKey] = []
         with self._lock:
             queued = self._writer.pending_put_bytes + entry.disk_bytes <= self.options.max_pending_bytes
             fits = queued and self._make_room(entry.disk_bytes, victims)
             if fits:
+                entry.seq = self._tick_locked()
                 self._key_to_entry[key] = entry
                 self._used_bytes += entry.disk_bytes
         self._count("evicted", len(victims))
@@ -337,12 +338,21 @@ class LmdbTier:
 
     def touch(self, key: BlockKey) -> bool:
         with self._lock:
-            if key not in self._key_to_entry:
+            entry = self._key_to_entry.get(key)
+            if entry is None:
                 return False
-            self._key_to_entry.move_to_end(key)
-            self._touched.pop(key, None)
-            self._touched[key] = None
+            self._touch_locked(key, entry)
             return True
+
+    def _touch_locked(self, key: BlockKey, entry: Entry) -> None:
+        self._key_to_entry.move_to_end(key)
+        entry.seq = self._tick_locked()
+        self._touched.pop(key, None)
+        self._touched[key] = None
+
+    def _tick_locked(self) -> int:
+        self._next_seq += 1
+        return self._next_seq
 
     def discard(self, key: BlockKey) -> bool:
         with self._lock:
@@ -365,9 +375,7 @@ class LmdbTier:
             entry = self._key_to_entry.get(key)
             if entry is None:
                 return False
-            self._key_to_entry.move_to_end(key)
-            self._touched.pop(key, None)
-            self._touched[key] = None
+            self._touch_locked(key, entry)
             record = entry.record
         if record is not None:  # still queued: trusted memory
             landing = self._landing(dst)
@@ -434,11 +442,17 @@ class LmdbTier:
                 if d:
                     self._counter_deltas[name] = self._counter_deltas.get(name, 0) + d
 
-    def take_batch_state_locked(self) -> tuple[dict[BlockKey, None], dict[str, int]]:
-        """Under ``_lock`` (writer thread): the touched keys and counter deltas since the last batch."""
-        touched, deltas = self._touched, self._counter_deltas
-        self._touched, self._counter_deltas = {}, {}
-        return touched, deltas
+    def take_batch_state_locked(self, max_touched: int) -> tuple[list[BlockKey], dict[str, int]]:
+        """Under ``_lock`` (writer thread): the ``max_touched`` least recently touched keys not yet
+        persisted (the rest wait for the next batch) and the counter deltas since the last batch."""
+        keys = list(self._touched)
+        taken, rest = keys[:max_touched], keys[max_touched:]
+        self._touched = dict.fromkeys(rest)
+        deltas, self._counter_deltas = self._counter_deltas, {}
+        return taken, deltas
+
+    def has_touched_locked(self) -> bool:
+        return bool(self._touched)
 
     @contextlib.contextmanager
     def _read_txn(self) -> Iterator[lmdb.Transaction]:

@@ -39,9 +39,11 @@ _MAX_MAP_FULL_STREAK = 3
 
 @dataclass(slots=True)
 class Entry:
-    """One indexed block. ``record`` is set while it waits for the writer and None once committed."""
+    """One indexed block. ``record`` is set while it waits for the writer and None once committed;
+    ``seq`` is its last access in the tier's access sequence (persisted in ``atime``)."""
 
     disk_bytes: int
+    seq: int
     record: bytearray | None = None
 
 
@@ -76,7 +78,7 @@ class LmdbWriter:
     (`LmdbTier.take_batch_state_locked`).
     """
 
-    def __init__(self, opened: OpenedEnv, codec: RecordCodec, *, tier: LmdbTier, first_seq: int) -> None:
+    def __init__(self, opened: OpenedEnv, codec: RecordCodec, *, tier: LmdbTier) -> None:
         self._opened = opened
         self._codec = codec
         self._tier = tier
@@ -85,7 +87,6 @@ class LmdbWriter:
         self._submitted = 0  # under _cond
         self._completed = 0  # under _cond
         self.pending_put_bytes = 0  # under _cond; read without it as a hint
-        self._next_seq = first_seq
         self._deferred_deletes: list[BlockKey] = []  # deletes a full map refused; retried first
         # Pages freed by a commit are reusable only two commits later, so the map must hold, above the
         # high watermark, what the last three commits wrote: their blocks and the leaf pages they copied
@@ -162,6 +163,8 @@ class LmdbWriter:
             stop = any(isinstance(op, Stop) for op in batch)
             try:
                 self._apply(batch)
+                if any(isinstance(op, Barrier | Stop) for op in batch):
+                    self._persist_all_touched()
             except Exception:
                 log.exception("disk tier %s: writer batch failed", self._tier.path)
             with self._cond:
@@ -190,10 +193,9 @@ class LmdbWriter:
                 elif isinstance(op, Delete):
                     deletes.append(op.key)
             put_keys = {op.key for op in puts}
-            touched_keys, deltas = tier.take_batch_state_locked()
-            # Access order is persisted approximately: at most one batch's worth of the latest touches.
-            room = max(1, self._max_batch_ops - len(batch))
-            touched = [k for k in touched_keys if self._is_stored(k, put_keys)][-room:]
+            # Access order goes out oldest touch first, within the batch's op budget.
+            touched_keys, deltas = tier.take_batch_state_locked(max(1, self._max_batch_ops - len(batch)))
+            touched = [(k, e.seq) for k in touched_keys if (e := self._stored_entry(k, put_keys)) is not None]
         deletes, self._deferred_deletes = self._deferred_deletes + deletes, []
         if not (puts or deletes or touched or deltas):
             return
@@ -228,13 +230,22 @@ class LmdbWriter:
             for op in puts:
                 op.entry.record = None
 
-    def _is_stored(self, key: BlockKey, put_keys: set[BlockKey]) -> bool:
-        """Under ``tier.lock``: the key is indexed and committed, or put in this batch."""
+    def _persist_all_touched(self) -> None:
+        """For flush and stop: write the access order of every touched key, a batch's worth per commit."""
+        while True:
+            with self._tier.lock:
+                if not self._tier.has_touched_locked():
+                    return
+            self._apply([])
+
+    def _stored_entry(self, key: BlockKey, put_keys: set[BlockKey]) -> Entry | None:
+        """Under ``tier.lock``: the key's entry if it is committed or put in this batch (a later put
+        writes its latest access itself)."""
         entry = self._tier.entry_of_locked(key)
-        return entry is not None and (entry.record is None or key in put_keys)
+        return entry if entry is not None and (entry.record is None or key in put_keys) else None
 
     def _evict_and_retry(
-        self, puts: list[Put], deletes: list[BlockKey], touched: list[BlockKey], deltas: dict[str, int]
+        self, puts: list[Put], deletes: list[BlockKey], touched: list[tuple[BlockKey, int]], deltas: dict[str, int]
     ) -> None:
         tier = self._tier
         need = 2 * sum(op.entry.disk_bytes for op in puts) + 2 * self._opened.page_bytes
@@ -266,22 +277,18 @@ class LmdbWriter:
         tier.note_dropped(len(puts))
 
     def _write(
-        self, puts: list[Put], deletes: list[BlockKey], touched: list[BlockKey], deltas: dict[str, int]
+        self, puts: list[Put], deletes: list[BlockKey], touched: list[tuple[BlockKey, int]], deltas: dict[str, int]
     ) -> None:
         o = self._opened
-        seq = self._next_seq
         with o.env.begin(write=True) as txn:
             for key in deletes:
                 txn.delete(key, db=o.blocks)
                 txn.delete(key, db=o.atime)
             for op in puts:
                 txn.put(op.key, op.entry.record, db=o.blocks)
-                txn.put(op.key, u64(seq), db=o.atime)
-                seq += 1
-            for key in touched:
+                txn.put(op.key, u64(op.entry.seq), db=o.atime)
+            for key, seq in touched:
                 txn.put(key, u64(seq), db=o.atime)
-                seq += 1
             for name, d in deltas.items():
                 k = b"count." + name.encode()
                 txn.put(k, u64(read_u64(txn.get(k, db=o.meta)) + d), db=o.meta)
-        self._next_seq = seq

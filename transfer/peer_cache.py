@@ -136,10 +136,13 @@ class PeerCache:
                  [t.name for t in meta.tiers])
         return link
 
-    async def invalidate(self, owner_url: str) -> None:
-        """Forget an owner (its connection broke); the next `link` handshakes again."""
-        link = self._url_to_link.pop(owner_url, None)
-        if link is not None:
+    async def forget(self, link: PeerLink) -> None:
+        """Drop a peer whose connection broke: remove it from the agent (its in-flight READs then end with
+        an error) and from the cache, so the next `link` to its URL handshakes again."""
+        for url, cached in list(self._url_to_link.items()):
+            if cached is link:
+                del self._url_to_link[url]
+        if link.active:
             await self._agent.remove_peer(link)
 
     async def renew(self, handle: KvHandle, *, timeout_s: float) -> float | None:

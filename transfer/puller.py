@@ -25,6 +25,11 @@ it and returns the blocks once NIXL reports DONE or ERR (a late completion is th
 are never keyed or used). If the peer stays stalled the blocks stay quarantined until it dies (UCX then
 reports an error) or the agent is torn down. `pull` refuses new work beyond
 ``config.max_quarantined_blocks`` quarantined blocks.
+
+A pull that finds the owner's connection dead (``peer_gone``: NIXL reports a disconnect, or the owner's
+HTTP port refuses or drops the renewal) first removes the peer from the agent, which ends every READ
+from it with an error, so its blocks are back in the pool when the error is raised. (Over UCX's TCP
+transport a removed peer's bytes were seen landing later; that is accepted only for a dead connection.)
 """
 
 from __future__ import annotations
@@ -256,6 +261,11 @@ class Puller:
     async def _abandon(
         self, link: PeerLink, handle: KvHandle, res: _Reservation, xfers: list[XferRequest], exc: BaseException,
     ) -> None:
+        gone = isinstance(exc, TransferError) and exc.reason == "peer_gone"
+        if gone:
+            # The owner's connection is dead: drop it, so NIXL ends its READs (ours and other pulls')
+            # with an error now and their blocks come back, and the next pull handshakes again.
+            await self._peers.forget(link)
         try:
             if xfers:
                 await self._agent.poll(xfers)  # learn the final states (a completion may have raced)
@@ -271,9 +281,7 @@ class Puller:
         reason = exc.reason if isinstance(exc, TransferError) else type(exc).__name__
         log.warning("pull from %r abandoned (%s): %d blocks freed, %d quarantined", handle.owner_agent, reason,
                     len(to_free), len(stuck_ids))
-        if isinstance(exc, TransferError) and exc.reason == "peer_gone":
-            await self._peers.invalidate(handle.owner_url)
-        elif link.active:
+        if not gone and link.active:
             await self._notify(link, "abort", handle)
 
     def _quarantine(self, q: _Quarantined) -> None:

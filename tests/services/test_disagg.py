@@ -1,0 +1,44 @@
+"""The disaggregated path: KV-aware routing over 2 prefill + 2 decode nodes, KV moved over NIXL."""
+
+from __future__ import annotations
+
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+from tests.services.cluster import Cluster, get_json, metrics
+from tests.services.test_faults import post, wait_for
+
+
+def prefix_hits(url: str) -> float:
+    return metrics(url).get("kvrelay_engine_prefix_hit_tokens_total", 0.0)
+
+
+def prefill_requests(url: str) -> float:
+    return metrics(url).get('kvrelay_requests_total{role="prefill",status="ok"}', 0.0)
+
+
+def test_requests_sharing_a_prefix_go_to_the_prefill_that_holds_it(tiny_model_dir, tmp_path):
+    rng = random.Random(0)
+    prefixes = [[rng.randrange(256) for _ in range(160)] for _ in range(2)]  # 10 blocks each
+    with Cluster(tmp_path, tiny_model_dir, prefill=2, decode=2) as c:
+        first = [{"model": "tiny", "prompt": p + [1, 2, 3], "max_tokens": 2, "temperature": 0} for p in prefixes]
+        with ThreadPoolExecutor(2) as pool:  # arrive together: the queue weighting splits them
+            assert [code for code, _ in pool.map(lambda b: post(c.url, b), first)] == [200, 200]
+        assert sorted(prefill_requests(u) for u in c.prefill_urls) == [1.0, 1.0]
+
+        def indexed() -> bool:  # each prefill's KV events have reached the router's index
+            nodes = get_json(c.url + "/health")["nodes"]
+            return all(n["kv_keys"] >= 10 for name, n in nodes.items() if name.startswith("prefill"))
+
+        wait_for(indexed, what="KV events indexed")
+        owner = {}
+        for i, p in enumerate(prefixes):
+            before = {u: (prefill_requests(u), prefix_hits(u)) for u in c.prefill_urls}
+            code, _ = post(c.url, {"model": "tiny", "prompt": p + [9, 9, 9, 9], "max_tokens": 2, "temperature": 0})
+            assert code == 200
+            after = {u: (prefill_requests(u), prefix_hits(u)) for u in c.prefill_urls}
+            served = [u for u in c.prefill_urls if after[u][0] == before[u][0] + 1]
+            assert len(served) == 1
+            owner[i] = served[0]
+            assert after[served[0]][1] - before[served[0]][1] == 160  # all 10 prefix blocks reused
+        assert owner[0] != owner[1]
