@@ -136,7 +136,7 @@ def run_workload(client: ClientConfig, workload: Workload, load: LoadConfig, *, 
     out["kv_transfer_bytes"] = None
     if measured:
         after = read_counters(nodes.cache_urls, nodes.block_size_tokens)
-        replay = workload.cached_requests(result.records)
+        replay = workload.cached_requests(result.records, replies_cached=nodes.cache_role == "decode")
         bs = nodes.block_size_tokens
         ideal = ideal_hit_blocks(replay, block_size_tokens=bs)
         capacity = capacity_blocks(after)

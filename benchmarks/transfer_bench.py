@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import ctypes
 import multiprocessing as mp
+import os
 import random
 import statistics
 import time
@@ -217,6 +218,7 @@ def _loopback_demotion(*, num_blocks: int, repeats: int, seed: int) -> list[dict
 
 def run(*, pool_mib: int, target_mib: int, seed: int) -> dict[str, Any]:
     torch.set_num_threads(1)  # the memcpy and torch-copy baselines are single-threaded
+    load_at_start = os.getloadavg()[0]
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     owner = ctx.Process(target=_owner, args=(child,), daemon=True)
@@ -235,7 +237,8 @@ def run(*, pool_mib: int, target_mib: int, seed: int) -> dict[str, Any]:
     return {
         "bench": "transfer", **machine_label(),
         "setup": {"pool_mib_per_block_size": pool_mib, "bytes_per_config_mib": target_mib, "backend": "UCX",
-                  "memcpy": "single-thread ctypes.memmove of the same blocks, same run"},
+                  "memcpy": "single-thread ctypes.memmove of the same blocks, same run",
+                  "load_avg_1m": [round(load_at_start, 2), round(os.getloadavg()[0], 2)]},
         "read": rows,
         "read_thp": rows_thp,
         "target": {**TARGET, "min_ratio_measured": _min_judged_ratio(rows),

@@ -53,12 +53,17 @@ class Workload:
     expected_total: int = 0
     encode: Encode | None = field(default=None, repr=False)
 
-    def cached_requests(self, records: list[RequestRecord]) -> list[CachedRequest]:
-        """The replay sequence for `benchmarks.offline_lru` (send order; replies included when known)."""
+    def cached_requests(self, records: list[RequestRecord], *, replies_cached: bool) -> list[CachedRequest]:
+        """The replay sequence for `benchmarks.offline_lru`, in send order.
+
+        ``replies_cached``: the measured node also computed the replies (it decodes), so their blocks count
+        as cached when ``encode`` knows their tokens; a prefill node only ever computes prompts.
+        """
         out = []
         for r in records:
             prompt = r.spec.prompt_token_ids
-            computed = prompt + tuple(self.encode(r.generated_text)) if self.encode and r.success else None
+            known = replies_cached and self.encode is not None and r.success
+            computed = prompt + tuple(self.encode(r.generated_text)) if known and self.encode else None
             out.append(CachedRequest(prompt, computed))
         return out
 

@@ -39,8 +39,8 @@ class DecodeConfig:
             raise ValueError(f"on_transfer_failure must be one of {FAILURE_POLICIES}, got {self.on_transfer_failure!r}")
 
 
-# ``pull(handle, request_id) -> pinned local block ids``; raises on failure. Supplied by transfer/.
-PullFn = Callable[[dict[str, Any], str], Awaitable[list[int]]]
+# ``pull(handle, request_id, deadline_s=) -> (pinned local block ids, bytes read)``; raises on failure.
+PullFn = Callable[..., Awaitable[tuple[list[int], int]]]
 
 
 class TransferFailed(RuntimeError):
@@ -73,8 +73,11 @@ class DecodeService(EngineNode):
         if self._pull is None:
             raise TransferFailed("this decode node has no KV transfer agent")
         t0 = time.perf_counter()
+        deadline_s = self.decode_config.transfer_timeout_s
         try:
-            pinned = await asyncio.wait_for(self._pull(handle, request_id), self.decode_config.transfer_timeout_s)
+            # The puller keeps its own deadline; the outer one is a backstop for the handshake path.
+            pinned, num_bytes = await asyncio.wait_for(self._pull(handle, request_id, deadline_s=deadline_s),
+                                                       deadline_s + 5.0)
         except Exception as exc:  # noqa: BLE001 - every transfer failure takes the same policy
             self.metrics.transfer_failures.inc()
             log.warning("request %s: KV pull failed: %s", request_id, exc)
@@ -82,6 +85,7 @@ class DecodeService(EngineNode):
                 raise TransferFailed(f"KV transfer from the prefill node failed: {exc}") from None
             return None
         self.metrics.transfer_seconds.observe(time.perf_counter() - t0)
+        self.metrics.transfer_bytes.inc(num_bytes)
         return pinned
 
     async def generate(self, request: web.Request) -> web.StreamResponse:

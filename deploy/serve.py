@@ -82,15 +82,26 @@ def build_app(config: Any, role: str, index: int) -> tuple[web.Application, str,
     node = NodeConfig(role=role, name=name, model_name=config.model.name, host=internal.bind, port=port,
                       max_pending_requests=config.decode.max_pending_requests, internal_token=internal.token)
     worker = EngineWorker(engine)
+    from deploy.transfer_wiring import DecodeTransfer, PrefillTransfer, advertised_host
+    from transfer.config import TransferConfig
+
+    transfer_config = TransferConfig(agent_name=name, lease_ttl_s=config.prefill.lease_ttl_s,
+                                     internal_token=internal.token)
     if role == "prefill":
         from prefill.service import PrefillService
 
-        return PrefillService(node, worker, metrics=metrics).make_app(), internal.bind, port
+        owner = PrefillTransfer(worker, transfer_config, owner_url=node_url(advertised_host(internal.bind), port))
+        app = PrefillService(node, worker, publish=owner.publish, release=owner.release, metrics=metrics).make_app()
+        owner.install(app)
+        return app, internal.bind, port
     from decode.service import DecodeConfig, DecodeService
 
+    reader = DecodeTransfer(worker, transfer_config)
     service = DecodeService(node, DecodeConfig(config.decode.on_transfer_failure, config.decode.transfer_timeout_s),
-                            worker, metrics=metrics)
-    return service.make_app(), internal.bind, port
+                            worker, pull=reader.pull, metrics=metrics)
+    app = service.make_app()
+    reader.install(app)
+    return app, internal.bind, port
 
 
 def run_role(config: Any, role: str, index: int = 0) -> int:

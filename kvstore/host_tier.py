@@ -20,10 +20,11 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from kvstore.block_key import BlockKey
-from kvstore.block_mover import copy_block
+from kvstore.block_mover import Block, copy_block, pool_rows
 from kvstore.block_spec import BlockSpec
 from kvstore.tier import TierStats
 
@@ -52,15 +53,17 @@ class HostTier:
         pool = spec.new_pool(num_blocks)
         self.pinned = torch.cuda.is_available()  # pin_memory() raises without an accelerator
         self.pool = pool.pin_memory() if self.pinned else pool
+        self.rows = pool_rows(self.pool)  # the same memory as [num_blocks, block_bytes] uint8 (numpy)
         self._on_evict = on_evict
+        self._block_shape = spec.block_shape
         # Owned by HostTier alone.
         self._key_to_slot: OrderedDict[BlockKey, int] = OrderedDict()  # first = least recently used
         self._free_slots: deque[int] = deque(range(num_blocks))
 
     # ----------------------------------------------------------------- queries
-    def block(self, slot: int) -> torch.Tensor:
-        """The pool's view of one slot, ``spec.block_shape``."""
-        return self.pool[slot]
+    def block(self, slot: int) -> np.ndarray:
+        """The bytes of one slot (a row of `rows`; see `block_mover.Block`)."""
+        return self.rows[slot]
 
     def slot_of(self, key: BlockKey) -> int | None:
         return self._key_to_slot.get(key)
@@ -84,39 +87,45 @@ class HostTier:
         return TierStats(self.name, len(self._key_to_slot), self.num_blocks, self.spec.block_bytes)
 
     # --------------------------------------------------------------- mutations
-    def put(self, key: BlockKey, src: torch.Tensor) -> bool:
-        """Copy ``src`` into a slot under ``key`` (evicting the LRU key when full). Always True.
+    def put(self, key: BlockKey, src: Block) -> bool:
+        """Copy block ``src`` into a slot under ``key`` (evicting the LRU key when full). Always True.
 
         A key already held only moves to most recently used; nothing is copied.
 
         Raises:
-            ValueError: ``src`` has the wrong shape or dtype.
+            ValueError: ``src`` has the wrong shape or dtype (or, as bytes, the wrong size).
         """
         if self.touch(key):
             return True
-        if tuple(src.shape) != self.spec.block_shape or src.dtype != self.spec.torch_dtype:
-            raise ValueError(
-                f"host tier block must be {self.spec.block_shape} {self.spec.torch_dtype}, "
-                f"got {tuple(src.shape)} {src.dtype}"
-            )
+        self._check(src)
         if self._free_slots:
             slot = self._free_slots.popleft()
         else:
             victim, slot = self._key_to_slot.popitem(last=False)
             if self._on_evict is not None:
                 self._on_evict(slot, victim)
-        copy_block(self.pool[slot], src, non_blocking=self.pinned)
+        copy_block(self.rows[slot], src, non_blocking=self.pinned)
         self._key_to_slot[key] = slot
         return True
 
-    def get_into(self, key: BlockKey, dst: torch.Tensor) -> bool:
-        """Copy the block under ``key`` into ``dst`` and mark it most recently used; False on a miss."""
+    def get_into(self, key: BlockKey, dst: Block) -> bool:
+        """Copy the block under ``key`` into block ``dst`` and mark it most recently used; False on a miss."""
         slot = self._key_to_slot.get(key)
         if slot is None:
             return False
-        copy_block(dst, self.pool[slot], non_blocking=self.pinned)
+        copy_block(dst, self.rows[slot], non_blocking=self.pinned)
         self._key_to_slot.move_to_end(key)
         return True
+
+    def _check(self, src: Block) -> None:
+        if isinstance(src, np.ndarray):
+            if src.nbytes != self.spec.block_bytes:
+                raise ValueError(f"host tier block must be {self.spec.block_bytes} bytes, got {src.nbytes}")
+        elif tuple(src.shape) != self._block_shape or src.dtype != self.spec.torch_dtype:
+            raise ValueError(
+                f"host tier block must be {self._block_shape} {self.spec.torch_dtype}, "
+                f"got {tuple(src.shape)} {src.dtype}"
+            )
 
     def touch(self, key: BlockKey) -> bool:
         if key not in self._key_to_slot:

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from kvstore.block_key import BlockKey
-from kvstore.block_mover import copy_block
+from kvstore.block_mover import Block, copy_block
 from kvstore.block_record import HEADER_BYTES, RecordCodec, entry_bytes
 from kvstore.block_spec import BlockSpec
 from kvstore.lmdb_env import (
@@ -72,7 +72,7 @@ class LmdbOptions:
     max_readers: int = 126
     max_pending_bytes: int = 256 << 20
     max_batch_bytes: int = 32 << 20
-    checksum: str = "sectorsum"
+    checksum: str = "pagesum"
     reserved_pages: int = 64
     stale_reader_check_s: float = 1.0
 
@@ -279,7 +279,7 @@ class LmdbTier:
         )
 
     # --------------------------------------------------------------- mutations
-    def put(self, key: BlockKey, src: torch.Tensor) -> bool:
+    def put(self, key: BlockKey, src: Block) -> bool:
         """Queue ``src`` (``spec.block_shape``, any device) for writing under ``key``.
 
         The block is readable at once. Returns False (nothing queued, counted as dropped) when the
@@ -290,8 +290,7 @@ class LmdbTier:
         if self.touch(key):
             return True
         record = self._codec.new_record(key)
-        payload = torch.frombuffer(record, dtype=torch.uint8, count=self.spec.block_bytes, offset=HEADER_BYTES)
-        copy_block(payload, src.reshape(-1).view(torch.uint8))
+        copy_block(np.frombuffer(record, dtype=np.uint8, count=self.spec.block_bytes, offset=HEADER_BYTES), src)
         entry = Entry(self._record_disk_bytes, 0, record)
         victims: list[BlockKey] = []
         with self._lock:
@@ -363,7 +362,7 @@ class LmdbTier:
         self._writer.submit(Delete(key))
         return True
 
-    def get_into(self, key: BlockKey, dst: torch.Tensor) -> bool:
+    def get_into(self, key: BlockKey, dst: Block) -> bool:
         """Copy the block under ``key`` into the contiguous tensor ``dst`` (any device).
 
         True only if the record's header matches this spec and key and its checksum holds. A bad record
@@ -394,7 +393,7 @@ class LmdbTier:
                         self.path, key.hex()[:16], exc)
             return False
 
-    def _read_committed(self, key: BlockKey, dst: torch.Tensor) -> bool:
+    def _read_committed(self, key: BlockKey, dst: Block) -> bool:
         o = self._opened
         with self._read_txn() as txn:
             value = txn.get(key, db=o.blocks)
@@ -413,15 +412,17 @@ class LmdbTier:
         self._finish_copy(dst, landing)
         return True
 
-    def _landing(self, dst: torch.Tensor) -> np.ndarray:
+    def _landing(self, dst: Block) -> np.ndarray:
         """Where a read lands on the CPU: ``dst``'s own bytes, or the pinned staging buffer for a GPU ``dst``."""
+        if isinstance(dst, np.ndarray):
+            return dst
         if dst.device.type == "cpu":
             return dst.view(-1).view(torch.uint8).numpy()
         assert self._staging is not None
         return self._staging.numpy()
 
-    def _finish_copy(self, dst: torch.Tensor, landing: np.ndarray) -> None:
-        if dst.device.type != "cpu":
+    def _finish_copy(self, dst: Block, landing: np.ndarray) -> None:
+        if landing is not dst and not isinstance(dst, np.ndarray) and dst.device.type != "cpu":
             dst.view(-1).view(torch.uint8).copy_(self._staging)
 
     def _forget(self, key: BlockKey) -> None:
@@ -469,17 +470,22 @@ class LmdbTier:
             with txn:
                 yield txn
 
-    def grow_map(self) -> bool:
-        """Writer thread, after MDB_MAP_FULL left no page even to delete: enlarge the map by ~2% (at
-        most ``MAP_SLACK_FRAC`` of the configured size in all). Returns False when the slack is used up."""
+    @property
+    def map_lock(self) -> threading.Lock:
+        """Held by every read transaction of this process; the writer takes it to remap or to commit
+        with no snapshot pinned."""
+        return self._map_lock
+
+    def grow_map_locked(self) -> bool:
+        """Writer thread, holding `map_lock`, after MDB_MAP_FULL left no page even to delete: enlarge the
+        map by ~2% (at most ``MAP_SLACK_FRAC`` past the configured size in all). False when used up."""
         limit = int(self._configured_map_bytes * (1 + MAP_SLACK_FRAC))
         if self._map_bytes >= limit:
             return False
         page = self._opened.page_bytes
         new = min(limit, self._map_bytes + max(64 * page, self._map_bytes // 50) // page * page)
-        with self._map_lock:
-            self._opened.env.set_mapsize(new)
-            self._map_bytes = new
+        self._opened.env.set_mapsize(new)
+        self._map_bytes = new
         log.warning("disk tier %s: LMDB map grown to %d bytes to make room for evictions", self.path, new)
         return True
 

@@ -253,22 +253,25 @@ class LmdbWriter:
             victims = tier.evict_lru_locked(need, keep={op.key for op in puts})
         tier.note_map_full(len(victims))
         log.warning("disk tier %s: LMDB map full; evicted %d blocks and retrying", tier.path, len(victims))
-        try:
+        # Retry with no reader of this process holding an old snapshot, which would keep LMDB from reusing
+        # the pages freed since (readers wait for these few commits; this path is rare).
+        with tier.map_lock:
             try:
-                self._write([], deletes + victims, [], {})
+                try:
+                    self._write([], deletes + victims, [], {})
+                except lmdb.MapFullError:
+                    # Deleting copies pages too: with none left, LMDB can free nothing. Grow the map a
+                    # little (within LmdbTier's slack) so the deletes go through and their pages come back.
+                    if not tier.grow_map_locked():
+                        raise
+                    self._write([], deletes + victims, [], {})
+                self._write([], [], [], {"ticks": 1})  # one more commit: LMDB reuses freed pages after it
             except lmdb.MapFullError:
-                # Deleting copies pages too: with none left, LMDB can free nothing. Grow the map a little
-                # (within LmdbTier's slack) so the deletes go through and their pages come back.
-                if not tier.grow_map():
-                    raise
-                self._write([], deletes + victims, [], {})
-            self._write([], [], [], {"ticks": 1})  # one more commit: LMDB reuses freed pages only after it
-        except lmdb.MapFullError:
-            # Still no room: keep the deletes for the next batch (the keys are out of the index already)
-            # and give up this batch's puts.
-            self._deferred_deletes = deletes + victims
-            raise
-        self._write(puts, [], touched, deltas)
+                # Still no room: keep the deletes for the next batch (the keys are out of the index
+                # already) and give up this batch's puts.
+                self._deferred_deletes = deletes + victims
+                raise
+            self._write(puts, [], touched, deltas)
 
     def _drop(self, puts: list[Put]) -> None:
         tier = self._tier

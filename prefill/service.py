@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 # them for a reader. Runs on the engine thread. Supplied by transfer/.
 PublishFn = Callable[[LLMEngine, list[int], bytes], dict[str, Any] | None]
 # ``release(handle)``: drop a handle's lease when no decode node will read it.
-ReleaseFn = Callable[[dict[str, Any]], None]
+ReleaseFn = Callable[[dict[str, Any]], Awaitable[None]]
 
 
 class PrefillService(EngineNode):
@@ -105,7 +105,7 @@ class PrefillService(EngineNode):
         reasons = [self._reason(t, len(prompt), params) for t in tokens]
         handle = published.get("handle")
         if handle is not None and all(r is not None for r in reasons) and self._release is not None:
-            self._release(handle)  # nothing left for a decode node to read
+            await self._release(handle)  # nothing left for a decode node to read
             handle = None
         self.metrics.request_done("ok")
         log.info("request %s: prefilled %d tokens (%d from cache), first tokens %s, handle %s", rid, len(prompt),

@@ -22,7 +22,8 @@ def test_shared_prefix_shape_and_ideal_hit_rate():
                                                  question_tokens=8, output_tokens=5, seed=7).requests
     # block 16: each prompt looks up (72 - 1) // 16 = 4 blocks, all system-prompt blocks; first of a group misses
     records = [RequestRecord(s) for s in w.requests]
-    assert ideal_hit_blocks(w.cached_requests(records), block_size_tokens=16).hit_rate == pytest.approx(9 / 12)
+    replay = w.cached_requests(records, replies_cached=True)
+    assert ideal_hit_blocks(replay, block_size_tokens=16).hit_rate == pytest.approx(9 / 12)
 
 
 def test_multi_round_grows_by_the_reply():
@@ -41,8 +42,10 @@ def test_multi_round_grows_by_the_reply():
     third = w.follow_up(second, RequestRecord(second, generated_text="x" * 20, success=True))
     assert third is None  # 21 + 20 + 4 tokens would pass max_prompt_tokens
     assert w.follow_up(RequestSpec((1,), 1, turn=2), rec) is None  # rounds exhausted
-    # the reply is part of what the server computed: the ideal replay sees it
-    assert w.cached_requests([rec])[0].computed_token_ids == first.prompt_token_ids + (120, 121, 122)
+    # a decode node computed the reply: the ideal replay sees it; a prefill node never did
+    [with_reply] = w.cached_requests([rec], replies_cached=True)
+    assert with_reply.computed_token_ids == first.prompt_token_ids + (120, 121, 122)
+    assert w.cached_requests([rec], replies_cached=False)[0].computed_token_ids is None
 
 
 @pytest.fixture

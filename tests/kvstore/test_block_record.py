@@ -54,27 +54,32 @@ def test_every_corruption_is_named(checksum):
 def test_records_of_any_known_checksum_stay_readable():
     key = chain(1)[0]
     record = sealed(RecordCodec(SPEC, 4096, "crc32"), key, 1)
-    assert RecordCodec(SPEC, 4096, "sectorsum").problem(key, memoryview(record)) is None
+    assert RecordCodec(SPEC, 4096, "pagesum").problem(key, memoryview(record)) is None
     with pytest.raises(ValueError, match="unknown checksum"):
         RecordCodec(SPEC, 4096, "md5")
 
 
-def test_sectorsum_catches_swapped_sectors_and_a_payload_not_a_multiple_of_a_sector():
-    codec = RecordCodec(SPEC, 4096, "sectorsum")
+def test_pagesum_catches_swapped_pages_and_a_change_in_the_tail():
+    big = BlockSpec(num_layers=8, num_kv_heads=2, head_dim=16, block_size_tokens=4)  # 8 KiB: two pages
+    codec = RecordCodec(big, 4096, "pagesum")
     key = chain(1)[0]
-    record = sealed(codec, key, 5)
-    swapped = bytearray(record)
-    a, b = HEADER_BYTES, HEADER_BYTES + 512
-    swapped[a : a + 512], swapped[b : b + 512] = record[b : b + 512], record[a : a + 512]
-    assert "checksum mismatch" in codec.problem(key, memoryview(swapped))
-    odd = BlockSpec(num_layers=1, num_kv_heads=1, head_dim=3, block_size_tokens=50)  # 1200 bytes
-    codec = RecordCodec(odd, 4096, "sectorsum")
     record = codec.new_record(key)
-    record[HEADER_BYTES + 1100] = 7  # in the 176-byte tail after the two whole sectors
+    for i in range(big.block_bytes // 4096):
+        record[HEADER_BYTES + i * 4096 : HEADER_BYTES + (i + 1) * 4096] = bytes([i + 1]) * 4096
     codec.seal(record)
     assert codec.problem(key, memoryview(record)) is None
-    record[HEADER_BYTES + 1100] = 8
-    assert "checksum mismatch" in codec.problem(key, memoryview(record))
+    swapped = bytearray(record)
+    a, b = HEADER_BYTES, HEADER_BYTES + 4096
+    swapped[a : a + 4096], swapped[b : b + 4096] = record[b : b + 4096], record[a : a + 4096]
+    assert "pagesum checksum mismatch" in codec.problem(key, memoryview(swapped))
+    odd = BlockSpec(num_layers=1, num_kv_heads=1, head_dim=3, block_size_tokens=700)  # 16800 bytes
+    codec = RecordCodec(odd, 4096, "pagesum")
+    record = codec.new_record(key)
+    record[HEADER_BYTES + 16700] = 7  # in the 416-byte tail after four whole pages
+    codec.seal(record)
+    assert codec.problem(key, memoryview(record)) is None
+    record[HEADER_BYTES + 16700] = 8
+    assert "pagesum checksum mismatch" in codec.problem(key, memoryview(record))
 
 
 def _fields(spec: BlockSpec) -> dict:

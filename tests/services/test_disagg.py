@@ -5,6 +5,10 @@ from __future__ import annotations
 import random
 from concurrent.futures import ThreadPoolExecutor
 
+from engine.engine import EngineConfig, LLMEngine
+from model.loader import load_model
+from model.sampling import SamplingParams
+from model.tokenizer import load_tokenizer
 from tests.services.cluster import Cluster, get_json, metrics
 from tests.services.test_faults import post, wait_for
 
@@ -42,3 +46,35 @@ def test_requests_sharing_a_prefix_go_to_the_prefill_that_holds_it(tiny_model_di
             owner[i] = served[0]
             assert after[served[0]][1] - before[served[0]][1] == 160  # all 10 prefix blocks reused
         assert owner[0] != owner[1]
+
+
+def transfer(url: str) -> tuple[float, float]:
+    m = metrics(url)
+    return m.get("kvrelay_kv_transfer_bytes_total", 0.0), m.get("kvrelay_kv_transfer_failures_total", 0.0)
+
+
+def test_kv_moves_once_then_the_prefix_is_reused(tiny_model_dir, tmp_path):
+
+    loaded = load_model(tiny_model_dir)
+    block_bytes = LLMEngine.block_spec_for(loaded, 16).block_bytes
+    rng = random.Random(1)
+    prompt = [rng.randrange(256) for _ in range(100)]  # 6 full blocks + a 4-token tail
+    [[want]] = LLMEngine(loaded, EngineConfig(num_blocks=64)).generate([prompt], SamplingParams(max_tokens=12))
+    with Cluster(tmp_path, tiny_model_dir) as c:
+        decode, prefill = c.decode_urls[0], c.prefill_urls[0]
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0}
+        code, out = post(c.url, body)
+        assert code == 200
+        bytes1, failures = transfer(decode)
+        assert bytes1 == 6 * block_bytes and failures == 0
+        hits_before = prefix_hits(prefill)
+        code, out2 = post(c.url, body)
+        assert code == 200 and out2["choices"][0]["text"] == out["choices"][0]["text"]
+        assert prefix_hits(prefill) - hits_before == 6 * 16  # prefill reused its cached blocks
+        assert transfer(decode) == (bytes1, 0.0)  # decode already held them: nothing moved
+        longer = prompt + [rng.randrange(256) for _ in range(40)]  # 2 more full blocks + a tail
+        assert post(c.url, {**body, "prompt": longer})[0] == 200
+        assert transfer(decode) == (bytes1 + 2 * block_bytes, 0.0)  # only the new full blocks
+        wait_for(lambda: all(get_json(u + "/health")["in_use_blocks"] == 0 for u in (decode, prefill)),
+                 what="leases released and pools idle")
+    assert out["choices"][0]["text"] == load_tokenizer(tiny_model_dir).decode(want)

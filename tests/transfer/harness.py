@@ -106,7 +106,12 @@ class OwnerProc:
         self._stderr = open(log_dir / f"{name}-{uuid.uuid4().hex[:6]}.log", "w")
         self.proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=self._stderr, text=True)
         self.lines = LineReader(self.proc, self._stderr)
-        info = self.lines.next_json(60, f"owner {name} to start (see {self._stderr.name})")
+        try:
+            info = self.lines.next_json(60, f"owner {name} to start (see {self._stderr.name})")
+        except BaseException:
+            self.proc.kill()
+            self.proc.wait()
+            raise
         self.port: int = info["port"]
         self.pid: int = info["pid"]
         self.incarnation: str = info["incarnation"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import json
 import os
 import signal
@@ -144,5 +145,12 @@ async def main(argv: list[str]) -> None:
     agent.close()
 
 
+def die_with_parent() -> None:
+    """Linux: get SIGKILL when our parent dies, so no owner outlives its test run. The signal follows
+    the parent *thread*: start these processes from the test's main thread, not from an executor."""
+    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 if __name__ == "__main__":
+    die_with_parent()
     asyncio.run(main(sys.argv[1:]))

@@ -16,7 +16,7 @@ import sys
 import aiohttp
 
 from kvstore.block_pool import BlockPool
-from tests.transfer.owner_proc import make_spec
+from tests.transfer.owner_proc import die_with_parent, make_spec
 from transfer.config import TransferConfig
 from transfer.nixl_agent import KvAgent
 from transfer.peer_cache import PeerCache
@@ -40,4 +40,5 @@ async def main(token: str) -> None:
 
 
 if __name__ == "__main__":
+    die_with_parent()
     asyncio.run(main(sys.argv[1]))

@@ -38,7 +38,7 @@ def test_reader_killed_before_reading_owner_unpins_at_lease_expiry(start_owner):
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     lines = LineReader(reader, None)
     try:
-        owner = start_owner("owner-ttl", ttl_s=2.0)
+        owner = start_owner("owner-ttl", ttl_s=3.0)
         assert lines.next_json(60, "the reader to start") == {"ready": True}
         handle = owner.offer(tokens(10, 6))
         reader.stdin.write(encode_handle(handle).hex() + "\n")
@@ -47,7 +47,7 @@ def test_reader_killed_before_reading_owner_unpins_at_lease_expiry(start_owner):
         reader.send_signal(signal.SIGKILL)
         reader.wait(timeout=10)
         assert owner.state()["pinned_refs"] == 6  # nobody told the owner anything
-        wait_until(lambda: owner.state()["pinned_refs"] == 0, 10, "the lease to expire")
+        wait_until(lambda: owner.state()["pinned_refs"] == 0, 15, "the lease to expire")
         state = owner.state()
         assert (state["leases"], state["reaped"], state["notifs"]) == (0, 1, 0)
 
@@ -145,7 +145,7 @@ def test_owner_restarted_with_new_metadata_is_handshaken_again(start_owner):
             r.pool.release(result.block_ids)
             assert r.peers.num_handshakes == 1
             await in_thread(first.stop)
-            second = await in_thread(lambda: start_owner("owner-phoenix", port=first.port))
+            second = start_owner("owner-phoenix", port=first.port)  # not from a thread: see die_with_parent
             assert second.incarnation != first.incarnation
 
             toks = tokens(14, 8)
