@@ -21,7 +21,6 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-
 Block = torch.Tensor | np.ndarray
 """One block: a tensor of ``BlockSpec.block_shape`` (any device), or a CPU block's bytes as a 1-D uint8
 numpy array (a row of `pool_rows`, which costs nothing to index, unlike tensor → numpy conversions)."""

@@ -14,9 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-import torch
-
 from kvstore.block_key import BlockKey
+from kvstore.block_mover import Block
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,8 +35,8 @@ class TierStats:
 class Tier(Protocol):
     """A key → block store below device.
 
-    Blocks are tensors of ``BlockSpec.block_shape`` and the spec's dtype; the bytes stored under a key
-    never change (a key names its content).
+    Blocks are tensors of ``BlockSpec.block_shape`` and the spec's dtype, or a CPU block's bytes as a
+    uint8 numpy row (`block_mover.Block`); the bytes stored under a key never change (a key names them).
 
     * ``put(key, src)`` stores a copy of ``src`` (any device) under ``key``, or refreshes its LRU
       position if the key is already held (copying nothing). It may evict least-recently-used keys to
@@ -52,9 +51,9 @@ class Tier(Protocol):
 
     name: str
 
-    def put(self, key: BlockKey, src: torch.Tensor) -> bool: ...
+    def put(self, key: BlockKey, src: Block) -> bool: ...
 
-    def get_into(self, key: BlockKey, dst: torch.Tensor) -> bool: ...
+    def get_into(self, key: BlockKey, dst: Block) -> bool: ...
 
     def contains(self, key: BlockKey) -> bool: ...
 

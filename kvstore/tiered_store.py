@@ -28,7 +28,7 @@ from prometheus_client import CollectorRegistry
 
 from kvstore.admission import parse_admission
 from kvstore.block_key import BlockKey
-from kvstore.block_mover import BlockMover
+from kvstore.block_mover import Block, BlockMover, pool_rows
 from kvstore.block_pool import BlockPool, PoolStats
 from kvstore.block_spec import BlockSpec
 from kvstore.host_tier import HostTier
@@ -124,6 +124,7 @@ class TieredStore:
         if tuple(device_pool.shape) != want_shape:
             raise ValueError(f"device pool shape {tuple(device_pool.shape)} != {want_shape}")
         self.device_pool = device_pool
+        self._device_rows = pool_rows(device_pool)  # CPU pool: cheap per-block byte views for copies
         self.metrics = StoreMetrics.create(registry)
         self.block_pool = BlockPool(config.num_device_blocks, on_evict=self._on_device_evict)
         self.host = (
@@ -235,7 +236,7 @@ class TieredStore:
 
     def _promote(self, key: BlockKey, block_id: int) -> bool:
         """Copy ``key``'s block from the highest lower tier holding it into device block ``block_id``."""
-        dst = self.device_pool[block_id]
+        dst = self._device_block(block_id)
         for name, tier in self._lower.items():
             if not tier.contains(key):
                 continue
@@ -253,7 +254,7 @@ class TieredStore:
     # ---------------------------------------------------------------- demotion
     def _on_device_evict(self, block_id: int, key: BlockKey) -> None:
         """BlockPool hook: ``key`` leaves device block ``block_id`` (bytes still intact)."""
-        src = self.device_pool[block_id]
+        src = self._device_block(block_id)
         if self.host is not None:
             slot = self.host.slot_of(key)
             if slot is not None:  # pre-copied by maintain_watermark: nothing to copy
@@ -276,7 +277,10 @@ class TieredStore:
         self._mover.before_cpu_read(slot)
         self._demote_to_disk(key, self.host.block(slot), "host")  # type: ignore[union-attr]
 
-    def _demote_to_disk(self, key: BlockKey, src: torch.Tensor, src_tier: str) -> None:
+    def _device_block(self, block_id: int) -> Block:
+        return self._device_rows[block_id] if self._device_rows is not None else self.device_pool[block_id]
+
+    def _demote_to_disk(self, key: BlockKey, src: Block, src_tier: str) -> None:
         assert self.disk is not None
         if self.disk.touch(key):
             return  # already stored: disk keeps promoted blocks
@@ -304,7 +308,7 @@ class TieredStore:
             return 0
         with self._mover.precopy_stream():
             for block_id, key in todo:
-                self.host.put(key, self.device_pool[block_id])
+                self.host.put(key, self._device_block(block_id))
                 self._mover.copied_into(self.host.slot_of(key))  # type: ignore[arg-type]
                 self._moved(key, "device", "host")
         return len(todo)
@@ -323,11 +327,11 @@ class TieredStore:
         if self.disk is None:
             return 0
         written = 0
-        sources: list[tuple[BlockKey, torch.Tensor]] = []
+        sources: list[tuple[BlockKey, Block]] = []
         for block_id in range(self.block_pool.num_blocks):
             key = self.block_pool.key_of(block_id)
             if key is not None:
-                sources.append((key, self.device_pool[block_id]))
+                sources.append((key, self._device_block(block_id)))
         if self.host is not None:
             for key in self.host.keys_lru_first():
                 slot = self.host.slot_of(key)

@@ -11,7 +11,7 @@ def test_put_get_and_lru_eviction_order_with_hook_before_overwrite():
     host: HostTier
 
     def on_evict(slot: int, key: BlockKey) -> None:
-        evicted.append((slot, key, float(host.block(slot).flatten()[0])))  # bytes still intact
+        evicted.append((slot, key, float(host.pool[slot].flatten()[0])))  # bytes still intact
 
     host = HostTier(SPEC, 3, on_evict=on_evict)
     keys = chain(5)
@@ -43,4 +43,17 @@ def test_rejects_wrong_shape_and_dtype():
         host.put(chain(1)[0], torch.zeros(SPEC.block_shape, dtype=torch.float16))
     with pytest.raises(ValueError, match="positive number of blocks"):
         HostTier(SPEC, 0)
+    host.check_integrity()
+
+
+def test_blocks_as_byte_rows_copy_the_same_bytes():
+    host = HostTier(SPEC, 2)
+    key = chain(1)[0]
+    src = block_value(4)
+    assert host.put(key, src.view(-1).view(torch.uint8).numpy())
+    out = torch.empty(SPEC.block_shape)
+    assert host.get_into(key, out.view(-1).view(torch.uint8).numpy()) and torch.equal(out, src)
+    assert host.block(host.slot_of(key)).nbytes == SPEC.block_bytes
+    with pytest.raises(ValueError, match=f"must be {SPEC.block_bytes} bytes"):
+        host.put(chain(2)[1], src.view(-1).view(torch.uint8).numpy()[:100])
     host.check_integrity()

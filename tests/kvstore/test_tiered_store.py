@@ -76,7 +76,7 @@ def test_watermark_precopies_coldest_blocks_so_eviction_copies_nothing(make_stor
     assert moves_named(moves[2:]) == [("A1", "device", "host")]
     store.block_pool.release(new + more)
     assert store.maintain_watermark() == 0  # three blocks are free again
-    assert torch.equal(store.host.block(store.host.slot_of(KEYS[2])), block_value(2))
+    assert torch.equal(store.host.pool[store.host.slot_of(KEYS[2])], block_value(2))
 
 
 def test_prefix_split_across_device_host_and_disk_loads_original_bytes(make_store):

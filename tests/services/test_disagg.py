@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 from concurrent.futures import ThreadPoolExecutor
+
+import pytest
 
 from engine.engine import EngineConfig, LLMEngine
 from model.loader import load_model
@@ -78,3 +82,49 @@ def test_kv_moves_once_then_the_prefix_is_reused(tiny_model_dir, tmp_path):
         wait_for(lambda: all(get_json(u + "/health")["in_use_blocks"] == 0 for u in (decode, prefill)),
                  what="leases released and pools idle")
     assert out["choices"][0]["text"] == load_tokenizer(tiny_model_dir).decode(want)
+
+
+def _internal_post(url: str, path: str, body: dict) -> tuple[int, list[dict]]:
+    """POST msgpack to a node; the answer's msgpack objects (one, or a decode stream's frames)."""
+    import urllib.error
+    import urllib.request
+
+    from engine.protocol import new_unpacker, pack
+
+    req = urllib.request.Request(url + path, data=pack(body), method="POST",
+                                 headers={"Content-Type": "application/msgpack"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            status, data = resp.status, resp.read()
+    except urllib.error.HTTPError as err:
+        status, data = err.code, err.read()
+    unpacker = new_unpacker()
+    unpacker.feed(data)
+    return status, list(unpacker)
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_prefill_killed_after_handing_out_kv(tiny_model_dir, tmp_path, policy):
+    from engine.protocol import params_to_wire
+
+    loaded = load_model(tiny_model_dir)
+    rng = random.Random(2)
+    prompt = [rng.randrange(256) for _ in range(70)]
+    [[want]] = LLMEngine(loaded, EngineConfig(num_blocks=64)).generate([prompt], SamplingParams(max_tokens=10))
+    params = params_to_wire(SamplingParams(max_tokens=10))
+    with Cluster(tmp_path, tiny_model_dir, overrides={"decode": {"on_transfer_failure": policy}}) as c:
+        prefill, decode = c.prefill_urls[0], c.decode_urls[0]
+        status, [pre] = _internal_post(prefill, "/prefill", {"request_id": "r1", "prompt": prompt,
+                                                             "params": params, "salt": b""})
+        assert status == 200 and pre["first_token_ids"] == want[:1] and pre["handle"] is not None
+        os.kill(c.node_pid(prefill), signal.SIGKILL)
+        status, frames = _internal_post(decode, "/generate", {
+            "request_id": "r1", "prompt": prompt, "params": params, "salt": b"",
+            "first_token_ids": pre["first_token_ids"], "handle": pre["handle"]})
+        if policy == "recompute":
+            assert status == 200
+            assert want[:1] + [t for f in frames for t in f["tokens"]] == want
+        else:
+            assert status == 502 and "KV transfer from the prefill node failed" in frames[0]["error"]
+        assert transfer(decode)[1] == 1.0
+        wait_for(lambda: get_json(decode + "/health")["in_use_blocks"] == 0, what="decode pool idle")
