@@ -74,10 +74,15 @@ class DecodeService(EngineNode):
             raise TransferFailed("this decode node has no KV transfer agent")
         t0 = time.perf_counter()
         deadline_s = self.decode_config.transfer_timeout_s
+        # The pull runs as its own task with its own deadline, shielded: a client that goes away mid-pull
+        # must not cancel it half way (blocks reserved on the engine thread would leak); its blocks are
+        # given back once it ends instead.
+        task = asyncio.ensure_future(self._pull(handle, request_id, deadline_s=deadline_s))
         try:
-            # The puller keeps its own deadline; the outer one is a backstop for the handshake path.
-            pinned, num_bytes = await asyncio.wait_for(self._pull(handle, request_id, deadline_s=deadline_s),
-                                                       deadline_s + 5.0)
+            pinned, num_bytes = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(self._release_abandoned)
+            raise
         except Exception as exc:  # noqa: BLE001 - every transfer failure takes the same policy
             self.metrics.transfer_failures.inc()
             log.warning("request %s: KV pull failed: %s", request_id, exc)
@@ -87,6 +92,14 @@ class DecodeService(EngineNode):
         self.metrics.transfer_seconds.observe(time.perf_counter() - t0)
         self.metrics.transfer_bytes.inc(num_bytes)
         return pinned
+
+    def _release_abandoned(self, task: asyncio.Future) -> None:
+        """Give back the blocks of a pull whose request went away while it ran."""
+        if task.cancelled() or task.exception() is not None:
+            return
+        block_ids = task.result()[0]
+        if block_ids:
+            asyncio.ensure_future(self.worker.call(lambda engine: engine.pool.release(block_ids)))
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         try:
