@@ -108,6 +108,8 @@ class Deployment:
         def pump() -> None:
             assert self._proc is not None and self._proc.stdout is not None
             for line in self._proc.stdout:
+                if '"GET /health' in line or '"GET /metrics' in line:
+                    continue  # the access log of our own polling would push the useful lines out
                 self.log.append(line)
                 del self.log[:-200]
                 if READY.search(line):

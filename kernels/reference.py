@@ -78,6 +78,9 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """One query token per sequence attending over that sequence's cached tokens.
 
+    All sequences are gathered into one padded batch (positions past a sequence's length are
+    masked), so the CPU decode step is a few batched matmuls rather than a Python loop.
+
     Args:
         q: ``[N, Hq, D]``, the query of each sequence's newest token (whose KV is already written).
         k_cache, v_cache: ``[num_blocks, Hkv, B, D]``.
@@ -88,13 +91,26 @@ def paged_decode_attention(
     Returns:
         ``[N, Hq, D]`` in ``q.dtype``.
     """
-    out = torch.empty_like(q)
-    lens = seq_lens.tolist()
-    for i, seq_len in enumerate(lens):
-        k = gather_kv(k_cache, block_tables[i], seq_len)
-        v = gather_kv(v_cache, block_tables[i], seq_len)
-        out[i] = _attend(q[i : i + 1], k, v, scale, None)[0]
-    return out
+    n, hq, d = q.shape
+    hkv, bs = k_cache.shape[1], k_cache.shape[2]
+    if n == 0:
+        return torch.empty_like(q)
+    lens = seq_lens.to(q.device).long()
+    num_blocks = (int(lens.max()) + bs - 1) // bs
+    table = block_tables[:, :num_blocks].long().to(q.device)  # [N, nb]
+    used = torch.arange(num_blocks, device=q.device)[None, :] < ((lens + bs - 1) // bs)[:, None]
+    table = torch.where(used, table, torch.zeros_like(table))  # entries past a sequence may be garbage
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:  # → [N, Hkv, nb·B, D] float32
+        return cache[table].permute(0, 2, 1, 3, 4).reshape(n, hkv, num_blocks * bs, d).float()
+
+    k, v = gather(k_cache), gather(v_cache)
+    qf = q.float().reshape(n, hkv, hq // hkv, d)  # query heads grouped by the KV head they read
+    scores = torch.matmul(qf, k.transpose(2, 3)) * scale  # [N, Hkv, group, S]
+    pad = torch.arange(num_blocks * bs, device=q.device)[None, :] >= lens[:, None]
+    scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1), v)  # [N, Hkv, group, D]
+    return out.reshape(n, hq, d).to(q.dtype)
 
 
 def prefill_attention(

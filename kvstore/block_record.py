@@ -142,10 +142,12 @@ class RecordCodec:
         """Why ``value`` (read under ``key``) is not a valid record of this spec, or None if it is."""
         return self.header_problem(key, value) or self.checksum_problem(value, self.payload_view(value))
 
-    def header_problem(self, key: bytes, value: memoryview) -> str | None:
-        """`problem` without the checksum: magic, version, sizes, fingerprint, key, length."""
-        if len(value) < HEADER_BYTES:
-            return f"value of {len(value)} bytes is shorter than the {HEADER_BYTES}-byte header"
+    def header_problem(self, key: bytes, value: memoryview, value_len: int | None = None) -> str | None:
+        """`problem` without the checksum: magic, version, sizes, fingerprint, key, length. ``value`` may be
+        just a copy of the header, with the stored value's length in ``value_len``."""
+        value_len = len(value) if value_len is None else value_len
+        if value_len < HEADER_BYTES:
+            return f"value of {value_len} bytes is shorter than the {HEADER_BYTES}-byte header"
         magic, version, algo_id, header_len, payload_len, fingerprint, stored_key = _HEAD.unpack_from(value, 0)
         if magic != MAGIC:
             return "bad magic"
@@ -157,8 +159,8 @@ class RecordCodec:
             return "written for another BlockSpec fingerprint"
         if stored_key != key:
             return "stored under another key"
-        if len(value) < HEADER_BYTES + payload_len:
-            return f"truncated: {len(value)} bytes, need {HEADER_BYTES + payload_len}"
+        if value_len < HEADER_BYTES + payload_len:
+            return f"truncated: {value_len} bytes, need {HEADER_BYTES + payload_len}"
         if algo_id not in CHECKSUM_ID_TO_ALGO:
             return f"unknown checksum algorithm id {algo_id}"
         return None

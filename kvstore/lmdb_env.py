@@ -8,9 +8,10 @@ Layout on disk (``path`` is ``kvstore.disk.path``)::
     path.owner.lock   flock held by the one process that owns the tier (it has the pid in it)
     path.corrupt-…    environments moved aside because they failed to open or reported corruption
 
-Sub-databases: ``blocks`` (key → record, see `block_record`), ``atime`` (key → u64 BE access
-sequence, written in the writer's batches; the LRU order survives restarts approximately) and
-``meta`` (format, block size, lifetime counters as u64 BE).
+Sub-databases: ``blocks`` (key → record, see `block_record`), ``atime`` (key → `AccessRecord`: u64
+BE access sequence and u64 BE map bytes of the block, written in the writer's batches; the LRU order
+survives restarts, and the index is built from it without touching any block) and ``meta`` (format,
+block size, lifetime counters as u64 BE).
 """
 
 from __future__ import annotations
@@ -137,9 +138,11 @@ def open_env(path: Path, *, map_bytes: int, max_readers: int, block_bytes: int) 
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(path, 0o700)
     # metasync=False: one fsync per commit instead of two; LMDB keeps the environment intact, and a
-    # system crash can at most undo the last commit (a cache can lose it).
+    # system crash can at most undo the last commit (a cache can lose it). readahead=False (MADV_RANDOM):
+    # the map is only used for B-tree pages (values are read with pread, see LmdbTier); with kernel
+    # readahead every leaf page touched at start pulled in megabytes of values around it.
     env = open_retrying(
-        path, map_size=map_bytes, subdir=True, max_dbs=3, max_readers=max_readers, mode=0o600, readahead=True,
+        path, map_size=map_bytes, subdir=True, max_dbs=3, max_readers=max_readers, mode=0o600, readahead=False,
         lock=True, metasync=False,
     )
     try:
@@ -189,6 +192,32 @@ def keep_block_buffers_on_heap(record_bytes: int) -> bool:
     )
 
 
+def mapping_base(path: Path) -> int | None:
+    """Start address of this process's mapping of ``path`` from offset 0 (Linux ``/proc/self/maps``), or
+    None. With it, a value's file offset is its address minus the base, so it can be read with ``pread``."""
+    target = str(path.resolve())
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[5].strip() == target and int(fields[2], 16) == 0:
+                    return int(fields[0].split("-")[0], 16)
+    except OSError:
+        return None
+    return None
+
+
+def pack_access(seq: int, disk_bytes: int) -> bytes:
+    """An ``atime`` value: the block's last access in the access sequence and its map bytes."""
+    return seq.to_bytes(8, "big") + disk_bytes.to_bytes(8, "big")
+
+
+def unpack_access(value: bytes | memoryview) -> tuple[int, int]:
+    """``(seq, disk_bytes)`` of an ``atime`` value (disk_bytes 0 when unknown)."""
+    raw = bytes(value)
+    return int.from_bytes(raw[:8], "big"), int.from_bytes(raw[8:16], "big")
+
+
 def read_u64(value: bytes | memoryview | None) -> int:
     return 0 if value is None else int.from_bytes(bytes(value), "big")
 
@@ -224,16 +253,16 @@ def read_snapshot(path: Path) -> DiskSnapshot | None:
     """
     if not (path / "data.mdb").exists():
         return None
-    env = open_retrying(path, map_size=0, readonly=True, lock=True, subdir=True, max_dbs=3)  # 0: as stored
+    env = open_retrying(path, map_size=0, readonly=True, lock=True, subdir=True, max_dbs=3, readahead=False)
     try:
         env.reader_check()
         page = env.stat()["psize"]
         blocks, meta = env.open_db(b"blocks", create=False), env.open_db(b"meta", create=False)
-        used = num = 0
+        atime = env.open_db(b"atime", create=False)
         with env.begin(buffers=True) as txn:
-            for _, value in txn.cursor(db=blocks).iternext():
-                num += 1
-                used += entry_bytes(len(value), page)
+            num = txn.stat(blocks)["entries"]
+            used = sum(unpack_access(v)[1] for v in txn.cursor(db=atime).iternext(keys=False))
+            used += (num - txn.stat(atime)["entries"]) * entry_bytes(page - 16, page)  # unknown sizes: >= a page
             counters = {
                 bytes(k).decode()[6:]: read_u64(v)
                 for k, v in txn.cursor(db=meta).iternext() if bytes(k).startswith(b"count.")

@@ -23,7 +23,9 @@ Who does what::
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
@@ -43,9 +45,11 @@ from kvstore.lmdb_env import (
     OpenedEnv,
     OwnerLock,
     keep_block_buffers_on_heap,
+    mapping_base,
     move_aside,
     open_env,
     read_u64,
+    unpack_access,
 )
 from kvstore.lmdb_writer import Delete, Entry, LmdbWriter, Put
 from kvstore.metrics import StoreMetrics
@@ -109,9 +113,30 @@ class _Counts:
     moved_aside: list[str] = field(default_factory=list)
 
 
-def copy_payload(dst: np.ndarray, payload: memoryview) -> None:
-    """Copy a record's ``payload`` into the uint8 array ``dst``: the one read of the mapped value."""
-    np.copyto(dst, np.frombuffer(payload, dtype=np.uint8))
+@dataclass(slots=True)
+class _DataFile:
+    """``data.mdb`` opened for ``pread``, and where this process maps it (to turn addresses into offsets)."""
+
+    fd: int
+    map_base: int | None
+
+
+def read_value(value: memoryview, header: bytearray, payload: np.ndarray, data: _DataFile) -> None:
+    """Copy a stored value's header and payload out of LMDB, inside the read transaction that returned
+    ``value`` (whose pages cannot change meanwhile).
+
+    With the map's base address known it is one ``preadv`` of the value's bytes from ``data.mdb``: I/O
+    through the page cache with the file's readahead, an OSError (not SIGBUS) on a bad disk. Otherwise a
+    copy from the mapped memory.
+    """
+    if data.map_base is not None:
+        addr = np.frombuffer(value, dtype=np.uint8).ctypes.data  # no page is touched
+        got = os.preadv(data.fd, [header, payload], addr - data.map_base)
+        if got != len(header) + payload.nbytes:
+            raise OSError(errno.EIO, f"short read of a stored block: {got} bytes")
+        return
+    header[:] = value[: len(header)]
+    np.copyto(payload, np.frombuffer(value, dtype=np.uint8, count=payload.nbytes, offset=len(header)))
 
 
 class LmdbTier:
@@ -178,6 +203,8 @@ class LmdbTier:
             opened = self._open_env()
             self._load_index(opened)
         self._opened = opened
+        data_path = self.path / "data.mdb"
+        self._data = _DataFile(os.open(data_path, os.O_RDONLY | os.O_CLOEXEC), mapping_base(data_path))
         self._writer = LmdbWriter(opened, self._codec, tier=self)
         self._writer.start()
 
@@ -215,23 +242,28 @@ class LmdbTier:
             self.metrics.tier_evictions.labels("disk").inc(n)
 
     def _load_index(self, opened: OpenedEnv) -> None:
-        """Index every stored key in its persisted access order. Closes ``opened`` if it is corrupt."""
+        """Index every stored key in its persisted access order, from the keys of ``blocks`` and the
+        ``atime`` records, without reading any block (a cursor over values pages every value in). A key
+        without an access record gets sequence 0 and this spec's record size. Closes ``opened`` if it
+        is corrupt."""
+        default = (0, self._record_disk_bytes)
         try:
             with opened.env.begin(buffers=True) as txn:
-                key_to_seq = {bytes(k): read_u64(v) for k, v in txn.cursor(db=opened.atime).iternext()}
-                sized = [(bytes(k), len(v)) for k, v in txn.cursor(db=opened.blocks).iternext()]
+                key_to_access = {bytes(k): unpack_access(v) for k, v in txn.cursor(db=opened.atime).iternext()}
+                keys = [bytes(k) for k in txn.cursor(db=opened.blocks).iternext(values=False)]
         except CORRUPTION_ERRORS:
             opened.env.close()
             raise
-        sized.sort(key=lambda kv: (key_to_seq.get(kv[0], 0), kv[0]))
+        keys.sort(key=lambda k: (key_to_access.get(k, default)[0], k))
         with self._lock:
             self._key_to_entry.clear()
             self._used_bytes = 0
-            for key, value_len in sized:
-                entry = Entry(entry_bytes(value_len, opened.page_bytes), key_to_seq.get(key, 0))
+            for key in keys:
+                seq, disk_bytes = key_to_access.get(key, default)
+                entry = Entry(disk_bytes or self._record_disk_bytes, seq)
                 self._key_to_entry[BlockKey(key)] = entry
                 self._used_bytes += entry.disk_bytes
-        self._next_seq = max(key_to_seq.values(), default=0) + 1  # under _lock
+        self._next_seq = max((a[0] for a in key_to_access.values()), default=0) + 1  # under _lock
 
     # ----------------------------------------------------------------- queries
     def contains(self, key: BlockKey) -> bool:
@@ -378,7 +410,7 @@ class LmdbTier:
             record = entry.record
         if record is not None:  # still queued: trusted memory
             landing = self._landing(dst)
-            copy_payload(landing, self._codec.payload_view(record))
+            np.copyto(landing, np.frombuffer(self._codec.payload_view(record), dtype=np.uint8))
             self._finish_copy(dst, landing)
             return True
         try:
@@ -395,17 +427,23 @@ class LmdbTier:
 
     def _read_committed(self, key: BlockKey, dst: Block) -> bool:
         o = self._opened
+        header = bytearray(HEADER_BYTES)
+        landing = self._landing(dst)
         with self._read_txn() as txn:
             value = txn.get(key, db=o.blocks)
             if value is None:
                 self._forget(key)
                 return False
-            problem = self._codec.header_problem(key, value)
-            landing = self._landing(dst)
+            problem = (
+                f"value of {len(value)} bytes, need {HEADER_BYTES + self.spec.block_bytes}"
+                if len(value) < HEADER_BYTES + self.spec.block_bytes else None
+            )
             if problem is None:
-                # Copy first, then checksum the copy: it is still in the CPU cache, the mapped value is not.
-                copy_payload(landing, self._codec.payload_view(value))
-                problem = self._codec.checksum_problem(value, memoryview(landing))
+                read_value(value, header, landing, self._data)
+                # Check the copy, not the stored value: the copy is in the CPU cache.
+                problem = self._codec.header_problem(key, memoryview(header), len(value)) or (
+                    self._codec.checksum_problem(memoryview(header), memoryview(landing))
+                )
             if problem is not None:
                 self._on_bad_record(key, problem)
                 return False
@@ -486,6 +524,7 @@ class LmdbTier:
         new = min(limit, self._map_bytes + max(64 * page, self._map_bytes // 50) // page * page)
         self._opened.env.set_mapsize(new)
         self._map_bytes = new
+        self._data.map_base = mapping_base(self.path / "data.mdb")  # LMDB remapped
         log.warning("disk tier %s: LMDB map grown to %d bytes to make room for evictions", self.path, new)
         return True
 
@@ -509,6 +548,7 @@ class LmdbTier:
         self._needs_reset.clear()
         self._writer.stop(timeout_s=30.0)
         self._opened.env.close()
+        os.close(self._data.fd)
         moved = str(move_aside(self.path, self._reset_reason))
         with self._lock:
             self._counts.moved_aside.append(moved)
@@ -535,6 +575,7 @@ class LmdbTier:
             self._writer.stop(timeout_s=60.0)
         finally:
             self._opened.env.close()
+            os.close(self._data.fd)
             self._owner.release()
 
     def note_dropped(self, n: int) -> None:

@@ -27,7 +27,7 @@ import lmdb
 
 from kvstore.block_key import BlockKey
 from kvstore.block_record import RecordCodec
-from kvstore.lmdb_env import CORRUPTION_ERRORS, OpenedEnv, read_u64, u64
+from kvstore.lmdb_env import CORRUPTION_ERRORS, OpenedEnv, pack_access, read_u64, u64
 
 if TYPE_CHECKING:
     from kvstore.lmdb_tier import LmdbTier
@@ -195,7 +195,9 @@ class LmdbWriter:
             put_keys = {op.key for op in puts}
             # Access order goes out oldest touch first, within the batch's op budget.
             touched_keys, deltas = tier.take_batch_state_locked(max(1, self._max_batch_ops - len(batch)))
-            touched = [(k, e.seq) for k in touched_keys if (e := self._stored_entry(k, put_keys)) is not None]
+            touched = [
+                (k, e.seq, e.disk_bytes) for k in touched_keys if (e := self._stored_entry(k, put_keys)) is not None
+            ]
         deletes, self._deferred_deletes = self._deferred_deletes + deletes, []
         if not (puts or deletes or touched or deltas):
             return
@@ -245,7 +247,7 @@ class LmdbWriter:
         return entry if entry is not None and (entry.record is None or key in put_keys) else None
 
     def _evict_and_retry(
-        self, puts: list[Put], deletes: list[BlockKey], touched: list[tuple[BlockKey, int]], deltas: dict[str, int]
+        self, puts: list[Put], deletes: list[BlockKey], touched: list[tuple[BlockKey, int, int]], deltas: dict[str, int]
     ) -> None:
         tier = self._tier
         need = 2 * sum(op.entry.disk_bytes for op in puts) + 2 * self._opened.page_bytes
@@ -280,7 +282,7 @@ class LmdbWriter:
         tier.note_dropped(len(puts))
 
     def _write(
-        self, puts: list[Put], deletes: list[BlockKey], touched: list[tuple[BlockKey, int]], deltas: dict[str, int]
+        self, puts: list[Put], deletes: list[BlockKey], touched: list[tuple[BlockKey, int, int]], deltas: dict[str, int]
     ) -> None:
         o = self._opened
         with o.env.begin(write=True) as txn:
@@ -289,9 +291,9 @@ class LmdbWriter:
                 txn.delete(key, db=o.atime)
             for op in puts:
                 txn.put(op.key, op.entry.record, db=o.blocks)
-                txn.put(op.key, u64(op.entry.seq), db=o.atime)
-            for key, seq in touched:
-                txn.put(key, u64(seq), db=o.atime)
+                txn.put(op.key, pack_access(op.entry.seq, op.entry.disk_bytes), db=o.atime)
+            for key, seq, disk_bytes in touched:
+                txn.put(key, pack_access(seq, disk_bytes), db=o.atime)
             for name, d in deltas.items():
                 k = b"count." + name.encode()
                 txn.put(k, u64(read_u64(txn.get(k, db=o.meta)) + d), db=o.meta)

@@ -178,7 +178,7 @@ def test_an_io_error_on_read_is_a_miss_that_keeps_the_entry(make_disk, monkeypat
     def failing_copy(*args: object) -> None:
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(lmdb_tier_module, "copy_payload", failing_copy)
+    monkeypatch.setattr(lmdb_tier_module, "read_value", failing_copy)
     assert read(tier, keys[0]) is None
     assert tier.contains(keys[0]) and corrupt_count(tier) == 0
     monkeypatch.undo()

@@ -137,7 +137,7 @@ def test_an_io_error_shortens_the_run_and_keeps_the_disk_entry(make_store, monke
     def failing_copy(*args: object) -> None:
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(lmdb_tier_module, "copy_payload", failing_copy)
+    monkeypatch.setattr(lmdb_tier_module, "read_value", failing_copy)
     match = store.match_prefix(KEYS[:2])
     assert store.load(KEYS[:2], match) == []
     assert store.block_pool.stats().num_in_use == 0
