@@ -7,7 +7,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

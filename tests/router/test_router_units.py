@@ -25,7 +25,7 @@ def served(tiny_model_dir) -> ServedModel:
         ({"model": "tiny", "prompt": "x", "max_tokens": -3}, 400, "max_tokens must be at least 1, got -3"),
         ({"model": "tiny", "prompt": "x", "n": 5}, 400, "n must be between 1 and 4 on this server, got 5"),
         ({"model": "tiny", "prompt": "x", "temperature": -0.5}, 400, "temperature must be in [0, 2], got -0.5"),
-        ({"model": "tiny", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop takes at most 4 strings, got 5"),
+        ({"model": "tiny", "prompt": "x", "stop": list("abcde")}, 400, "stop takes at most 4 strings, got 5"),
         ({"model": "tiny", "prompt": [1, 258]}, 400, "token id 258 at position 1 is outside the vocabulary [0, 258)"),
         ({"model": "tiny", "prompt": []}, 400, "prompt is empty"),
         ({"model": "tiny", "prompt": [1] * 120, "max_tokens": 9}, 400, "context window is 128 tokens"),
