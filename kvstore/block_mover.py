@@ -52,8 +52,9 @@ def copy_block(dst: Block, src: Block, *, non_blocking: bool = False) -> None:
     if d is not None and s is not None:
         np.copyto(d, s)
         return
-    d_t = torch.from_numpy(d) if d is not None else dst.view(-1).view(torch.uint8)  # type: ignore[union-attr]
-    s_t = torch.from_numpy(s) if s is not None else src.view(-1).view(torch.uint8)  # type: ignore[union-attr]
+    # Keep tensors as tensors (a pinned one stays pinned, so the copy can be asynchronous).
+    d_t = torch.from_numpy(dst) if isinstance(dst, np.ndarray) else dst.reshape(-1).view(torch.uint8)
+    s_t = torch.from_numpy(src) if isinstance(src, np.ndarray) else src.reshape(-1).view(torch.uint8)
     d_t.copy_(s_t, non_blocking=non_blocking)
 
 

@@ -61,9 +61,10 @@ class HostTier:
         self._free_slots: deque[int] = deque(range(num_blocks))
 
     # ----------------------------------------------------------------- queries
-    def block(self, slot: int) -> np.ndarray:
-        """The bytes of one slot (a row of `rows`; see `block_mover.Block`)."""
-        return self.rows[slot]
+    def block(self, slot: int) -> Block:
+        """One slot: its bytes (a row of `rows`, cheapest on CPU), or with CUDA the pinned tensor view, so
+        that copies from and to the GPU stay asynchronous."""
+        return self.pool[slot] if self.pinned else self.rows[slot]
 
     def slot_of(self, key: BlockKey) -> int | None:
         return self._key_to_slot.get(key)
@@ -104,7 +105,7 @@ class HostTier:
             victim, slot = self._key_to_slot.popitem(last=False)
             if self._on_evict is not None:
                 self._on_evict(slot, victim)
-        copy_block(self.rows[slot], src, non_blocking=self.pinned)
+        copy_block(self.block(slot), src, non_blocking=self.pinned)
         self._key_to_slot[key] = slot
         return True
 
@@ -113,7 +114,7 @@ class HostTier:
         slot = self._key_to_slot.get(key)
         if slot is None:
             return False
-        copy_block(dst, self.rows[slot], non_blocking=self.pinned)
+        copy_block(dst, self.block(slot), non_blocking=self.pinned)
         self._key_to_slot.move_to_end(key)
         return True
 

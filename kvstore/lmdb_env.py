@@ -26,8 +26,6 @@ from pathlib import Path
 
 import lmdb
 
-from kvstore.block_record import entry_bytes
-
 log = logging.getLogger(__name__)
 
 FORMAT_TAG = b"kvrelay.lmdb.v1"
@@ -138,9 +136,10 @@ def open_env(path: Path, *, map_bytes: int, max_readers: int, block_bytes: int) 
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(path, 0o700)
     # metasync=False: one fsync per commit instead of two; LMDB keeps the environment intact, and a
-    # system crash can at most undo the last commit (a cache can lose it). readahead=False (MADV_RANDOM):
-    # the map is only used for B-tree pages (values are read with pread, see LmdbTier); with kernel
-    # readahead every leaf page touched at start pulled in megabytes of values around it.
+    # system crash can at most undo the last commit (a cache can lose it). readahead=False (MADV_RANDOM)
+    # while the index is built: a cursor step touches the first page of a value, and with readahead on
+    # (8 MiB on the machine this was built on) that pulled in megabytes around every value; see
+    # `enable_readahead` for afterwards.
     env = open_retrying(
         path, map_size=map_bytes, subdir=True, max_dbs=3, max_readers=max_readers, mode=0o600, readahead=False,
         lock=True, metasync=False,
@@ -166,6 +165,7 @@ def open_env(path: Path, *, map_bytes: int, max_readers: int, block_bytes: int) 
     return opened
 
 
+_MADV_NORMAL = 0
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _GLIBC_MAX_MMAP_THRESHOLD = 32 << 20
@@ -192,19 +192,26 @@ def keep_block_buffers_on_heap(record_bytes: int) -> bool:
     )
 
 
-def mapping_base(path: Path) -> int | None:
-    """Start address of this process's mapping of ``path`` from offset 0 (Linux ``/proc/self/maps``), or
-    None. With it, a value's file offset is its address minus the base, so it can be read with ``pread``."""
+def enable_readahead(path: Path) -> bool:
+    """``madvise(MADV_NORMAL)`` over this process's mapping of ``path`` (found in ``/proc/self/maps``).
+
+    The environment is opened with readahead off (MADV_RANDOM) so that building the index at start
+    touches only B-tree pages; reading a value through py-lmdb then faults its pages in one by one, so
+    after start the map gets normal readahead back. Returns False where the mapping is not found.
+    """
     target = str(path.resolve())
     try:
         with open("/proc/self/maps") as maps:
-            for line in maps:
-                fields = line.split(maxsplit=5)
-                if len(fields) == 6 and fields[5].strip() == target and int(fields[2], 16) == 0:
-                    return int(fields[0].split("-")[0], 16)
+            spans = [
+                [int(x, 16) for x in fields[0].split("-")]
+                for fields in (line.split(maxsplit=5) for line in maps)
+                if len(fields) == 6 and fields[5].strip() == target
+            ]
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
     except OSError:
-        return None
-    return None
+        return False
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return bool(spans) and all(libc.madvise(start, end - start, _MADV_NORMAL) == 0 for start, end in spans)
 
 
 def pack_access(seq: int, disk_bytes: int) -> bytes:
@@ -256,13 +263,10 @@ def read_snapshot(path: Path) -> DiskSnapshot | None:
     env = open_retrying(path, map_size=0, readonly=True, lock=True, subdir=True, max_dbs=3, readahead=False)
     try:
         env.reader_check()
-        page = env.stat()["psize"]
-        blocks, meta = env.open_db(b"blocks", create=False), env.open_db(b"meta", create=False)
-        atime = env.open_db(b"atime", create=False)
+        meta, atime = env.open_db(b"meta", create=False), env.open_db(b"atime", create=False)
         with env.begin(buffers=True) as txn:
-            num = txn.stat(blocks)["entries"]
+            num = txn.stat(atime)["entries"]  # one access record per stored block, written with it
             used = sum(unpack_access(v)[1] for v in txn.cursor(db=atime).iternext(keys=False))
-            used += (num - txn.stat(atime)["entries"]) * entry_bytes(page - 16, page)  # unknown sizes: >= a page
             counters = {
                 bytes(k).decode()[6:]: read_u64(v)
                 for k, v in txn.cursor(db=meta).iternext() if bytes(k).startswith(b"count.")

@@ -11,9 +11,9 @@ Who does what::
     get_into: zero-copy read txn, check header     MDB_MAP_FULL → evict more, retry once
           and checksum, copy into dst
 
-* The in-memory index (``_key_to_entry``, LRU order) is the truth for `contains`/`match_prefix`; a
-  queued record is served from memory until committed. The index and counters are shared with the
-  writer thread and guarded by ``_lock``; everything else is the caller thread's.
+* The in-memory `DiskIndex` (LRU order) is the truth for `contains`/`match_prefix`; a queued record is
+  served from memory until committed. The index is shared with the writer thread (it has its own
+  lock); the counters below are guarded by the index's lock; everything else is the caller thread's.
 * Any header mismatch or checksum failure is a miss, the entry is deleted and
   ``kvrelay_store_corrupt_total`` counts it: never wrong KV. An I/O error on read is a miss that keeps
   the entry. LMDB reporting corruption moves the environment aside and starts a fresh one.
@@ -23,11 +23,8 @@ Who does what::
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
-import os
 import threading
-from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,18 +37,19 @@ from kvstore.block_key import BlockKey
 from kvstore.block_mover import Block, copy_block
 from kvstore.block_record import HEADER_BYTES, RecordCodec, entry_bytes
 from kvstore.block_spec import BlockSpec
+from kvstore.disk_index import DiskIndex, Entry
 from kvstore.lmdb_env import (
     CORRUPTION_ERRORS,
     OpenedEnv,
     OwnerLock,
+    enable_readahead,
     keep_block_buffers_on_heap,
-    mapping_base,
     move_aside,
     open_env,
     read_u64,
     unpack_access,
 )
-from kvstore.lmdb_writer import Delete, Entry, LmdbWriter, Put
+from kvstore.lmdb_writer import Delete, LmdbWriter, Put
 from kvstore.metrics import StoreMetrics
 from kvstore.tier import TierStats
 
@@ -113,28 +111,9 @@ class _Counts:
     moved_aside: list[str] = field(default_factory=list)
 
 
-@dataclass(slots=True)
-class _DataFile:
-    """``data.mdb`` opened for ``pread``, and where this process maps it (to turn addresses into offsets)."""
-
-    fd: int
-    map_base: int | None
-
-
-def read_value(value: memoryview, header: bytearray, payload: np.ndarray, data: _DataFile) -> None:
-    """Copy a stored value's header and payload out of LMDB, inside the read transaction that returned
-    ``value`` (whose pages cannot change meanwhile).
-
-    With the map's base address known it is one ``preadv`` of the value's bytes from ``data.mdb``: I/O
-    through the page cache with the file's readahead, an OSError (not SIGBUS) on a bad disk. Otherwise a
-    copy from the mapped memory.
-    """
-    if data.map_base is not None:
-        addr = np.frombuffer(value, dtype=np.uint8).ctypes.data  # no page is touched
-        got = os.preadv(data.fd, [header, payload], addr - data.map_base)
-        if got != len(header) + payload.nbytes:
-            raise OSError(errno.EIO, f"short read of a stored block: {got} bytes")
-        return
+def read_value(value: memoryview, header: bytearray, payload: np.ndarray) -> None:
+    """Copy a stored value's header and payload out of LMDB's map (inside the read transaction that
+    returned ``value``, whose pages cannot change meanwhile)."""
     header[:] = value[: len(header)]
     np.copyto(payload, np.frombuffer(value, dtype=np.uint8, count=payload.nbytes, offset=len(header)))
 
@@ -164,12 +143,8 @@ class LmdbTier:
         self.path = Path(path)
         self.options = options
         self.metrics = metrics if metrics is not None else StoreMetrics.create()
-        self._lock = threading.Lock()
-        self._key_to_entry: OrderedDict[BlockKey, Entry] = OrderedDict()  # first = LRU; under _lock
-        self._used_bytes = 0  # under _lock
-        self._counts = _Counts()  # under _lock
-        self._touched: dict[BlockKey, None] = {}  # read or refreshed since the writer's last batch; under _lock
-        self._counter_deltas: dict[str, int] = {}  # lifetime counters not yet persisted; under _lock
+        self.index = DiskIndex()
+        self._counts = _Counts()  # under index.lock
         self._needs_reset = threading.Event()
         self._closed = False
         self._reset_reason = "LMDB reported corruption"
@@ -203,8 +178,7 @@ class LmdbTier:
             opened = self._open_env()
             self._load_index(opened)
         self._opened = opened
-        data_path = self.path / "data.mdb"
-        self._data = _DataFile(os.open(data_path, os.O_RDONLY | os.O_CLOEXEC), mapping_base(data_path))
+        enable_readahead(self.path / "data.mdb")
         self._writer = LmdbWriter(opened, self._codec, tier=self)
         self._writer.start()
 
@@ -224,16 +198,16 @@ class LmdbTier:
     def _note_corrupt_env(self, exc: BaseException) -> None:
         moved = str(move_aside(self.path, f"{type(exc).__name__}: {exc}"))
         self._count("corrupt")
-        with self._lock:
+        with self.index.lock:
             self._counts.moved_aside.append(moved)
 
     def _count(self, name: str, n: int = 1) -> None:
         """Count ``n`` events in memory, in the metrics and (with the next batch) in ``meta``."""
         if n <= 0:
             return
-        with self._lock:
+        with self.index.lock:
             setattr(self._counts, name, getattr(self._counts, name) + n)
-            self._counter_deltas[f"disk.{name}"] = self._counter_deltas.get(f"disk.{name}", 0) + n
+        self.index.add_counters({f"disk.{name}": n})
         if name == "corrupt":
             self.metrics.store_corrupt.inc(n)
         elif name == "dropped":
@@ -242,44 +216,26 @@ class LmdbTier:
             self.metrics.tier_evictions.labels("disk").inc(n)
 
     def _load_index(self, opened: OpenedEnv) -> None:
-        """Index every stored key in its persisted access order, from the keys of ``blocks`` and the
-        ``atime`` records, without reading any block (a cursor over values pages every value in). A key
-        without an access record gets sequence 0 and this spec's record size. Closes ``opened`` if it
-        is corrupt."""
-        default = (0, self._record_disk_bytes)
+        """Index every stored block in its persisted access order, from the ``atime`` records alone (one
+        per block, written with it): a cursor over ``blocks`` would touch every value. Closes
+        ``opened`` if it is corrupt."""
         try:
             with opened.env.begin(buffers=True) as txn:
                 key_to_access = {bytes(k): unpack_access(v) for k, v in txn.cursor(db=opened.atime).iternext()}
-                keys = [bytes(k) for k in txn.cursor(db=opened.blocks).iternext(values=False)]
         except CORRUPTION_ERRORS:
             opened.env.close()
             raise
-        keys.sort(key=lambda k: (key_to_access.get(k, default)[0], k))
-        with self._lock:
-            self._key_to_entry.clear()
-            self._used_bytes = 0
-            for key in keys:
-                seq, disk_bytes = key_to_access.get(key, default)
-                entry = Entry(disk_bytes or self._record_disk_bytes, seq)
-                self._key_to_entry[BlockKey(key)] = entry
-                self._used_bytes += entry.disk_bytes
-        self._next_seq = max((a[0] for a in key_to_access.values()), default=0) + 1  # under _lock
+        self.index.load(key_to_access, default_disk_bytes=self._record_disk_bytes)
 
     # ----------------------------------------------------------------- queries
     def contains(self, key: BlockKey) -> bool:
-        return key in self._key_to_entry
+        return self.index.contains(key)
 
     def match_prefix(self, keys: Sequence[BlockKey]) -> int:
-        n = 0
-        for key in keys:
-            if key not in self._key_to_entry:
-                break
-            n += 1
-        return n
+        return self.index.match_prefix(keys)
 
     def keys_lru_first(self) -> list[BlockKey]:
-        with self._lock:
-            return list(self._key_to_entry)
+        return self.index.keys_lru_first()
 
     @property
     def record_disk_bytes(self) -> int:
@@ -296,13 +252,12 @@ class LmdbTier:
         return self._high_bytes // self._record_disk_bytes
 
     def stats(self) -> TierStats:
-        return TierStats(self.name, len(self._key_to_entry), self.capacity_blocks, self.spec.block_bytes)
+        return TierStats(self.name, self.index.sizes()[0], self.capacity_blocks, self.spec.block_bytes)
 
     def disk_stats(self) -> DiskStats:
         data = self.path / "data.mdb"
-        with self._lock:
-            num, used = len(self._key_to_entry), self._used_bytes
-            pending = sum(1 for e in self._key_to_entry.values() if e.record is not None)
+        num, used, pending = self.index.sizes()
+        with self.index.lock:
             c = _Counts(**{f: getattr(self._counts, f) for f in _Counts.__dataclass_fields__})
         return DiskStats(
             str(self.path), num, self.capacity_blocks, self.spec.block_bytes, used, self._map_bytes,
@@ -324,73 +279,24 @@ class LmdbTier:
         record = self._codec.new_record(key)
         copy_block(np.frombuffer(record, dtype=np.uint8, count=self.spec.block_bytes, offset=HEADER_BYTES), src)
         entry = Entry(self._record_disk_bytes, 0, record)
-        victims: list[BlockKey] = []
-        with self._lock:
-            queued = self._writer.pending_put_bytes + entry.disk_bytes <= self.options.max_pending_bytes
-            fits = queued and self._make_room(entry.disk_bytes, victims)
-            if fits:
-                entry.seq = self._tick_locked()
-                self._key_to_entry[key] = entry
-                self._used_bytes += entry.disk_bytes
+        victims = None
+        if self._writer.pending_put_bytes + entry.disk_bytes <= self.options.max_pending_bytes:
+            victims = self.index.add(key, entry, high_bytes=self._high_bytes, low_bytes=self._low_bytes)
+        if victims is None:
+            self._count("dropped")
+            return False
         self._count("evicted", len(victims))
         for victim in victims:
             self._writer.submit(Delete(victim))
-        if not fits:
-            self._count("dropped")
-            return False
         self._writer.submit(Put(key, entry))
         return True
 
-    def _make_room(self, need: int, victims: list[BlockKey]) -> bool:
-        """Under ``_lock``: evict LRU entries (into ``victims``) so ``need`` more bytes fit."""
-        if need > self._high_bytes:
-            return False
-        if self._used_bytes + need > self._high_bytes:
-            while self._key_to_entry and self._used_bytes + need > self._low_bytes:
-                key, entry = self._key_to_entry.popitem(last=False)
-                self._used_bytes -= entry.disk_bytes
-                victims.append(key)
-        return True
-
-    def evict_lru_locked(self, need: int, keep: set[BlockKey]) -> list[BlockKey]:
-        """Under ``_lock`` (writer thread, after MDB_MAP_FULL): drop LRU entries not in ``keep`` until
-        ``need`` bytes are freed. Returns their keys."""
-        victims: list[BlockKey] = []
-        freed = 0
-        for key in list(self._key_to_entry):
-            if freed >= need:
-                break
-            if key in keep:
-                continue
-            freed += self._key_to_entry.pop(key).disk_bytes
-            victims.append(key)
-        self._used_bytes -= freed
-        return victims
-
     def touch(self, key: BlockKey) -> bool:
-        with self._lock:
-            entry = self._key_to_entry.get(key)
-            if entry is None:
-                return False
-            self._touch_locked(key, entry)
-            return True
-
-    def _touch_locked(self, key: BlockKey, entry: Entry) -> None:
-        self._key_to_entry.move_to_end(key)
-        entry.seq = self._tick_locked()
-        self._touched.pop(key, None)
-        self._touched[key] = None
-
-    def _tick_locked(self) -> int:
-        self._next_seq += 1
-        return self._next_seq
+        return self.index.touch(key) is not None
 
     def discard(self, key: BlockKey) -> bool:
-        with self._lock:
-            entry = self._key_to_entry.pop(key, None)
-            if entry is None:
-                return False
-            self._used_bytes -= entry.disk_bytes
+        if self.index.discard(key) is None:
+            return False
         self._writer.submit(Delete(key))
         return True
 
@@ -402,12 +308,10 @@ class LmdbTier:
         a miss (False) and ``dst`` may hold anything.
         """
         self._reset_if_needed()
-        with self._lock:
-            entry = self._key_to_entry.get(key)
-            if entry is None:
-                return False
-            self._touch_locked(key, entry)
-            record = entry.record
+        entry = self.index.touch(key)
+        if entry is None:
+            return False
+        record = entry.record
         if record is not None:  # still queued: trusted memory
             landing = self._landing(dst)
             np.copyto(landing, np.frombuffer(self._codec.payload_view(record), dtype=np.uint8))
@@ -432,14 +336,14 @@ class LmdbTier:
         with self._read_txn() as txn:
             value = txn.get(key, db=o.blocks)
             if value is None:
-                self._forget(key)
+                self.index.discard(key)
                 return False
             problem = (
                 f"value of {len(value)} bytes, need {HEADER_BYTES + self.spec.block_bytes}"
                 if len(value) < HEADER_BYTES + self.spec.block_bytes else None
             )
             if problem is None:
-                read_value(value, header, landing, self._data)
+                read_value(value, header, landing)
                 # Check the copy, not the stored value: the copy is in the CPU cache.
                 problem = self._codec.header_problem(key, memoryview(header), len(value)) or (
                     self._codec.checksum_problem(memoryview(header), memoryview(landing))
@@ -463,12 +367,6 @@ class LmdbTier:
         if landing is not dst and not isinstance(dst, np.ndarray) and dst.device.type != "cpu":
             dst.view(-1).view(torch.uint8).copy_(self._staging)
 
-    def _forget(self, key: BlockKey) -> None:
-        with self._lock:
-            entry = self._key_to_entry.pop(key, None)
-            if entry is not None:
-                self._used_bytes -= entry.disk_bytes
-
     def _on_bad_record(self, key: BlockKey, problem: str) -> None:
         log.warning("disk tier %s: block %s is corrupt (%s); deleted", self.path, key.hex()[:16], problem)
         self._count("corrupt")
@@ -476,22 +374,7 @@ class LmdbTier:
 
     def add_counters(self, deltas: Mapping[str, int]) -> None:
         """Add to the lifetime counters persisted in the ``meta`` sub-database (with the next batch)."""
-        with self._lock:
-            for name, d in deltas.items():
-                if d:
-                    self._counter_deltas[name] = self._counter_deltas.get(name, 0) + d
-
-    def take_batch_state_locked(self, max_touched: int) -> tuple[list[BlockKey], dict[str, int]]:
-        """Under ``_lock`` (writer thread): the ``max_touched`` least recently touched keys not yet
-        persisted (the rest wait for the next batch) and the counter deltas since the last batch."""
-        keys = list(self._touched)
-        taken, rest = keys[:max_touched], keys[max_touched:]
-        self._touched = dict.fromkeys(rest)
-        deltas, self._counter_deltas = self._counter_deltas, {}
-        return taken, deltas
-
-    def has_touched_locked(self) -> bool:
-        return bool(self._touched)
+        self.index.add_counters(deltas)
 
     @contextlib.contextmanager
     def _read_txn(self) -> Iterator[lmdb.Transaction]:
@@ -524,7 +407,7 @@ class LmdbTier:
         new = min(limit, self._map_bytes + max(64 * page, self._map_bytes // 50) // page * page)
         self._opened.env.set_mapsize(new)
         self._map_bytes = new
-        self._data.map_base = mapping_base(self.path / "data.mdb")  # LMDB remapped
+        enable_readahead(self.path / "data.mdb")  # LMDB remapped
         log.warning("disk tier %s: LMDB map grown to %d bytes to make room for evictions", self.path, new)
         return True
 
@@ -548,9 +431,8 @@ class LmdbTier:
         self._needs_reset.clear()
         self._writer.stop(timeout_s=30.0)
         self._opened.env.close()
-        os.close(self._data.fd)
         moved = str(move_aside(self.path, self._reset_reason))
-        with self._lock:
+        with self.index.lock:
             self._counts.moved_aside.append(moved)
         self._start()
 
@@ -575,7 +457,6 @@ class LmdbTier:
             self._writer.stop(timeout_s=60.0)
         finally:
             self._opened.env.close()
-            os.close(self._data.fd)
             self._owner.release()
 
     def note_dropped(self, n: int) -> None:
@@ -586,20 +467,6 @@ class LmdbTier:
         """Writer thread: MDB_MAP_FULL happened and ``num_evicted`` blocks were evicted for room."""
         self._count("map_full")
         self._count("evicted", num_evicted)
-
-    def entry_of_locked(self, key: BlockKey) -> Entry | None:
-        return self._key_to_entry.get(key)
-
-    def forget_entry(self, key: BlockKey, entry: Entry) -> None:
-        """Writer thread: drop ``key`` from the index if ``entry`` is still its entry."""
-        with self._lock:
-            if self._key_to_entry.get(key) is entry:
-                del self._key_to_entry[key]
-                self._used_bytes -= entry.disk_bytes
-
-    @property
-    def lock(self) -> threading.Lock:
-        return self._lock
 
     # --------------------------------------------------------------- integrity
     def check_integrity(self) -> None:
@@ -613,9 +480,7 @@ class LmdbTier:
         with self._read_txn() as txn:
             on_disk = {bytes(k): len(v) for k, v in txn.cursor(db=o.blocks).iternext()}
             timed = {bytes(k) for k in txn.cursor(db=o.atime).iternext(values=False)}
-        with self._lock:
-            index = {bytes(k): e for k, e in self._key_to_entry.items()}
-            used = self._used_bytes
+        index, used = self.index.snapshot()
         assert set(index) == set(on_disk), (
             f"disk index and LMDB differ: {len(set(index) - set(on_disk))} only indexed, "
             f"{len(set(on_disk) - set(index))} only stored"

@@ -27,6 +27,7 @@ import lmdb
 
 from kvstore.block_key import BlockKey
 from kvstore.block_record import RecordCodec
+from kvstore.disk_index import Entry
 from kvstore.lmdb_env import CORRUPTION_ERRORS, OpenedEnv, pack_access, read_u64, u64
 
 if TYPE_CHECKING:
@@ -35,16 +36,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 _MAX_BATCH_OPS = 4096
 _MAX_MAP_FULL_STREAK = 3
-
-
-@dataclass(slots=True)
-class Entry:
-    """One indexed block. ``record`` is set while it waits for the writer and None once committed;
-    ``seq`` is its last access in the tier's access sequence (persisted in ``atime``)."""
-
-    disk_bytes: int
-    seq: int
-    record: bytearray | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +73,7 @@ class LmdbWriter:
         self._opened = opened
         self._codec = codec
         self._tier = tier
+        self._index = tier.index
         self._queue: queue.SimpleQueue[Op] = queue.SimpleQueue()
         self._cond = threading.Condition()
         self._submitted = 0  # under _cond
@@ -186,15 +178,15 @@ class LmdbWriter:
         tier = self._tier
         puts: list[Put] = []
         deletes: list[BlockKey] = []
-        with tier.lock:
+        with self._index.lock:
             for op in batch:
-                if isinstance(op, Put) and tier.entry_of_locked(op.key) is op.entry:
+                if isinstance(op, Put) and self._index.entry_of_locked(op.key) is op.entry:
                     puts.append(op)
                 elif isinstance(op, Delete):
                     deletes.append(op.key)
             put_keys = {op.key for op in puts}
             # Access order goes out oldest touch first, within the batch's op budget.
-            touched_keys, deltas = tier.take_batch_state_locked(max(1, self._max_batch_ops - len(batch)))
+            touched_keys, deltas = self._index.take_batch_state_locked(max(1, self._max_batch_ops - len(batch)))
             touched = [
                 (k, e.seq, e.disk_bytes) for k in touched_keys if (e := self._stored_entry(k, put_keys)) is not None
             ]
@@ -228,22 +220,22 @@ class LmdbWriter:
             self._drop(puts)
             return
         self._map_full_streak = 0
-        with tier.lock:
+        with self._index.lock:
             for op in puts:
                 op.entry.record = None
 
     def _persist_all_touched(self) -> None:
         """For flush and stop: write the access order of every touched key, a batch's worth per commit."""
         while True:
-            with self._tier.lock:
-                if not self._tier.has_touched_locked():
+            with self._index.lock:
+                if not self._index.has_touched_locked():
                     return
             self._apply([])
 
     def _stored_entry(self, key: BlockKey, put_keys: set[BlockKey]) -> Entry | None:
-        """Under ``tier.lock``: the key's entry if it is committed or put in this batch (a later put
+        """Under ``index.lock``: the key's entry if it is committed or put in this batch (a later put
         writes its latest access itself)."""
-        entry = self._tier.entry_of_locked(key)
+        entry = self._index.entry_of_locked(key)
         return entry if entry is not None and (entry.record is None or key in put_keys) else None
 
     def _evict_and_retry(
@@ -251,8 +243,8 @@ class LmdbWriter:
     ) -> None:
         tier = self._tier
         need = 2 * sum(op.entry.disk_bytes for op in puts) + 2 * self._opened.page_bytes
-        with tier.lock:
-            victims = tier.evict_lru_locked(need, keep={op.key for op in puts})
+        with self._index.lock:
+            victims = self._index.evict_lru_locked(need, keep={op.key for op in puts})
         tier.note_map_full(len(victims))
         log.warning("disk tier %s: LMDB map full; evicted %d blocks and retrying", tier.path, len(victims))
         # Retry with no reader of this process holding an old snapshot, which would keep LMDB from reusing
@@ -278,7 +270,7 @@ class LmdbWriter:
     def _drop(self, puts: list[Put]) -> None:
         tier = self._tier
         for op in puts:
-            tier.forget_entry(op.key, op.entry)
+            self._index.forget_entry(op.key, op.entry)
         tier.note_dropped(len(puts))
 
     def _write(
