@@ -40,8 +40,14 @@ def worker_pool_call(worker: EngineWorker) -> Callable[[Callable[[], Any]], Awai
 
 
 def make_agent(engine: LLMEngine, name: str) -> KvAgent:
-    """One agent with the engine's device pool registered (the tier peers read)."""
-    return KvAgent(name, engine.spec, [("device", engine.kv_pool)])
+    """The node's one agent: the device pool (what peers read) and the host pool registered, and the
+    store's device<->host moves sent through it as loopback transfers."""
+    tiers = [("device", engine.kv_pool)]
+    if engine.store.host is not None:
+        tiers.append(("host", engine.store.host.pool))
+    agent = KvAgent(name, engine.spec, tiers)
+    engine.store.attach_local_copy(agent.local_copy)
+    return agent
 
 
 class PrefillTransfer:

@@ -56,6 +56,9 @@ class HostTier:
         self.rows = pool_rows(self.pool)  # the same memory as [num_blocks, block_bytes] uint8 (numpy)
         self._on_evict = on_evict
         self._block_shape = spec.block_shape
+        # How bytes move in and out of a slot: ``copy(dst, src)``. `TieredStore.attach_local_copy`
+        # replaces it to send device<->host moves through the node's NIXL agent.
+        self.copy: Callable[[Block, Block], None] = lambda dst, src: copy_block(dst, src, non_blocking=self.pinned)
         # Owned by HostTier alone.
         self._key_to_slot: OrderedDict[BlockKey, int] = OrderedDict()  # first = least recently used
         self._free_slots: deque[int] = deque(range(num_blocks))
@@ -105,7 +108,7 @@ class HostTier:
             victim, slot = self._key_to_slot.popitem(last=False)
             if self._on_evict is not None:
                 self._on_evict(slot, victim)
-        copy_block(self.block(slot), src, non_blocking=self.pinned)
+        self.copy(self.block(slot), src)
         self._key_to_slot[key] = slot
         return True
 
@@ -114,7 +117,7 @@ class HostTier:
         slot = self._key_to_slot.get(key)
         if slot is None:
             return False
-        copy_block(dst, self.block(slot), non_blocking=self.pinned)
+        self.copy(dst, self.block(slot))
         self._key_to_slot.move_to_end(key)
         return True
 

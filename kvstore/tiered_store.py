@@ -37,6 +37,8 @@ from kvstore.metrics import StoreMetrics
 from kvstore.tier import Tier, TierStats
 
 TIER_NAMES = ("device", "host", "disk")
+# ``local_copy(src_tier, src_ids, dst_tier, dst_ids) -> path``: moves whole blocks between tiers.
+LocalCopy = Callable[[str, Sequence[int], str, Sequence[int]], str]
 # Whether a lower tier keeps its copy when a block is promoted to device.
 TIER_KEEPS_PROMOTED: dict[str, bool] = {"host": False, "disk": True}
 
@@ -142,6 +144,7 @@ class TieredStore:
         self._mover = BlockMover(device_pool.device)
         self._on_move = on_move
         self._closed = False
+        self.local_copy_paths: dict[str, int] = {}  # device<->host moves by path ("nixl" | "torch")
         self._queries = 0
         self._tier_to_hits = dict.fromkeys(TIER_NAMES, 0)
         self._set_gauges()
@@ -317,6 +320,40 @@ class TieredStore:
         self.metrics.tier_moves.labels(src, dst).inc()
         if self._on_move is not None:
             self._on_move(TierMove(key, src, dst))
+
+    # ------------------------------------------------------------- local moves
+    def attach_local_copy(self, local_copy: LocalCopy) -> None:
+        """Send device<->host block moves through ``local_copy(src_tier, [src_id], dst_tier, [dst_id])``
+        (the node's NIXL agent as a loopback transfer, so one path moves every byte). Moves of bytes
+        that are not whole blocks of the two registered pools keep the plain copy. Call before use.
+        """
+        if self.host is None:
+            return
+        fallback = self.host.copy
+        block_bytes = self.spec.block_bytes
+        pools = (("device", self.device_pool), ("host", self.host.pool))
+
+        def locate(block: Block) -> tuple[str, int] | None:
+            if isinstance(block, torch.Tensor):
+                ptr, nbytes = block.data_ptr(), block.numel() * block.element_size()
+            else:
+                ptr, nbytes = block.__array_interface__["data"][0], block.nbytes
+            for name, pool in pools:
+                offset = ptr - pool.data_ptr()
+                if nbytes == block_bytes and 0 <= offset < pool.numel() * pool.element_size() \
+                        and offset % block_bytes == 0:
+                    return name, offset // block_bytes
+            return None
+
+        def copy(dst: Block, src: Block) -> None:
+            d, s = locate(dst), locate(src)
+            if d is None or s is None:
+                fallback(dst, src)
+                return
+            path = local_copy(s[0], [s[1]], d[0], [d[1]])
+            self.local_copy_paths[path] = self.local_copy_paths.get(path, 0) + 1
+
+        self.host.copy = copy
 
     # ------------------------------------------------------------ housekeeping
     def persist(self) -> int:
