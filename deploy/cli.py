@@ -40,8 +40,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from model.sampling import SamplingParams
     from model.tokenizer import load_tokenizer
 
-    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
-    tokenizer = load_tokenizer(args.model)
+    try:
+        loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+        tokenizer = load_tokenizer(args.model)
+    except (ValueError, OSError) as exc:
+        print(f"error: {args.model}: {exc}", file=sys.stderr)
+        return 2
     if args.prompt is not None:
         if tokenizer is None:
             print(f"error: {args.model} has no tokenizer.json; pass --prompt-ids instead", file=sys.stderr)

@@ -1,0 +1,50 @@
+"""The `kvrelay` command as a user runs it: tiny-model, generate (text and token ids), errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from engine.engine import EngineConfig, LLMEngine
+from model.loader import load_model
+from model.sampling import SamplingParams
+
+
+def kvrelay(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "deploy.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_tiny_model_then_generate_json(tmp_path: Path):
+    out = kvrelay("tiny-model", str(tmp_path / "m"), "--seed", "3", "--layers", "1")
+    assert out.returncode == 0, out.stderr
+    again = kvrelay("tiny-model", str(tmp_path / "m2"), "--seed", "3", "--layers", "1")
+    assert again.returncode == 0
+    for f in sorted(p.name for p in (tmp_path / "m").iterdir()):
+        assert (tmp_path / "m" / f).read_bytes() == (tmp_path / "m2" / f).read_bytes(), f
+    run = kvrelay("generate", "--model", str(tmp_path / "m"), "--prompt", "Hello", "--max-tokens", "6", "--json")
+    assert run.returncode == 0, run.stderr
+    got = json.loads(run.stdout)
+    engine = LLMEngine(load_model(tmp_path / "m"), EngineConfig(num_blocks=16))
+    [[want]] = engine.generate([[256] + list(b"Hello")], SamplingParams(max_tokens=6))
+    assert got["token_ids"] == want
+    assert isinstance(got["text"], str)
+
+
+def test_prompt_ids_need_no_tokenizer_and_bad_input_is_named(tmp_path: Path, tiny_model_dir: Path):
+    model = tmp_path / "no-tokenizer"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "tokenizer.json").unlink()
+    run = kvrelay("generate", "--model", str(model), "--prompt-ids", "1,2,3", "--max-tokens", "4", "--json")
+    assert run.returncode == 0, run.stderr
+    assert len(json.loads(run.stdout)["token_ids"]) == 4 and json.loads(run.stdout)["text"] == ""
+    bad = kvrelay("generate", "--model", str(model), "--prompt-ids", "1,999", "--max-tokens", "4")
+    assert bad.returncode == 2 and "token id 999 at position 1 is outside the vocabulary [0, 258)" in bad.stderr
+    text = kvrelay("generate", "--model", str(model), "--prompt", "hi", "--max-tokens", "4")
+    assert text.returncode == 2 and "has no tokenizer.json; pass --prompt-ids" in text.stderr
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}))
+    arch = kvrelay("generate", "--model", str(model), "--prompt-ids", "1", "--max-tokens", "1")
+    assert arch.returncode == 2 and "gpt2" in arch.stderr and "llama" in arch.stderr
