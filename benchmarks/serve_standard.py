@@ -1,5 +1,5 @@
 """The standard serving set that ``make bench`` runs (``kvrelay bench serve --standard``), sized for a
-2-CPU machine without a GPU (tiny model, 4,096 positions). About 6 minutes here.
+2-CPU machine without a GPU (tiny model, 4,096 positions). About 4–5 minutes here (all of `make bench`: ~6).
 
 1. **Baselines on shared-prefix** (4 groups × 8 prompts, 512-token system prompt, 32-token question,
    32 output tokens) at 2, 8 and ``inf`` req/s: kvrelay disaggregated (default config), aggregated,
