@@ -69,8 +69,8 @@ class Deployment:
     ``config`` (the dict written), ``log`` (the last lines the processes printed).
     """
 
-    def __init__(self, model_dir: str, *, overrides: dict[str, dict[str, Any]] | None = None,
-                 base_config: Path = DEFAULT_CONFIG) -> None:
+    def __init__(self, model_dir: str | Path, *, overrides: dict[str, dict[str, Any]] | None = None,
+                 base_config: Path = DEFAULT_CONFIG, env: dict[str, str] | None = None) -> None:
         self.config: dict[str, Any] = merge(yaml.safe_load(base_config.read_text()), overrides or {})
         num_prefill = len(self.config.get("prefill", {}).get("ports", []))
         num_decode = len(self.config.get("decode", {}).get("ports", [8200]))
@@ -91,6 +91,7 @@ class Deployment:
         self.prefill_urls: list[str] = []
         self.decode_urls: list[str] = []
         self.log: list[str] = []
+        self._env = {**os.environ, **(env or {})}
         self._proc: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 300.0) -> Deployment:
@@ -101,7 +102,7 @@ class Deployment:
         """
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "deploy.cli", "up", "--config", str(self.path)], stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True, start_new_session=True, env={**os.environ},
+            stderr=subprocess.STDOUT, text=True, start_new_session=True, env=self._env,
         )
         ready = threading.Event()
 

@@ -19,7 +19,7 @@ from aiohttp import web
 
 from engine.engine import RequestError
 from engine.node_app import EngineNode, NodeConfig, NodeMetrics, msgpack_response
-from engine.protocol import ProtocolError, field, int_list, pack, params_from_wire, unpack
+from engine.protocol import pack
 from engine.worker import EngineFailure, EngineWorker
 
 log = logging.getLogger(__name__)
@@ -102,20 +102,11 @@ class DecodeService(EngineNode):
             asyncio.ensure_future(self.worker.call(lambda engine: engine.pool.release(block_ids)))
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
-        try:
-            msg = unpack(await request.read())
-            rid = field(msg, "request_id", str)
-            prompt = int_list(msg, "prompt")
-            params = params_from_wire(field(msg, "params", dict))
-            salt = field(msg, "salt", bytes)
-            first = int_list(msg, "first_token_ids", optional=True)
-            handle = field(msg, "handle", dict, optional=True)
-        except ProtocolError as exc:
-            self.metrics.request_done("bad_request")
-            return msgpack_response({"error": str(exc)}, status=400)
-        if self.overloaded():
-            self.metrics.request_done("overloaded")
-            return msgpack_response({"error": "decode node is at capacity; retry later"}, status=429)
+        msg = await self.read_request(request)
+        if isinstance(msg, web.Response):
+            return msg
+        rid, prompt, params, salt, first, handle = (msg.request_id, msg.prompt, msg.params, msg.salt,
+                                                    msg.first_token_ids, msg.handle)
         try:
             pinned = await self._pinned_blocks(handle, rid)
         except TransferFailed as exc:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from engine.protocol import pack
+from engine.protocol import GenerationMessage, ProtocolError, pack, parse_generation
 from engine.worker import EngineWorker
 from kvstore.kv_events import KvEventLog
 
@@ -115,8 +115,17 @@ class EngineNode:
     async def _stop(self, app: web.Application) -> None:
         await self.worker.stop()
 
-    def overloaded(self) -> bool:
-        return self.worker.num_running + self.worker.num_waiting >= self.config.max_pending_requests
+    async def read_request(self, request: web.Request) -> GenerationMessage | web.Response:
+        """The request's message, or the response refusing it: 400 malformed, 429 at capacity."""
+        try:
+            msg = parse_generation(await request.read())
+        except ProtocolError as exc:
+            self.metrics.request_done("bad_request")
+            return msgpack_response({"error": str(exc)}, status=400)
+        if self.worker.num_running + self.worker.num_waiting >= self.config.max_pending_requests:
+            self.metrics.request_done("overloaded")
+            return msgpack_response({"error": f"{self.config.role} node is at capacity; retry later"}, status=429)
+        return msg
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -69,6 +70,30 @@ def int_list(msg: Any, name: str, *, optional: bool = False) -> list[int] | None
     if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in value):
         raise ProtocolError(f"field {name!r} must be a list of token ids")
     return value
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationMessage:
+    """A prefill or decode request as it arrives on the wire (see the module docstring)."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    salt: bytes
+    first_token_ids: list[int] | None
+    handle: dict[str, Any] | None
+
+
+def parse_generation(data: bytes) -> GenerationMessage:
+    """Decode and check a prefill/decode request body. Raises ProtocolError naming the bad field."""
+    msg = unpack(data)
+    prompt = int_list(msg, "prompt")
+    assert prompt is not None
+    return GenerationMessage(
+        request_id=field(msg, "request_id", str), prompt=prompt, params=params_from_wire(field(msg, "params", dict)),
+        salt=field(msg, "salt", bytes), first_token_ids=int_list(msg, "first_token_ids", optional=True),
+        handle=field(msg, "handle", dict, optional=True),
+    )
 
 
 def params_to_wire(params: SamplingParams) -> dict[str, Any]:

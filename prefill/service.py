@@ -20,7 +20,6 @@ from aiohttp import web
 
 from engine.engine import LLMEngine, RequestError
 from engine.node_app import EngineNode, NodeConfig, NodeMetrics, msgpack_response
-from engine.protocol import ProtocolError, field, int_list, params_from_wire, unpack
 from engine.worker import EngineFailure, EngineWorker
 
 log = logging.getLogger(__name__)
@@ -60,18 +59,10 @@ class PrefillService(EngineNode):
         return None
 
     async def prefill(self, request: web.Request) -> web.Response:
-        try:
-            msg = unpack(await request.read())
-            rid = field(msg, "request_id", str)
-            prompt = int_list(msg, "prompt")
-            params = params_from_wire(field(msg, "params", dict))
-            salt = field(msg, "salt", bytes)
-        except ProtocolError as exc:
-            self.metrics.request_done("bad_request")
-            return msgpack_response({"error": str(exc)}, status=400)
-        if self.overloaded():
-            self.metrics.request_done("overloaded")
-            return msgpack_response({"error": "prefill node is at capacity; retry later"}, status=429)
+        msg = await self.read_request(request)
+        if isinstance(msg, web.Response):
+            return msg
+        rid, prompt, params, salt = msg.request_id, msg.prompt, msg.params, msg.salt
         published: dict[str, Any] = {}
 
         def on_finish(engine: LLMEngine, request_id: str) -> None:

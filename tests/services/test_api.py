@@ -22,7 +22,7 @@ API_KEY = "sk-test-1"
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir, tmp_path_factory):
-    with Cluster(tmp_path_factory.mktemp("api"), tiny_model_dir,
+    with Cluster(tiny_model_dir,
                  overrides={"router": {"api_keys": [API_KEY], "max_body_bytes": "64KiB", "max_n": 3}}) as c:
         yield c
 

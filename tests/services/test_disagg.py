@@ -28,7 +28,7 @@ def prefill_requests(url: str) -> float:
 def test_requests_sharing_a_prefix_go_to_the_prefill_that_holds_it(tiny_model_dir, tmp_path):
     rng = random.Random(0)
     prefixes = [[rng.randrange(256) for _ in range(160)] for _ in range(2)]  # 10 blocks each
-    with Cluster(tmp_path, tiny_model_dir, prefill=2, decode=2) as c:
+    with Cluster(tiny_model_dir, prefill=2, decode=2) as c:
         first = [{"model": "tiny", "prompt": p + [1, 2, 3], "max_tokens": 2, "temperature": 0} for p in prefixes]
         with ThreadPoolExecutor(2) as pool:  # arrive together: the queue weighting splits them
             assert [code for code, _ in pool.map(lambda b: post(c.url, b), first)] == [200, 200]
@@ -64,7 +64,7 @@ def test_kv_moves_once_then_the_prefix_is_reused(tiny_model_dir, tmp_path):
     rng = random.Random(1)
     prompt = [rng.randrange(256) for _ in range(100)]  # 6 full blocks + a 4-token tail
     [[want]] = LLMEngine(loaded, EngineConfig(num_blocks=64)).generate([prompt], SamplingParams(max_tokens=12))
-    with Cluster(tmp_path, tiny_model_dir) as c:
+    with Cluster(tiny_model_dir) as c:
         decode, prefill = c.decode_urls[0], c.prefill_urls[0]
         body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0}
         code, out = post(c.url, body)
@@ -112,7 +112,7 @@ def test_prefill_killed_after_handing_out_kv(tiny_model_dir, tmp_path, policy):
     prompt = [rng.randrange(256) for _ in range(70)]
     [[want]] = LLMEngine(loaded, EngineConfig(num_blocks=64)).generate([prompt], SamplingParams(max_tokens=10))
     params = params_to_wire(SamplingParams(max_tokens=10))
-    with Cluster(tmp_path, tiny_model_dir, overrides={"decode": {"on_transfer_failure": policy}}) as c:
+    with Cluster(tiny_model_dir, overrides={"decode": {"on_transfer_failure": policy}}) as c:
         prefill, decode = c.prefill_urls[0], c.decode_urls[0]
         status, [pre] = _internal_post(prefill, "/prefill", {"request_id": "r1", "prompt": prompt,
                                                              "params": params, "salt": b""})

@@ -40,7 +40,7 @@ def pools_idle(cluster: Cluster) -> bool:
 
 
 def test_decode_killed_fails_in_flight_with_503_and_new_requests_use_the_other(tiny_model_dir, tmp_path):
-    with Cluster(tmp_path, tiny_model_dir, prefill=1, decode=2) as c:
+    with Cluster(tiny_model_dir, prefill=1, decode=2) as c:
         long = {"model": "tiny", "prompt": "abc", "max_tokens": 1500, "temperature": 0, "ignore_eos": True}
         with ThreadPoolExecutor(4) as pool:
             futures = [pool.submit(post, c.url, long) for _ in range(2)]
@@ -77,7 +77,7 @@ def _stream_and_hang_up(url: str, n_bytes: int) -> None:
 
 
 def test_client_disconnect_and_overload_leave_pools_at_baseline(tiny_model_dir, tmp_path):
-    with Cluster(tmp_path, tiny_model_dir, overrides={"decode": {"max_pending_requests": 8}}) as c:
+    with Cluster(tiny_model_dir, overrides={"decode": {"max_pending_requests": 8}}) as c:
         _stream_and_hang_up(c.url, 2000)
         wait_for(lambda: pools_idle(c) and get_json(c.decode_urls[0] + "/health")["running"] == 0,
                  what="pools back to baseline after disconnect")
@@ -96,7 +96,7 @@ def test_client_disconnect_and_overload_leave_pools_at_baseline(tiny_model_dir, 
 
 
 def test_internal_endpoints_need_the_token_and_bind_loopback(tiny_model_dir, tmp_path):
-    with Cluster(tmp_path, tiny_model_dir, overrides={"internal": {"token_env": "KVRELAY_TEST_TOKEN"}},
+    with Cluster(tiny_model_dir, overrides={"internal": {"token_env": "KVRELAY_TEST_TOKEN"}},
                  env={"KVRELAY_TEST_TOKEN": "s3cret"}) as c:
         for url in c.prefill_urls + c.decode_urls:
             for path in ("/kv/events", "/info"):
