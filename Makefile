@@ -17,7 +17,7 @@ $(MODEL_DIR)/config.json: | $(BIN)/kvrelay
 	$(BIN)/kvrelay tiny-model $(MODEL_DIR)
 
 serve: $(BIN)/kvrelay $(MODEL_DIR)/config.json
-	$(BIN)/kvrelay generate --model $(MODEL_DIR) --prompt "Hello from kvrelay." --max-tokens 32
+	$(BIN)/kvrelay up --config deploy/configs/local.yaml --model $(MODEL_DIR)
 
 test: $(BIN)/kvrelay
 	$(BIN)/python -m pytest -m "not slow and not gpu" $(PYTEST_ARGS)
