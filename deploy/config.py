@@ -16,6 +16,7 @@ naming its key path, e.g. ``kvstore.disk.bytes: '8GB' is not a size; use e.g. "8
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -45,7 +46,8 @@ from kvstore.tiered_store import TieredStoreConfig
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "local.yaml"
 GpuFreeBytes = Callable[[], int]
 
-__all__ = ["DEFAULT_CONFIG", "Config", "ConfigError", "KvStoreConfig", "load_config", "parse_config"]
+__all__ = ["DEFAULT_CONFIG", "Config", "ConfigError", "KvStoreConfig", "for_node", "load_config", "node_names",
+           "parse_config"]
 
 
 def nvml_free_bytes() -> int:
@@ -210,6 +212,20 @@ def parse_kvstore(root: Section, *, base_dir: Path, gpu_free_bytes: GpuFreeBytes
         disk = DiskTierConfig(str(base_dir / Path(disk_path).expanduser()), disk_bytes, admit)
     k.done()
     return KvStoreConfig(device, block_size_tokens, HostTierConfig(host_bytes) if host_bytes else None, disk)
+
+
+# ---------------------------------------------------------------------- nodes
+def node_names(config: Config) -> list[str]:
+    """The engine nodes a config runs: ``prefill-0 …``, then ``decode-0 …``."""
+    return ([f"prefill-{i}" for i in range(len(config.prefill.ports))]
+            + [f"decode-{i}" for i in range(len(config.decode.ports))])
+
+
+def for_node(kv: KvStoreConfig, node: str) -> KvStoreConfig:
+    """``kv`` as node ``node`` uses it: its disk tier in its own subdirectory (one LMDB environment per process)."""
+    if kv.disk is None:
+        return kv
+    return dataclasses.replace(kv, disk=dataclasses.replace(kv.disk, path=str(Path(kv.disk.path) / node)))
 
 
 # ---------------------------------------------------------------------- files

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import signal
-from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from deploy.config import for_node
 from engine.engine import EngineConfig, LLMEngine
 from engine.node_app import NodeConfig, NodeMetrics
 from engine.worker import EngineWorker
@@ -39,9 +38,7 @@ def build_engine(config: Any, *, node_name: str, registry: CollectorRegistry) ->
     m = config.model
     loaded = load_model(m.path, dtype=m.dtype, device=m.device)
     spec = LLMEngine.block_spec_for(loaded, config.kvstore.block_size_tokens)
-    store_config = config.kvstore.store_config(spec, device=m.device)
-    if store_config.disk_path is not None:
-        store_config = dataclasses.replace(store_config, disk_path=str(Path(store_config.disk_path) / node_name))
+    store_config = for_node(config.kvstore, node_name).store_config(spec, device=m.device)
     e = config.engine
     return LLMEngine(loaded, EngineConfig(
         num_blocks=store_config.num_device_blocks, block_size_tokens=config.kvstore.block_size_tokens,

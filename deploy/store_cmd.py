@@ -3,18 +3,21 @@
 The device and host tiers live in the serving process's memory, so from here only their configured
 sizes are known; the disk tier is read directly (read-only, safe while a server runs). Hits per tier
 and queries are the lifetime counters a serving process persists in the disk tier (absent without one).
+Every engine node keeps its own disk tier (``disk.path/<node>``), so both commands work per node:
+all the config's nodes by default, or ``--node NAME``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
-from deploy.config import Config, KvStoreConfig, load_config
+from deploy.config import Config, KvStoreConfig, for_node, load_config, node_names
 from deploy.sizes import ConfigError
 from kvstore.lmdb_env import OwnerLock, read_snapshot
 
@@ -109,9 +112,22 @@ def store_clear(config: Config, tier: str = "all") -> list[str]:
 
 
 # ------------------------------------------------------------------------ CLI
+def _nodes(config: Config, node: str | None) -> list[str]:
+    names = node_names(config)
+    if node is not None and node not in names:
+        raise ConfigError(f"--node: {node!r} is not a node of this config ({', '.join(names)})")
+    return [node] if node is not None else names
+
+
+def _per_node(config: Config, node: str) -> Config:
+    return dataclasses.replace(config, kvstore=for_node(config.kvstore, node))
+
+
 def cmd_store_stats(args: argparse.Namespace) -> int:
     try:
-        print(json.dumps(store_stats(load_config(args.config)), indent=2))
+        config = load_config(args.config)
+        out = {name: store_stats(_per_node(config, name)) for name in _nodes(config, args.node)}
+        print(json.dumps(out, indent=2))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -120,7 +136,8 @@ def cmd_store_stats(args: argparse.Namespace) -> int:
 
 def cmd_store_clear(args: argparse.Namespace) -> int:
     try:
-        removed = store_clear(load_config(args.config), args.tier)
+        config = load_config(args.config)
+        removed = [p for name in _nodes(config, args.node) for p in store_clear(_per_node(config, name), args.tier)]
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -138,8 +155,10 @@ def add_store_parser(subparsers: argparse._SubParsersAction) -> None:
     sub = p.add_subparsers(dest="store_command", required=True)
     s = sub.add_parser("stats", help="blocks, bytes and hits per tier; LMDB size and free space (JSON)")
     s.add_argument("--config", required=True, help="kvrelay YAML config")
+    s.add_argument("--node", default=None, help="one node (e.g. prefill-0); default: every node of the config")
     s.set_defaults(func=cmd_store_stats)
     c = sub.add_parser("clear", help="delete the persistent (disk) tier")
     c.add_argument("--config", required=True, help="kvrelay YAML config")
     c.add_argument("--tier", choices=TIERS_TO_CLEAR, default="all", help="what to clear (default: all = disk)")
+    c.add_argument("--node", default=None, help="one node (e.g. prefill-0); default: every node of the config")
     c.set_defaults(func=cmd_store_clear)

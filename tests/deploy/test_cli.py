@@ -48,3 +48,33 @@ def test_prompt_ids_need_no_tokenizer_and_bad_input_is_named(tmp_path: Path, tin
     (model / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}))
     arch = kvrelay("generate", "--model", str(model), "--prompt-ids", "1", "--max-tokens", "1")
     assert arch.returncode == 2 and "gpt2" in arch.stderr and "llama" in arch.stderr
+
+
+def test_store_stats_and_clear_per_node(tmp_path: Path, tiny_model_dir: Path):
+    import yaml
+
+    from deploy.config import for_node, load_config
+    from kvstore.block_key import BlockKey
+    from kvstore.tiered_store import TieredStore
+
+    cfg = tmp_path / "kv.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "model": {"path": str(tiny_model_dir)},
+        "kvstore": {"device": {"bytes": "1MiB"}, "disk": {"path": str(tmp_path / "disk"), "bytes": "64MiB"}},
+        "prefill": {"ports": [1]}, "decode": {"ports": [2]},
+    }))
+    config = load_config(cfg)
+    spec = LLMEngine.block_spec_for(load_model(tiny_model_dir), 16)
+    store = TieredStore(spec, for_node(config.kvstore, "prefill-0").store_config(spec))
+    [b] = store.block_pool.allocate(1)
+    store.block_pool.register_key(b, BlockKey(b"\x01" * 32))
+    assert store.persist() == 1
+    store.close()
+    stats = json.loads(kvrelay("store", "stats", "--config", str(cfg)).stdout)
+    assert sorted(stats) == ["decode-0", "prefill-0"]
+    assert stats["prefill-0"]["tiers"]["disk"]["num_blocks"] == 1
+    assert stats["decode-0"]["tiers"]["disk"]["num_blocks"] == 0
+    bad = kvrelay("store", "stats", "--config", str(cfg), "--node", "prefill-7")
+    assert bad.returncode == 2 and "'prefill-7' is not a node of this config (prefill-0, decode-0)" in bad.stderr
+    cleared = kvrelay("store", "clear", "--config", str(cfg), "--node", "prefill-0")
+    assert cleared.returncode == 0 and json.loads(cleared.stdout)["removed"] == [str(tmp_path / "disk" / "prefill-0")]

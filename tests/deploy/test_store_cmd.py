@@ -1,10 +1,11 @@
+import dataclasses
 import json
 import textwrap
 
 import pytest
 
 from deploy.cli import main
-from deploy.config import load_config
+from deploy.config import for_node, load_config
 from deploy.store_cmd import StoreBusyError, store_clear, store_stats
 from kvstore.block_key import block_keys
 from kvstore.block_spec import BlockSpec
@@ -28,9 +29,15 @@ def config_path(tmp_path, monkeypatch):
     return path
 
 
+def node_config(config_path):
+    """The config as its one node, ``decode-0``, sees it (its disk tier is ``kv/decode-0``)."""
+    config = load_config(config_path)
+    return dataclasses.replace(config, kvstore=for_node(config.kvstore, "decode-0"))
+
+
 def fill(config_path) -> TieredStore:
     """A serving store: 4 device blocks, 2 host blocks; a 6-block prompt pushes 2 blocks to disk."""
-    store = TieredStore(SPEC, load_config(config_path).kvstore.store_config(SPEC))
+    store = TieredStore(SPEC, node_config(config_path).kvstore.store_config(SPEC))
     keys = block_keys(list(range(24)), block_size_tokens=4, spec_fingerprint=SPEC.fingerprint)
     store.match_prefix(keys)
     for key in keys:
@@ -46,7 +53,7 @@ def test_stats_reports_blocks_bytes_and_hits_per_tier(config_path):
     store = fill(config_path)
     store.check_integrity()
     store.close()
-    stats = store_stats(load_config(config_path))
+    stats = store_stats(node_config(config_path))
     assert stats["block_size_tokens"] == 4 and stats["block_bytes"] == 2048
     assert stats["queries"] == 12
     device, host, disk = (stats["tiers"][t] for t in ("device", "host", "disk"))
@@ -62,7 +69,7 @@ def test_hits_and_disk_blocks_after_a_restart(config_path):
     assert store.match_prefix(keys).tiers == ("disk",) * 4 + ("host",) * 2
     store.check_integrity()
     store.close()
-    stats = store_stats(load_config(config_path))
+    stats = store_stats(node_config(config_path))
     disk = stats["tiers"]["disk"]
     block_on_disk = 4096 + 128  # one overflow page and its share of leaf pages
     assert disk["num_blocks"] == 4 and disk["used_bytes"] == 4 * block_on_disk and disk["hits"] == 4
@@ -74,19 +81,20 @@ def test_clear_refuses_while_served_then_removes_disk_and_moved_aside(config_pat
     store = fill(config_path)
     store.persist()
     with pytest.raises(StoreBusyError, match="in use by another kvrelay process"):
-        store_clear(load_config(config_path))
+        store_clear(node_config(config_path))
     assert main(["store", "clear", "--config", str(config_path)]) == 1
     store.close()
-    (tmp_path / "kv.corrupt-20260101-000000-1").mkdir()
+    (tmp_path / "kv" / "decode-0.corrupt-20260101-000000-1").mkdir()
     assert main(["store", "clear", "--config", str(config_path), "--tier", "disk"]) == 0
-    assert not (tmp_path / "kv").exists() and not (tmp_path / "kv.corrupt-20260101-000000-1").exists()
-    assert store_clear(load_config(config_path)) == []
+    assert not (tmp_path / "kv" / "decode-0").exists()
+    assert not (tmp_path / "kv" / "decode-0.corrupt-20260101-000000-1").exists()
+    assert store_clear(node_config(config_path)) == []
 
 
 def test_cli_stats_prints_json_and_bad_config_exits_2(config_path, tmp_path, capsys):
     assert main(["store", "stats", "--config", str(config_path)]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["tiers"]["disk"]["path"] == str(tmp_path / "kv")
+    assert list(out) == ["decode-0"] and out["decode-0"]["tiers"]["disk"]["path"] == str(tmp_path / "kv" / "decode-0")
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: {path: m}\nkvstore: {device: {bytes: 8GB}}\n")
     assert main(["store", "stats", "--config", str(bad)]) == 2
