@@ -85,7 +85,8 @@ def up(config: Any, config_path: Path, *, overrides: list[str], startup_timeout_
                     print(f"kvrelay up: {role}-{index} exited with code {p.returncode}; restarting in "
                           f"{RESTART_BACKOFF_S:.0f} s", file=sys.stderr, flush=True)
                     restart_at[k] = now + RESTART_BACKOFF_S
-                elif now >= restart_at.pop(k):
+                elif now >= restart_at[k]:
+                    del restart_at[k]
                     procs[k] = subprocess.Popen(_role_cmd(role, config_path, index, overrides))
             if not ready:
                 health = _router_health(url)

@@ -222,6 +222,8 @@ class LLMEngine:
             if seq.status is not SequenceStatus.FINISHED:
                 self.scheduler.finish(seq, "abort")
                 outs.append(StepOutput(request_id, seq.index, [], True, "abort"))
+        if len(req.seqs) == 1 and not req.seqs[0].forked:  # aborted before its n samples were split off
+            outs.extend(StepOutput(request_id, i, [], True, "abort") for i in range(1, req.params.n))
         return outs
 
     def is_active(self, request_id: str) -> bool:
@@ -238,8 +240,8 @@ class LLMEngine:
         sched: ScheduledStep = self.scheduler.schedule()
         self.stats.preemptions += len(sched.preempted)
         if sched.empty:
-            if self._requests and not self.scheduler.running:
-                raise RuntimeError("no request can be scheduled: the KV pool is too small for the waiting prompt")
+            if self.scheduler.running or self.scheduler.waiting:
+                outputs.extend(self._unstick())
             return outputs
         result = self.runner.run(sched)
         self.stats.steps += 1
@@ -259,6 +261,26 @@ class LLMEngine:
             self._forget_if_done(req_id)
         self.store.maintain_watermark()
         return outputs
+
+    def _unstick(self) -> list[StepOutput]:
+        """Nothing could be scheduled although requests are pending: free blocks so the next step can.
+
+        In order: preempt the newest running sequence if another could use its blocks; let waiting
+        sequences drop the blocks they hold for later (pins, prefix matches) so the first can start;
+        finally end the one sequence that alone needs more blocks than the pool has (``length``).
+        Never fails the other requests.
+        """
+        sch = self.scheduler
+        if sch.running and (sch.waiting or len(sch.running) > 1):
+            sch.preempt(sch.running[-1])
+            self.stats.preemptions += 1
+            return []
+        if not sch.running and sch.release_waiting_holds():
+            return []
+        seq = sch.running[0] if sch.running else sch.waiting[0]
+        sch.finish(seq, "length")
+        self._forget_if_done(seq.request_id)
+        return [StepOutput(seq.request_id, seq.index, [], True, "length", seq.num_cached_prompt_tokens)]
 
     def _expand_forks(self, seqs: list[Sequence]) -> list[tuple[Sequence, int]]:
         """Pair each sampling sequence with its logits row; split ``n > 1`` requests at their first token.

@@ -87,8 +87,13 @@ class Scheduler:
         )
 
     def _match_prefix(self, seq: Sequence) -> None:
-        """Reuse cached blocks for the leading full blocks; at least one token is always computed."""
-        if not self.config.enable_prefix_caching:
+        """Reuse cached blocks for the leading full blocks; at least one token is always computed.
+
+        With prefix caching off, only blocks the caller handed over (pulled KV, ``pinned_block_ids``)
+        are matched.
+        """
+        seq.prefix_matched = True
+        if not self.config.enable_prefix_caching and not seq.pinned_block_ids:
             return
         bs = self.config.block_size_tokens
         keys = self.keys_of(seq)[: (len(seq.token_ids) - 1) // bs]
@@ -112,7 +117,7 @@ class Scheduler:
                 continue
             while not self._reserve_decode_slot(seq):
                 victim = self.running[-1]
-                self._preempt(victim)
+                self.preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
                     break
@@ -132,7 +137,7 @@ class Scheduler:
             seq = self.waiting[0]
             if seq in preempted:
                 break  # it just lost its blocks; do not take them back in the same step
-            if seq.num_computed_tokens == 0 and not seq.block_table:
+            if not seq.prefix_matched:
                 self._match_prefix(seq)
             chunk = self._grow_for_prefill(seq, budget)
             if chunk == 0:
@@ -183,12 +188,28 @@ class Scheduler:
             seq.block_table.extend(self.pool.allocate(need))
         return chunk
 
-    def _preempt(self, seq: Sequence) -> None:
+    def preempt(self, seq: Sequence) -> None:
+        """Release a running sequence's blocks (full ones stay cached) and queue it for recompute."""
         self.running.remove(seq)
         self.free_blocks(seq)
         seq.num_computed_tokens = 0
         seq.num_keyed_blocks = 0
+        seq.prefix_matched = False
         self.add(seq)
+
+    def release_waiting_holds(self) -> bool:
+        """Waiting sequences give back the blocks they hold (prefix matches, pins); they will match the
+        prefix cache again when admitted. Returns whether any block was released."""
+        released = False
+        for seq in self.waiting:
+            if seq.block_table or seq.pinned_block_ids:
+                released = True
+                self.free_blocks(seq)
+                self._drop_pins(seq)
+                seq.num_computed_tokens = 0
+                seq.num_keyed_blocks = 0
+                seq.prefix_matched = False
+        return released
 
     # ----------------------------------------------------------------- updates
     def commit(self, seq: Sequence, num_tokens: int) -> None:

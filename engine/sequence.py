@@ -40,6 +40,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_keys: list[BlockKey] = field(default_factory=list)
     num_computed_tokens: int = 0
+    prefix_matched: bool = False  # the prefix cache was consulted since the last (re)admission
     num_keyed_blocks: int = 0  # leading blocks of block_table already offered to the prefix cache
     num_cached_prompt_tokens: int = 0  # prompt tokens reused from the prefix cache at admission
     status: SequenceStatus = SequenceStatus.WAITING

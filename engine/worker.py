@@ -178,7 +178,7 @@ class EngineWorker:
             del self._unfinished[out.request_id]
             del self._streams[out.request_id]
             hook = self._finish_hooks.pop(out.request_id, None)
-            if hook is not None:  # before the last output, so the caller sees the hook's effect
+            if hook is not None and out.finish_reason != "abort":  # before the last output: the caller sees it
                 try:
                     hook(self.engine, out.request_id)
                 except Exception as exc:  # noqa: BLE001 - reported to that request alone

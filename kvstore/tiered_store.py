@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -36,6 +37,7 @@ from kvstore.lmdb_tier import DiskStats, LmdbOptions, LmdbTier
 from kvstore.metrics import StoreMetrics
 from kvstore.tier import Tier, TierStats
 
+log = logging.getLogger(__name__)
 TIER_NAMES = ("device", "host", "disk")
 # ``local_copy(src_tier, src_ids, dst_tier, dst_ids) -> path``: moves whole blocks between tiers.
 LocalCopy = Callable[[str, Sequence[int], str, Sequence[int]], str]
@@ -350,7 +352,12 @@ class TieredStore:
             if d is None or s is None:
                 fallback(dst, src)
                 return
-            path = local_copy(s[0], [s[1]], d[0], [d[1]])
+            try:
+                path = local_copy(s[0], [s[1]], d[0], [d[1]])
+            except Exception:  # noqa: BLE001 - the destination's bytes are unknown: copy them again
+                log.exception("loopback copy %s -> %s failed; copying with torch", s, d)
+                fallback(dst, src)
+                path = "torch"
             self.local_copy_paths[path] = self.local_copy_paths.get(path, 0) + 1
 
         self.host.copy = copy

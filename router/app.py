@@ -148,21 +148,24 @@ class Router:
                 after = self.nodes.index.node_to_last_seq.get(node.name, 0)
                 try:
                     batch = await self.backends.get_msgpack(node, f"/kv/events?after={after}", timeout_s=2.0)
-                except NodeUnavailable:
+                    self._apply_events(node, batch)
+                except Exception as exc:  # noqa: BLE001 - one bad node must not stop the poller
                     if node.seen and node.healthy(now):
-                        log.warning("node %s stopped answering; taken out for %.0f s", node.name,
-                                    self.config.node_retry_s)
+                        log.warning("node %s: %s; taken out for %.0f s", node.name, exc, self.config.node_retry_s)
                     self.nodes.mark_down(node)
-                    continue
-                self.nodes.mark_up(node)
-                node.reported_load = dict(batch.get("load") or {})
-                if batch["snapshot"] is not None:
-                    self.nodes.index.replace(node.name, batch["snapshot"], batch["last_seq"])
-                else:
-                    stored = [e[2] for e in batch["events"] if e[1] == "stored"]
-                    removed = [e[2] for e in batch["events"] if e[1] == "removed"]
-                    self.nodes.index.apply(node.name, stored, removed, batch["last_seq"])
             await asyncio.sleep(self.config.event_poll_interval_s)
+
+    def _apply_events(self, node: Node, batch: Any) -> None:
+        """Fold one ``/kv/events`` answer into the index. Raises on a malformed batch."""
+        assert self.nodes is not None
+        if batch["snapshot"] is not None:
+            self.nodes.index.replace(node.name, batch["snapshot"], batch["last_seq"])
+        else:
+            stored = [e[2] for e in batch["events"] if e[1] == "stored"]
+            removed = [e[2] for e in batch["events"] if e[1] == "removed"]
+            self.nodes.index.apply(node.name, stored, removed, batch["last_seq"])
+        self.nodes.mark_up(node)
+        node.reported_load = dict(batch.get("load") or {})
 
     # -------------------------------------------------------------- helpers
     def _auth(self, request: web.Request) -> bytes:

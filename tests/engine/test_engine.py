@@ -223,3 +223,40 @@ def test_first_token_that_finishes_is_reported_without_compute(tiny_model_dir):
     assert [(o.index, o.finished, o.finish_reason) for o in outs if o.index == 0] == [(0, True, "stop")]
     assert sum(len(o.new_token_ids) for o in outs if o.index == 1) == 3
     eng.check_integrity()
+
+
+def test_a_sequence_outgrowing_the_pool_ends_alone(tiny_model_dir):
+    eng = LLMEngine(load_model(tiny_model_dir), EngineConfig(num_blocks=4, max_model_len=512))
+    eng.add_request("long", list(range(1, 11)), SamplingParams(max_tokens=200, ignore_eos=True))
+    eng.add_request("short", list(range(1, 5)), SamplingParams(max_tokens=3, ignore_eos=True))
+    got: dict[str, list] = {"long": [], "short": []}
+    reasons = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            got[out.request_id].extend(out.new_token_ids)
+            if out.finished:
+                reasons[out.request_id] = out.finish_reason
+        eng.check_integrity()
+    assert reasons == {"long": "length", "short": "length"}
+    assert len(got["short"]) == 3
+    assert len(got["long"]) == 4 * 16 - 10 + 1  # KV fills every slot (the last token needs none), then it ends
+    assert eng.pool.stats().num_in_use == 0
+
+
+def test_pins_held_by_a_waiting_request_do_not_stall_a_chunked_prefill(tiny_model_dir):
+    loaded = load_model(tiny_model_dir)
+    a, b = list(range(1, 101)), list(range(1, 70))
+    [[want_a], [want_b]] = LLMEngine(loaded, EngineConfig(num_blocks=64)).generate([a, b], SamplingParams(max_tokens=4))
+    eng = LLMEngine(loaded, EngineConfig(num_blocks=8, max_num_batched_tokens=64))
+    eng.add_request("A", a, SamplingParams(max_tokens=4))  # needs 7 of the 8 blocks
+    pins = eng.pool.allocate(5)  # unkeyed stand-ins for KV pulled for B
+    eng.add_request("B", b, SamplingParams(max_tokens=4), pinned_block_ids=pins)
+    got: dict[str, list] = {"A": [], "B": []}
+    for _ in range(200):
+        for out in eng.step():
+            got[out.request_id].extend(out.new_token_ids)
+        eng.check_integrity()
+        if not eng.has_unfinished():
+            break
+    assert got == {"A": want_a, "B": want_b}
+    assert eng.pool.stats().num_in_use == 0

@@ -58,3 +58,23 @@ def test_n_samples_finishing_in_one_step_all_reach_the_stream(tiny_model_dir):
         await worker.stop()
 
     asyncio.run(main())
+
+
+def test_abort_before_the_fork_ends_every_sample(tiny_model_dir):
+    loaded = load_model(tiny_model_dir)
+
+    async def main() -> None:
+        worker = EngineWorker(LLMEngine(loaded, EngineConfig(num_blocks=64, max_num_batched_tokens=16)))
+        worker.start()
+        hooks: list[str] = []
+        stream = worker.submit("n3", [7] * 200, SamplingParams(max_tokens=4, n=3, temperature=1.0, seed=2),
+                               on_finish=lambda e, rid: hooks.append(rid))
+        worker.abort("n3")  # the 200-token prompt is still being prefilled in 16-token chunks
+        reasons = [(o.index, o.finish_reason) async for o in stream]
+        assert sorted(reasons) == [(0, "abort"), (1, "abort"), (2, "abort")]
+        assert hooks == []  # an aborted request publishes nothing
+        in_use = await worker.call(lambda e: (e.check_integrity(), e.pool.stats().num_in_use)[1])
+        assert in_use == 0
+        await worker.stop()
+
+    asyncio.run(main())
