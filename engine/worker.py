@@ -129,11 +129,17 @@ class EngineWorker:
         self._commands.put(lambda: self._do_abort(request_id))
 
     async def call(self, fn: Callable[[LLMEngine], T], *, timeout_s: float = 30.0) -> T:
-        """Run ``fn(engine)`` on the worker thread between steps and return its result (or raise its error)."""
+        """Run ``fn(engine)`` on the worker thread between steps and return its result (or raise its error).
+
+        If the caller stops waiting (``timeout_s``, cancellation) before ``fn`` starts, ``fn`` never runs,
+        so a call that mutates the pool cannot take effect unseen.
+        """
         assert self._loop is not None, "EngineWorker.start() was not called"
         fut: asyncio.Future[T] = self._loop.create_future()
 
         def run() -> None:
+            if fut.done():  # the caller stopped waiting (timeout, cancellation): do not act for nobody
+                return
             try:
                 result: Any = fn(self.engine)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
