@@ -12,7 +12,6 @@ import argparse
 import importlib
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 
@@ -111,6 +110,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from deploy.store_cmd import add_store_parser
+    from kvstore.block_spec import DTYPE_NAME_TO_TORCH
+
     parser = argparse.ArgumentParser(prog="kvrelay", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -134,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPE_NAME_TO_TORCH))
     p.add_argument("--device", default="cpu")
     p.add_argument("--num-blocks", type=int, default=1024)
     p.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": "..."}')
@@ -160,20 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=_cmd_bench)
 
-    _add_optional(sub, "deploy.store_cmd", "add_store_parser")
+    add_store_parser(sub)
     return parser
-
-
-def _add_optional(sub: argparse._SubParsersAction, module_name: str, fn_name: str) -> None:
-    """Register the subcommands of a module that may not exist yet in this build."""
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name != module_name:
-            raise
-        return
-    register: Callable[[argparse._SubParsersAction], None] = getattr(module, fn_name)
-    register(sub)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,10 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from decode.service import FAILURE_POLICIES
 from deploy.sizes import ConfigError, parse_size
-
-DTYPES = ("float32", "bfloat16", "float16")
-FAILURE_POLICIES = ("recompute", "fail")
+from kvstore.block_spec import DTYPE_NAME_TO_TORCH
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,7 +161,8 @@ def parse_services(root: Section, *, base_dir: Path, env: Mapping[str, str] | No
         raise ConfigError("model.path: required (a Hugging Face model directory)")
     model_path = Path(path) if Path(path).is_absolute() else base_dir / path
     model = ModelSection(str(model_path), m.take("name", string, model_path.name),
-                         m.take("dtype", one_of(DTYPES), "float32"), m.take("device", string, "cpu"))
+                         m.take("dtype", one_of(tuple(sorted(DTYPE_NAME_TO_TORCH))), "float32"),
+                         m.take("device", string, "cpu"))
     m.done()
     e = root.section("engine")
     engine = EngineSection(e.take("max_num_seqs", positive_int, 64),

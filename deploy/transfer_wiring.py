@@ -92,7 +92,6 @@ class DecodeTransfer:
         self._session: aiohttp.ClientSession | None = None
         self._peers: PeerCache | None = None
         self._puller: Puller | None = None
-        self.last_bytes_read = 0
 
     async def pull(self, handle: dict[str, Any], request_id: str, *, deadline_s: float) -> tuple[list[int], int]:
         """Local block ids (one reference each, for the engine to take over) and the bytes read."""

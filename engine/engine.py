@@ -60,7 +60,6 @@ class StepOutput:
 class EngineStats:
     """Counters since start (tokens)."""
 
-    prompt_tokens: int = 0
     computed_prefill_tokens: int = 0
     generated_tokens: int = 0
     preemptions: int = 0
@@ -189,7 +188,6 @@ class LLMEngine:
                 seq.forked = True
                 req.seqs.append(seq)
         self._requests[request_id] = req
-        self.stats.prompt_tokens += len(prompt)
         req.seqs[-1].pinned_block_ids = list(pinned_block_ids)
         for seq in req.seqs:
             self.scheduler.add(seq)

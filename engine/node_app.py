@@ -147,7 +147,7 @@ class EngineNode:
 
     async def info(self, request: web.Request) -> web.Response:
         spec = self.engine.spec
-        return _msgpack({
+        return msgpack_response({
             "role": self.config.role, "node": self.config.name, "model": self.config.model_name,
             "vocab_size": self.engine.model_config.vocab_size, "max_model_len": self.engine.max_model_len,
             "block_size_tokens": spec.block_size_tokens, "spec_fingerprint": spec.fingerprint,
@@ -160,17 +160,12 @@ class EngineNode:
         except ValueError:
             return web.json_response({"error": "after must be an integer"}, status=400)
         batch = self.events.since(after)
-        return _msgpack({
+        return msgpack_response({
             "node": self.config.name, "last_seq": batch.last_seq,
             "events": None if batch.events is None else [[e.seq, e.kind, e.key] for e in batch.events],
             "snapshot": batch.snapshot,
-            "load": {"running": self.worker.num_running, "waiting": self.worker.num_waiting},
         })
 
 
-def _msgpack(obj: object, status: int = 200) -> web.Response:
-    return web.Response(body=pack(obj), status=status, content_type="application/msgpack")
-
-
 def msgpack_response(obj: object, status: int = 200) -> web.Response:
-    return _msgpack(obj, status)
+    return web.Response(body=pack(obj), status=status, content_type="application/msgpack")

@@ -177,8 +177,8 @@ class Scheduler:
         chunk = min(seq.num_pending_tokens, budget)
         start = seq.num_computed_tokens
         have = len(seq.block_table)
-        # A shared partial tail (fork, then preempt-free is impossible; only forks share) never
-        # reaches prefill: forks happen after the prompt is fully computed.
+        # Only forked samples share a partial tail block, and they fork after the prompt is computed,
+        # so a prefill chunk never writes into a shared block.
         free_slots = have * bs - start + self.pool.num_free_blocks * bs
         chunk = min(chunk, free_slots)
         if chunk <= 0:

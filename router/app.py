@@ -165,7 +165,6 @@ class Router:
             removed = [e[2] for e in batch["events"] if e[1] == "removed"]
             self.nodes.index.apply(node.name, stored, removed, batch["last_seq"])
         self.nodes.mark_up(node)
-        node.reported_load = dict(batch.get("load") or {})
 
     # -------------------------------------------------------------- helpers
     def _auth(self, request: web.Request) -> bytes:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvstore.block_key import BlockKey
 from router.kv_index import KvIndex
@@ -33,7 +33,6 @@ class Node:
     down_until: float = 0.0
     failures: int = 0
     seen: bool = False  # answered at least once; until then it is polled at every round
-    reported_load: dict[str, int] = field(default_factory=dict)
 
     def healthy(self, now: float) -> bool:
         return now >= self.down_until

@@ -39,7 +39,7 @@ class Cluster(Deployment):
             "model": {"name": "tiny"},
             "engine": {"max_num_seqs": 32, "max_num_batched_tokens": 512},
             "prefill": {"ports": [0] * prefill, "lease_ttl_s": 10},
-            "decode": {"ports": [0] * decode, "transfer_timeout_s": 10},
+            "decode": {"ports": [0] * decode, "transfer_timeout_s": 30},  # generous: CI machines are shared
             "router": {"request_timeout_s": 60},
         }
         super().__init__(model_dir, overrides=merge(base, overrides or {}), env=env)
