@@ -120,8 +120,13 @@ class Deployment:
         deadline = time.monotonic() + timeout_s
         while not ready.wait(0.2):
             if self._proc.poll() is not None or time.monotonic() > deadline:
+                try:
+                    health = get_text(self.url + "/health", timeout_s=5)
+                except OSError as exc:  # includes HTTPError (503): its body says which node is missing
+                    health = exc.read().decode() if hasattr(exc, "read") else repr(exc)
                 self.stop()
-                raise RuntimeError("kvrelay up did not become ready:\n" + "".join(self.log[-40:]))
+                raise RuntimeError(f"kvrelay up did not become ready; router /health: {health}\n"
+                                   + "".join(self.log[-40:]))
         nodes = json.loads(get_text(self.url + "/health"))["nodes"]
         self.prefill_urls = [n["url"] for name, n in sorted(nodes.items()) if name.startswith("prefill")]
         self.decode_urls = [n["url"] for name, n in sorted(nodes.items()) if name.startswith("decode")]

@@ -19,6 +19,7 @@ from typing import Any
 
 GRACE_S = 10.0
 RESTART_BACKOFF_S = 2.0
+REPORT_EVERY_S = 30.0
 
 
 def _role_cmd(role: str, config_path: Path, index: int, overrides: list[str]) -> list[str]:
@@ -27,11 +28,28 @@ def _role_cmd(role: str, config_path: Path, index: int, overrides: list[str]) ->
 
 
 def _router_health(url: str) -> dict[str, Any] | None:
+    """The router's ``/health`` body (also when it answers 503), or None when it does not answer."""
     try:
         with urllib.request.urlopen(url + "/health", timeout=2) as resp:
             return json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        try:
+            return json.loads(err.read())
+        except (OSError, ValueError):
+            return None
     except (urllib.error.URLError, OSError, ValueError):
         return None
+
+
+def _waiting_for(health: dict[str, Any] | None) -> str:
+    """What the deployment still waits for, from the router's ``/health`` (None: router not answering)."""
+    if health is None:
+        return "the router does not answer /health"
+    if "nodes" not in health:
+        return f"router status {health.get('status')!r}"
+    down = [f"{name} ({n.get('last_error') or 'not answered yet'})"
+            for name, n in sorted(health["nodes"].items()) if not n["healthy"]]
+    return "waiting for " + ", ".join(down) if down else f"router status {health.get('status')!r}"
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
@@ -71,6 +89,7 @@ def up(config: Any, config_path: Path, *, overrides: list[str], startup_timeout_
             procs.append(subprocess.Popen(_role_cmd(role, config_path, index, overrides)))
         url = f"http://{config.router.host}:{config.router.port}"
         deadline = time.monotonic() + startup_timeout_s
+        next_report = time.monotonic() + REPORT_EVERY_S
         ready = False
         while not stopping:
             now = time.monotonic()
@@ -96,8 +115,12 @@ def up(config: Any, config_path: Path, *, overrides: list[str], startup_timeout_
                     print(f"kvrelay is serving {config.model.name!r} at {url}/v1 "
                           f"({len(config.prefill.ports)} prefill, {len(config.decode.ports)} decode)", flush=True)
                 elif now > deadline:
-                    print(f"kvrelay up: router not healthy after {startup_timeout_s:.0f} s", file=sys.stderr)
+                    print(f"kvrelay up: not healthy after {startup_timeout_s:.0f} s: {_waiting_for(health)}",
+                          file=sys.stderr, flush=True)
                     return 1
+                elif now >= next_report:
+                    next_report = now + REPORT_EVERY_S
+                    print(f"kvrelay up: still starting: {_waiting_for(health)}", file=sys.stderr, flush=True)
             time.sleep(0.2)
         return 0
     finally:

@@ -36,6 +36,8 @@ from router.openai_api import (
 from router.text_output import SampleText
 
 log = logging.getLogger(__name__)
+# A node that has never answered is polled every round; say so at these failure counts (not at every try).
+UNSEEN_WARN_AFTER = frozenset({50, 300, 1200})
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,12 +149,14 @@ class Router:
                     continue  # taken out: wait for its retry time
                 after = self.nodes.index.node_to_last_seq.get(node.name, 0)
                 try:
-                    batch = await self.backends.get_msgpack(node, f"/kv/events?after={after}", timeout_s=2.0)
+                    batch = await self.backends.get_msgpack(node, f"/kv/events?after={after}", timeout_s=5.0)
                     self._apply_events(node, batch)
                 except Exception as exc:  # noqa: BLE001 - one bad node must not stop the poller
                     if node.seen and node.healthy(now):
                         log.warning("node %s: %s; taken out for %.0f s", node.name, exc, self.config.node_retry_s)
-                    self.nodes.mark_down(node)
+                    elif not node.seen and node.failures + 1 in UNSEEN_WARN_AFTER:
+                        log.warning("node %s has not answered yet (%d tries): %s", node.name, node.failures + 1, exc)
+                    self.nodes.mark_down(node, f"{type(exc).__name__}: {exc}")
             await asyncio.sleep(self.config.event_poll_interval_s)
 
     def _apply_events(self, node: Node, batch: Any) -> None:
@@ -307,7 +311,8 @@ class Router:
             return web.json_response({"status": "starting"}, status=503)
         now = time.monotonic()
         nodes = {n.name: {"url": n.url, "healthy": n.healthy(now), "in_flight": n.in_flight,
-                          "kv_keys": self.nodes.index.num_keys(n.name)} for n in self.nodes.all}
+                          "kv_keys": self.nodes.index.num_keys(n.name), "last_error": n.last_error}
+                 for n in self.nodes.all}
         ok = any(n.healthy(now) for n in self.nodes.decode)
         return web.json_response({"status": "ok" if ok else "degraded", "nodes": nodes}, status=200 if ok else 503)
 

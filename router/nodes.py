@@ -33,6 +33,7 @@ class Node:
     down_until: float = 0.0
     failures: int = 0
     seen: bool = False  # answered at least once; until then it is polled at every round
+    last_error: str = ""  # why the last call failed; cleared when it answers
 
     def healthy(self, now: float) -> bool:
         return now >= self.down_until
@@ -54,8 +55,9 @@ class NodeSet:
     def all(self) -> list[Node]:
         return self.prefill + self.decode
 
-    def mark_down(self, node: Node) -> None:
+    def mark_down(self, node: Node, error: str = "") -> None:
         node.failures += 1
+        node.last_error = error
         node.down_until = time.monotonic() + self.retry_after_s
         self.index.drop_node(node.name)
 
@@ -63,6 +65,7 @@ class NodeSet:
         node.seen = True
         node.failures = 0
         node.down_until = 0.0
+        node.last_error = ""
 
     def pick_prefill(self, keys: Sequence[BlockKey], prompt_tokens: int, *, exclude: set[str] = frozenset()
                      ) -> Node | None:

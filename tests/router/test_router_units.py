@@ -89,8 +89,24 @@ def test_prefill_choice_weighs_prefix_against_queue():
     assert nodes.pick_prefill(keys, 70).name == "prefill-1"  # cost 70-64=6 vs 70
     nodes.prefill[1].queued_tokens = 100
     assert nodes.pick_prefill(keys, 70).name == "prefill-0"  # 106 vs 70
-    nodes.mark_down(nodes.prefill[0])
+    nodes.mark_down(nodes.prefill[0], "NodeUnavailable: refused")
     assert nodes.pick_prefill(keys, 70).name == "prefill-1"
+    assert nodes.prefill[0].last_error == "NodeUnavailable: refused" and nodes.prefill[0].failures == 1
+    nodes.mark_up(nodes.prefill[0])
+    assert nodes.prefill[0].last_error == "" and nodes.prefill[0].healthy(0.0)
+    nodes.mark_down(nodes.prefill[0])
     nodes.decode[0].in_flight = 2
     assert nodes.pick_decode(keys).name == "decode-1"
     assert nodes.pick_decode(keys, exclude={"decode-1"}).name == "decode-0"
+
+
+def test_up_says_which_nodes_it_waits_for():
+    from deploy.up import _waiting_for
+
+    assert _waiting_for(None) == "the router does not answer /health"
+    assert _waiting_for({"status": "starting"}) == "router status 'starting'"
+    health = {"status": "degraded", "nodes": {
+        "decode-0": {"healthy": False, "last_error": "NodeUnavailable: timed out"},
+        "prefill-0": {"healthy": False, "last_error": ""},
+        "prefill-1": {"healthy": True, "last_error": ""}}}
+    assert _waiting_for(health) == "waiting for decode-0 (NodeUnavailable: timed out), prefill-0 (not answered yet)"
