@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 import torch
 from prometheus_client import CollectorRegistry
 
+from engine.kv_policy import KvPolicies
+from engine.long_context import LongContextConfig
 from engine.model_runner import ModelRunner
 from engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from engine.sequence import Sequence, SequenceStatus
@@ -42,6 +44,7 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     attention_backend: str | None = None  # None: triton on CUDA, reference elsewhere
+    long_context: LongContextConfig = LongContextConfig()  # the default policy; requests may override it
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +107,8 @@ class LLMEngine:
         self.kv_pool = self.store.device_pool
         backend = make_backend(self.config.attention_backend or default_backend_name(device))
         self.runner = ModelRunner(self.model, self.kv_pool, backend, block_size_tokens=self.spec.block_size_tokens)
+        self.policies = KvPolicies(self.store, backend, spec=self.spec, scale=cfg.head_dim**-0.5)
+        self.check_long_context(self.config.long_context)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 block_size_tokens=self.spec.block_size_tokens, max_num_seqs=self.config.max_num_seqs,
@@ -111,6 +116,7 @@ class LLMEngine:
                 enable_prefix_caching=self.config.enable_prefix_caching,
             ),
             self.store, spec_fingerprint=self.spec.fingerprint, copy_block=self.runner.copy_block,
+            on_free=self.policies.on_free,
         )
         self.stats = EngineStats()
         self._requests: dict[str, _Request] = {}
@@ -149,6 +155,13 @@ class LLMEngine:
                 f"prompt needs {needed} KV blocks but the pool holds {self.pool.num_blocks}; shorten the prompt"
             )
 
+    def check_long_context(self, config: LongContextConfig) -> None:
+        """Raises ValueError when this engine cannot run ``config`` (budget too small, no host tier)."""
+        config.check(self.spec.block_size_tokens)
+        if config.policy == "infinigen" and self.store.host is None:
+            raise ValueError("long_context: infinigen offloads to the host tier, and this node has none; "
+                             "size kvstore.host.bytes or use policy h2o")
+
     def add_request(
         self,
         request_id: str,
@@ -158,6 +171,7 @@ class LLMEngine:
         salt: bytes = b"",
         first_token_ids: Seq[int] | None = None,
         pinned_block_ids: Seq[int] = (),
+        long_context: LongContextConfig | None = None,
     ) -> None:
         """Queue a request. Its ``params.n`` samples share the prompt's blocks after prefill.
 
@@ -168,6 +182,7 @@ class LLMEngine:
             pinned_block_ids: blocks the caller holds a reference on (KV pulled from a peer, keyed
                 in this pool). The engine takes over those references and drops them once the
                 request's last sample has been admitted (its prefix match has acquired them) or ends.
+            long_context: this request's policy (default: ``config.long_context``).
 
         Raises:
             RequestError: invalid prompt or first tokens, or a duplicate ``request_id``.
@@ -175,6 +190,11 @@ class LLMEngine:
         if request_id in self._requests:
             raise RequestError(f"request id {request_id!r} is already running")
         self.validate_prompt(prompt_token_ids)
+        policy = long_context or self.config.long_context
+        try:
+            self.check_long_context(policy)
+        except ValueError as exc:
+            raise RequestError(str(exc)) from None
         prompt = list(prompt_token_ids)
         req = _Request(request_id, params)
         if first_token_ids is None:
@@ -190,6 +210,7 @@ class LLMEngine:
         self._requests[request_id] = req
         req.seqs[-1].pinned_block_ids = list(pinned_block_ids)
         for seq in req.seqs:
+            seq.long_context = policy if policy.active else None
             self.scheduler.add(seq)
             if first_token_ids is not None:
                 reason = self._finish_reason(seq, seq.token_ids[-1])
@@ -241,7 +262,7 @@ class LLMEngine:
             if self.scheduler.running or self.scheduler.waiting:
                 outputs.extend(self._unstick())
             return outputs
-        result = self.runner.run(sched)
+        result = self.runner.run(sched, kv_hook=self.policies.step_hook(sched))
         self.stats.steps += 1
         for chunk in sched.prefills:
             self.stats.computed_prefill_tokens += chunk.num_tokens
@@ -257,6 +278,7 @@ class LLMEngine:
             outputs.append(self._append_token(seq, tok))
         for req_id in {o.request_id for o in outputs if o.finished}:
             self._forget_if_done(req_id)
+        self.policies.after_step(sched)
         self.store.maintain_watermark()
         return outputs
 
@@ -302,7 +324,11 @@ class LLMEngine:
                     child.block_keys = list(seq.block_keys)
                     child.num_computed_tokens = seq.num_computed_tokens
                     child.num_keyed_blocks = seq.num_keyed_blocks
+                    child.long_context = seq.long_context
+                    child.num_absent_tokens = seq.num_absent_tokens
+                    child.keys_stopped = seq.keys_stopped
                     self.pool.acquire(child.block_table)
+                    self.policies.fork(seq, child)
                     self.scheduler.add_running(child)
                     req.seqs.append(child)
                     out.append((child, row))
@@ -362,3 +388,5 @@ class LLMEngine:
                         expected[b] += 1
         for b, n in enumerate(expected):
             assert self.pool.ref_count(b) == n, f"block {b}: ref count {self.pool.ref_count(b)}, sequences hold {n}"
+        self.policies.check_integrity([s for req in self._requests.values() for s in req.seqs
+                                       if s.status is not SequenceStatus.FINISHED])

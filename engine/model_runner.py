@@ -8,7 +8,7 @@ import torch
 
 from engine.scheduler import ScheduledStep
 from engine.sequence import Sequence
-from model.attention import AttentionBackend, AttentionBatch
+from model.attention import AttentionBackend, AttentionBatch, KvHook
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,8 +47,11 @@ class ModelRunner:
         return torch.tensor(rows, dtype=torch.int32, device=self.device).reshape(len(seqs), width)
 
     @torch.inference_mode()
-    def run(self, step: ScheduledStep) -> StepLogits:
-        """One forward. Sequences whose pending tokens all get computed this step also get logits."""
+    def run(self, step: ScheduledStep, *, kv_hook: KvHook | None = None) -> StepLogits:
+        """One forward. Sequences whose pending tokens all get computed this step also get logits.
+
+        ``kv_hook``: the long-context policies' calls for this step (`engine.kv_policy`), or None.
+        """
         bs = self.block_size_tokens
         input_ids: list[int] = []
         positions: list[int] = []
@@ -59,6 +62,7 @@ class ModelRunner:
         query_start = [0]
         for chunk in step.prefills:
             seq, start = chunk.seq, chunk.seq.num_computed_tokens
+            assert seq.num_absent_tokens == 0, "a sequence whose KV a policy dropped cannot prefill"
             end = start + chunk.num_tokens
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
@@ -70,10 +74,10 @@ class ModelRunner:
                 sample_seqs.append(seq)
         num_prefill_tokens = len(input_ids)
         for seq in step.decodes:
-            p = seq.num_computed_tokens
+            p, row = seq.num_computed_tokens, seq.num_kv_tokens  # row < p once a policy dropped KV
             input_ids.append(seq.token_ids[p])
             positions.append(p)
-            slots.append(seq.block_table[p // bs] * bs + p % bs)
+            slots.append(seq.block_table[row // bs] * bs + row % bs)
             sample_rows.append(len(input_ids) - 1)
             sample_seqs.append(seq)
         batch = AttentionBatch(
@@ -83,7 +87,8 @@ class ModelRunner:
             prefill_seq_lens=self._tensor(prefill_lens),
             prefill_query_start_loc=self._tensor(query_start),
             decode_block_tables=self._block_tables(step.decodes),
-            decode_seq_lens=self._tensor([s.num_computed_tokens + 1 for s in step.decodes]),
+            decode_seq_lens=self._tensor([s.num_kv_tokens + 1 for s in step.decodes]),
+            kv_hook=kv_hook,
         )
         hidden = self.model(
             self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), self.kv_pool, batch,

@@ -17,6 +17,7 @@ from kvstore.block_key import BlockKey, extend_block_keys
 from kvstore.tiered_store import TieredStore
 
 CopyBlock = Callable[[int, int], None]
+FreeHook = Callable[[Sequence], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,16 +54,20 @@ class Scheduler:
             business) and its lower tiers answer prefix lookups the device misses.
         spec_fingerprint: enters every block key.
         copy_block: ``copy_block(src, dst)`` copies a block's bytes (copy-on-write of a shared tail).
+        on_free: ``on_free(seq)`` runs whenever a sequence's blocks are released (finish, preemption,
+            giving back holds): a long-context policy drops its state for the sequence there.
     """
 
     def __init__(
-        self, config: SchedulerConfig, store: TieredStore, *, spec_fingerprint: bytes, copy_block: CopyBlock
+        self, config: SchedulerConfig, store: TieredStore, *, spec_fingerprint: bytes, copy_block: CopyBlock,
+        on_free: FreeHook | None = None,
     ) -> None:
         self.config = config
         self.store = store
         self.pool = store.block_pool
         self.spec_fingerprint = spec_fingerprint
         self.copy_block = copy_block
+        self.on_free = on_free
         self.waiting: list[Sequence] = []  # sorted by arrival
         self.running: list[Sequence] = []  # sorted by arrival
         self.num_prefix_hit_tokens = 0  # tokens whose KV came from the prefix cache at admission
@@ -152,9 +157,9 @@ class Scheduler:
         return ScheduledStep(prefills, decodes, preempted)
 
     def _reserve_decode_slot(self, seq: Sequence) -> bool:
-        """Make sure the block for position ``num_computed_tokens`` exists and is private."""
+        """Make sure the block for KV row ``num_kv_tokens`` exists and is private."""
         bs = self.config.block_size_tokens
-        pos = seq.num_computed_tokens
+        pos = seq.num_kv_tokens
         if pos // bs >= len(seq.block_table):
             new = self.pool.try_allocate(1)
             if new is None:
@@ -215,7 +220,7 @@ class Scheduler:
     def commit(self, seq: Sequence, num_tokens: int) -> None:
         """Record that ``num_tokens`` more tokens of ``seq`` now have KV; key newly full blocks."""
         seq.num_computed_tokens += num_tokens
-        if not self.config.enable_prefix_caching:
+        if not self.config.enable_prefix_caching or seq.keys_stopped:
             return
         full = seq.num_computed_tokens // self.config.block_size_tokens
         if full > seq.num_keyed_blocks:
@@ -230,9 +235,13 @@ class Scheduler:
             seq.pinned_block_ids = []
 
     def free_blocks(self, seq: Sequence) -> None:
+        if self.on_free is not None:
+            self.on_free(seq)
         if seq.block_table:
             self.pool.release(seq.block_table)
         seq.block_table = []
+        seq.num_absent_tokens = 0
+        seq.keys_stopped = False
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Remove ``seq`` from either list and release its blocks."""

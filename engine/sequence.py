@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from engine.long_context import LongContextConfig
 from kvstore.block_key import BlockKey
 from model.sampling import SamplingParams
 
@@ -24,6 +25,11 @@ class Sequence:
         token_ids:  [ prompt .............. | outputs ... ]
                      0       num_computed_tokens        len(token_ids)
                      └ KV in the blocks ──┘└ pending ──┘
+
+    Under a long-context policy (`engine.kv_policy`) ``block_table`` holds only the KV on device:
+    ``num_absent_tokens`` tokens have no KV there (H2O evicted them, or InfiniGen moved them to
+    host), so the KV length is ``num_computed_tokens - num_absent_tokens`` and the table no longer
+    follows token order (``keys_stopped``: its blocks are never keyed again).
 
     The engine owns every field; `BlockPool` owns the ref counts of the blocks in ``block_table``.
     """
@@ -47,6 +53,9 @@ class Sequence:
     finish_reason: str | None = None
     pinned_block_ids: list[int] = field(default_factory=list)  # refs handed over by the caller, see add_request
     forked: bool = False  # n > 1: the other samples have been split off this one
+    long_context: LongContextConfig | None = None  # the request's policy (None: full attention)
+    num_absent_tokens: int = 0  # computed tokens whose KV is not in block_table (see above)
+    keys_stopped: bool = False  # a policy rewrote block_table: no more of its blocks are keyed
 
     @property
     def num_output_tokens(self) -> int:
@@ -59,6 +68,11 @@ class Sequence:
     @property
     def num_pending_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def num_kv_tokens(self) -> int:
+        """Tokens whose KV sits in ``block_table``: the next token's KV goes to row ``num_kv_tokens``."""
+        return self.num_computed_tokens - self.num_absent_tokens
 
     @property
     def is_decode(self) -> bool:

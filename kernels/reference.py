@@ -47,8 +47,10 @@ def gather_kv(
     return blocks.permute(0, 2, 1, 3).reshape(num_blocks * block_size, cache.shape[1], cache.shape[3])[:seq_len]
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_offset: int | None) -> torch.Tensor:
-    """q ``[Tq, Hq, D]``, k/v ``[S, Hkv, D]`` → ``[Tq, Hq, D]`` (float32 math).
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_offset: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q ``[Tq, Hq, D]``, k/v ``[S, Hkv, D]`` → (out ``[Tq, Hq, D]``, probs ``[Hq, Tq, S]`` float32).
 
     ``causal_offset``: query row ``i`` sits at position ``causal_offset + i`` and sees keys ``0..that``;
     None means every query sees every key.
@@ -64,7 +66,24 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cau
         pos_k = torch.arange(s, device=q.device).unsqueeze(0)
         scores = scores.masked_fill(pos_k > pos_q, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    return torch.matmul(probs, vf).transpose(0, 1).to(q.dtype)
+    return torch.matmul(probs, vf).transpose(0, 1).to(q.dtype), probs
+
+
+def check_token_weights(
+    token_weights: torch.Tensor, *, num_seqs: int, num_kv_heads: int, min_width: int, device: torch.device
+) -> None:
+    """Raise ValueError unless ``token_weights`` is a float32 ``[num_seqs, num_kv_heads, W >= min_width]``
+    tensor on ``device``."""
+    if token_weights.dtype != torch.float32:
+        raise ValueError(f"token_weights.dtype is {token_weights.dtype}; use torch.float32")
+    if token_weights.dim() != 3 or tuple(token_weights.shape[:2]) != (num_seqs, num_kv_heads):
+        raise ValueError(f"token_weights shape {tuple(token_weights.shape)} does not fit; "
+                         f"expected [{num_seqs}, {num_kv_heads}, W] (sequences, KV heads, W >= max(seq_lens))")
+    if token_weights.shape[2] < min_width:
+        raise ValueError(f"token_weights is too narrow: width {token_weights.shape[2]} < max(seq_lens) "
+                         f"{min_width}; allocate W >= the longest sequence")
+    if token_weights.device != device:
+        raise ValueError(f"token_weights is on {token_weights.device}, q on {device}; put them on one device")
 
 
 def paged_decode_attention(
@@ -75,6 +94,7 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     *,
     scale: float,
+    token_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence attending over that sequence's cached tokens.
 
@@ -87,16 +107,26 @@ def paged_decode_attention(
         block_tables: ``[N, max_blocks]`` int; entries past a sequence's length are ignored.
         seq_lens: ``[N]`` int, tokens to attend over (≥ 1), the newest included.
         scale: softmax scale, usually ``D ** -0.5``.
+        token_weights: optional float32 ``[N, Hkv, W]`` output, ``W >= max(seq_lens)``, on q's device
+            (for H2O-style eviction). Overwritten: ``token_weights[i, g, j]`` is the softmax weight
+            sequence ``i``'s query gives cached token ``j``, summed over KV head ``g``'s query heads
+            (so each ``[i, g]`` row sums to ``Hq / Hkv``); ``j >= seq_lens[i]`` is 0.
 
     Returns:
-        ``[N, Hq, D]`` in ``q.dtype``.
+        ``[N, Hq, D]`` in ``q.dtype``; the same whether or not ``token_weights`` is given.
+
+    Raises:
+        ValueError: ``token_weights`` has the wrong dtype, shape, width or device.
     """
     n, hq, d = q.shape
     hkv, bs = k_cache.shape[1], k_cache.shape[2]
+    lens = seq_lens.to(q.device).long()
+    max_len = int(lens.max()) if n else 0
+    if token_weights is not None:
+        check_token_weights(token_weights, num_seqs=n, num_kv_heads=hkv, min_width=max_len, device=q.device)
     if n == 0:
         return torch.empty_like(q)
-    lens = seq_lens.to(q.device).long()
-    num_blocks = (int(lens.max()) + bs - 1) // bs
+    num_blocks = (max_len + bs - 1) // bs
     table = block_tables[:, :num_blocks].long().to(q.device)  # [N, nb]
     used = torch.arange(num_blocks, device=q.device)[None, :] < ((lens + bs - 1) // bs)[:, None]
     table = torch.where(used, table, torch.zeros_like(table))  # entries past a sequence may be garbage
@@ -109,7 +139,13 @@ def paged_decode_attention(
     scores = torch.matmul(qf, k.transpose(2, 3)) * scale  # [N, Hkv, group, S]
     pad = torch.arange(num_blocks * bs, device=q.device)[None, :] >= lens[:, None]
     scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
-    out = torch.matmul(torch.softmax(scores, dim=-1), v)  # [N, Hkv, group, D]
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, v)  # [N, Hkv, group, D]
+    if token_weights is not None:
+        width = min(num_blocks * bs, token_weights.shape[2])
+        token_weights.zero_()
+        # masked_fill: a seq_len of 0 gives NaN probabilities, but its weights are still all 0
+        token_weights[:, :, :width] = probs.sum(dim=2).masked_fill(pad[:, None, :], 0.0)[:, :, :width]
     return out.reshape(n, hq, d).to(q.dtype)
 
 
@@ -122,6 +158,7 @@ def prefill_attention(
     query_start_loc: torch.Tensor,
     *,
     scale: float,
+    token_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of new tokens over a cached prefix plus themselves (chunked prefill).
 
@@ -140,18 +177,74 @@ def prefill_attention(
         seq_lens: ``[N]`` int, total tokens of each sequence after this step.
         query_start_loc: ``[N + 1]`` int, cumulative query counts starting at 0.
         scale: softmax scale.
+        token_weights: optional float32 ``[N, Hkv, W]`` output, ``W >= max(seq_lens)``, on q's device.
+            Overwritten with the column sums of each sequence's causal softmax: ``token_weights[i, g, j]``
+            is the attention weight all of sequence ``i``'s queries in this step, over KV head ``g``'s
+            query heads, give key ``j``; each ``[i, g]`` row sums to ``num_queries * Hq / Hkv``.
+            ``j >= seq_lens[i]`` (and a sequence with no queries) is 0.
 
     Returns:
-        ``[T_total, Hq, D]`` in ``q.dtype``.
+        ``[T_total, Hq, D]`` in ``q.dtype``; the same whether or not ``token_weights`` is given.
+
+    Raises:
+        ValueError: ``token_weights`` has the wrong dtype, shape, width or device.
     """
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
+    hkv = k_cache.shape[1]
+    if token_weights is not None:
+        check_token_weights(token_weights, num_seqs=len(lens), num_kv_heads=hkv,
+                            min_width=max(lens, default=0), device=q.device)
+        token_weights.zero_()
     for i, seq_len in enumerate(lens):
         a, b = starts[i], starts[i + 1]
         if a == b:
             continue
         k = gather_kv(k_cache, block_tables[i], seq_len)
         v = gather_kv(v_cache, block_tables[i], seq_len)
-        out[a:b] = _attend(q[a:b], k, v, scale, seq_len - (b - a))
+        out[a:b], probs = _attend(q[a:b], k, v, scale, seq_len - (b - a))  # probs [Hq, Tq, seq_len]
+        if token_weights is not None:
+            token_weights[i, :, :seq_len] = probs.sum(dim=1).reshape(hkv, -1, seq_len).sum(dim=1)
     return out
+
+
+def block_key_summaries(kv_pool: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Quest's per-block key summary: the elementwise min and max of each listed block's keys.
+
+    Args:
+        kv_pool: the whole pool ``[num_blocks, L, 2, Hkv, B, D]`` (dim 2: 0 keys, 1 values), any float dtype.
+        block_ids: ``[n]`` integer block ids (< num_blocks). Blocks are assumed full (all B rows are keys).
+
+    Returns:
+        float32 ``[n, L, Hkv, 2, D]``: ``[..., 0, :]`` the min and ``[..., 1, :]`` the max over the
+        block's B key rows, per layer and KV head. Nothing is mutated.
+    """
+    keys = kv_pool[block_ids.long(), :, 0].float()  # [n, L, Hkv, B, D]
+    return torch.stack((keys.amin(dim=3), keys.amax(dim=3)), dim=3)
+
+
+def score_blocks(q: torch.Tensor, summaries: torch.Tensor, cand_rows: torch.Tensor, *, scale: float) -> torch.Tensor:
+    """Quest's upper bound on a block's attention logits, summed over each KV group's query heads.
+
+    ::
+
+        score[c, g] = scale * sum_{h in group g} sum_d max(q[r, h, d] * min[c, g, d], q[r, h, d] * max[c, g, d])
+        r = cand_rows[c];  group g = query heads g*G .. g*G + G-1,  G = Hq / Hkv
+
+    For every key k in block c, ``scale * q[r, h] · k[g] <= scale * sum_d max(...)``, so the score bounds
+    the sum over the group's heads of each head's largest logit in the block.
+
+    Args:
+        q: ``[N, Hq, D]`` float, one layer's decode queries (one per sequence).
+        summaries: float32 ``[C, Hkv, 2, D]``, one layer's slice of `block_key_summaries` for the candidates.
+        cand_rows: ``[C]`` integer, the q row each candidate block belongs to.
+        scale: softmax scale.
+
+    Returns:
+        float32 ``[C, Hkv]`` (``[0, Hkv]`` when C is 0).
+    """
+    c, hkv = summaries.shape[0], summaries.shape[1]
+    qf = q.float()[cand_rows.long()].reshape(c, hkv, q.shape[1] // hkv, q.shape[2])  # [C, Hkv, G, D]
+    lo, hi = summaries[:, :, None, 0], summaries[:, :, None, 1]  # [C, Hkv, 1, D]
+    return torch.maximum(qf * lo, qf * hi).sum(dim=(2, 3)) * scale

@@ -1,4 +1,5 @@
-"""Triton kernels for the decode path: KV write into blocks and split-K paged decode attention.
+"""Triton kernels for the decode path: KV write into blocks and split-K paged decode attention
+(optionally also each cached token's attention weight, for H2O-style eviction).
 
 Contracts are those of `kernels.reference` (same signatures, same results up to float rounding);
 the launchers check shapes, strides, dtypes and devices before launching and raise ValueError naming
@@ -17,6 +18,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from kernels import reference
+
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 TORCH_TO_TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -28,6 +31,8 @@ MAX_SPLITS = 32
 MIN_TILE_TOKENS = 64
 # tl.dot needs every dimension >= 16.
 MIN_DOT_DIM = 16
+# Positions per program of the token-weight kernel.
+WEIGHTS_TILE_TOKENS = 128
 LOG2E = 1.4426950408889634
 
 
@@ -146,6 +151,7 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     *,
     scale: float,
+    token_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence attending over that sequence's cached tokens (flash-decoding).
 
@@ -156,6 +162,11 @@ def paged_decode_attention(
                  online softmax in float32 -> partial (max, sum, acc) in a float32 scratch buffer
         stage 2: grid (N, Hq); rescales and sums the S partials -> out
 
+    With ``token_weights``, stage 1 also stores every scaled logit (base 2) to a float32 scratch
+    ``[N, Hq, max_blocks * B]``, stage 2 stores each head's log-sum-exp (base 2), and a stage 3
+    (grid ``(N, Hkv, cdiv(W, WEIGHTS_TILE_TOKENS))``) writes ``sum over the group of exp2(logit - lse)``,
+    0 from seq_len to W. The scratch costs ``4 * N * Hq * max_blocks * B`` bytes for the step.
+
     Args:
         q: ``[N, Hq, D]`` float, last dim contiguous; ``Hq`` a multiple of ``Hkv``.
         k_cache, v_cache: ``[num_blocks, Hkv, B, D]`` float (any strides, last dim contiguous).
@@ -164,9 +175,13 @@ def paged_decode_attention(
         seq_lens: ``[N]`` int32/int64, tokens to attend over (>= 1); a 0 gives a zero output row.
             Each must be <= ``max_blocks * B``; that is not checked (it would need a device sync).
         scale: softmax scale, usually ``D ** -0.5``.
+        token_weights: optional float32 ``[N, Hkv, W]`` output (last dim contiguous), ``W >= max(seq_lens)``,
+            overwritten as in `kernels.reference.paged_decode_attention`. Checking the width needs a
+            device sync only when ``W < max_blocks * B``; allocate at least that to avoid it.
 
     Returns:
-        ``[N, Hq, D]`` in ``q.dtype``, newly allocated. Nothing is mutated.
+        ``[N, Hq, D]`` in ``q.dtype``, newly allocated; the same whether or not ``token_weights`` is
+        given. Nothing else is mutated.
 
     Raises:
         ValueError: a shape, dtype, stride or device does not fit, naming which.
@@ -187,6 +202,10 @@ def paged_decode_attention(
              f"must equal q's {num_seqs} sequences")
     device = _check_same_device(q=q, k_cache=k_cache, v_cache=v_cache,
                                 block_tables=block_tables, seq_lens=seq_lens)
+    max_tokens = max(1, block_tables.shape[1] * block_size)
+    if token_weights is not None:
+        _check_token_weights(token_weights, seq_lens, num_kv_heads=num_kv_heads, max_tokens=max_tokens,
+                             device=device)
     out = torch.empty((num_seqs, num_q_heads, head_dim), dtype=q.dtype, device=device)
     if num_seqs == 0:
         return out
@@ -195,7 +214,6 @@ def paged_decode_attention(
 
     group = num_q_heads // num_kv_heads
     tile_tokens = max(MIN_TILE_TOKENS, triton.next_power_of_2(block_size))
-    max_tokens = max(1, block_tables.shape[1] * block_size)
     num_splits = decode_num_splits(max_tokens)
     tokens_per_split = triton.cdiv(triton.cdiv(max_tokens, num_splits), tile_tokens) * tile_tokens
     # The interpreter multiplies bf16 as raw integers in tl.dot, and mixed dtypes need float32 anyway.
@@ -206,36 +224,60 @@ def paged_decode_attention(
     part_max = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=device)
     part_sum = torch.empty_like(part_max)
     part_acc = torch.empty((num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=device)
+    want_weights = token_weights is not None
+    # Without weights the two buffers are never touched; part_max stands in for their pointers.
+    logits = (torch.empty((num_seqs, num_q_heads, max_tokens), dtype=torch.float32, device=device)
+              if want_weights else part_max)
+    lse = torch.empty((num_seqs, num_q_heads), dtype=torch.float32, device=device) if want_weights else part_max
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, part_max, part_sum, part_acc,
-        scale * LOG2E, tokens_per_split, block_tables.shape[1],
+        q, k_cache, v_cache, block_tables, seq_lens, part_max, part_sum, part_acc, logits,
+        scale * LOG2E, tokens_per_split, block_tables.shape[1], max_tokens,
         *q.stride()[:2], *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
         GROUP=group, GROUP_PAD=max(MIN_DOT_DIM, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, DIM_PAD=max(MIN_DOT_DIM, triton.next_power_of_2(head_dim)),
-        BLOCK_SIZE=block_size, TILE=tile_tokens, DOT_DTYPE=dot_dtype,
+        BLOCK_SIZE=block_size, TILE=tile_tokens, DOT_DTYPE=dot_dtype, STORE_LOGITS=want_weights,
     )
     _reduce_splits_kernel[(num_seqs, num_q_heads)](
-        part_max, part_sum, part_acc, out, *out.stride()[:2],
+        part_max, part_sum, part_acc, out, lse, *out.stride()[:2],
         NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
-        HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim),
+        HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim), STORE_LSE=want_weights,
     )
+    if want_weights:
+        width = token_weights.shape[2]
+        _token_weights_kernel[(num_seqs, num_kv_heads, triton.cdiv(width, WEIGHTS_TILE_TOKENS))](
+            logits, lse, seq_lens, token_weights, max_tokens, width, *token_weights.stride()[:2],
+            GROUP=group, GROUP_PAD=triton.next_power_of_2(group), TILE=WEIGHTS_TILE_TOKENS,
+        )
     return out
+
+
+def _check_token_weights(token_weights: torch.Tensor, seq_lens: torch.Tensor, *, num_kv_heads: int,
+                         max_tokens: int, device: torch.device) -> None:
+    """float32 ``[N, Hkv, W]`` on ``device``, last dim contiguous, ``W >= max(seq_lens)``."""
+    _check_tensor("token_weights", token_weights, ndim=3, dtypes=(torch.float32,))
+    # max(seq_lens) needs a device sync; skip it when W covers the block-table capacity, which bounds every seq_len.
+    narrow = token_weights.shape[2] < max_tokens and seq_lens.shape[0] > 0
+    reference.check_token_weights(token_weights, num_seqs=seq_lens.shape[0], num_kv_heads=num_kv_heads,
+                                  min_width=int(seq_lens.max()) if narrow else 0, device=device)
 
 
 @triton.jit
 def _decode_split_kernel(
     q_ptr: tl.tensor, k_cache_ptr: tl.tensor, v_cache_ptr: tl.tensor,
     block_tables_ptr: tl.tensor, seq_lens_ptr: tl.tensor,
-    part_max_ptr: tl.tensor, part_sum_ptr: tl.tensor, part_acc_ptr: tl.tensor,
-    qk_scale_log2: tl.tensor, tokens_per_split: tl.tensor, max_blocks: tl.tensor,
+    part_max_ptr: tl.tensor, part_sum_ptr: tl.tensor, part_acc_ptr: tl.tensor, logits_ptr: tl.tensor,
+    qk_scale_log2: tl.tensor, tokens_per_split: tl.tensor, max_blocks: tl.tensor, max_tokens: tl.tensor,
     stride_q_seq: tl.tensor, stride_q_head: tl.tensor,
     stride_kc_block: tl.tensor, stride_kc_head: tl.tensor, stride_kc_row: tl.tensor,
     stride_vc_block: tl.tensor, stride_vc_head: tl.tensor, stride_vc_row: tl.tensor,
     stride_bt_seq: tl.tensor,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, DOT_DTYPE: tl.constexpr, STORE_LOGITS: tl.constexpr,
 ):
-    """Stage 1: partial softmax of one (sequence, KV head, split). Scores are kept in base 2."""
+    """Stage 1: partial softmax of one (sequence, KV head, split). Scores are kept in base 2.
+
+    With ``STORE_LOGITS`` each valid score also goes to ``logits[seq, q_head, t]`` (``[N, Hq, max_tokens]``).
+    """
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -270,6 +312,10 @@ def _decode_split_kernel(
         v = tl.load(v_ptrs, mask=kv_mask, other=0.0).to(DOT_DTYPE)
 
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale_log2  # [GROUP_PAD, TILE]
+        if STORE_LOGITS:
+            logit_rows = (seq * tl.num_programs(1) * GROUP + q_heads).to(tl.int64) * max_tokens
+            tl.store(logits_ptr + logit_rows[:, None] + t[None, :], s,
+                     mask=(g[:, None] < GROUP) & t_valid[None, :])
         s = tl.where(t_valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile holds >= 1 valid token
         alpha = tl.exp2(m_i - m_new)
@@ -289,10 +335,14 @@ def _decode_split_kernel(
 @triton.jit
 def _reduce_splits_kernel(
     part_max_ptr: tl.tensor, part_sum_ptr: tl.tensor, part_acc_ptr: tl.tensor, out_ptr: tl.tensor,
-    stride_out_seq: tl.tensor, stride_out_head: tl.tensor,
+    lse_ptr: tl.tensor, stride_out_seq: tl.tensor, stride_out_head: tl.tensor,
     NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+    STORE_LSE: tl.constexpr,
 ):
-    """Stage 2: combine one (sequence, query head)'s split partials into its output row."""
+    """Stage 2: combine one (sequence, query head)'s split partials into its output row.
+
+    With ``STORE_LSE`` also stores the head's base-2 log-sum-exp to ``lse[seq, head]`` (``[N, Hq]``).
+    """
     seq = tl.program_id(0)
     head = tl.program_id(1)
     sp = tl.arange(0, SPLITS_PAD)
@@ -310,3 +360,28 @@ def _reduce_splits_kernel(
     o = tl.sum(w[:, None] * acc, axis=0) / tl.where(total > 0, total, 1.0)
     out_ptrs = out_ptr + seq.to(tl.int64) * stride_out_seq + head * stride_out_head + d
     tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+    if STORE_LSE:
+        tl.store(lse_ptr + seq.to(tl.int64) * tl.num_programs(1) + head, m_max + tl.log2(total))
+
+
+@triton.jit
+def _token_weights_kernel(
+    logits_ptr: tl.tensor, lse_ptr: tl.tensor, seq_lens_ptr: tl.tensor, weights_ptr: tl.tensor,
+    max_tokens: tl.tensor, width: tl.tensor, stride_w_seq: tl.tensor, stride_w_head: tl.tensor,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, TILE: tl.constexpr,
+):
+    """Stage 3: ``weights[seq, kv_head, t] = sum over the group of exp2(logit - lse)`` for t < seq_len,
+    0 for seq_len <= t < width; one program per (sequence, KV head, tile of TILE positions)."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    t = tl.program_id(2) * TILE + tl.arange(0, TILE)
+    g = tl.arange(0, GROUP_PAD)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    q_heads = (seq * tl.num_programs(1) * GROUP + kv_head * GROUP + g).to(tl.int64)
+    g_valid = g < GROUP
+    lse = tl.load(lse_ptr + q_heads, mask=g_valid, other=0.0)
+    valid = g_valid[:, None] & (t < seq_len)[None, :]
+    s = tl.load(logits_ptr + q_heads[:, None] * max_tokens + t[None, :], mask=valid, other=float("-inf"))
+    w = tl.sum(tl.where(valid, tl.exp2(s - lse[:, None]), 0.0), axis=0)
+    w_ptrs = weights_ptr + seq.to(tl.int64) * stride_w_seq + kv_head * stride_w_head + t
+    tl.store(w_ptrs, w, mask=t < width)

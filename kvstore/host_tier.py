@@ -62,6 +62,7 @@ class HostTier:
         # Owned by HostTier alone.
         self._key_to_slot: OrderedDict[BlockKey, int] = OrderedDict()  # first = least recently used
         self._free_slots: deque[int] = deque(range(num_blocks))
+        self._reserved: set[int] = set()  # slots lent out by `reserve`: no key, never evicted
 
     # ----------------------------------------------------------------- queries
     def block(self, slot: int) -> Block:
@@ -92,7 +93,8 @@ class HostTier:
 
     # --------------------------------------------------------------- mutations
     def put(self, key: BlockKey, src: Block) -> bool:
-        """Copy block ``src`` into a slot under ``key`` (evicting the LRU key when full). Always True.
+        """Copy block ``src`` into a slot under ``key`` (evicting the LRU key when full). False only when
+        every slot is reserved (`reserve`), so there is nothing to evict.
 
         A key already held only moves to most recently used; nothing is copied.
 
@@ -102,15 +104,46 @@ class HostTier:
         if self.touch(key):
             return True
         self._check(src)
-        if self._free_slots:
-            slot = self._free_slots.popleft()
-        else:
-            victim, slot = self._key_to_slot.popitem(last=False)
-            if self._on_evict is not None:
-                self._on_evict(slot, victim)
+        slot = self._take_slot()
+        if slot is None:
+            return False
         self.copy(self.block(slot), src)
         self._key_to_slot[key] = slot
         return True
+
+    def _take_slot(self) -> int | None:
+        """A free slot, else the LRU key's (``on_evict`` first); None when every slot is reserved."""
+        if self._free_slots:
+            return self._free_slots.popleft()
+        if not self._key_to_slot:
+            return None
+        victim, slot = self._key_to_slot.popitem(last=False)
+        if self._on_evict is not None:
+            self._on_evict(slot, victim)
+        return slot
+
+    def reserve(self, num: int) -> list[int] | None:
+        """``num`` slots for a caller's private blocks (a long-context policy's offloaded KV), taken
+        out of the LRU: free slots first, then the least recently used keys (``on_evict`` first).
+        They hold no key and are never evicted until `unreserve`. None (nothing changed) when fewer
+        than ``num`` slots are free or keyed."""
+        if num > len(self._free_slots) + len(self._key_to_slot):
+            return None
+        slots = [self._take_slot() for _ in range(num)]
+        self._reserved.update(slots)  # type: ignore[arg-type]
+        return slots  # type: ignore[return-value]
+
+    def unreserve(self, slots: Sequence[int]) -> None:
+        """Give reserved slots back to the free list. Raises ValueError for a slot not reserved."""
+        for slot in slots:
+            if slot not in self._reserved:
+                raise ValueError(f"host slot {slot} is not reserved")
+            self._reserved.remove(slot)
+            self._free_slots.append(slot)
+
+    @property
+    def num_reserved(self) -> int:
+        return len(self._reserved)
 
     def get_into(self, key: BlockKey, dst: Block) -> bool:
         """Copy the block under ``key`` into block ``dst`` and mark it most recently used; False on a miss."""
@@ -146,14 +179,14 @@ class HostTier:
 
     # --------------------------------------------------------------- integrity
     def check_integrity(self) -> None:
-        """Assert every slot is either free or held by exactly one key.
+        """Assert every slot is either free, held by exactly one key, or reserved.
 
         Raises:
             AssertionError: naming the first inconsistency found.
         """
-        held = list(self._key_to_slot.values())
+        held = list(self._key_to_slot.values()) + sorted(self._reserved)
         free = list(self._free_slots)
-        assert len(set(held)) == len(held), "a host slot is held by two keys"
+        assert len(set(held)) == len(held), "a host slot is held by two keys (or by a key and a reservation)"
         assert len(set(free)) == len(free), "a host slot is listed twice in the free list"
         assert not set(held) & set(free), f"host slots both held and free: {sorted(set(held) & set(free))}"
         assert len(held) + len(free) == self.num_blocks, (

@@ -39,8 +39,9 @@ from kvstore.tier import Tier, TierStats
 
 log = logging.getLogger(__name__)
 TIER_NAMES = ("device", "host", "disk")
-# ``local_copy(src_tier, src_ids, dst_tier, dst_ids) -> path``: moves whole blocks between tiers.
-LocalCopy = Callable[[str, Sequence[int], str, Sequence[int]], str]
+# ``local_copy(src_tier, src_ids, dst_tier, dst_ids, *, layers=None) -> path``: moves whole blocks between
+# tiers, or with ``layers`` (one layer index per pair) only that layer's slice of each block.
+LocalCopy = Callable[..., str]
 # Whether a lower tier keeps its copy when a block is promoted to device.
 TIER_KEEPS_PROMOTED: dict[str, bool] = {"host": False, "disk": True}
 
@@ -147,6 +148,7 @@ class TieredStore:
         self._on_move = on_move
         self._closed = False
         self.local_copy_paths: dict[str, int] = {}  # device<->host moves by path ("nixl" | "torch")
+        self.local_copy: LocalCopy | None = None  # the node's NIXL loopback copy, once attached
         self._queries = 0
         self._tier_to_hits = dict.fromkeys(TIER_NAMES, 0)
         self._set_gauges()
@@ -266,9 +268,13 @@ class TieredStore:
                 self.host.touch(key)
                 self._mover.order_after_copy_into(slot)
                 return
-            self.host.put(key, src)
-            self._mover.copied_into(self.host.slot_of(key))  # type: ignore[arg-type]
-            self._moved(key, "device", "host")
+            if self.host.put(key, src):
+                self._mover.copied_into(self.host.slot_of(key))  # type: ignore[arg-type]
+                self._moved(key, "device", "host")
+            elif self.disk is not None:  # every host slot is reserved by long-context offloads
+                self._demote_to_disk(key, src, "device")
+            else:
+                self.metrics.tier_evictions.labels("device").inc()
         elif self.disk is not None:
             self._demote_to_disk(key, src, "device")
         else:
@@ -313,7 +319,8 @@ class TieredStore:
             return 0
         with self._mover.precopy_stream():
             for block_id, key in todo:
-                self.host.put(key, self._device_block(block_id))
+                if not self.host.put(key, self._device_block(block_id)):
+                    break  # every host slot is reserved by long-context offloads
                 self._mover.copied_into(self.host.slot_of(key))  # type: ignore[arg-type]
                 self._moved(key, "device", "host")
         return len(todo)
@@ -331,6 +338,7 @@ class TieredStore:
         """
         if self.host is None:
             return
+        self.local_copy = local_copy
         fallback = self.host.copy
         block_bytes = self.spec.block_bytes
         pools = (("device", self.device_pool), ("host", self.host.pool))

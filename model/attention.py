@@ -31,7 +31,9 @@ class AttentionBatch:
         prefill_seq_lens: ``[Np]`` int32 total length of each prefill sequence after this step.
         prefill_query_start_loc: ``[Np + 1]`` int32 cumulative new-token counts, starting at 0.
         decode_block_tables: ``[Nd, M']`` int32 block tables of the decode sequences.
-        decode_seq_lens: ``[Nd]`` int32 length of each decode sequence, its new token included.
+        decode_seq_lens: ``[Nd]`` int32 tokens each decode sequence attends over, its new token included
+            (its KV length: a long-context policy may hold fewer tokens than the sequence's position).
+        kv_hook: a long-context policy's per-layer calls (`KvHook`), or None.
     """
 
     slot_mapping: torch.Tensor
@@ -41,10 +43,29 @@ class AttentionBatch:
     prefill_query_start_loc: torch.Tensor
     decode_block_tables: torch.Tensor
     decode_seq_lens: torch.Tensor
+    kv_hook: KvHook | None = None
 
     @property
     def num_decode_tokens(self) -> int:
         return int(self.decode_seq_lens.shape[0])
+
+
+class KvHook(Protocol):
+    """What a long-context policy does inside one model step, layer by layer (see `engine.kv_policy`).
+
+    `paged_attention` calls, for each layer: ``before_decode(layer, q_decode, layer_cache)`` after the
+    step's KV is written and before decode attention (block selection and recall), then attention
+    with ``token_weights(layer)`` as the output buffers for per-token attention weights, then
+    ``after_attention(layer)`` (score accumulation).
+    """
+
+    def before_decode(self, layer: int, q: torch.Tensor, layer_cache: torch.Tensor) -> None: ...
+
+    def token_weights(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(prefill_weights [Np, Hkv, W] | None, decode_weights [Nd, Hkv, W] | None)`` float32."""
+        ...
+
+    def after_attention(self, layer: int) -> None: ...
 
 
 class AttentionBackend(Protocol):
@@ -55,11 +76,17 @@ class AttentionBackend(Protocol):
 
     def paged_decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, seq_lens: torch.Tensor, *,
-                               scale: float) -> torch.Tensor: ...
+                               scale: float, token_weights: torch.Tensor | None = None) -> torch.Tensor: ...
 
     def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                          query_start_loc: torch.Tensor, *, scale: float) -> torch.Tensor: ...
+                          query_start_loc: torch.Tensor, *, scale: float,
+                          token_weights: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def block_key_summaries(self, kv_pool: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor: ...
+
+    def score_blocks(self, q: torch.Tensor, summaries: torch.Tensor, cand_rows: torch.Tensor, *,
+                     scale: float) -> torch.Tensor: ...
 
 
 class ReferenceBackend:
@@ -68,17 +95,21 @@ class ReferenceBackend:
     write_kv = staticmethod(reference.write_kv)
     paged_decode_attention = staticmethod(reference.paged_decode_attention)
     prefill_attention = staticmethod(reference.prefill_attention)
+    block_key_summaries = staticmethod(reference.block_key_summaries)
+    score_blocks = staticmethod(reference.score_blocks)
 
 
 class TritonBackend:
     """Triton decode attention and KV write; prefill attention from the reference (runs on CUDA too)."""
 
     def __init__(self) -> None:
-        from kernels import triton_attention  # imported lazily: Triton needs a GPU or TRITON_INTERPRET
+        from kernels import triton_attention, triton_long_context  # lazily: Triton needs a GPU or TRITON_INTERPRET
 
         self.write_kv = triton_attention.write_kv
         self.paged_decode_attention = triton_attention.paged_decode_attention
         self.prefill_attention = reference.prefill_attention
+        self.block_key_summaries = triton_long_context.block_key_summaries
+        self.score_blocks = triton_long_context.score_blocks
 
 
 BACKEND_NAME_TO_CLASS: dict[str, type] = {"reference": ReferenceBackend, "triton": TritonBackend}
@@ -106,13 +137,15 @@ def paged_attention(
     batch: AttentionBatch,
     *,
     scale: float,
+    layer: int = 0,
 ) -> torch.Tensor:
-    """Write this layer's new KV into the pool, then attend.
+    """Write this layer's new KV into the pool, then attend (with ``batch.kv_hook``'s calls around it).
 
     Args:
         q: ``[T, Hq, D]``; k, v: ``[T, Hkv, D]`` (rotary already applied to q and k).
         layer_cache: ``[num_blocks, 2, Hkv, B, D]``, i.e. ``pool[:, layer]``. Mutated.
         batch: the step's `AttentionBatch`.
+        layer: this layer's index (for ``batch.kv_hook``).
 
     Returns:
         ``[T, Hq, D]``.
@@ -121,13 +154,20 @@ def paged_attention(
     backend.write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
     p = batch.num_prefill_tokens
     out = torch.empty_like(q)
+    hook = batch.kv_hook
+    prefill_weights, decode_weights = hook.token_weights(layer) if hook is not None else (None, None)
     if p:
         out[:p] = backend.prefill_attention(
             q[:p], k_cache, v_cache, batch.prefill_block_tables, batch.prefill_seq_lens,
-            batch.prefill_query_start_loc, scale=scale,
+            batch.prefill_query_start_loc, scale=scale, token_weights=prefill_weights,
         )
     if batch.num_decode_tokens:
+        if hook is not None:
+            hook.before_decode(layer, q[p:], layer_cache)
         out[p:] = backend.paged_decode_attention(
-            q[p:], k_cache, v_cache, batch.decode_block_tables, batch.decode_seq_lens, scale=scale
+            q[p:], k_cache, v_cache, batch.decode_block_tables, batch.decode_seq_lens, scale=scale,
+            token_weights=decode_weights,
         )
+    if hook is not None:
+        hook.after_attention(layer)
     return out

@@ -337,10 +337,14 @@ class KvAgent:
     # --------------------------------------------------------- local moves
     def local_copy(
         self, src_tier: str, src_ids: Sequence[int], dst_tier: str, dst_ids: Sequence[int], *,
-        timeout_s: float = 30.0,
+        layers: Sequence[int] | None = None, timeout_s: float = 30.0,
     ) -> str:
         """Copy blocks ``src_ids`` of ``src_tier`` into ``dst_ids`` of ``dst_tier`` (demotion, recall) and
         wait for it. Goes through NIXL as a loopback WRITE when both tiers are registered, else torch.
+
+        ``layers`` (one layer index per pair): copy only that layer's slice of each block (a block is
+        ``[L, 2, H, B, D]``, so a layer is one contiguous ``block_bytes / L`` range): InfiniGen's
+        per-layer recall. None copies whole blocks.
 
         Returns:
             ``"nixl"`` or ``"torch"``: the path that moved the bytes.
@@ -356,15 +360,48 @@ class KvAgent:
         for ids, pool in ((src_ids, src), (dst_ids, dst)):
             if any(not 0 <= b < pool.region.num_blocks for b in ids):
                 raise ValueError(f"a block id is out of range for tier {pool.name!r} ({pool.region.num_blocks})")
+        if layers is not None and (len(layers) != len(src_ids)
+                                   or any(not 0 <= la < self.spec.num_layers for la in layers)):
+            raise ValueError(f"layers must give one index in [0, {self.spec.num_layers}) per block pair")
         if not src_ids:
             return "nixl" if src.registered and dst.registered else "torch"
         if not (src.registered and dst.registered):
-            for s, d in zip(src_ids, dst_ids, strict=True):
-                dst.tensor[d].copy_(src.tensor[s])
+            for i, (s, d) in enumerate(zip(src_ids, dst_ids, strict=True)):
+                if layers is None:
+                    dst.tensor[d].copy_(src.tensor[s])
+                else:
+                    dst.tensor[d, layers[i]].copy_(src.tensor[s, layers[i]])
             return "torch"
         assert not self._closed, "KvAgent is closed"
-        self._executor.submit(self._nx_local_copy, src_tier, src_ids, dst_tier, dst_ids, timeout_s).result()
+        if layers is None:
+            self._executor.submit(self._nx_local_copy, src_tier, src_ids, dst_tier, dst_ids, timeout_s).result()
+        else:
+            self._executor.submit(self._nx_local_copy_layers, src, src_ids, dst, dst_ids, layers, timeout_s).result()
         return "nixl"
+
+    def _nx_local_copy_layers(
+        self, src: TierPool, src_ids: Sequence[int], dst: TierPool, dst_ids: Sequence[int],
+        layers: Sequence[int], timeout_s: float,
+    ) -> None:
+        layer_bytes = self.spec.block_bytes // self.spec.num_layers
+
+        def descs(pool: TierPool, ids: Sequence[int]) -> np.ndarray:
+            rows = np.empty((len(ids), 3), dtype=np.uint64)
+            rows[:, 0] = (np.uint64(pool.region.base_addr)
+                          + np.asarray(ids, dtype=np.uint64) * np.uint64(pool.region.block_stride_bytes)
+                          + np.asarray(layers, dtype=np.uint64) * np.uint64(layer_bytes))
+            rows[:, 1] = layer_bytes
+            rows[:, 2] = pool.region.device_id
+            return rows
+
+        try:
+            handle = self._agent.initialize_xfer(
+                "WRITE", self._agent.get_xfer_descs(descs(src, src_ids), src.region.mem_type),
+                self._agent.get_xfer_descs(descs(dst, dst_ids), dst.region.mem_type), self.name)
+        except NIXL_ERRORS as exc:
+            raise TransferError("read_error", f"loopback layer copy {src.name}→{dst.name} failed: "
+                                f"{type(exc).__name__}") from None
+        self._finish_local(handle, f"{src.name}→{dst.name}", len(src_ids), timeout_s)
 
     def _nx_local_copy(
         self, src_tier: str, src_ids: Sequence[int], dst_tier: str, dst_ids: Sequence[int], timeout_s: float,
@@ -373,21 +410,27 @@ class KvAgent:
             handle = self._agent.make_prepped_xfer(
                 "WRITE", self._local_dlists[src_tier], np.asarray(src_ids, dtype=np.int32),
                 self._loopback_dlists[dst_tier], np.asarray(dst_ids, dtype=np.int32))
+        except NIXL_ERRORS as exc:
+            raise TransferError("read_error", f"loopback copy {src_tier}→{dst_tier} failed: "
+                                f"{type(exc).__name__}") from None
+        self._finish_local(handle, f"{src_tier}→{dst_tier}", len(src_ids), timeout_s)
+
+    def _finish_local(self, handle: Any, what: str, num: int, timeout_s: float) -> None:
+        """Post a loopback transfer and wait for it. Raises TransferError (error or timeout)."""
+        try:
             state = self._agent.transfer(handle)
             deadline = time.monotonic() + timeout_s
             while state == "PROC" and time.monotonic() < deadline:
                 state = self._agent.check_xfer_state(handle)
         except NIXL_ERRORS as exc:
-            raise TransferError("read_error", f"loopback copy {src_tier}→{dst_tier} failed: "
-                                f"{type(exc).__name__}") from None
+            raise TransferError("read_error", f"loopback copy {what} failed: {type(exc).__name__}") from None
         if state == "PROC":
             # Still copying: keep the handle alive (released at close) rather than free it mid-copy.
             self._stuck_handles.append(handle)
-            raise TransferError("timeout", f"loopback copy {src_tier}→{dst_tier} of {len(src_ids)} blocks "
-                                f"did not finish in {timeout_s}s")
+            raise TransferError("timeout", f"loopback copy {what} of {num} blocks did not finish in {timeout_s}s")
         handle.release()
         if state != "DONE":
-            raise TransferError("read_error", f"loopback copy {src_tier}→{dst_tier} reported {state}")
+            raise TransferError("read_error", f"loopback copy {what} reported {state}")
 
     # ------------------------------------------------------------ teardown
     def close(self) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from deploy.transfer_wiring import make_agent
@@ -41,3 +42,25 @@ def test_demotion_and_promotion_move_through_nixl(tiny_model_dir):
     finally:
         agent.close()
         eng.close()
+
+
+def test_layer_slices_move_alone_through_nixl(tiny_model_dir):
+    """InfiniGen's per-layer recall: one layer of a host block lands in one layer of a device block."""
+    eng = LLMEngine(load_model(tiny_model_dir), EngineConfig(num_blocks=8),
+                    store_config=TieredStoreConfig(num_device_blocks=8, num_host_blocks=4, watermark_blocks=0))
+    agent = make_agent(eng, "layer-moves")
+    try:
+        host = eng.store.host.pool
+        host.copy_(torch.randn(host.shape, generator=torch.Generator().manual_seed(0)).to(host.dtype))
+        eng.kv_pool.zero_()
+        layers = eng.spec.num_layers
+        assert agent.local_copy("host", [2, 1], "device", [5, 3], layers=[layers - 1, 0]) == "nixl"
+        want = torch.zeros_like(eng.kv_pool)
+        want[5, layers - 1] = host[2, layers - 1]
+        want[3, 0] = host[1, 0]
+        assert torch.equal(eng.kv_pool, want)
+        assert eng.store.local_copy is not None
+        with pytest.raises(ValueError, match="layers must give one index"):
+            agent.local_copy("host", [0], "device", [0], layers=[layers])
+    finally:
+        agent.close()

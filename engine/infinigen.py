@@ -1,0 +1,152 @@
+"""InfiniGen-style offload and recall: cold blocks wait on the host tier; each layer of each step recalls
+the blocks its query is likely to attend to.
+
+A sequence's device blocks, once its KV outgrows the budget::
+
+    block_table: [ sink blocks | staging blocks (recall_blocks) | recent blocks ... tail ]
+    host tier:   [ offloaded 0, offloaded 1, ... ]  (whole blocks in token order, private slots)
+
+* When the next token would need a block past the budget, the oldest recent blocks move to the host
+  tier (through the node's NIXL agent as a loopback WRITE) together with their key summaries (per
+  layer and KV head, min and max of the keys, as in Quest), and their device blocks are released.
+* Before decode attention at layer ``l``, the summaries of the offloaded blocks are scored against
+  the step's query (`kernels.reference.score_blocks`, the max over KV heads); the top ``recall_blocks``
+  are copied — layer ``l`` only — into the staging blocks, in token order, skipping those already
+  there. Attention then runs over sink + recalled + recent rows. A staging block holds a different
+  offloaded block in each layer; keys carry their rotary position, so that is exact.
+* With every offloaded block recalled, the rows are the sequence's KV in token order: full attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from engine.kv_policy import KvPolicies, Row
+
+
+@dataclass(slots=True, eq=False)
+class InfiniGenState:
+    """Per sequence (its device blocks stay in ``seq.block_table``)."""
+
+    num_sink_blocks: int
+    staging: list[int] = field(default_factory=list)  # device block ids, right after the sink blocks
+    host_slots: list[int] = field(default_factory=list)  # offloaded blocks in token order (reserved slots)
+    summaries: torch.Tensor | None = None  # [len(host_slots), L, Hkv, 2, D] float32: key min / max
+    staged: list[list[int]] = field(default_factory=list)  # [layer][j]: offloaded index in staging j (-1: none)
+
+
+class InfiniGen:
+    wants_weights = False
+
+    def __init__(self, owner: KvPolicies) -> None:
+        self.owner = owner
+
+    def new_state(self, seq: Sequence) -> InfiniGenState:
+        cfg = seq.long_context
+        assert cfg is not None
+        bs = self.owner.spec.block_size_tokens
+        return InfiniGenState(num_sink_blocks=-(-cfg.sink_tokens // bs),
+                              staged=[[] for _ in range(self.owner.spec.num_layers)])
+
+    def begin_step(self, seq: Sequence, state: InfiniGenState, *, num_tokens: int) -> None:
+        return None
+
+    def observe(self, layer: int, state: InfiniGenState, weights: torch.Tensor, num_rows: int) -> None:
+        return None
+
+    # ------------------------------------------------------------------ recall
+    def before_decode(self, layer: int, rows: list[Row], q: torch.Tensor) -> None:
+        """Pick and recall, for every row with offloaded blocks, this layer's top blocks."""
+        owner = self.owner
+        todo = [r for r in rows if r.state.host_slots]
+        if not todo:
+            return
+        scored = [r for r in todo if len(r.state.staging) < len(r.state.host_slots)]
+        picks: dict[int, list[int]] = {}
+        if scored:
+            summaries = torch.cat([r.state.summaries[:, layer] for r in scored])
+            counts = [len(r.state.host_slots) for r in scored]
+            cand_rows = torch.repeat_interleave(
+                torch.tensor([r.row for r in scored], dtype=torch.int64, device=q.device),
+                torch.tensor(counts, device=q.device))
+            scores = owner.backend.score_blocks(q, summaries, cand_rows, scale=owner.scale).amax(dim=1)
+            for r, part in zip(scored, scores.split(counts)):
+                picks[r.row] = sorted(part.topk(len(r.state.staging)).indices.tolist())
+        src: list[int] = []
+        dst: list[int] = []
+        for r in todo:
+            st = r.state
+            chosen = picks.get(r.row, list(range(len(st.host_slots))))
+            for j, off in enumerate(chosen):
+                if st.staged[layer][j] != off:
+                    src.append(st.host_slots[off])
+                    dst.append(st.staging[j])
+                    st.staged[layer][j] = off
+        owner.copy_blocks("host", src, "device", dst, layers=[layer] * len(src))
+        owner.stats.recalled_layer_blocks += len(src)
+
+    def positions(self, seq: Sequence, state: InfiniGenState, layer: int, num_rows: int) -> torch.Tensor:
+        bs = self.owner.spec.block_size_tokens
+        parts = [torch.arange(state.num_sink_blocks * bs)]
+        for off in state.staged[layer]:
+            start = (state.num_sink_blocks + off) * bs
+            parts.append(torch.arange(start, start + bs))
+        first_recent = (state.num_sink_blocks + len(state.host_slots)) * bs
+        parts.append(torch.arange(first_recent, first_recent + num_rows - sum(p.numel() for p in parts)))
+        pos = torch.cat(parts).to(self.owner.kv_pool.device)
+        return pos.expand(self.owner.spec.num_kv_heads, pos.numel())
+
+    # ----------------------------------------------------------------- offload
+    def enforce(self, seq: Sequence, state: InfiniGenState) -> None:
+        """Offload the oldest recent blocks when the next token would need a block past the budget."""
+        cfg = seq.long_context
+        assert cfg is not None
+        owner = self.owner
+        bs = owner.spec.block_size_tokens
+        front = state.num_sink_blocks + len(state.staging)
+        recent_needed = seq.num_kv_tokens // bs + 1 - front  # recent blocks incl. the next token's
+        move = recent_needed - (cfg.budget_blocks(bs) - state.num_sink_blocks - cfg.recall_blocks)
+        if move <= 0:
+            return
+        host = owner.store.host
+        assert host is not None, "infinigen needs a host tier (checked when the request was added)"
+        slots = host.reserve(move)
+        if slots is None:
+            owner.stats.offload_failures += 1
+            return
+        victims = seq.block_table[front : front + move]
+        summaries = owner.backend.block_key_summaries(
+            owner.kv_pool, torch.tensor(victims, dtype=torch.int64, device=owner.kv_pool.device))
+        owner.copy_blocks("device", victims, "host", slots)
+        owner.pool.release(victims)
+        state.host_slots.extend(slots)
+        state.summaries = summaries if state.summaries is None else torch.cat([state.summaries, summaries])
+        grow = min(cfg.recall_blocks, len(state.host_slots)) - len(state.staging)
+        new = owner.pool.allocate(grow) if grow > 0 else []
+        state.staging.extend(new)
+        for staged in state.staged:
+            staged.extend([-1] * len(new))
+        sink = seq.block_table[: state.num_sink_blocks]
+        seq.block_table[:] = sink + state.staging + seq.block_table[front + move :]
+        seq.num_absent_tokens = (len(state.host_slots) - len(state.staging)) * bs
+        seq.keys_stopped = True
+        owner.stats.offloaded_blocks += move
+
+    # --------------------------------------------------------------- lifecycle
+    def fork(self, state: InfiniGenState) -> InfiniGenState:
+        """``n > 1`` samples split at their first token, before any offload (offloads happen after the
+        step that samples it), so there is only the empty state to copy."""
+        assert not state.host_slots and not state.staging, "forking a sequence with offloaded KV"
+        return InfiniGenState(state.num_sink_blocks, staged=[[] for _ in state.staged])
+
+    def free(self, state: InfiniGenState) -> None:
+        if state.host_slots:
+            assert self.owner.store.host is not None
+            self.owner.store.host.unreserve(state.host_slots)
+        state.host_slots = []

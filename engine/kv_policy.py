@@ -1,0 +1,233 @@
+"""`KvPolicies`: the long-context policies of one engine — per-sequence state, the calls inside each
+model step, and the budget enforced after it (DESIGN §7, `engine.long_context` for the knobs).
+
+One step, for the sequences of the step whose policy is ``h2o`` or ``infinigen``::
+
+    engine.step
+      ├─ hook = policies.step_hook(scheduled)        state made; H2O: rows written this step recorded
+      ├─ model forward, per layer (model.attention.paged_attention):
+      │     hook.before_decode(layer, q)             InfiniGen: score offloaded blocks, recall top-k
+      │     attention (H2O: with per-token weights)
+      │     hook.after_attention(layer)              H2O: accumulate the weights
+      └─ policies.after_step(scheduled)              over budget → H2O evicts / InfiniGen offloads
+
+State is dropped (host slots given back) when the scheduler frees a sequence's blocks (`on_free`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from engine.scheduler import ScheduledStep
+from engine.sequence import Sequence, SequenceStatus
+from kvstore.block_spec import BlockSpec
+from kvstore.tiered_store import TieredStore
+from model.attention import AttentionBackend
+
+# ``observer(seq, layer, positions)``: after attention, the token positions each KV head of ``seq``
+# attended over (``[Hkv, n]`` int64) — what the benchmark needs to measure the attention mass kept.
+Observer = Callable[[Sequence, int, torch.Tensor], None]
+
+
+@dataclass(slots=True)
+class LongContextStats:
+    """Counters since start."""
+
+    evicted_tokens: int = 0  # h2o: (token, all layers) rows dropped
+    offloaded_blocks: int = 0  # infinigen: device blocks moved to host
+    recalled_layer_blocks: int = 0  # infinigen: (block, layer) slices copied back to device
+    offload_failures: int = 0  # infinigen: the host tier had no slot; the sequence stayed over budget
+
+
+class Policy(Protocol):
+    """One policy's behaviour; its per-sequence state is opaque to the manager."""
+
+    wants_weights: bool  # attention must output per-token weights for this policy's sequences
+
+    def new_state(self, seq: Sequence) -> Any: ...
+
+    def begin_step(self, seq: Sequence, state: Any, *, num_tokens: int) -> None:
+        """Before the forward: ``num_tokens`` new tokens of ``seq`` get KV rows this step."""
+
+    def before_decode(self, layer: int, rows: list[Row], q: torch.Tensor) -> None:
+        """Per layer, before decode attention; ``q`` ``[Nd, Hq, D]`` is the step's decode queries."""
+
+    def observe(self, layer: int, state: Any, weights: torch.Tensor, num_rows: int) -> None:
+        """Per layer, after attention: ``weights`` ``[Hkv, W]`` of the sequence's first ``num_rows`` rows."""
+
+    def positions(self, seq: Sequence, state: Any, layer: int, num_rows: int) -> torch.Tensor:
+        """``[Hkv, num_rows]`` token positions attended at ``layer``."""
+        ...
+
+    def enforce(self, seq: Sequence, state: Any) -> None:
+        """After the step: bring ``seq`` within its device budget for the next token."""
+
+    def fork(self, state: Any) -> Any: ...
+
+    def free(self, state: Any) -> None: ...
+
+
+class KvPolicies:
+    """Owned by the engine (its thread); see the module docstring.
+
+    Args:
+        store: the engine's tiered store (device pool, block pool, host tier, local copy path).
+        backend: attention kernels (block summaries and scores come from it).
+        spec: block layout.
+        scale: the model's softmax scale (``head_dim ** -0.5``).
+    """
+
+    def __init__(self, store: TieredStore, backend: AttentionBackend, *, spec: BlockSpec, scale: float) -> None:
+        from engine.h2o import H2O
+        from engine.infinigen import InfiniGen
+
+        self.store = store
+        self.pool = store.block_pool
+        self.kv_pool = store.device_pool
+        self.backend = backend
+        self.spec = spec
+        self.scale = scale
+        self.stats = LongContextStats()
+        self.observer: Observer | None = None
+        self.name_to_policy: dict[str, Policy] = {"h2o": H2O(self), "infinigen": InfiniGen(self)}
+        self._states: dict[int, tuple[Policy, Any]] = {}  # seq_id → (policy, state); owned here
+
+    # ------------------------------------------------------------------ queries
+    def state_of(self, seq: Sequence) -> Any:
+        """The policy state of ``seq`` (None if it has none yet): for tests and benchmarks."""
+        entry = self._states.get(seq.seq_id)
+        return None if entry is None else entry[1]
+
+    def _entry(self, seq: Sequence) -> tuple[Policy, Any]:
+        entry = self._states.get(seq.seq_id)
+        if entry is None:
+            assert seq.long_context is not None
+            policy = self.name_to_policy[seq.long_context.policy]
+            entry = (policy, policy.new_state(seq))
+            self._states[seq.seq_id] = entry
+        return entry
+
+    # ------------------------------------------------------------- step calls
+    def step_hook(self, step: ScheduledStep) -> StepHook | None:
+        """The calls for this step's forward, or None when no sequence in it has a policy."""
+        decodes = [Row(i, s, *self._entry(s), s.num_kv_tokens + 1)
+                   for i, s in enumerate(step.decodes) if s.long_context is not None]
+        prefills = [Row(i, c.seq, *self._entry(c.seq), c.seq.num_computed_tokens + c.num_tokens)
+                    for i, c in enumerate(step.prefills) if c.seq.long_context is not None]
+        if not decodes and not prefills:
+            return None
+        for r in decodes:
+            r.policy.begin_step(r.seq, r.state, num_tokens=1)
+        for r in prefills:
+            r.policy.begin_step(r.seq, r.state, num_tokens=r.num_rows - r.seq.num_computed_tokens)
+        decode_width = max((s.num_kv_tokens + 1 for s in step.decodes), default=0)
+        prefill_width = max((c.seq.num_computed_tokens + c.num_tokens for c in step.prefills), default=0)
+        return StepHook(self, decodes, prefills, decode_shape=(len(step.decodes), decode_width),
+                        prefill_shape=(len(step.prefills), prefill_width))
+
+    def after_step(self, step: ScheduledStep) -> None:
+        """Enforce the budget of every policy sequence of ``step`` that decodes next."""
+        for seq in [c.seq for c in step.prefills] + step.decodes:
+            if seq.long_context is not None and seq.status is SequenceStatus.RUNNING and seq.is_decode:
+                policy, state = self._entry(seq)
+                policy.enforce(seq, state)
+
+    # --------------------------------------------------------------- lifecycle
+    def on_free(self, seq: Sequence) -> None:
+        """The scheduler is releasing ``seq``'s blocks: drop its state (host slots given back)."""
+        entry = self._states.pop(seq.seq_id, None)
+        if entry is not None:
+            entry[0].free(entry[1])
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """``child`` starts as a copy of ``parent`` (an ``n > 1`` sample): copy the state too."""
+        entry = self._states.get(parent.seq_id)
+        if entry is not None:
+            self._states[child.seq_id] = (entry[0], entry[0].fork(entry[1]))
+
+    def check_integrity(self, live: Seq[Sequence]) -> None:
+        """Assert states belong to live sequences and host reservations match the states' slots."""
+        ids = {s.seq_id for s in live}
+        assert set(self._states) <= ids, f"policy state for finished sequences {sorted(set(self._states) - ids)}"
+        held = sum(len(getattr(st, "host_slots", ())) for _, st in self._states.values())
+        reserved = self.store.host.num_reserved if self.store.host is not None else 0
+        assert held == reserved, f"host tier reserves {reserved} slots, policy states hold {held}"
+
+    # ------------------------------------------------------------------ copies
+    def copy_blocks(self, src_tier: str, src_ids: Seq[int], dst_tier: str, dst_ids: Seq[int], *,
+                    layers: Seq[int] | None = None) -> None:
+        """Move whole blocks, or one layer each, between ``device`` and ``host``: through the node's NIXL
+        agent when one is attached (`TieredStore.attach_local_copy`), else with torch."""
+        if not src_ids:
+            return
+        if self.store.local_copy is not None:
+            self.store.local_copy(src_tier, src_ids, dst_tier, dst_ids, layers=layers)
+            return
+        assert self.store.host is not None
+        pools = {"device": self.kv_pool, "host": self.store.host.pool}
+        src, dst = pools[src_tier], pools[dst_tier]
+        for i, (s, d) in enumerate(zip(src_ids, dst_ids, strict=True)):
+            if layers is None:
+                dst[d].copy_(src[s])
+            else:
+                dst[d, layers[i]].copy_(src[s, layers[i]])
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One policy sequence in a step: its row in the step's decode (or prefill) batch, and how many
+    KV rows it attends over after this step's tokens are written."""
+
+    row: int
+    seq: Sequence
+    policy: Policy
+    state: Any
+    num_rows: int
+
+
+class StepHook:
+    """`model.attention.KvHook` for one step: routes each layer's calls to the sequences' policies.
+
+    Weight buffers ``[rows, Hkv, width]`` cover every row of the step (the kernels fill all rows);
+    only policy rows are read.
+    """
+
+    def __init__(self, owner: KvPolicies, decodes: list[Row], prefills: list[Row], *,
+                 decode_shape: tuple[int, int], prefill_shape: tuple[int, int]) -> None:
+        self.owner = owner
+        self.decodes = decodes
+        self.prefills = prefills
+        heads, device = owner.spec.num_kv_heads, owner.kv_pool.device
+
+        def buffer(rows: list[Row], shape: tuple[int, int]) -> torch.Tensor | None:
+            if not any(r.policy.wants_weights for r in rows):
+                return None
+            return torch.zeros(shape[0], heads, shape[1], dtype=torch.float32, device=device)
+
+        self._decode_weights = buffer(decodes, decode_shape)
+        self._prefill_weights = buffer(prefills, prefill_shape)
+        self._by_policy: dict[int, tuple[Policy, list[Row]]] = {}
+        for r in decodes:
+            self._by_policy.setdefault(id(r.policy), (r.policy, []))[1].append(r)
+
+    def token_weights(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return self._prefill_weights, self._decode_weights
+
+    def before_decode(self, layer: int, q: torch.Tensor, layer_cache: torch.Tensor) -> None:
+        for policy, rows in self._by_policy.values():
+            policy.before_decode(layer, rows, q)
+
+    def after_attention(self, layer: int) -> None:
+        observer = self.owner.observer
+        for weights, rows in ((self._prefill_weights, self.prefills), (self._decode_weights, self.decodes)):
+            for r in rows:
+                if weights is not None and r.policy.wants_weights:
+                    r.policy.observe(layer, r.state, weights[r.row], r.num_rows)
+        if observer is not None:
+            for r in self.decodes:
+                observer(r.seq, layer, r.policy.positions(r.seq, r.state, layer, r.num_rows))

@@ -1,0 +1,107 @@
+"""`LongContextConfig`: how a decode sequence keeps its KV within a device budget (DESIGN §7).
+
+Three policies, picked per deployment (``decode.long_context``) and per request (the API's
+``kvrelay.long_context`` field, merged with `LongContextConfig.with_overrides`):
+
+* ``none`` — full attention; every token's KV stays on device.
+* ``h2o`` — permanent eviction: beyond ``device_budget_tokens``, the tokens with the lowest
+  accumulated attention outside the first ``sink_tokens`` and the last ``recent_tokens`` are dropped.
+* ``infinigen`` — offload and recall: beyond the budget, whole cold blocks move to the host tier;
+  at every layer of every step the ``recall_blocks`` blocks whose key summaries score highest
+  against the query are copied back into staging blocks before attention. Nothing is lost.
+
+The budget counts whole blocks: a sequence holds at most ``device_budget_tokens // B`` device blocks
+in every decode step (its prompt is on device while it is prefilled).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+POLICIES = ("none", "h2o", "infinigen")
+OVERRIDABLE = ("policy", "device_budget_tokens", "sink_tokens", "recent_tokens", "recall_blocks")
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True, slots=True)
+class LongContextConfig:
+    """One sequence's long-context policy.
+
+    Attributes:
+        policy: ``none`` | ``h2o`` | ``infinigen``.
+        device_budget_tokens: KV a sequence may keep on device, in tokens (whole blocks count).
+        sink_tokens: the first tokens, always kept on device (attention sinks).
+        recent_tokens: the last tokens, always kept on device.
+        recall_blocks: ``infinigen``: blocks recalled per layer per step (top-k by key summaries).
+
+    Raises:
+        ValueError: naming the field, for a wrong type or range.
+    """
+
+    policy: str = "none"
+    device_budget_tokens: int = 4096
+    sink_tokens: int = 16
+    recent_tokens: int = 64
+    recall_blocks: int = 4
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"long_context.policy: {self.policy!r} is not one of {', '.join(POLICIES)}")
+        for name in ("device_budget_tokens", "sink_tokens", "recent_tokens", "recall_blocks"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"long_context.{name}: must be an integer >= 0, got {value!r}")
+        if self.device_budget_tokens == 0:
+            raise ValueError("long_context.device_budget_tokens: must be positive")
+
+    @property
+    def active(self) -> bool:
+        return self.policy != "none"
+
+    def budget_blocks(self, block_size_tokens: int) -> int:
+        return self.device_budget_tokens // block_size_tokens
+
+    def check(self, block_size_tokens: int) -> None:
+        """Raises ValueError when the budget cannot hold what the policy always keeps.
+
+        ``h2o`` evicts down to one block below the budget and keeps sink + recent tokens there;
+        ``infinigen`` keeps the sink blocks, ``recall_blocks`` staging blocks, the blocks covering
+        the recent tokens, and the block the next token is written to.
+        """
+        if not self.active:
+            return
+        bs = block_size_tokens
+        blocks = self.budget_blocks(bs)
+        if self.policy == "h2o":
+            room, kept = (blocks - 1) * bs, self.sink_tokens + self.recent_tokens
+            if room < kept:
+                raise ValueError(
+                    f"long_context: h2o evicts down to {room} tokens ({blocks} blocks of {bs} minus one), fewer "
+                    f"than sink_tokens + recent_tokens = {kept}; raise device_budget_tokens to at least "
+                    f"{(_ceil_div(kept, bs) + 1) * bs}")
+            return
+        need = _ceil_div(self.sink_tokens, bs) + self.recall_blocks + _ceil_div(self.recent_tokens, bs) + 1
+        if self.recall_blocks == 0:
+            raise ValueError("long_context.recall_blocks: infinigen needs at least 1")
+        if blocks < need:
+            raise ValueError(
+                f"long_context: infinigen keeps sink ({_ceil_div(self.sink_tokens, bs)}) + recall "
+                f"({self.recall_blocks}) + recent ({_ceil_div(self.recent_tokens, bs)}) + 1 blocks of {bs} tokens "
+                f"= {need} blocks, but device_budget_tokens={self.device_budget_tokens} allows {blocks}; "
+                f"raise it to at least {need * bs}")
+
+    def with_overrides(self, overrides: Mapping[str, Any] | None) -> LongContextConfig:
+        """This config with a request's fields replaced. Raises ValueError naming an unknown field."""
+        if not overrides:
+            return self
+        unknown = sorted(set(overrides) - set(OVERRIDABLE))
+        if unknown:
+            raise ValueError(f"kvrelay.long_context: unknown field(s) {', '.join(map(repr, unknown))}; "
+                             f"use {', '.join(OVERRIDABLE)}")
+        return dataclasses.replace(self, **dict(overrides))
