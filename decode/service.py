@@ -108,6 +108,12 @@ class DecodeService(EngineNode):
         rid, prompt, params, salt, first, handle = (msg.request_id, msg.prompt, msg.params, msg.salt,
                                                     msg.first_token_ids, msg.handle)
         try:
+            long_context = self.engine.config.long_context.with_overrides(msg.long_context)
+            self.engine.check_long_context(long_context)
+        except ValueError as exc:
+            self.metrics.request_done("bad_request")
+            return msgpack_response({"error": str(exc)}, status=400)
+        try:
             pinned = await self._pinned_blocks(handle, rid)
         except TransferFailed as exc:
             self.metrics.request_done("transfer_failed")
@@ -115,7 +121,7 @@ class DecodeService(EngineNode):
         log.info("request %s: joining the batch (%d prompt tokens, %d pulled blocks%s)", rid, len(prompt),
                  len(pinned or []), ", recompute after a failed pull" if pinned is None else "")
         stream = self.worker.submit(rid, prompt, params, salt=salt, first_token_ids=first,
-                                    pinned_block_ids=pinned or [])
+                                    pinned_block_ids=pinned or [], long_context=long_context)
         resp = web.StreamResponse(headers={"Content-Type": "application/msgpack"})
         done = False
         try:

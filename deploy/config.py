@@ -241,6 +241,13 @@ def parse_config(
     kvstore = parse_kvstore(root, base_dir=base_dir, gpu_free_bytes=gpu_free_bytes)
     services = parse_services(root, base_dir=base_dir, env=env)
     root.done()
+    long_context = services["decode"].long_context
+    try:
+        long_context.check(kvstore.block_size_tokens)
+    except ValueError as exc:
+        raise ConfigError(f"decode.{exc}") from None
+    if long_context.policy == "infinigen" and kvstore.host is None:
+        raise ConfigError("decode.long_context.policy: infinigen offloads to the host tier; set kvstore.host.bytes")
     return Config(kvstore=kvstore, **services)
 
 

@@ -43,7 +43,7 @@ def build_engine(config: Any, *, node_name: str, registry: CollectorRegistry) ->
     return LLMEngine(loaded, EngineConfig(
         num_blocks=store_config.num_device_blocks, block_size_tokens=config.kvstore.block_size_tokens,
         max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens, max_model_len=e.max_model_len,
-        enable_prefix_caching=e.enable_prefix_caching,
+        enable_prefix_caching=e.enable_prefix_caching, long_context=config.decode.long_context,
     ), store_config=store_config, registry=registry)
 
 

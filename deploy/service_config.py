@@ -20,6 +20,7 @@ from typing import Any
 
 from decode.service import FAILURE_POLICIES
 from deploy.sizes import ConfigError, parse_size
+from engine.long_context import OVERRIDABLE, POLICIES, LongContextConfig
 from kvstore.block_spec import DTYPE_NAME_TO_TORCH
 
 
@@ -57,6 +58,7 @@ class DecodeSection:
     on_transfer_failure: str = "recompute"
     max_pending_requests: int = 256
     transfer_timeout_s: float = 10.0
+    long_context: LongContextConfig = LongContextConfig()
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,7 +185,8 @@ def parse_services(root: Section, *, base_dir: Path, env: Mapping[str, str] | No
     decode = DecodeSection(decode_ports,
                            d.take("on_transfer_failure", one_of(FAILURE_POLICIES), "recompute"),
                            d.take("max_pending_requests", positive_int, 256),
-                           d.take("transfer_timeout_s", positive_float, 10.0))
+                           d.take("transfer_timeout_s", positive_float, 10.0),
+                           _long_context(d.section("long_context")))
     d.done()
     r = root.section("router")
     keys = r.take("api_keys", _string_list, ())
@@ -198,6 +201,25 @@ def parse_services(root: Section, *, base_dir: Path, env: Mapping[str, str] | No
     r.done()
     return {"model": model, "engine": engine, "internal": InternalSection(bind, token), "prefill": prefill,
             "decode": decode, "router": router}
+
+
+def _long_context(s: Section) -> LongContextConfig:
+    """``decode.long_context``; whether the budget fits the block size is checked with the kvstore section."""
+    default = LongContextConfig()
+    fields = {"policy": s.take("policy", one_of(POLICIES), default.policy)}
+    for name in OVERRIDABLE[1:]:
+        fields[name] = s.take(name, _count, getattr(default, name))
+    s.done()
+    try:
+        return LongContextConfig(**fields)
+    except ValueError as exc:
+        raise ConfigError(f"decode.{exc}") from None
+
+
+def _count(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ValueError("is not an integer >= 0")
+    return v
 
 
 def _string_list(v: Any) -> tuple[str, ...]:

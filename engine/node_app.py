@@ -10,6 +10,7 @@ Every path but /health and /metrics requires ``X-Kvrelay-Token`` when an interna
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import logging
 import os
@@ -69,6 +70,10 @@ class NodeMetrics:
         self.computed_tokens = Counter("kvrelay_engine_prefill_tokens", "Prompt tokens computed",
                                        registry=self.registry)
 
+        self.long_context = Counter("kvrelay_long_context", "Long-context policy work: evicted_tokens (h2o), "
+                                    "offloaded_blocks, recalled_layer_blocks, offload_failures (infinigen)",
+                                    ["what"], registry=self.registry)
+
     def request_done(self, status: str) -> None:
         self.requests.labels(self.role, status).inc()
 
@@ -97,6 +102,7 @@ class EngineNode:
         self.engine.pool.add_listener(self.events)
         self._hit_tokens_seen = 0
         self._computed_seen = 0
+        self._long_context_seen: dict[str, int] = {}
 
     def make_app(self, *, client_max_size: int) -> web.Application:
         app = web.Application(middlewares=[token_middleware(self.config.internal_token)],
@@ -133,6 +139,8 @@ class EngineNode:
             "running": self.worker.num_running, "waiting": self.worker.num_waiting,
             "free_blocks": self.worker.num_free_blocks, "in_use_blocks": self.worker.num_in_use_blocks,
             "total_blocks": self.engine.pool.num_blocks,
+            "host_reserved_blocks": self.engine.store.host.num_reserved if self.engine.store.host else 0,
+            "long_context": dataclasses.asdict(self.engine.policies.stats),
         })
 
     async def prometheus(self, request: web.Request) -> web.Response:
@@ -142,6 +150,10 @@ class EngineNode:
         self.metrics.prefix_hit_tokens.inc(hit - self._hit_tokens_seen)
         self.metrics.computed_tokens.inc(computed - self._computed_seen)
         self._hit_tokens_seen, self._computed_seen = hit, computed
+        for name, value in dataclasses.asdict(self.engine.policies.stats).items():
+            counter = self.metrics.long_context.labels(name)
+            counter.inc(value - self._long_context_seen.get(name, 0))
+            self._long_context_seen[name] = value
         return web.Response(body=generate_latest(self.metrics.registry),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 

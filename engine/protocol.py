@@ -5,7 +5,7 @@ Nothing is pickled. Every decoder sets msgpack's length limits and checks field 
 
     prefill request   {"request_id", "prompt", "params", "salt"}
     prefill response  {"first_token_ids", "finish_reasons", "handle", "num_cached_tokens"}
-    decode request    {"request_id", "prompt", "params", "salt", "first_token_ids"?, "handle"?}
+    decode request    {"request_id", "prompt", "params", "salt", "first_token_ids"?, "handle"?, "long_context"?}
     decode stream     frames {"index", "tokens", "finished", "reason"} | {"error", "status"}
 """
 
@@ -18,6 +18,7 @@ from typing import Any
 
 import msgpack
 
+from engine.long_context import OVERRIDABLE
 from model.sampling import SamplingParams
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
@@ -82,6 +83,7 @@ class GenerationMessage:
     salt: bytes
     first_token_ids: list[int] | None
     handle: dict[str, Any] | None
+    long_context: dict[str, Any] | None = None  # the request's overrides of decode.long_context
 
 
 def parse_generation(data: bytes) -> GenerationMessage:
@@ -92,8 +94,22 @@ def parse_generation(data: bytes) -> GenerationMessage:
     return GenerationMessage(
         request_id=field(msg, "request_id", str), prompt=prompt, params=params_from_wire(field(msg, "params", dict)),
         salt=field(msg, "salt", bytes), first_token_ids=int_list(msg, "first_token_ids", optional=True),
-        handle=field(msg, "handle", dict, optional=True),
+        handle=field(msg, "handle", dict, optional=True), long_context=long_context_overrides(msg),
     )
+
+
+def long_context_overrides(msg: Any) -> dict[str, Any] | None:
+    """The ``long_context`` map of a decode request: known fields with the right types, or ProtocolError."""
+    value = field(msg, "long_context", dict, optional=True)
+    if value is None:
+        return None
+    for name, v in value.items():
+        if name not in OVERRIDABLE:
+            raise ProtocolError(f"long_context: unknown field {name!r}; use {', '.join(OVERRIDABLE)}")
+        ok = isinstance(v, str) if name == "policy" else isinstance(v, int) and not isinstance(v, bool)
+        if not ok:
+            raise ProtocolError(f"long_context.{name} has type {type(v).__name__}")
+    return value
 
 
 def params_to_wire(params: SamplingParams) -> dict[str, Any]:

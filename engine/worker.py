@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from engine.engine import LLMEngine, RequestError, StepOutput
+from engine.long_context import LongContextConfig
 from model.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ class _Submit:
     first_token_ids: list[int] | None
     pinned_block_ids: list[int]
     on_finish: FinishHook | None
+    long_context: LongContextConfig | None = None
 
 
 class EngineWorker:
@@ -114,13 +116,14 @@ class EngineWorker:
         first_token_ids: Sequence[int] | None = None,
         pinned_block_ids: Sequence[int] = (),
         on_finish: FinishHook | None = None,
+        long_context: LongContextConfig | None = None,
     ) -> RequestStream:
         """Queue a request (see `LLMEngine.add_request`). ``on_finish(engine, request_id)`` runs on the
         worker thread right after the step that finishes the request, before any other step and
         before the stream yields its last output."""
         stream = RequestStream(request_id, params.n)
         cmd = _Submit(stream, list(prompt), params, salt, None if first_token_ids is None else list(first_token_ids),
-                      list(pinned_block_ids), on_finish)
+                      list(pinned_block_ids), on_finish, long_context)
         self._commands.put(lambda: self._do_submit(cmd))
         return stream
 
@@ -159,7 +162,8 @@ class EngineWorker:
         rid = cmd.stream.request_id
         try:
             self.engine.add_request(rid, cmd.prompt, cmd.params, salt=cmd.salt,
-                                    first_token_ids=cmd.first_token_ids, pinned_block_ids=cmd.pinned_block_ids)
+                                    first_token_ids=cmd.first_token_ids, pinned_block_ids=cmd.pinned_block_ids,
+                                    long_context=cmd.long_context)
         except RequestError as exc:
             if cmd.pinned_block_ids:
                 self.engine.pool.release(cmd.pinned_block_ids)

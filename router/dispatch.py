@@ -107,7 +107,8 @@ class Dispatcher:
                 raise ApiError(503, "no decode node is available; retry later")
             tried.add(node.name)
             body = {"request_id": req.request_id, "prompt": req.prompt_token_ids,
-                    "params": params_to_wire(req.params), "salt": salt, "first_token_ids": first, "handle": handle}
+                    "params": params_to_wire(req.params), "salt": salt, "first_token_ids": first, "handle": handle,
+                    "long_context": req.long_context}
             started = False
             node.in_flight += 1
             log.info("request %s: decoding on %s (KV handle: %s)", req.request_id, node.name, handle is not None)
@@ -125,7 +126,7 @@ class Dispatcher:
                     raise NodeUnavailable(f"{node.name} ended the stream before every sample finished")
                 return
             except NodeUnavailable as exc:
-                self.nodes.mark_down(node)
+                self.nodes.mark_down(node, str(exc))
                 if started:
                     raise ApiError(503, f"the decode node failed mid-request: {exc}") from None
                 log.warning("request %s: %s; trying another decode node", req.request_id, exc)

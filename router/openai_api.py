@@ -11,6 +11,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from engine.long_context import OVERRIDABLE, POLICIES
 from model.sampling import SamplingParams
 from model.tokenizer import Tokenizer
 
@@ -59,6 +60,36 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     created: int
+    long_context: dict[str, Any] | None = None  # ``kvrelay.long_context``: overrides of decode.long_context
+
+
+def _kvrelay_extension(body: dict[str, Any]) -> dict[str, Any] | None:
+    """The ``kvrelay`` extension field: ``{"long_context": {"policy": "h2o", "device_budget_tokens": 512, ...}}``.
+
+    Field names and types are checked here; whether the budget fits is the decode node's call (400 from it).
+    """
+    ext = _get(body, "kvrelay", dict, None)
+    if ext is None:
+        return None
+    unknown = sorted(set(ext) - {"long_context"})
+    if unknown:
+        raise ApiError(400, f"kvrelay: unknown field {unknown[0]!r}; the extension takes long_context", param="kvrelay")
+    lc = ext.get("long_context")
+    if lc is None:
+        return None
+    if not isinstance(lc, dict):
+        raise ApiError(400, "kvrelay.long_context must be an object", param="kvrelay.long_context")
+    for name, value in lc.items():
+        param = f"kvrelay.long_context.{name}"
+        if name not in OVERRIDABLE:
+            raise ApiError(400, f"kvrelay.long_context: unknown field {name!r}; use {', '.join(OVERRIDABLE)}",
+                           param=param)
+        if name == "policy":
+            if value not in POLICIES:
+                raise ApiError(400, f"{param} must be one of {', '.join(POLICIES)}, got {value!r}", param=param)
+        elif isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ApiError(400, f"{param} must be an integer >= 0, got {value!r}", param=param)
+    return dict(lc)
 
 
 def _get(body: dict[str, Any], name: str, types: type | tuple[type, ...], default: Any) -> Any:
@@ -181,7 +212,7 @@ def parse_completion(body: Any, served: ServedModel) -> GenerationRequest:
     params, stops = _sampling(body, served, len(ids))
     stream, include_usage = _stream_options(body)
     return GenerationRequest(f"cmpl-{uuid.uuid4().hex}", "completion", ids, params, stops, stream, include_usage,
-                             int(time.time()))
+                             int(time.time()), _kvrelay_extension(body))
 
 
 def parse_chat(body: Any, served: ServedModel) -> GenerationRequest:
@@ -218,7 +249,7 @@ def parse_chat(body: Any, served: ServedModel) -> GenerationRequest:
     params, stops = _sampling(body, served, len(ids))
     stream, include_usage = _stream_options(body)
     return GenerationRequest(f"chatcmpl-{uuid.uuid4().hex}", "chat", ids, params, stops, stream, include_usage,
-                             int(time.time()))
+                             int(time.time()), _kvrelay_extension(body))
 
 
 # ------------------------------------------------------------------ responses

@@ -26,7 +26,10 @@ def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(258) for _ in range(length + 7 * i)] for i in range(n)]
 
 
-def _engine(loaded, policy: LongContextConfig = LongContextConfig(), *, host_blocks: int = 64) -> LLMEngine:
+FULL = LongContextConfig()
+
+
+def _engine(loaded, policy: LongContextConfig = FULL, *, host_blocks: int = 64) -> LLMEngine:
     return LLMEngine(loaded, EngineConfig(num_blocks=96, long_context=policy),
                      store_config=TieredStoreConfig(num_device_blocks=96, num_host_blocks=host_blocks,
                                                     watermark_blocks=0))
