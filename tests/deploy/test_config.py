@@ -117,3 +117,25 @@ def test_shipped_configs_load(monkeypatch):
     for path in sorted(DEFAULT_CONFIG.parent.glob("*.yaml")):
         config = load_config(path, gpu_free_bytes=lambda: 80 << 30)
         assert config.kvstore.device.size_bytes or config.kvstore.device.free_memory_frac, path
+
+
+def test_decode_long_context_section(tmp_path):
+    from engine.long_context import LongContextConfig
+
+    base = "model: {path: m}\nkvstore: {device: {bytes: 1GiB}, host: {bytes: 1GiB}}\n"
+    config = load_config(write(tmp_path, base + "decode:\n  long_context: {policy: infinigen, device_budget_tokens: "
+                                              "1024, sink_tokens: 32, recent_tokens: 128, recall_blocks: 8}\n"))
+    assert config.decode.long_context == LongContextConfig("infinigen", 1024, 32, 128, 8)
+    assert load_config(write(tmp_path, base)).decode.long_context == LongContextConfig()
+    for text, message in [
+        ("  long_context: {policy: lru}\n", "decode.long_context.policy: 'lru' is not one of"),
+        ("  long_context: {sink_tokens: -1}\n", "decode.long_context.sink_tokens: -1 is not an integer >= 0"),
+        ("  long_context: {budget: 3}\n", "decode.long_context.budget: unknown key"),
+        ("  long_context: {policy: h2o, device_budget_tokens: 32}\n",
+         "decode.long_context: h2o evicts down to 16 tokens"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(write(tmp_path, base + "decode:\n" + text))
+    with pytest.raises(ConfigError, match="infinigen offloads to the host tier; set kvstore.host.bytes"):
+        load_config(write(tmp_path, "model: {path: m}\nkvstore: {device: {bytes: 1GiB}}\n"
+                                    "decode: {long_context: {policy: infinigen}}\n"))
