@@ -3,7 +3,7 @@
     kvrelay tiny-model DIR [--seed S --layers N --hidden N --heads N --kv-heads N --vocab N]
     kvrelay generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3) --max-tokens N [--json]
     kvrelay store stats|clear --config FILE
-    kvrelay bench memory|decode|kernel|tiers|transfer [...]
+    kvrelay bench memory|decode|kernel|tiers|transfer|serve|long-context [...]
 """
 
 from __future__ import annotations
@@ -101,6 +101,7 @@ BENCH_NAME_TO_MODULE: dict[str, str] = {
     "tiers": "benchmarks.tier_bench",
     "transfer": "benchmarks.transfer_bench",
     "serve": "benchmarks.serve_bench",
+    "long-context": "benchmarks.long_context_bench",
 }
 
 

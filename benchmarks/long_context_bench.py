@@ -1,0 +1,263 @@
+"""``kvrelay bench long-context``: H2O and InfiniGen-style offload/recall against full attention.
+
+A random-weight model attends diffusely, so this runs a tiny model trained here on a retrieval task
+(`benchmarks.long_context_task`: sharp attention, trained once and cached under ``.models/``). For each
+device budget (a fraction of the prompt, in whole blocks) and policy, the same held-out prompts run
+through the serving engine (greedy, one batch) and the run reports, side by side with ``none``:
+
+* ``accuracy`` — generated tokens equal to the task's answer (token level); ``exact`` — whole answers right;
+* ``agreement`` — generated tokens equal to the full-attention run's, position by position;
+* ``attention_mass_kept`` — at every decode step, layer and KV head, the share of full attention's
+  probability (teacher-forced on the policy's own output, query heads of the group averaged) that
+  falls on the tokens the policy attended to;
+* ``device_kv_bytes_per_seq`` — device KV a sequence held, averaged over its decode steps;
+* ``step_time_vs_none`` — decode-phase seconds per step relative to ``none`` (best of ``repeats``).
+
+Both policies get the same budget: H2O keeps ``budget_blocks - 1`` blocks of tokens plus room for the
+next ones; InfiniGen keeps the sink block, the recent block and the tail, and recalls into the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import emit, machine_label
+
+BUDGET_FRACS = (0.1, 0.2, 0.5)
+
+
+@dataclass(frozen=True, slots=True)
+class RunResult:
+    outputs: list[list[int]]
+    decode_s_per_step: float
+    mean_device_blocks: float
+    attended: dict[tuple[int, int, int], torch.Tensor]  # (example, layer, position) → [Hkv, n] positions
+    stats: dict[str, int]
+
+
+def _policy(name: str, frac: float, prompt_tokens: int, bs: int, sink: int, recent: int) -> Any:
+    from engine.long_context import LongContextConfig
+
+    blocks = max(int(frac * prompt_tokens) // bs, 1)
+    if name == "h2o":
+        blocks = max(blocks, -(-(sink + recent) // bs) + 1)
+        return LongContextConfig("h2o", blocks * bs, sink, recent)
+    fixed = -(-sink // bs) + -(-recent // bs) + 1
+    blocks = max(blocks, fixed + 1)
+    return LongContextConfig("infinigen", blocks * bs, sink, recent, recall_blocks=blocks - fixed)
+
+
+def _run(loaded: Any, prompts: list[list[int]], answer_tokens: int, policy: Any, *, bs: int,
+         record: bool) -> RunResult:
+    """All prompts in one batch; times the steps after every prompt has been prefilled."""
+    from deploy.transfer_wiring import make_agent
+    from engine.engine import EngineConfig, LLMEngine
+    from kvstore.tiered_store import TieredStoreConfig
+    from model.sampling import SamplingParams
+
+    longest = max(len(p) for p in prompts) + answer_tokens
+    blocks = len(prompts) * (-(-longest // bs) + 2) + 8
+    eng = LLMEngine(loaded, EngineConfig(num_blocks=blocks, block_size_tokens=bs, max_num_seqs=len(prompts),
+                                         max_num_batched_tokens=4096, enable_prefix_caching=False,
+                                         long_context=policy),
+                    store_config=TieredStoreConfig(num_device_blocks=blocks, num_host_blocks=blocks,
+                                                   watermark_blocks=0))
+    agent = make_agent(eng, f"bench-long-context-{policy.policy}")  # offload and recall through NIXL, as on a node
+    attended: dict[tuple[int, int, int], torch.Tensor] = {}
+    device_blocks: list[int] = []
+    index = {f"ex{i}": i for i in range(len(prompts))}
+
+    def observe(seq: Any, layer: int, positions: torch.Tensor) -> None:
+        if layer == 0:
+            device_blocks.append(len(seq.block_table))
+        if record:
+            attended[(index[seq.request_id], layer, seq.num_computed_tokens)] = positions.cpu().clone()
+
+    eng.policies.observer = observe
+    params = SamplingParams(max_tokens=answer_tokens, ignore_eos=True)
+    for rid, prompt in zip(index, prompts):
+        eng.add_request(rid, prompt, params)
+    outputs: dict[str, list[int]] = defaultdict(list)
+    decode_s, decode_steps = 0.0, 0
+    while eng.has_unfinished():
+        decoding = all(s.num_output_tokens > 0 for s in eng.scheduler.running) and not eng.scheduler.waiting
+        t0 = time.perf_counter()
+        outs = eng.step()
+        if decoding:
+            decode_s += time.perf_counter() - t0
+            decode_steps += 1
+        for o in outs:
+            outputs[o.request_id].extend(o.new_token_ids)
+    if not policy.active:  # no observer calls without a policy: count the blocks of full attention
+        device_blocks = [-(-(len(p) + t) // bs) for p in prompts for t in range(1, answer_tokens)]
+    stats = dataclasses.asdict(eng.policies.stats)
+    agent.close()
+    eng.close()
+    return RunResult([outputs[rid] for rid in index], decode_s / max(decode_steps, 1),
+                     sum(device_blocks) / max(len(device_blocks), 1), attended, stats)
+
+
+@torch.inference_mode()
+def _full_attention_probs(loaded: Any, tokens: list[int]) -> list[torch.Tensor]:
+    """Per layer ``[Hq, T, T]`` causal softmax of the model over ``tokens`` (plain torch, no cache)."""
+    from model.rope import apply_rotary, rotary_cos_sin
+
+    model = loaded.model
+    ids = torch.tensor(tokens, dtype=torch.int64)
+    positions = torch.arange(len(tokens))
+    x = model.model.embed_tokens(ids)
+    cos, sin = rotary_cos_sin(model.rope_inv_freq, positions, dtype=x.dtype)
+    t = len(tokens)
+    mask = torch.full((t, t), float("-inf")).triu(1)
+    probs_per_layer = []
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        h = layer.input_layernorm(x)
+        q = apply_rotary(attn.q_proj(h).view(t, attn.num_heads, attn.head_dim), cos, sin)
+        k = apply_rotary(attn.k_proj(h).view(t, attn.num_kv_heads, attn.head_dim), cos, sin)
+        v = attn.v_proj(h).view(t, attn.num_kv_heads, attn.head_dim)
+        group = attn.num_heads // attn.num_kv_heads
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = torch.einsum("thd,shd->hts", q.float(), k.float()) * attn.scale + mask
+        probs = torch.softmax(scores, dim=-1)
+        probs_per_layer.append(probs)
+        out = torch.einsum("hts,shd->thd", probs, v.float()).to(x.dtype)
+        x = x + attn.o_proj(out.reshape(t, -1))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return probs_per_layer
+
+
+def _mass_kept(loaded: Any, prompts: list[list[int]], run: RunResult) -> float:
+    """Mean over (example, decode step, layer, KV head) of full attention's mass on the attended tokens."""
+    cfg = loaded.config
+    group = cfg.num_attention_heads // cfg.num_key_value_heads
+    total, count = 0.0, 0
+    by_example: dict[int, list[tuple[int, int, torch.Tensor]]] = defaultdict(list)
+    for (ex, layer, pos), positions in run.attended.items():
+        by_example[ex].append((layer, pos, positions))
+    for ex, items in by_example.items():
+        probs = _full_attention_probs(loaded, prompts[ex] + run.outputs[ex])
+        for layer, pos, positions in items:
+            p = probs[layer][:, pos]  # [Hq, T]
+            for kv_head in range(positions.shape[0]):
+                rows = p[kv_head * group : (kv_head + 1) * group]
+                total += float(rows[:, positions[kv_head]].sum()) / group
+                count += 1
+    return total / max(count, 1)
+
+
+def _score(outputs: list[list[int]], answers: list[list[int]], reference: list[list[int]]) -> dict[str, float]:
+    right = sum(o == a for out, ans in zip(outputs, answers) for o, a in zip(out, ans))
+    agree = sum(o == r for out, ref in zip(outputs, reference) for o, r in zip(out, ref))
+    n = sum(len(a) for a in answers)
+    return {"accuracy": round(right / n, 4), "exact": round(sum(o == a for o, a in zip(outputs, answers)) /
+                                                            len(answers), 4),
+            "agreement": round(agree / n, 4)}
+
+
+def run(*, model_dir: str | None, context_tokens: int, answer_tokens: int, num_examples: int, seed: int,
+        block_size_tokens: int, repeats: int, plot: str | None) -> dict:
+    from benchmarks.long_context_task import ensure_model, make_examples
+    from engine.long_context import LongContextConfig
+    from model.loader import load_model
+
+    path = Path(model_dir) if model_dir else ensure_model(Path(".models"))
+    loaded = load_model(path)
+    examples = make_examples(num_examples, seed=seed, context_tokens=context_tokens, answer_tokens=answer_tokens)
+    prompts = [e.prompt_ids for e in examples]
+    answers = [e.answer_ids for e in examples]
+    prompt_tokens = min(len(p) for p in prompts)
+    bs = block_size_tokens
+    spec_bytes = (2 * loaded.config.num_hidden_layers * loaded.config.num_key_value_heads * bs
+                  * loaded.config.head_dim * next(loaded.model.parameters()).element_size())
+    sink, recent = bs, bs
+
+    def best(policy: LongContextConfig, record: bool) -> RunResult:
+        runs = [_run(loaded, prompts, answer_tokens, policy, bs=bs, record=record and i == 0) for i in range(repeats)]
+        fastest = min(r.decode_s_per_step for r in runs)
+        first = runs[0]
+        return RunResult(first.outputs, fastest, first.mean_device_blocks, first.attended, first.stats)
+
+    full = best(LongContextConfig(), record=False)
+    rows: list[dict[str, Any]] = [{
+        "policy": "none", "budget_frac": 1.0, "device_budget_tokens": None,
+        **_score(full.outputs, answers, full.outputs),
+        "attention_mass_kept": 1.0, "device_kv_bytes_per_seq": round(full.mean_device_blocks * spec_bytes),
+        "step_time_vs_none": 1.0, "decode_ms_per_step": round(full.decode_s_per_step * 1e3, 2)}]
+    for frac in BUDGET_FRACS:
+        for name in ("h2o", "infinigen"):
+            policy = _policy(name, frac, prompt_tokens, bs, sink, recent)
+            result = best(policy, record=True)
+            rows.append({
+                "policy": name, "budget_frac": frac, "device_budget_tokens": policy.device_budget_tokens,
+                "recall_blocks": policy.recall_blocks if name == "infinigen" else None,
+                **_score(result.outputs, answers, full.outputs),
+                "attention_mass_kept": round(_mass_kept(loaded, prompts, result), 4),
+                "device_kv_bytes_per_seq": round(result.mean_device_blocks * spec_bytes),
+                "device_kv_vs_none": round(result.mean_device_blocks / full.mean_device_blocks, 3),
+                "step_time_vs_none": round(result.decode_s_per_step / full.decode_s_per_step, 2),
+                "decode_ms_per_step": round(result.decode_s_per_step * 1e3, 2),
+                "policy_stats": result.stats,
+            })
+    gains = {}
+    for frac in BUDGET_FRACS:
+        h = next(r for r in rows if r["policy"] == "h2o" and r["budget_frac"] == frac)
+        i = next(r for r in rows if r["policy"] == "infinigen" and r["budget_frac"] == frac)
+        gains[str(frac)] = round(i["accuracy"] - h["accuracy"], 4)
+    result = {"bench": "long-context", **machine_label(), "model": str(path), "prompt_tokens": prompt_tokens,
+              "answer_tokens": answer_tokens, "examples": num_examples, "seed": seed, "block_size_tokens": bs,
+              "sink_tokens": sink, "recent_tokens": recent, "repeats": repeats, "threads": torch.get_num_threads(),
+              "rows": rows, "infinigen_minus_h2o_accuracy": gains}
+    if plot:
+        _plot(rows, plot)
+    return result
+
+
+def _plot(rows: list[dict[str, Any]], out: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for name, marker in (("h2o", "o"), ("infinigen", "s")):
+        pts = [r for r in rows if r["policy"] == name]
+        axes[0].plot([r["budget_frac"] for r in pts], [r["accuracy"] for r in pts], marker=marker, label=name)
+        axes[1].plot([r["budget_frac"] for r in pts], [r["attention_mass_kept"] for r in pts], marker=marker,
+                     label=name)
+    none = next(r for r in rows if r["policy"] == "none")
+    axes[0].axhline(none["accuracy"], color="gray", linestyle="--", label="full attention")
+    axes[0].set(xlabel="device budget (fraction of prompt)", ylabel="answer accuracy", ylim=(0, 1.05))
+    axes[1].set(xlabel="device budget (fraction of prompt)", ylabel="attention mass kept", ylim=(0, 1.05))
+    for ax in axes:
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="kvrelay bench long-context", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="model dir (default: the trained retrieval model, cached)")
+    p.add_argument("--context-tokens", type=int, default=768)
+    p.add_argument("--answer-tokens", type=int, default=24)
+    p.add_argument("--examples", type=int, default=32)
+    p.add_argument("--seed", type=int, default=12345, help="held-out examples (training uses others)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--plot", default=None, help="write a PNG: accuracy and attention mass kept vs budget")
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    emit(run(model_dir=a.model, context_tokens=a.context_tokens, answer_tokens=a.answer_tokens,
+             num_examples=a.examples, seed=a.seed, block_size_tokens=a.block_size, repeats=a.repeats,
+             plot=a.plot), a.out)
+    return 0
