@@ -66,7 +66,7 @@ def build_app(config: Any, role: str, index: int) -> tuple[web.Application, str,
             decode_urls=r.decode_urls or tuple(node_url(_reachable(internal.bind), p) for p in config.decode.ports),
             host=r.host, port=r.port, api_keys=r.api_keys, max_body_bytes=r.max_body_bytes,
             request_timeout_s=r.request_timeout_s, max_n=r.max_n, internal_token=internal.token,
-            load_weight_tokens=r.load_weight_tokens,
+            load_weight_tokens=r.load_weight_tokens, long_context=config.decode.long_context,
         ))
         return router.make_app(), r.host, r.port
     ports = config.prefill.ports if role == "prefill" else config.decode.ports

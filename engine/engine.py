@@ -278,7 +278,7 @@ class LLMEngine:
             outputs.append(self._append_token(seq, tok))
         for req_id in {o.request_id for o in outputs if o.finished}:
             self._forget_if_done(req_id)
-        self.policies.after_step(sched)
+        self.policies.after_step(self.scheduler.running)
         self.store.maintain_watermark()
         return outputs
 

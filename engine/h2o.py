@@ -101,7 +101,9 @@ class H2O:
             top,
             torch.arange(n - recent, n, device=device).expand(num_layers, heads, recent),
         ], dim=2).sort(dim=2).values  # [L, H, keep], ascending: kept rows keep their order
-        self._compact(seq, idx, n)
+        if not self._compact(seq, idx, n):
+            owner.stats.deferred += 1  # no block for a copy-on-write: stay over budget, try next step
+            return
         state.scores = torch.cat([state.scores.gather(2, idx), state.scores.new_zeros(num_layers, heads, bs)], dim=2)
         state.positions = torch.cat([state.positions.gather(2, idx),
                                      state.positions.new_zeros(num_layers, heads, bs)], dim=2)
@@ -109,33 +111,40 @@ class H2O:
         seq.keys_stopped = True
         owner.stats.evicted_tokens += n - keep
 
-    def _compact(self, seq: Sequence, idx: torch.Tensor, n: int) -> None:
-        """Rewrite ``seq``'s KV so that row ``i`` of (layer, head) holds old row ``idx[layer, head, i]``."""
+    def _compact(self, seq: Sequence, idx: torch.Tensor, n: int) -> bool:
+        """Rewrite ``seq``'s KV so that row ``i`` of (layer, head) holds old row ``idx[layer, head, i]``.
+
+        Returns False, changing nothing, when the pool lacks the blocks for copies of shared blocks.
+        """
         owner = self.owner
         pool, kv = owner.pool, owner.kv_pool
         bs = owner.spec.block_size_tokens
         num_layers, heads, keep = idx.shape
         nb_old = -(-n // bs)
         nb_new = -(-keep // bs)
+        moved = (idx != torch.arange(keep, device=idx.device)).nonzero()
+        first_block = int(moved[:, 2].min()) // bs if moved.numel() else nb_new
+        shared = [i for i in range(first_block, nb_new)
+                  if pool.ref_count(seq.block_table[i]) > 1 or pool.key_of(seq.block_table[i]) is not None]
+        freed = sum(pool.ref_count(b) == 1 for b in seq.block_table[nb_new:nb_old])
+        if len(shared) > pool.num_free_blocks + freed:
+            return False
         table = torch.tensor(seq.block_table[:nb_old], dtype=torch.int64, device=kv.device)
         # [nb, L, 2, H, B, D] → [L, 2, H, nb·B, D]: the sequence's rows in order
         rows = kv[table].permute(1, 2, 3, 0, 4, 5).reshape(num_layers, 2, heads, nb_old * bs, -1)
         d = rows.shape[-1]
         kept = rows.gather(3, idx[:, None, :, :, None].expand(num_layers, 2, heads, keep, d))
-        moved = (idx != torch.arange(keep, device=idx.device)).nonzero()
-        first_block = int(moved[:, 2].min()) // bs if moved.numel() else nb_new
         pool.release(seq.block_table[nb_new:])
         del seq.block_table[nb_new:]
-        for i in range(first_block, nb_new):
-            b = seq.block_table[i]
-            if pool.ref_count(b) > 1 or pool.key_of(b) is not None:  # shared: write a private copy instead
-                [fresh] = pool.allocate(1)
-                pool.release([b])
-                seq.block_table[i] = fresh
+        fresh = pool.allocate(len(shared))  # cannot fail: counted above
+        for i, b in zip(shared, fresh):  # shared: write a private copy instead
+            pool.release([seq.block_table[i]])
+            seq.block_table[i] = b
         if first_block >= nb_new:
-            return
+            return True
         padded = kept.new_zeros(num_layers, 2, heads, nb_new * bs, d)
         padded[:, :, :, :keep] = kept
         blocks = padded.reshape(num_layers, 2, heads, nb_new, bs, d).permute(3, 0, 1, 2, 4, 5)
         dst = torch.tensor(seq.block_table[first_block:nb_new], dtype=torch.int64, device=kv.device)
         kv[dst] = blocks[first_block:].to(kv.dtype)
+        return True

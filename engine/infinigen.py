@@ -117,18 +117,21 @@ class InfiniGen:
         host = owner.store.host
         assert host is not None, "infinigen needs a host tier (checked when the request was added)"
         slots = host.reserve(move)
-        if slots is None:
-            owner.stats.offload_failures += 1
+        if slots is None:  # host tier full of other offloads: stay over budget, try again next step
+            owner.stats.deferred += 1
             return
         victims = seq.block_table[front : front + move]
         summaries = owner.backend.block_key_summaries(
             owner.kv_pool, torch.tensor(victims, dtype=torch.int64, device=owner.kv_pool.device))
-        owner.copy_blocks("device", victims, "host", slots)
-        owner.pool.release(victims)
+        owner.copy_blocks("device", victims, "host", slots)  # falls back to torch; never half done
         state.host_slots.extend(slots)
+        owner.pool.release(victims)
         state.summaries = summaries if state.summaries is None else torch.cat([state.summaries, summaries])
+        # Staging blocks come from what the victims freed; shared victims (an n > 1 sibling, a cached
+        # prompt) free nothing, so take what is there: fewer staging blocks only mean fewer recalls.
         grow = min(cfg.recall_blocks, len(state.host_slots)) - len(state.staging)
-        new = owner.pool.allocate(grow) if grow > 0 else []
+        grow = min(grow, owner.pool.num_free_blocks)
+        new = owner.pool.try_allocate(grow) or [] if grow > 0 else []
         state.staging.extend(new)
         for staged in state.staged:
             staged.extend([-1] * len(new))

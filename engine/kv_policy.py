@@ -16,6 +16,7 @@ State is dropped (host slots given back) when the scheduler frees a sequence's b
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ from kvstore.block_spec import BlockSpec
 from kvstore.tiered_store import TieredStore
 from model.attention import AttentionBackend
 
+log = logging.getLogger(__name__)
+
 # ``observer(seq, layer, positions)``: after attention, the token positions each KV head of ``seq``
 # attended over (``[Hkv, n]`` int64) — what the benchmark needs to measure the attention mass kept.
 Observer = Callable[[Sequence, int, torch.Tensor], None]
@@ -41,7 +44,8 @@ class LongContextStats:
     evicted_tokens: int = 0  # h2o: (token, all layers) rows dropped
     offloaded_blocks: int = 0  # infinigen: device blocks moved to host
     recalled_layer_blocks: int = 0  # infinigen: (block, layer) slices copied back to device
-    offload_failures: int = 0  # infinigen: the host tier had no slot; the sequence stayed over budget
+    deferred: int = 0  # steps a sequence stayed over budget: no free device block (h2o) or host slot (infinigen)
+    copy_fallbacks: int = 0  # NIXL loopback copies that failed and were redone with torch
 
 
 class Policy(Protocol):
@@ -130,9 +134,10 @@ class KvPolicies:
         return StepHook(self, decodes, prefills, decode_shape=(len(step.decodes), decode_width),
                         prefill_shape=(len(step.prefills), prefill_width))
 
-    def after_step(self, step: ScheduledStep) -> None:
-        """Enforce the budget of every policy sequence of ``step`` that decodes next."""
-        for seq in [c.seq for c in step.prefills] + step.decodes:
+    def after_step(self, running: Seq[Sequence]) -> None:
+        """Enforce the budget of every running policy sequence that decodes next (those of this step and
+        the ``n > 1`` samples forked in it). Never raises for lack of room: see `LongContextStats.deferred`."""
+        for seq in running:
             if seq.long_context is not None and seq.status is SequenceStatus.RUNNING and seq.is_decode:
                 policy, state = self._entry(seq)
                 policy.enforce(seq, state)
@@ -166,8 +171,12 @@ class KvPolicies:
         if not src_ids:
             return
         if self.store.local_copy is not None:
-            self.store.local_copy(src_tier, src_ids, dst_tier, dst_ids, layers=layers)
-            return
+            try:
+                self.store.local_copy(src_tier, src_ids, dst_tier, dst_ids, layers=layers)
+                return
+            except Exception:  # noqa: BLE001 - the destination's bytes are unknown: copy them again
+                log.exception("loopback copy %s -> %s failed; copying with torch", src_tier, dst_tier)
+                self.stats.copy_fallbacks += 1
         assert self.store.host is not None
         pools = {"device": self.kv_pool, "host": self.store.host.pool}
         src, dst = pools[src_tier], pools[dst_tier]

@@ -71,7 +71,7 @@ class NodeMetrics:
                                        registry=self.registry)
 
         self.long_context = Counter("kvrelay_long_context", "Long-context policy work: evicted_tokens (h2o), "
-                                    "offloaded_blocks, recalled_layer_blocks, offload_failures (infinigen)",
+                                    "offloaded_blocks, recalled_layer_blocks (infinigen), deferred, copy_fallbacks",
                                     ["what"], registry=self.registry)
 
     def request_done(self, status: str) -> None:

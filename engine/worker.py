@@ -228,7 +228,10 @@ class EngineWorker:
 
     def _fail_all(self, exc: EngineFailure) -> None:
         for rid, stream in list(self._streams.items()):
-            self.engine.abort_request(rid)
+            try:
+                self.engine.abort_request(rid)
+            except Exception:  # noqa: BLE001 - one broken request must not stop the thread serving the rest
+                log.exception("aborting request %s after a failed step", rid)
             self._emit(stream, exc)
         self._streams.clear()
         self._finish_hooks.clear()

@@ -19,6 +19,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from engine.long_context import LongContextConfig
 from model.tokenizer import load_tokenizer
 from router.backends import Backends, NodeUnavailable
 from router.dispatch import ClusterInfo, Dispatcher, SampleDelta
@@ -59,6 +60,7 @@ class RouterConfig:
     event_poll_interval_s: float = 0.1
     node_retry_s: float = 5.0
     startup_timeout_s: float = 120.0
+    long_context: LongContextConfig = LongContextConfig()  # the decode nodes' default (decode.long_context)
 
 
 class RouterMetrics:
@@ -210,6 +212,7 @@ class Router:
             salt = self._auth(request)
             assert self.served is not None
             req: GenerationRequest = parse(await self._body(request), self.served)
+            self._check_long_context(req)
         except ApiError as exc:
             return self._error(exc)
         self.metrics.running.labels("router").inc()
@@ -219,6 +222,17 @@ class Router:
             return await self._complete(req, salt)
         finally:
             self.metrics.running.labels("router").dec()
+
+    def _check_long_context(self, req: GenerationRequest) -> None:
+        """Refuse a ``kvrelay.long_context`` override the decode nodes could not run, before any prefill
+        (the decode node checks again, e.g. for a host tier). Raises ApiError(400)."""
+        if req.long_context is None:
+            return
+        assert self.dispatcher is not None
+        try:
+            self.config.long_context.with_overrides(req.long_context).check(self.dispatcher.info.block_size_tokens)
+        except ValueError as exc:
+            raise ApiError(400, f"kvrelay.{exc}", param="kvrelay.long_context") from None
 
     async def _complete(self, req: GenerationRequest, salt: bytes) -> web.Response:
         assert self.dispatcher is not None and self.served is not None

@@ -87,8 +87,8 @@ def _kvrelay_extension(body: dict[str, Any]) -> dict[str, Any] | None:
         if name == "policy":
             if value not in POLICIES:
                 raise ApiError(400, f"{param} must be one of {', '.join(POLICIES)}, got {value!r}", param=param)
-        elif isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ApiError(400, f"{param} must be an integer >= 0, got {value!r}", param=param)
+        elif isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**31:
+            raise ApiError(400, f"{param} must be an integer in [0, 2**31), got {value!r}", param=param)
     return dict(lc)
 
 

@@ -10,7 +10,7 @@ from kvstore.tiered_store import TieredStoreConfig
 from model.loader import load_model
 from model.sampling import SamplingParams
 from model.tokenizer import load_tokenizer
-from tests.services.cluster import Cluster, get_json
+from tests.services.cluster import Cluster, get_json, metrics
 from tests.services.test_faults import post, wait_for
 
 H2O = {"policy": "h2o", "device_budget_tokens": 64, "sink_tokens": 16, "recent_tokens": 16}
@@ -57,14 +57,21 @@ def test_policies_per_deployment_and_per_request(tiny_model_dir):
         tok = load_tokenizer(tiny_model_dir)
         assert texts == {k: tok.decode(v) for k, v in want.items()}
 
+        prefills = metrics(prefill)['kvrelay_requests_total{role="prefill",status="ok"}']
         code, err = post(c.url, {**body, "kvrelay": {"long_context": {"device_budget_tokens": 32}}})
         assert code == 400 and "raise device_budget_tokens to at least 48" in err["error"]["message"]
+        code, err = post(c.url, {**body, "stream": True, "kvrelay": {"long_context": {"device_budget_tokens": 32}}})
+        assert code == 400 and "raise device_budget_tokens to at least 48" in err["error"]["message"]
+        code, err = post(c.url, {**body, "kvrelay": {"long_context": {"device_budget_tokens": 10**30}}})
+        assert code == 400 and "must be an integer in [0, 2**31)" in err["error"]["message"]
         code, err = post(c.url, {**body, "kvrelay": {"long_context": {"budget": 32}}})
         assert code == 400 and "unknown field 'budget'" in err["error"]["message"]
         code, err = post(c.url, {**body, "kvrelay": {"long_context": {"policy": "lru"}}})
         assert code == 400 and "kvrelay.long_context.policy must be one of" in err["error"]["message"]
         code, err = post(c.url, {**body, "kvrelay": {"cache": 1}})
         assert code == 400 and "unknown field 'cache'" in err["error"]["message"]
+        # refused by the router before any prefill: no KV computed or leased for them
+        assert metrics(prefill)['kvrelay_requests_total{role="prefill",status="ok"}'] == prefills
         wait_for(lambda: all(get_json(u + "/health")["in_use_blocks"] == 0 for u in (decode, prefill)),
                  what="leases released and pools idle")
         assert get_json(decode + "/health")["host_reserved_blocks"] == 0
