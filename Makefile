@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 MODEL_DIR ?= .models/tiny
 PYTEST_ARGS ?=
 
-.PHONY: serve test bench lint gpu-check clean
+.PHONY: serve test bench bench-long-context lint gpu-check clean
 
 $(BIN)/kvrelay: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -28,6 +28,11 @@ bench: $(BIN)/kvrelay $(MODEL_DIR)/config.json
 	$(BIN)/kvrelay bench decode --model $(MODEL_DIR) --out bench-out/decode.json
 	$(BIN)/kvrelay bench kernel --out bench-out/kernel.json
 	$(BIN)/kvrelay bench serve --standard --no-progress --out-dir bench-out/serve
+
+# H2O and InfiniGen-style offload vs full attention (builds the retrieval model once, ~2 min; then ~15 min).
+bench-long-context: $(BIN)/kvrelay
+	mkdir -p bench-out
+	$(BIN)/kvrelay bench long-context --plot bench-out/long-context.png --out bench-out/long-context.json
 
 lint: $(BIN)/kvrelay
 	$(BIN)/ruff check .

@@ -1,7 +1,7 @@
 """``kvrelay bench long-context``: H2O and InfiniGen-style offload/recall against full attention.
 
 A random-weight model attends diffusely, so this runs a tiny model trained here on a retrieval task
-(`benchmarks.long_context_task`: sharp attention, trained once and cached under ``.models/``). For each
+(`benchmarks.long_context_task`: sharp attention, trained once on this CPU and cached under ``.models/``). For each
 device budget (a fraction of the prompt, in whole blocks) and policy, the same held-out prompts run
 through the serving engine (greedy, one batch) and the run reports, side by side with ``none``:
 
@@ -9,7 +9,7 @@ through the serving engine (greedy, one batch) and the run reports, side by side
 * ``agreement`` — generated tokens equal to the full-attention run's, position by position;
 * ``attention_mass_kept`` — at every decode step, layer and KV head, the share of full attention's
   probability (teacher-forced on the policy's own output, query heads of the group averaged) that
-  falls on the tokens the policy attended to;
+  falls on the tokens the policy attended to; also per layer (the retrieval happens in the last);
 * ``device_kv_bytes_per_seq`` — device KV a sequence held, averaged over its decode steps;
 * ``step_time_vs_none`` — decode-phase seconds per step relative to ``none`` (best of ``repeats``).
 
@@ -135,11 +135,13 @@ def _full_attention_probs(loaded: Any, tokens: list[int]) -> list[torch.Tensor]:
     return probs_per_layer
 
 
-def _mass_kept(loaded: Any, prompts: list[list[int]], run: RunResult) -> float:
-    """Mean over (example, decode step, layer, KV head) of full attention's mass on the attended tokens."""
+def _mass_kept(loaded: Any, prompts: list[list[int]], run: RunResult) -> list[float]:
+    """Per layer, the mean over (example, decode step, KV head) of full attention's mass on the attended
+    tokens."""
     cfg = loaded.config
     group = cfg.num_attention_heads // cfg.num_key_value_heads
-    total, count = 0.0, 0
+    total = [0.0] * cfg.num_hidden_layers
+    count = [0] * cfg.num_hidden_layers
     by_example: dict[int, list[tuple[int, int, torch.Tensor]]] = defaultdict(list)
     for (ex, layer, pos), positions in run.attended.items():
         by_example[ex].append((layer, pos, positions))
@@ -149,9 +151,9 @@ def _mass_kept(loaded: Any, prompts: list[list[int]], run: RunResult) -> float:
             p = probs[layer][:, pos]  # [Hq, T]
             for kv_head in range(positions.shape[0]):
                 rows = p[kv_head * group : (kv_head + 1) * group]
-                total += float(rows[:, positions[kv_head]].sum()) / group
-                count += 1
-    return total / max(count, 1)
+                total[layer] += float(rows[:, positions[kv_head]].sum()) / group
+                count[layer] += 1
+    return [t / max(c, 1) for t, c in zip(total, count)]
 
 
 def _score(outputs: list[list[int]], answers: list[list[int]], reference: list[list[int]]) -> dict[str, float]:
@@ -163,10 +165,53 @@ def _score(outputs: list[list[int]], answers: list[list[int]], reference: list[l
             "agreement": round(agree / n, 4)}
 
 
-def run(*, model_dir: str | None, context_tokens: int, answer_tokens: int, num_examples: int, seed: int,
-        block_size_tokens: int, repeats: int, plot: str | None) -> dict:
-    from benchmarks.long_context_task import ensure_model, make_examples
+def _sweep(loaded: Any, prompts: list[list[int]], answers: list[list[int]], *, answer_tokens: int, bs: int,
+           repeats: int) -> list[dict[str, Any]]:
+    """``none``, then h2o and infinigen at every budget, with blocks of ``bs`` tokens (sink and recent: one block)."""
     from engine.long_context import LongContextConfig
+
+    cfg = loaded.config
+    block_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * bs * cfg.head_dim * next(
+        loaded.model.parameters()).element_size()
+    prompt_tokens = min(len(p) for p in prompts)
+
+    def best(policy: LongContextConfig, record: bool) -> RunResult:
+        runs = [_run(loaded, prompts, answer_tokens, policy, bs=bs, record=record and i == 0) for i in range(repeats)]
+        first = runs[0]
+        return RunResult(first.outputs, min(r.decode_s_per_step for r in runs), first.mean_device_blocks,
+                         first.attended, first.stats)
+
+    full = best(LongContextConfig(), record=False)
+    rows: list[dict[str, Any]] = [{
+        "block_size_tokens": bs, "policy": "none", "budget_frac": 1.0, "device_budget_tokens": None,
+        **_score(full.outputs, answers, full.outputs),
+        "attention_mass_kept": 1.0, "device_kv_bytes_per_seq": round(full.mean_device_blocks * block_bytes),
+        "step_time_vs_none": 1.0, "decode_ms_per_step": round(full.decode_s_per_step * 1e3, 2)}]
+    for frac in BUDGET_FRACS:
+        for name in ("h2o", "infinigen"):
+            policy = _policy(name, frac, prompt_tokens, bs, bs, bs)
+            result = best(policy, record=True)
+            mass = _mass_kept(loaded, prompts, result)
+            rows.append({
+                "block_size_tokens": bs, "policy": name, "budget_frac": frac,
+                "device_budget_tokens": policy.device_budget_tokens,
+                "recall_blocks": policy.recall_blocks if name == "infinigen" else None,
+                **_score(result.outputs, answers, full.outputs),
+                "attention_mass_kept": round(sum(mass) / len(mass), 4),
+                "attention_mass_kept_per_layer": [round(m, 4) for m in mass],
+                "device_kv_bytes_per_seq": round(result.mean_device_blocks * block_bytes),
+                "device_kv_vs_none": round(result.mean_device_blocks / full.mean_device_blocks, 3),
+                "step_time_vs_none": round(result.decode_s_per_step / full.decode_s_per_step, 2),
+                "decode_ms_per_step": round(result.decode_s_per_step * 1e3, 2),
+                "policy_stats": result.stats,
+            })
+    return rows
+
+
+def run(*, model_dir: str | None, context_tokens: int, answer_tokens: int, num_examples: int, seed: int,
+        block_sizes: tuple[int, ...], repeats: int, plot: str | None) -> dict:
+    """The sweep at every block size (Quest-style key summaries are tighter over fewer tokens)."""
+    from benchmarks.long_context_task import ensure_model, make_examples
     from model.loader import load_model
 
     path = Path(model_dir) if model_dir else ensure_model(Path(".models"))
@@ -174,47 +219,19 @@ def run(*, model_dir: str | None, context_tokens: int, answer_tokens: int, num_e
     examples = make_examples(num_examples, seed=seed, context_tokens=context_tokens, answer_tokens=answer_tokens)
     prompts = [e.prompt_ids for e in examples]
     answers = [e.answer_ids for e in examples]
-    prompt_tokens = min(len(p) for p in prompts)
-    bs = block_size_tokens
-    spec_bytes = (2 * loaded.config.num_hidden_layers * loaded.config.num_key_value_heads * bs
-                  * loaded.config.head_dim * next(loaded.model.parameters()).element_size())
-    sink, recent = bs, bs
-
-    def best(policy: LongContextConfig, record: bool) -> RunResult:
-        runs = [_run(loaded, prompts, answer_tokens, policy, bs=bs, record=record and i == 0) for i in range(repeats)]
-        fastest = min(r.decode_s_per_step for r in runs)
-        first = runs[0]
-        return RunResult(first.outputs, fastest, first.mean_device_blocks, first.attended, first.stats)
-
-    full = best(LongContextConfig(), record=False)
-    rows: list[dict[str, Any]] = [{
-        "policy": "none", "budget_frac": 1.0, "device_budget_tokens": None,
-        **_score(full.outputs, answers, full.outputs),
-        "attention_mass_kept": 1.0, "device_kv_bytes_per_seq": round(full.mean_device_blocks * spec_bytes),
-        "step_time_vs_none": 1.0, "decode_ms_per_step": round(full.decode_s_per_step * 1e3, 2)}]
-    for frac in BUDGET_FRACS:
-        for name in ("h2o", "infinigen"):
-            policy = _policy(name, frac, prompt_tokens, bs, sink, recent)
-            result = best(policy, record=True)
-            rows.append({
-                "policy": name, "budget_frac": frac, "device_budget_tokens": policy.device_budget_tokens,
-                "recall_blocks": policy.recall_blocks if name == "infinigen" else None,
-                **_score(result.outputs, answers, full.outputs),
-                "attention_mass_kept": round(_mass_kept(loaded, prompts, result), 4),
-                "device_kv_bytes_per_seq": round(result.mean_device_blocks * spec_bytes),
-                "device_kv_vs_none": round(result.mean_device_blocks / full.mean_device_blocks, 3),
-                "step_time_vs_none": round(result.decode_s_per_step / full.decode_s_per_step, 2),
-                "decode_ms_per_step": round(result.decode_s_per_step * 1e3, 2),
-                "policy_stats": result.stats,
-            })
+    rows = [row for bs in block_sizes
+            for row in _sweep(loaded, prompts, answers, answer_tokens=answer_tokens, bs=bs, repeats=repeats)]
     gains = {}
-    for frac in BUDGET_FRACS:
-        h = next(r for r in rows if r["policy"] == "h2o" and r["budget_frac"] == frac)
-        i = next(r for r in rows if r["policy"] == "infinigen" and r["budget_frac"] == frac)
-        gains[str(frac)] = round(i["accuracy"] - h["accuracy"], 4)
-    result = {"bench": "long-context", **machine_label(), "model": str(path), "prompt_tokens": prompt_tokens,
-              "answer_tokens": answer_tokens, "examples": num_examples, "seed": seed, "block_size_tokens": bs,
-              "sink_tokens": sink, "recent_tokens": recent, "repeats": repeats, "threads": torch.get_num_threads(),
+    for bs in block_sizes:
+        for frac in BUDGET_FRACS:
+            h, i = (next(r for r in rows
+                         if (r["block_size_tokens"], r["policy"], r["budget_frac"]) == (bs, p, frac))
+                    for p in ("h2o", "infinigen"))
+            gains[f"block {bs}, budget {frac}"] = round(i["accuracy"] - h["accuracy"], 4)
+    result = {"bench": "long-context", **machine_label(), "model": str(path),
+              "prompt_tokens": min(len(p) for p in prompts), "answer_tokens": answer_tokens,
+              "examples": num_examples, "seed": seed, "block_sizes": list(block_sizes),
+              "sink_and_recent": "one block each", "repeats": repeats, "threads": torch.get_num_threads(),
               "rows": rows, "infinigen_minus_h2o_accuracy": gains}
     if plot:
         _plot(rows, plot)
@@ -227,18 +244,20 @@ def _plot(rows: list[dict[str, Any]], out: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for name, marker in (("h2o", "o"), ("infinigen", "s")):
-        pts = [r for r in rows if r["policy"] == name]
-        axes[0].plot([r["budget_frac"] for r in pts], [r["accuracy"] for r in pts], marker=marker, label=name)
-        axes[1].plot([r["budget_frac"] for r in pts], [r["attention_mass_kept"] for r in pts], marker=marker,
-                     label=name)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for bs in sorted({r["block_size_tokens"] for r in rows}):
+        for name, marker in (("h2o", "o"), ("infinigen", "s")):
+            pts = [r for r in rows if r["policy"] == name and r["block_size_tokens"] == bs]
+            label = f"{name}, blocks of {bs}"
+            axes[0].plot([r["budget_frac"] for r in pts], [r["accuracy"] for r in pts], marker=marker, label=label)
+            axes[1].plot([r["budget_frac"] for r in pts], [r["attention_mass_kept_per_layer"][-1] for r in pts],
+                         marker=marker, label=label)
     none = next(r for r in rows if r["policy"] == "none")
     axes[0].axhline(none["accuracy"], color="gray", linestyle="--", label="full attention")
-    axes[0].set(xlabel="device budget (fraction of prompt)", ylabel="answer accuracy", ylim=(0, 1.05))
-    axes[1].set(xlabel="device budget (fraction of prompt)", ylabel="attention mass kept", ylim=(0, 1.05))
+    axes[0].set(xlabel="device budget (fraction of prompt)", ylabel="answer token accuracy", ylim=(0, 1.05))
+    axes[1].set(xlabel="device budget (fraction of prompt)", ylabel="attention mass kept, last layer", ylim=(0, 1.05))
     for ax in axes:
-        ax.legend()
+        ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
     fig.tight_layout()
     Path(out).parent.mkdir(parents=True, exist_ok=True)
@@ -248,16 +267,17 @@ def _plot(rows: list[dict[str, Any]], out: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvrelay bench long-context", description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="model dir (default: the trained retrieval model, cached)")
-    p.add_argument("--context-tokens", type=int, default=768)
+    p.add_argument("--context-tokens", type=int, default=512)
     p.add_argument("--answer-tokens", type=int, default=24)
-    p.add_argument("--examples", type=int, default=32)
+    p.add_argument("--examples", type=int, default=16)
     p.add_argument("--seed", type=int, default=12345, help="held-out examples (training uses others)")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-sizes", type=int, nargs="+", default=[16, 4],
+                   help="KV block sizes to sweep (key summaries are tighter over fewer tokens)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--plot", default=None, help="write a PNG: accuracy and attention mass kept vs budget")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     emit(run(model_dir=a.model, context_tokens=a.context_tokens, answer_tokens=a.answer_tokens,
-             num_examples=a.examples, seed=a.seed, block_size_tokens=a.block_size, repeats=a.repeats,
+             num_examples=a.examples, seed=a.seed, block_sizes=tuple(a.block_sizes), repeats=a.repeats,
              plot=a.plot), a.out)
     return 0
