@@ -32,3 +32,12 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
 def kernel_device() -> torch.device:
     """Where the kernels under test run: CPU under the interpreter, else CUDA."""
     return torch.device("cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda")
+
+
+@pytest.fixture
+def no_tf32():
+    """GPU comparisons against the float32 reference: no TF32 matmuls for the duration of the test."""
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = saved

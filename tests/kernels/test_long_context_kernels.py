@@ -15,7 +15,7 @@ from kernels import reference
 from kernels import triton_attention as ta
 from kernels import triton_long_context as tlc
 from kvstore.block_spec import BlockSpec
-from tests.kernels.test_triton_attention import NUM_LAYERS, Case, make_block_tables, make_layer
+from tests.kernels.test_triton_attention import GPU_CASES, NUM_LAYERS, Case, make_block_tables, make_layer
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 SENTINEL = 7.0  # pre-filled into output buffers: every position must be overwritten
@@ -318,26 +318,9 @@ def test_block_key_summaries_launcher_rejects(change, message, kernel_device):
 # --- compiled on CUDA -------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def no_tf32():
-    saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = saved
-
-
-GPU_DECODE_CASES = [
-    Case(lens=(1, 17, 1000, 3000, 4097, 250, 64, 2048), group=4, num_kv_heads=8, head_dim=128, block_size=16,
-         table_blocks=300),
-    Case(lens=(5, 777, 1500), group=8, num_kv_heads=2, head_dim=64, block_size=32, table_blocks=60),
-    Case(lens=(300, 9000), group=1, num_kv_heads=4, head_dim=80, block_size=64, table_blocks=150),
-    Case(lens=(33, 1234), group=4, num_kv_heads=2, head_dim=96, block_size=16, table_blocks=90),
-]
-
-
 @pytest.mark.gpu
 @requires_cuda
-@pytest.mark.parametrize("case", GPU_DECODE_CASES, ids=str)
+@pytest.mark.parametrize("case", GPU_CASES, ids=str)
 @pytest.mark.parametrize(("dtype", "tolerance", "weight_tolerance"),
                          [("float32", 1e-5, 1e-5), ("bfloat16", 2e-2, 1e-3)])
 def test_gpu_decode_weights_match_reference(case, dtype, tolerance, weight_tolerance, no_tf32):

@@ -243,14 +243,6 @@ def test_decode_sweep(group, head_dim, block_size, kernel_device):
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-@pytest.fixture
-def no_tf32():
-    saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = saved
-
-
 GPU_CASES = [
     Case(lens=(1, 17, 1000, 3000, 4097, 250, 64, 2048), group=4, num_kv_heads=8, head_dim=128, block_size=16,
          table_blocks=300),
