@@ -24,6 +24,8 @@ from typing import Any, Protocol
 
 import torch
 
+from engine.h2o import H2O
+from engine.infinigen import InfiniGen
 from engine.scheduler import ScheduledStep
 from engine.sequence import Sequence, SequenceStatus
 from kvstore.block_spec import BlockSpec
@@ -87,9 +89,6 @@ class KvPolicies:
     """
 
     def __init__(self, store: TieredStore, backend: AttentionBackend, *, spec: BlockSpec, scale: float) -> None:
-        from engine.h2o import H2O
-        from engine.infinigen import InfiniGen
-
         self.store = store
         self.pool = store.block_pool
         self.kv_pool = store.device_pool
