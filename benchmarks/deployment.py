@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,6 @@ import yaml
 
 from deploy.config import DEFAULT_CONFIG
 
-READY = re.compile(r"kvrelay is serving .* at (http://\S+)/v1")
 BASELINE_TO_OVERRIDES: dict[str, dict[str, dict[str, Any]]] = {
     "disaggregated": {},
     "aggregated": {"prefill": {"ports": []}},
@@ -90,47 +88,68 @@ class Deployment:
         self.model_name: str = self.config["model"].get("name", "tiny")
         self.prefill_urls: list[str] = []
         self.decode_urls: list[str] = []
-        self.log: list[str] = []
+        self._log_path = Path(self._tmp.name) / "kvrelay-up.log"
+        self._log_file: Any = None
+        self._saved_log: list[str] | None = None
         self._env = {**os.environ, **(env or {})}
         self._proc: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 300.0) -> Deployment:
-        """Start and wait for the ready line, then read the node URLs from the router's ``/health``.
+        """Start, and wait until the router reports every node healthy (what ``kvrelay up`` waits for
+        before it prints its ready line); then read the node URLs from the router's ``/health``.
+
+        The processes write to a log file, not a pipe, so nothing they print can block them.
 
         Raises:
-            RuntimeError: the processes exited or were not ready in ``timeout_s``; carries their output.
+            RuntimeError: the processes exited or were not ready in ``timeout_s``; carries the router's
+                ``/health``, ``kvrelay up``'s stack and the last lines of the log.
         """
+        self._log_file = open(self._log_path, "w")  # noqa: SIM115 - closed in stop()
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "deploy.cli", "up", "--config", str(self.path)], stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True, start_new_session=True, env=self._env,
+            [sys.executable, "-m", "deploy.cli", "up", "--config", str(self.path)], stdout=self._log_file,
+            stderr=subprocess.STDOUT, start_new_session=True, env=self._env,
         )
-        ready = threading.Event()
-
-        def pump() -> None:
-            assert self._proc is not None and self._proc.stdout is not None
-            for line in self._proc.stdout:
-                if '"GET /health' in line or '"GET /metrics' in line:
-                    continue  # the access log of our own polling would push the useful lines out
-                self.log.append(line)
-                del self.log[:-200]
-                if READY.search(line):
-                    ready.set()
-
-        threading.Thread(target=pump, daemon=True).start()
         deadline = time.monotonic() + timeout_s
-        while not ready.wait(0.2):
+        while True:
+            health = self._health()
+            if isinstance(health, dict) and health.get("status") == "ok" and all(
+                    n["healthy"] for n in health.get("nodes", {}).values()):
+                break
             if self._proc.poll() is not None or time.monotonic() > deadline:
-                try:
-                    health = get_text(self.url + "/health", timeout_s=5)
-                except OSError as exc:  # includes HTTPError (503): its body says which node is missing
-                    health = exc.read().decode() if hasattr(exc, "read") else repr(exc)
+                if self._proc.poll() is None:  # still running: have it print where it is (faulthandler)
+                    self._proc.send_signal(signal.SIGUSR1)
+                    time.sleep(1.0)
                 self.stop()
                 raise RuntimeError(f"kvrelay up did not become ready; router /health: {health}\n"
                                    + "".join(self.log[-40:]))
-        nodes = json.loads(get_text(self.url + "/health"))["nodes"]
+            time.sleep(0.2)
+        nodes = health["nodes"]
         self.prefill_urls = [n["url"] for name, n in sorted(nodes.items()) if name.startswith("prefill")]
         self.decode_urls = [n["url"] for name, n in sorted(nodes.items()) if name.startswith("decode")]
         return self
+
+    def _health(self) -> Any:
+        """The router's ``/health`` body (also a 503's), or why there is none."""
+        try:
+            return json.loads(get_text(self.url + "/health", timeout_s=5))
+        except urllib.error.HTTPError as err:
+            try:
+                return json.loads(err.read())
+            except ValueError:
+                return f"HTTP {err.code}"
+        except (OSError, ValueError) as exc:
+            return repr(exc)
+
+    @property
+    def log(self) -> list[str]:
+        """The processes' output so far, without the access-log lines of health and metrics polling."""
+        if self._saved_log is not None:
+            return self._saved_log
+        try:
+            lines = Path(self._log_path).read_text(errors="replace").splitlines(keepends=True)
+        except OSError:
+            return []
+        return [line for line in lines if '"GET /health' not in line and '"GET /metrics' not in line]
 
     def stop(self) -> None:
         """SIGTERM the process group (``kvrelay up`` stops its nodes), SIGKILL after 30 s; idempotent."""
@@ -143,6 +162,10 @@ class Deployment:
                     os.killpg(self._proc.pid, signal.SIGKILL)
                     self._proc.wait()
             self._proc = None
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+            self._saved_log = self.log  # the file goes with the temporary directory
         self._tmp.cleanup()
 
     def __enter__(self) -> Deployment:

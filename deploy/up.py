@@ -2,11 +2,13 @@
 
 Starts every node as its own process (``kvrelay prefill|decode|router --config FILE --index I``),
 waits until the router reports healthy, prints the URL, and on Ctrl-C or SIGTERM stops all of them
-(SIGTERM, then SIGKILL after a grace period). A node that dies later is restarted.
+(SIGTERM, then SIGKILL after a grace period). A node that dies later is restarted. SIGUSR1 prints the
+supervisor's stack (to find where a start-up hangs).
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import signal
 import subprocess
@@ -84,6 +86,7 @@ def up(config: Any, config_path: Path, *, overrides: list[str], startup_timeout_
         stopping = True
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints where this process is (stderr)
     try:
         for role, index in plan:
             procs.append(subprocess.Popen(_role_cmd(role, config_path, index, overrides)))
