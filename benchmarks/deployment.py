@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -25,6 +26,8 @@ from typing import Any
 import yaml
 
 from deploy.config import DEFAULT_CONFIG
+
+READY = re.compile(r"kvrelay is serving .* at (http://\S+)/v1")
 
 BASELINE_TO_OVERRIDES: dict[str, dict[str, dict[str, Any]]] = {
     "disaggregated": {},
@@ -95,8 +98,8 @@ class Deployment:
         self._proc: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 300.0) -> Deployment:
-        """Start, and wait until the router reports every node healthy (what ``kvrelay up`` waits for
-        before it prints its ready line); then read the node URLs from the router's ``/health``.
+        """Start, wait for ``kvrelay up``'s ready line (every node healthy), then read the node URLs from
+        the router's ``/health``.
 
         The processes write to a log file, not a pipe, so nothing they print can block them.
 
@@ -110,12 +113,9 @@ class Deployment:
             stderr=subprocess.STDOUT, start_new_session=True, env=self._env,
         )
         deadline = time.monotonic() + timeout_s
-        while True:
-            health = self._health()
-            if isinstance(health, dict) and health.get("status") == "ok" and all(
-                    n["healthy"] for n in health.get("nodes", {}).values()):
-                break
+        while not any(READY.search(line) for line in self.log):  # up is ready: it restarts a node from now on
             if self._proc.poll() is not None or time.monotonic() > deadline:
+                health = self._health()
                 if self._proc.poll() is None:  # still running: have it print where it is (faulthandler)
                     self._proc.send_signal(signal.SIGUSR1)
                     time.sleep(1.0)
@@ -123,7 +123,7 @@ class Deployment:
                 raise RuntimeError(f"kvrelay up did not become ready; router /health: {health}\n"
                                    + "".join(self.log[-40:]))
             time.sleep(0.2)
-        nodes = health["nodes"]
+        nodes = json.loads(get_text(self.url + "/health"))["nodes"]
         self.prefill_urls = [n["url"] for name, n in sorted(nodes.items()) if name.startswith("prefill")]
         self.decode_urls = [n["url"] for name, n in sorted(nodes.items()) if name.startswith("decode")]
         return self
