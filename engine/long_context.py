@@ -55,8 +55,8 @@ class LongContextConfig:
             raise ValueError(f"long_context.policy: {self.policy!r} is not one of {', '.join(POLICIES)}")
         for name in ("device_budget_tokens", "sink_tokens", "recent_tokens", "recall_blocks"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"long_context.{name}: must be an integer >= 0, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**31:
+                raise ValueError(f"long_context.{name}: must be an integer in [0, 2**31), got {value!r}")
         if self.device_budget_tokens == 0:
             raise ValueError("long_context.device_budget_tokens: must be positive")
 
@@ -97,11 +97,11 @@ class LongContextConfig:
                 f"raise it to at least {need * bs}")
 
     def with_overrides(self, overrides: Mapping[str, Any] | None) -> LongContextConfig:
-        """This config with a request's fields replaced. Raises ValueError naming an unknown field."""
+        """This config with a request's fields replaced: the one check of a request's overrides (names,
+        types, ranges; `check` then says whether they fit). Raises ValueError naming the field."""
         if not overrides:
             return self
-        unknown = sorted(set(overrides) - set(OVERRIDABLE))
+        unknown = sorted(set(overrides) - set(OVERRIDABLE), key=repr)
         if unknown:
-            raise ValueError(f"kvrelay.long_context: unknown field(s) {', '.join(map(repr, unknown))}; "
-                             f"use {', '.join(OVERRIDABLE)}")
+            raise ValueError(f"long_context: unknown field {unknown[0]!r}; use {', '.join(OVERRIDABLE)}")
         return dataclasses.replace(self, **dict(overrides))

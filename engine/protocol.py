@@ -18,7 +18,6 @@ from typing import Any
 
 import msgpack
 
-from engine.long_context import OVERRIDABLE
 from model.sampling import SamplingParams
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
@@ -94,22 +93,9 @@ def parse_generation(data: bytes) -> GenerationMessage:
     return GenerationMessage(
         request_id=field(msg, "request_id", str), prompt=prompt, params=params_from_wire(field(msg, "params", dict)),
         salt=field(msg, "salt", bytes), first_token_ids=int_list(msg, "first_token_ids", optional=True),
-        handle=field(msg, "handle", dict, optional=True), long_context=long_context_overrides(msg),
+        handle=field(msg, "handle", dict, optional=True), long_context=field(msg, "long_context", dict, optional=True),
     )
 
-
-def long_context_overrides(msg: Any) -> dict[str, Any] | None:
-    """The ``long_context`` map of a decode request: known fields with the right types, or ProtocolError."""
-    value = field(msg, "long_context", dict, optional=True)
-    if value is None:
-        return None
-    for name, v in value.items():
-        if name not in OVERRIDABLE:
-            raise ProtocolError(f"long_context: unknown field {name!r}; use {', '.join(OVERRIDABLE)}")
-        ok = isinstance(v, str) if name == "policy" else isinstance(v, int) and not isinstance(v, bool)
-        if not ok:
-            raise ProtocolError(f"long_context.{name} has type {type(v).__name__}")
-    return value
 
 
 def params_to_wire(params: SamplingParams) -> dict[str, Any]:

@@ -11,7 +11,6 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from engine.long_context import OVERRIDABLE, POLICIES
 from model.sampling import SamplingParams
 from model.tokenizer import Tokenizer
 
@@ -66,7 +65,8 @@ class GenerationRequest:
 def _kvrelay_extension(body: dict[str, Any]) -> dict[str, Any] | None:
     """The ``kvrelay`` extension field: ``{"long_context": {"policy": "h2o", "device_budget_tokens": 512, ...}}``.
 
-    Field names and types are checked here; whether the budget fits is the decode node's call (400 from it).
+    Only its shape is checked here; `engine.long_context.LongContextConfig.with_overrides` checks the fields
+    (the router before prefill, the decode node again).
     """
     ext = _get(body, "kvrelay", dict, None)
     if ext is None:
@@ -75,21 +75,9 @@ def _kvrelay_extension(body: dict[str, Any]) -> dict[str, Any] | None:
     if unknown:
         raise ApiError(400, f"kvrelay: unknown field {unknown[0]!r}; the extension takes long_context", param="kvrelay")
     lc = ext.get("long_context")
-    if lc is None:
-        return None
-    if not isinstance(lc, dict):
+    if lc is not None and not isinstance(lc, dict):
         raise ApiError(400, "kvrelay.long_context must be an object", param="kvrelay.long_context")
-    for name, value in lc.items():
-        param = f"kvrelay.long_context.{name}"
-        if name not in OVERRIDABLE:
-            raise ApiError(400, f"kvrelay.long_context: unknown field {name!r}; use {', '.join(OVERRIDABLE)}",
-                           param=param)
-        if name == "policy":
-            if value not in POLICIES:
-                raise ApiError(400, f"{param} must be one of {', '.join(POLICIES)}, got {value!r}", param=param)
-        elif isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**31:
-            raise ApiError(400, f"{param} must be an integer in [0, 2**31), got {value!r}", param=param)
-    return dict(lc)
+    return lc
 
 
 def _get(body: dict[str, Any], name: str, types: type | tuple[type, ...], default: Any) -> Any:

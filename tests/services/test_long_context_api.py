@@ -63,11 +63,12 @@ def test_policies_per_deployment_and_per_request(tiny_model_dir):
         code, err = post(c.url, {**body, "stream": True, "kvrelay": {"long_context": {"device_budget_tokens": 32}}})
         assert code == 400 and "raise device_budget_tokens to at least 48" in err["error"]["message"]
         code, err = post(c.url, {**body, "kvrelay": {"long_context": {"device_budget_tokens": 10**30}}})
-        assert code == 400 and "must be an integer in [0, 2**31)" in err["error"]["message"]
+        assert code == 400 and "kvrelay.long_context.device_budget_tokens: must be an integer in [0, 2**31)" in \
+            err["error"]["message"]
         code, err = post(c.url, {**body, "kvrelay": {"long_context": {"budget": 32}}})
-        assert code == 400 and "unknown field 'budget'" in err["error"]["message"]
+        assert code == 400 and "kvrelay.long_context: unknown field 'budget'" in err["error"]["message"]
         code, err = post(c.url, {**body, "kvrelay": {"long_context": {"policy": "lru"}}})
-        assert code == 400 and "kvrelay.long_context.policy must be one of" in err["error"]["message"]
+        assert code == 400 and "kvrelay.long_context.policy: 'lru' is not one of" in err["error"]["message"]
         code, err = post(c.url, {**body, "kvrelay": {"cache": 1}})
         assert code == 400 and "unknown field 'cache'" in err["error"]["message"]
         # refused by the router before any prefill: no KV computed or leased for them
