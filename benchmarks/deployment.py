@@ -88,7 +88,7 @@ class Deployment:
         self.path.write_text(yaml.safe_dump(self.config))
         host = self.config["router"].get("host", "127.0.0.1")
         self.url = f"http://{host}:{ports[0]}"
-        self.model_name: str = self.config["model"].get("name", "tiny")
+        self.model_name: str = self.config["model"].get("name", Path(model_dir).resolve().name)
         self.prefill_urls: list[str] = []
         self.decode_urls: list[str] = []
         self._log_path = Path(self._tmp.name) / "kvrelay-up.log"

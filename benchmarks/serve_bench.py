@@ -105,7 +105,7 @@ def _encoder(model_dir: str | None) -> Callable[[str], list[int]]:
     tok = load_tokenizer(model_dir) if model_dir else None
     if tok is None:
         return lambda text: list(text.encode("utf-8"))
-    return lambda text: tok.encode(text, add_bos=False)
+    return lambda text: tok.encode(text, add_special_tokens=False)
 
 
 def _first_model(url: str) -> str:

@@ -1,5 +1,6 @@
 """The ``kvrelay`` command.
 
+    kvrelay model pull NAME [--dir DIR] | kvrelay model list
     kvrelay tiny-model DIR [--seed S --layers N --hidden N --heads N --kv-heads N --vocab N]
     kvrelay generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3) --max-tokens N [--json]
     kvrelay store stats|clear --config FILE
@@ -85,6 +86,11 @@ def _cmd_up(args: argparse.Namespace) -> int:
     from deploy.up import up
 
     config = _load(args)
+    if not (Path(config.model.path) / "config.json").is_file():
+        print(f"kvrelay up: model.path {config.model.path} is not a model directory (no config.json); "
+              "`kvrelay model pull smollm2-135m-instruct --dir DIR` writes the real model there, "
+              "`kvrelay tiny-model DIR` a small random one", file=sys.stderr)
+        return 2
     return up(config, args.config, overrides=_overrides(args))
 
 
@@ -111,6 +117,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from deploy.model_cmd import add_model_parser
     from deploy.store_cmd import add_store_parser
     from kvstore.block_spec import DTYPE_NAME_TO_TORCH
 
@@ -164,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_bench)
 
     add_store_parser(sub)
+    add_model_parser(sub)
     return parser
 
 

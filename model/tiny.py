@@ -97,7 +97,6 @@ def write_tiny_model(
     _write_json(out / "special_tokens_map.json", special)
     _write_json(out / "tokenizer_config.json", {
         **special,
-        "add_bos_token": True,
         "chat_template": CHAT_TEMPLATE,
         "clean_up_tokenization_spaces": False,
         "model_max_length": max_position_embeddings,
@@ -111,7 +110,7 @@ def byte_level_tokenizer() -> Tokenizer:
 
     BPE with no merges over the 256 byte symbols of the GPT-2 byte-to-unicode table; ByteLevel
     pre-tokenizer and decoder without prefix space or regex split; a post-processor that prepends
-    BOS (used by transformers' ``AutoTokenizer``; `model.tokenizer.Tokenizer` adds BOS itself).
+    BOS (``encode(text)`` in both transformers and `model.tokenizer.Tokenizer`).
     """
     byte_to_char = _bytes_to_unicode()
     vocab = {byte_to_char[b]: b for b in range(256)}

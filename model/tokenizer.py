@@ -1,13 +1,16 @@
 """`Tokenizer`: a Hugging Face ``tokenizer.json`` plus the chat template of ``tokenizer_config.json``.
 
-Special tokens (BOS, EOS) come from ``tokenizer_config.json`` when it names them (a ``null`` there
-means the model has none, as in Qwen2), else from ``config.json`` ids. Chat templates are rendered
-the way transformers renders them: a sandboxed Jinja environment with ``trim_blocks`` and
-``lstrip_blocks``, a ``raise_exception`` helper, a ``tojson`` that does not escape HTML, and the
-special tokens (``bos_token``, ``eos_token``, ...) as variables.
+Encoding follows ``transformers.AutoTokenizer`` (5.x) exactly: ``tokenizer.json`` decides, its own
+post-processor adds whatever BOS / EOS it adds (``add_bos_token`` in ``tokenizer_config.json`` does
+not override it), and the special tokens that ``tokenizer_config.json`` names (``bos_token``,
+``eos_token``, ``unk_token``, ``pad_token``) are registered as special tokens if ``tokenizer.json``
+did not already make them so: they are never split and ``skip_special_tokens`` drops them.
 
-A rendered chat prompt already holds whatever BOS the template writes (Llama 3 templates start with
-``{{ bos_token }}``), so encode it with ``add_bos=False``, as transformers does.
+Chat templates are rendered the way transformers renders them: a sandboxed Jinja environment with
+``trim_blocks`` and ``lstrip_blocks``, a ``raise_exception`` helper, a ``tojson`` that does not
+escape HTML, and the special tokens as variables. A rendered chat prompt already holds whatever BOS
+the template writes, so it is encoded with ``add_special_tokens=False``, as
+``apply_chat_template(tokenize=True)`` does.
 """
 
 from __future__ import annotations
@@ -29,8 +32,6 @@ class Tokenizer:
     """Encode, decode and render chats for one model.
 
     Attributes:
-        bos_token_id: the id prepended by ``encode(add_bos=True)``; None when the model has no BOS
-            or its ``tokenizer_config.json`` sets ``add_bos_token: false``.
         eos_token_ids: ids that end generation (the tokenizer's EOS plus ``config.json``'s).
         chat_template: the Jinja source, or None when the model has none.
     """
@@ -40,13 +41,11 @@ class Tokenizer:
         tokenizer: tokenizers.Tokenizer,
         *,
         special_tokens: dict[str, str],
-        bos_token_id: int | None,
         eos_token_ids: tuple[int, ...],
         chat_template: str | None,
     ) -> None:
         self._tokenizer = tokenizer
         self._special_tokens = dict(special_tokens)
-        self.bos_token_id = bos_token_id
         self.eos_token_ids = eos_token_ids
         self.chat_template = chat_template
         self._compiled_template: jinja2.Template | None = None
@@ -56,16 +55,14 @@ class Tokenizer:
         """Ids the tokenizer knows, added tokens included."""
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, add_bos: bool = True) -> list[int]:
-        """Token ids of ``text``; with ``add_bos`` (and a BOS) the BOS id first.
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``, as ``AutoTokenizer(text).input_ids`` gives them.
 
-        Special-token text inside ``text`` (e.g. ``"</s>"``) maps to its special id, as in
-        transformers; the tokenizer's own post-processor is not applied.
+        With ``add_special_tokens`` the post-processor of ``tokenizer.json`` runs (it adds BOS where
+        the model's tokenizer does); without, it does not (chat prompts, see module doc). Special-token
+        text inside ``text`` (e.g. ``"<|im_start|>"``) maps to its special id, as in transformers.
         """
-        ids = self._tokenizer.encode(text, add_special_tokens=False).ids
-        if add_bos and self.bos_token_id is not None:
-            return [self.bos_token_id, *ids]
-        return ids
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``; an incomplete UTF-8 sequence at the end decodes to U+FFFD."""
@@ -164,20 +161,18 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer | None:
     tok_config = _read_json(model_dir / "tokenizer_config.json")
     model_config = _read_json(model_dir / "config.json")
     special_tokens = _special_tokens(tok_config, _read_json(model_dir / "special_tokens_map.json"))
-
-    def token_id(name: str, config_key: str) -> int | None:
-        if name in special_tokens:
-            return tok.token_to_id(special_tokens[name])
-        if name in tok_config:  # present but null: the model has none
-            return None
-        value = model_config.get(config_key)
-        return value[0] if isinstance(value, list) else value
-
-    bos = token_id("bos_token", "bos_token_id")
-    if tok_config.get("add_bos_token") is False:
-        bos = None
+    # As transformers' TokenizersBackend._post_init: named special tokens become special added tokens.
+    added = {t.content for t in tok.get_added_tokens_decoder().values()}
+    tok.add_special_tokens([tokenizers.AddedToken(text, special=True, normalized=False)
+                            for text in special_tokens.values() if text not in added])
     eos_ids: list[int] = []
-    eos = token_id("eos_token", "eos_token_id")
+    if "eos_token" in special_tokens:
+        eos = tok.token_to_id(special_tokens["eos_token"])
+    elif "eos_token" in tok_config:  # present but null: the model has none
+        eos = None
+    else:
+        eos = model_config.get("eos_token_id")
+        eos = eos[0] if isinstance(eos, list) and eos else eos
     config_eos = model_config.get("eos_token_id")
     for value in [eos, *(config_eos if isinstance(config_eos, list) else [config_eos])]:
         if value is not None and value not in eos_ids:
@@ -188,8 +183,7 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer | None:
         template = named.get("default")
     if template is None and (model_dir / "chat_template.jinja").is_file():
         template = (model_dir / "chat_template.jinja").read_text()
-    return Tokenizer(tok, special_tokens=special_tokens, bos_token_id=bos, eos_token_ids=tuple(eos_ids),
-                     chat_template=template)
+    return Tokenizer(tok, special_tokens=special_tokens, eos_token_ids=tuple(eos_ids), chat_template=template)
 
 
 def _special_tokens(tok_config: dict[str, Any], special_map: dict[str, Any]) -> dict[str, str]:

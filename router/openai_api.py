@@ -233,7 +233,7 @@ def parse_chat(body: Any, served: ServedModel) -> GenerationRequest:
         text = tok.apply_chat_template(clean, add_generation_prompt=True)
     except Exception as exc:  # noqa: BLE001 - template errors are the client's messages' fault
         raise ApiError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
-    ids = tok.encode(text, add_bos=False)
+    ids = tok.encode(text, add_special_tokens=False)
     params, stops = _sampling(body, served, len(ids))
     stream, include_usage = _stream_options(body)
     return GenerationRequest(f"chatcmpl-{uuid.uuid4().hex}", "chat", ids, params, stops, stream, include_usage,

@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests.hf_models import build_hf_model
+from tests.real_model import RealModel, real_model
 
 
 @pytest.fixture(scope="session")
@@ -38,3 +39,9 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from model.tiny import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> RealModel:
+    """SmolLM2-135M-Instruct pulled as float32 (cached per machine; see `tests.real_model`)."""
+    return real_model()

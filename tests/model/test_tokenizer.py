@@ -104,16 +104,13 @@ def test_chat_template_jinja_file_is_used(tiny_dir: Path, tmp_path: Path) -> Non
     assert load_tokenizer(model_dir).apply_chat_template([{"role": "user", "content": "x"}]) == "[x]"
 
 
-def test_null_bos_means_no_bos(tiny_dir: Path, tmp_path: Path) -> None:
-    """Qwen2 style: tokenizer_config.json says bos_token: null; config.json's bos id must not leak in."""
-    tok = load_tokenizer(_with_tokenizer_config(tiny_dir, tmp_path / "m", bos_token=None))
-    assert tok.bos_token_id is None
-    assert tok.encode("hi") == [104, 105]
-
-
-def test_add_bos_token_false_disables_bos(tiny_dir: Path, tmp_path: Path) -> None:
-    tok = load_tokenizer(_with_tokenizer_config(tiny_dir, tmp_path / "m", add_bos_token=False))
-    assert tok.encode("hi") == [104, 105]
+@pytest.mark.parametrize("changes", [{"bos_token": None}, {"add_bos_token": False}, {"add_bos_token": True}],
+                         ids=["null-bos", "add-bos-false", "add-bos-true"])
+def test_tokenizer_json_decides_bos_as_in_transformers(tiny_dir: Path, tmp_path: Path, changes: dict) -> None:
+    """transformers 5.x ignores add_bos_token / a null bos_token: tokenizer.json's post-processor adds BOS."""
+    model_dir = _with_tokenizer_config(tiny_dir, tmp_path / "m", **changes)
+    hf = AutoTokenizer.from_pretrained(model_dir)
+    assert load_tokenizer(model_dir).encode("hi") == hf("hi").input_ids == [BOS_ID, 104, 105]
 
 
 def test_eos_ids_merge_tokenizer_and_config(tiny_dir: Path, tmp_path: Path) -> None:

@@ -50,7 +50,7 @@ def test_valid_completion_and_chat(served):
     assert req.stop == ("x",) and req.stream and req.include_usage
     chat = parse_chat({"model": "tiny", "messages": [{"role": "user", "content": "hey"}]}, served)
     text = served.tokenizer.apply_chat_template([{"role": "user", "content": "hey"}])
-    assert chat.prompt_token_ids == served.tokenizer.encode(text, add_bos=False)
+    assert chat.prompt_token_ids == served.tokenizer.encode(text, add_special_tokens=False)
     with pytest.raises(ApiError, match="messages must be a non-empty list"):
         parse_chat({"model": "tiny", "messages": []}, served)
 
@@ -58,14 +58,14 @@ def test_valid_completion_and_chat(served):
 def test_stop_string_cuts_text_and_holds_back_partial_match(served):
     tok = served.tokenizer
     st = SampleText(tok, ("END",))
-    out = st.push(tok.encode("hello E", add_bos=False))
+    out = st.push(tok.encode("hello E", add_special_tokens=False))
     assert out == "hello " and not st.stopped  # "E" may start "END": held back
-    out += st.push(tok.encode("Nx", add_bos=False))
+    out += st.push(tok.encode("Nx", add_special_tokens=False))
     assert out == "hello ENx" and not st.stopped  # "ENx" cannot start "END" any more
-    out += st.push(tok.encode("y END more", add_bos=False))
+    out += st.push(tok.encode("y END more", add_special_tokens=False))
     assert st.stopped and out == "hello ENxy "
     plain = SampleText(tok, ())
-    assert plain.push(tok.encode("abc", add_bos=False)) + plain.flush() == "abc"
+    assert plain.push(tok.encode("abc", add_special_tokens=False)) + plain.flush() == "abc"
 
 
 def test_kv_index_prefix_per_node():

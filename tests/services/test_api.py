@@ -69,7 +69,7 @@ def test_completions_stream_and_not_equal_generate(cluster, client, tiny_model_d
 def test_chat_stream_and_not(client, tiny_model_dir):
     tok = load_tokenizer(tiny_model_dir)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
-    ids = tok.encode(tok.apply_chat_template(messages), add_bos=False)
+    ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
     want = reference_text(tiny_model_dir, ids, 16)
     out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0)
     assert out.choices[0].message.content == want and out.choices[0].message.role == "assistant"
