@@ -3,13 +3,15 @@
     GET /health       liveness and load (no token needed: for probes)
     GET /metrics      Prometheus text (no token needed)
     GET /info         model and block layout the router needs to compute block keys (msgpack)
-    GET /kv/events    ?after=SEQ: block stored/removed events, or a snapshot on a gap (msgpack)
+    GET /kv/events    ?after=SEQ[&wait_s=W]: block stored/removed events, or a snapshot on a gap (msgpack);
+                      with nothing new, waits up to W s (≤ MAX_EVENT_WAIT_S) for an event first
 
 Every path but /health and /metrics requires ``X-Kvrelay-Token`` when an internal token is set.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hmac
 import logging
@@ -27,6 +29,7 @@ from kvstore.kv_events import KvEventLog
 log = logging.getLogger(__name__)
 TOKEN_HEADER = "X-Kvrelay-Token"
 OPEN_PATHS = frozenset({"/health", "/metrics"})
+MAX_EVENT_WAIT_S = 30.0
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -169,14 +172,36 @@ class EngineNode:
     async def kv_events(self, request: web.Request) -> web.Response:
         try:
             after = int(request.query.get("after", "0"))
+            wait_s = float(request.query.get("wait_s", "0"))
         except ValueError:
-            return web.json_response({"error": "after must be an integer"}, status=400)
+            return web.json_response({"error": "after must be an integer and wait_s a number"}, status=400)
+        if not 0.0 <= wait_s <= MAX_EVENT_WAIT_S:
+            return web.json_response({"error": f"wait_s must be in [0, {MAX_EVENT_WAIT_S:g}]"}, status=400)
+        if wait_s > 0:
+            await self._wait_for_event(after, wait_s)
         batch = self.events.since(after)
         return msgpack_response({
             "node": self.config.name, "last_seq": batch.last_seq,
             "events": None if batch.events is None else [[e.seq, e.kind, e.key] for e in batch.events],
             "snapshot": batch.snapshot,
         })
+
+
+    async def _wait_for_event(self, after: int, wait_s: float) -> None:
+        """Return when the log has an event past ``after``, or after ``wait_s``."""
+        loop, arrived = asyncio.get_running_loop(), asyncio.Event()
+
+        def notify() -> None:
+            loop.call_soon_threadsafe(arrived.set)
+
+        if not self.events.notify_after(after, notify):
+            return
+        try:
+            await asyncio.wait_for(arrived.wait(), wait_s)
+        except TimeoutError:
+            pass
+        finally:
+            self.events.cancel(notify)
 
 
 def msgpack_response(obj: object, status: int = 200) -> web.Response:

@@ -2,13 +2,15 @@
 
 A subscriber asks for the events after the last sequence number it saw. If those have already
 fallen out of the bounded log (it joined late or fell behind) it gets a snapshot of every key the
-node holds instead, with the sequence number the snapshot is current to.
+node holds instead, with the sequence number the snapshot is current to. A subscriber that is
+current can wait for the next event (`notify_after`) instead of asking again and again.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvstore.block_key import BlockKey
@@ -45,6 +47,7 @@ class KvEventLog:
         self._events: deque[KvEvent] = deque(maxlen=capacity)
         self._keys: set[BlockKey] = set()
         self._seq = 0
+        self._waiters: list[Callable[[], None]] = []  # one-shot, see notify_after
 
     def _add(self, kind: str, key: BlockKey) -> None:
         with self._lock:
@@ -54,6 +57,27 @@ class KvEventLog:
                 self._keys.add(key)
             else:
                 self._keys.discard(key)
+            waiters, self._waiters = self._waiters, []
+        for notify in waiters:
+            notify()
+
+    def notify_after(self, seq: int, notify: Callable[[], None]) -> bool:
+        """Call ``notify()`` once, on the writer's thread, when an event past ``seq`` is added.
+
+        Returns False (and keeps nothing) if there already is one; then call `since`. ``notify`` must
+        be quick and thread-safe (e.g. ``loop.call_soon_threadsafe(event.set)``). Drop it with `cancel`.
+        """
+        with self._lock:
+            if self._seq > seq:
+                return False
+            self._waiters.append(notify)
+            return True
+
+    def cancel(self, notify: Callable[[], None]) -> None:
+        """Forget a ``notify`` given to `notify_after` that has not been called (no-op otherwise)."""
+        with self._lock:
+            if notify in self._waiters:
+                self._waiters.remove(notify)
 
     def block_stored(self, block_id: int, key: BlockKey) -> None:
         self._add(STORED, key)

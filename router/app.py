@@ -39,6 +39,7 @@ from router.text_output import SampleText
 log = logging.getLogger(__name__)
 # A node that has never answered is polled every round; say so at these failure counts (not at every try).
 UNSEEN_WARN_AFTER = frozenset({50, 300, 1200})
+EVENT_ANSWER_TIMEOUT_S = 5.0  # beyond the long-poll wait: a node slower than this is taken out
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +58,8 @@ class RouterConfig:
     max_n: int = 4
     internal_token: str | None = None
     load_weight_tokens: int = 64
-    event_poll_interval_s: float = 0.1
+    event_poll_interval_s: float = 0.1  # least time between two event requests to one node
+    event_wait_s: float = 2.0  # how long a node may hold an event request that has no news
     node_retry_s: float = 5.0
     startup_timeout_s: float = 120.0
     long_context: LongContextConfig = LongContextConfig()  # the decode nodes' default (decode.long_context)
@@ -142,24 +144,33 @@ class Router:
             await asyncio.sleep(0.2)
 
     async def _poll_events(self) -> None:
-        """Keep the KV index current from every node's events; detect dead and revived nodes."""
+        """Keep the KV index current from every node's events; detect dead and revived nodes (one loop a node)."""
         assert self.nodes is not None
+        await asyncio.gather(*(self._poll_node(node) for node in self.nodes.all))
+
+    async def _poll_node(self, node: Node) -> None:
+        """Long-poll one node's ``/kv/events``: it answers at once when it has news, else after
+        ``event_wait_s``; an idle cluster costs one request per node every ``event_wait_s``."""
+        assert self.nodes is not None
+        cfg = self.config
         while True:
             now = time.monotonic()
-            for node in self.nodes.all:
-                if node.seen and not node.healthy(now):
-                    continue  # taken out: wait for its retry time
-                after = self.nodes.index.node_to_last_seq.get(node.name, 0)
-                try:
-                    batch = await self.backends.get_msgpack(node, f"/kv/events?after={after}", timeout_s=5.0)
-                    self._apply_events(node, batch)
-                except Exception as exc:  # noqa: BLE001 - one bad node must not stop the poller
-                    if node.seen and node.healthy(now):
-                        log.warning("node %s: %s; taken out for %.0f s", node.name, exc, self.config.node_retry_s)
-                    elif not node.seen and node.failures + 1 in UNSEEN_WARN_AFTER:
-                        log.warning("node %s has not answered yet (%d tries): %s", node.name, node.failures + 1, exc)
-                    self.nodes.mark_down(node, f"{type(exc).__name__}: {exc}")
-            await asyncio.sleep(self.config.event_poll_interval_s)
+            if node.seen and not node.healthy(now):
+                await asyncio.sleep(max(node.down_until - now, cfg.event_poll_interval_s))  # taken out: retry later
+                continue
+            after = self.nodes.index.node_to_last_seq.get(node.name, 0)
+            wait_s = cfg.event_wait_s if node.seen else 0.0
+            try:
+                batch = await self.backends.get_msgpack(node, f"/kv/events?after={after}&wait_s={wait_s:g}",
+                                                        timeout_s=wait_s + EVENT_ANSWER_TIMEOUT_S)
+                self._apply_events(node, batch)
+            except Exception as exc:  # noqa: BLE001 - one bad node must not stop its poller
+                if node.seen and node.healthy(now):
+                    log.warning("node %s: %s; taken out for %.0f s", node.name, exc, cfg.node_retry_s)
+                elif not node.seen and node.failures + 1 in UNSEEN_WARN_AFTER:
+                    log.warning("node %s has not answered yet (%d tries): %s", node.name, node.failures + 1, exc)
+                self.nodes.mark_down(node, f"{type(exc).__name__}: {exc}")
+            await asyncio.sleep(cfg.event_poll_interval_s)
 
     def _apply_events(self, node: Node, batch: Any) -> None:
         """Fold one ``/kv/events`` answer into the index. Raises on a malformed batch."""

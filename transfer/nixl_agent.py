@@ -36,12 +36,12 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 from nixl import _bindings as nixl_bindings
-from nixl._api import nixl_agent, nixl_agent_config
 
 from kvstore.block_spec import BlockSpec
 from transfer.errors import TransferError
 from transfer.lease import TierBlock
 from transfer.metadata import PROTOCOL_VERSION, AgentMeta, TierRegion
+from transfer.nixl_progress import new_nixl_agent
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -156,7 +156,7 @@ class KvAgent:
         self._tiers[tier] = TierPool(tier, tensor, region, registered=False)
 
     def _nx_start(self, tiers: list[tuple[str, torch.Tensor]], backends: tuple[str, ...]) -> None:
-        self._agent = nixl_agent(self.name, nixl_agent_config(backends=list(backends)))
+        self._agent = new_nixl_agent(self.name, list(backends))
         for tier, tensor in tiers:
             pool = self._tiers[tier]
             try:

@@ -9,6 +9,7 @@
 
 The reader READs the blocks one-sidedly; the owner does nothing per READ but keep them pinned.
 `run` drives the notification drain and the reaper until cancelled (`transfer.server` starts it).
+With no lease outstanding there is nothing to drain or reap, so `run` sleeps until `offer` grants one.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ class KvOwner:
         self.num_notifs = 0
         self.num_bad_notifs = 0
         self.num_reaped = 0
+        self._wake: asyncio.Event | None = None  # set (from any thread) when a lease is granted; see `run`
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def offer(self, keys: Sequence[BlockKey], blocks: Sequence[TierBlock], *, num_tokens: int) -> KvHandle:
         """Pin ``blocks`` (``blocks[i]`` holds ``keys[i]``) under a new lease and describe them to a reader.
@@ -74,6 +77,8 @@ class KvOwner:
             if tier not in readable:
                 raise ValueError(f"tier {tier!r} is not readable by peers (registered: {sorted(readable)})")
         lease_id = self.leases.grant(blocks, ttl_s=self.config.lease_ttl_s)
+        if self._loop is not None and self._wake is not None:
+            self._loop.call_soon_threadsafe(self._wake.set)
         return KvHandle(
             owner_agent=self.agent.name, owner_incarnation=self.agent.incarnation, owner_url=self.owner_url,
             keys=tuple(keys), blocks=tuple(TierBlock(t, b) for t, b in blocks), num_tokens=num_tokens,
@@ -115,8 +120,10 @@ class KvOwner:
         return expired
 
     async def run(self) -> None:
-        """Drain notifications every ``notif_poll_interval_s`` and reap every ``reap_interval_s``, until cancelled."""
+        """Drain notifications every ``notif_poll_interval_s`` and reap every ``reap_interval_s`` while a
+        lease is outstanding; with none, wait for `offer` to grant one. Runs until cancelled."""
         loop = asyncio.get_running_loop()
+        self._loop, self._wake = loop, asyncio.Event()
         next_reap = loop.time()
         while True:
             try:
@@ -128,6 +135,12 @@ class KvOwner:
                 raise
             except Exception:  # noqa: BLE001 - keep unpinning whatever one pass hit
                 log.exception("transfer owner background pass failed")
+            if self.leases.num_leases == 0:  # a lease granted after this check sets _wake
+                self._wake.clear()
+                if self.leases.num_leases == 0:
+                    await self._wake.wait()
+                    next_reap = loop.time() + self.config.reap_interval_s
+                    continue
             await asyncio.sleep(self.config.notif_poll_interval_s)
 
     def check_integrity(self) -> None:

@@ -45,3 +45,17 @@ def test_index_follows_events_and_snapshots():
     assert idx.prefix_blocks([key(0), key(1), key(2)], ["n"]) == {"n": 1}
     idx.replace("n", log.since(-5).snapshot, log.last_seq)
     assert idx.num_keys("n") == 2
+
+
+def test_notify_after_fires_once_on_the_next_event_and_cancel_forgets():
+    log = KvEventLog()
+    log.block_stored(0, key(0))
+    calls: list[str] = []
+    assert not log.notify_after(0, lambda: calls.append("late"))  # seq 1 is already past 0: ask `since`
+    assert log.notify_after(1, lambda: calls.append("a"))
+    dropped = lambda: calls.append("dropped")  # noqa: E731
+    assert log.notify_after(1, dropped)
+    log.cancel(dropped)
+    log.block_removed(0, key(0))
+    log.block_stored(1, key(1))
+    assert calls == ["a"]

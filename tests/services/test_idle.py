@@ -1,0 +1,82 @@
+"""An idle deployment sleeps: `kvrelay up` (router + prefill + decode) uses almost no CPU between requests."""
+
+from __future__ import annotations
+
+import os
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import msgpack
+import openai
+import pytest
+
+from tests.services.cluster import Cluster
+
+IDLE_WINDOW_S = 10.0
+MAX_IDLE_CPU_S = 0.5
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _tree(root: int) -> list[int]:
+    """``root`` and every process below it."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, []))
+    return out
+
+
+def _cpu_s(pids: list[int]) -> float:
+    """User + system CPU seconds of ``pids`` so far (all their threads)."""
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / CLOCK_TICKS
+
+
+def test_idle_deployment_uses_under_half_a_cpu_second_in_ten_seconds(tiny_model_dir: Path) -> None:
+    with Cluster(tiny_model_dir) as cluster:
+        pids = _tree(cluster._proc.pid)
+        assert len(pids) == 4, pids  # kvrelay up, router, prefill, decode
+        openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0).completions.create(
+            model="tiny", prompt=list(range(1, 40)), max_tokens=4)  # every part has run once: KV moved over NIXL
+        time.sleep(2.0)  # let the request's aftermath (KV events, lease expiry) settle
+        before, start = _cpu_s(pids), time.monotonic()
+        time.sleep(IDLE_WINDOW_S)
+        used = _cpu_s(pids) - before
+        elapsed = time.monotonic() - start
+    assert used < MAX_IDLE_CPU_S * elapsed / IDLE_WINDOW_S, f"{used:.2f} CPU-s in {elapsed:.1f} s"
+
+
+def test_event_long_poll_answers_when_a_block_is_stored(tiny_model_dir: Path) -> None:
+    """The router's long poll: a node holds ``/kv/events`` until it has news, up to ``wait_s``."""
+    with Cluster(tiny_model_dir, overrides={"prefill": {"ports": []}}) as cluster:  # one node: decode
+        node = cluster.decode_urls[0]
+        last = msgpack.unpackb(urllib.request.urlopen(node + "/kv/events?after=0", timeout=10).read())["last_seq"]
+        start = time.monotonic()
+        quiet = msgpack.unpackb(urllib.request.urlopen(f"{node}/kv/events?after={last}&wait_s=1", timeout=10).read())
+        assert quiet["events"] == [] and quiet["last_seq"] == last and time.monotonic() - start >= 1.0
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(lambda: urllib.request.urlopen(f"{node}/kv/events?after={last}&wait_s=30",
+                                                                 timeout=60).read())
+            openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0).completions.create(
+                model="tiny", prompt=list(range(1, 40)), max_tokens=2)  # 39 tokens: two full blocks stored
+            batch = msgpack.unpackb(waiting.result(timeout=30))
+        assert [e[1] for e in batch["events"]][:2] == ["stored", "stored"] and time.monotonic() - start < 25
+        bad = urllib.request.Request(f"{node}/kv/events?after=0&wait_s=31")
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(bad, timeout=10)
+        assert err.value.code == 400 and b"wait_s must be in [0, 30]" in err.value.read()
