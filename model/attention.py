@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from kernels import reference
+from kernels import reference, sdpa_attention
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,11 +90,21 @@ class AttentionBackend(Protocol):
 
 
 class ReferenceBackend:
-    """Plain torch; the CPU path."""
+    """Plain torch, one sequence at a time in prefill; the oracle."""
 
     write_kv = staticmethod(reference.write_kv)
     paged_decode_attention = staticmethod(reference.paged_decode_attention)
     prefill_attention = staticmethod(reference.prefill_attention)
+    block_key_summaries = staticmethod(reference.block_key_summaries)
+    score_blocks = staticmethod(reference.score_blocks)
+
+
+class SdpaBackend:
+    """Batched attention through fused ``scaled_dot_product_attention`` (`kernels.sdpa_attention`); the CPU path."""
+
+    write_kv = staticmethod(reference.write_kv)
+    paged_decode_attention = staticmethod(sdpa_attention.paged_decode_attention)
+    prefill_attention = staticmethod(sdpa_attention.prefill_attention)
     block_key_summaries = staticmethod(reference.block_key_summaries)
     score_blocks = staticmethod(reference.score_blocks)
 
@@ -112,12 +122,13 @@ class TritonBackend:
         self.score_blocks = triton_long_context.score_blocks
 
 
-BACKEND_NAME_TO_CLASS: dict[str, type] = {"reference": ReferenceBackend, "triton": TritonBackend}
+BACKEND_NAME_TO_CLASS: dict[str, type] = {"reference": ReferenceBackend, "sdpa": SdpaBackend,
+                                          "triton": TritonBackend}
 
 
 def default_backend_name(device: torch.device) -> str:
-    """``triton`` on CUDA, ``reference`` elsewhere."""
-    return "triton" if device.type == "cuda" else "reference"
+    """``triton`` on CUDA, ``sdpa`` elsewhere."""
+    return "triton" if device.type == "cuda" else "sdpa"
 
 
 def make_backend(name: str) -> AttentionBackend:

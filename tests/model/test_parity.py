@@ -78,27 +78,33 @@ def _hf_logits(hf: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     return hf(torch.tensor([ids])).logits[0].float()
 
 
+@pytest.fixture(params=["reference", "sdpa"])
+def backend_name(request) -> str:
+    """Both CPU attention backends: the plain reference and the batched SDPA serving path."""
+    return request.param
+
+
 @pytest.mark.parametrize("prompt_len", [1, 16, 17, 300])
 @torch.inference_mode()
-def test_prefill_logits_match_transformers(pair, prompt_len: int) -> None:
+def test_prefill_logits_match_transformers(pair, prompt_len: int, backend_name: str) -> None:
     hf, ours = pair
     ids = _prompt(prompt_len)
     pool = new_pool(ours.config, 40)
     table = shuffled_block_table(prompt_len, num_blocks=40, seed=prompt_len)
     batch, positions = make_batch([PrefillPart(table, 0, prompt_len)], [])
-    hidden = ours.model(torch.tensor(ids), positions, pool, batch, make_backend("reference"))
+    hidden = ours.model(torch.tensor(ids), positions, pool, batch, make_backend(backend_name))
     logits = ours.model.compute_logits(hidden)
     assert logits.dtype == torch.float32 and logits.shape == (prompt_len, VOCAB)
     torch.testing.assert_close(logits, _hf_logits(hf, ids), atol=TOLERANCE, rtol=0)
 
 
 @torch.inference_mode()
-def test_chunked_prefill_then_decode_match_transformers(pair) -> None:
+def test_chunked_prefill_then_decode_match_transformers(pair, backend_name: str) -> None:
     """Prefill 20 tokens, then 13 more over the cached prefix, then decode one token."""
     hf, ours = pair
     ids = _prompt(34, seed=3)
     expected = _hf_logits(hf, ids)
-    backend = make_backend("reference")
+    backend = make_backend(backend_name)
     pool = new_pool(ours.config, 8)
     table = shuffled_block_table(34, num_blocks=8, seed=4)
     got = []
@@ -113,11 +119,11 @@ def test_chunked_prefill_then_decode_match_transformers(pair) -> None:
 
 
 @torch.inference_mode()
-def test_mixed_prefill_and_decode_step_matches_transformers(pair) -> None:
+def test_mixed_prefill_and_decode_step_matches_transformers(pair, backend_name: str) -> None:
     """One step holding a fresh 17-token prefill and a decode token of another sequence."""
     hf, ours = pair
     a, b = _prompt(17, seed=5), _prompt(24, seed=6)
-    backend = make_backend("reference")
+    backend = make_backend(backend_name)
     pool = new_pool(ours.config, 12)
     table_a, table_b = [3, 9], [11, 0]
     batch, positions = make_batch([PrefillPart(table_b, 0, 23)], [])

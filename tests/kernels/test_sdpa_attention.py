@@ -1,0 +1,86 @@
+"""The batched SDPA attention (the CPU serving path) against `kernels.reference`.
+
+Ragged batches: sequences of different lengths, prefill chunks over cached prefixes of different
+lengths (0 included), one-token chunks, block tables with shuffled ids and out-of-range padding.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import reference, sdpa_attention
+from kvstore.block_spec import BlockSpec
+from tests.kernels.test_triton_attention import PAD_BLOCK_ID, make_block_tables, make_layer
+
+# (num_queries, seq_len) per sequence: ctx = seq_len - num_queries tokens are already cached.
+PREFILL_BATCHES = {
+    "one-fresh": [(37, 37)],
+    "one-over-prefix": [(5, 70)],
+    "ragged": [(16, 16), (1, 33), (40, 300), (7, 7), (3, 128)],
+    "chunks-over-prefixes": [(32, 288), (32, 288), (288, 288), (1, 1)],
+}
+DECODE_LENS = {"one": (1,), "ragged": (1, 17, 300, 64, 5), "equal": (288,) * 8}
+
+
+def _caches(lens: tuple[int, ...], *, dtype: str, kv_heads: int = 2, head_dim: int = 64, block: int = 16,
+            seed: int = 0):
+    spec = BlockSpec(num_layers=3, num_kv_heads=kv_heads, head_dim=head_dim, block_size_tokens=block, dtype=dtype)
+    num_blocks = sum(-(-n // block) for n in lens) + 3
+    _, k_cache, v_cache = make_layer(spec, num_blocks, torch.device("cpu"), seed)
+    width = max(-(-n // block) for n in lens) + 2
+    tables = make_block_tables(lens, block, width, num_blocks, seed)
+    assert (tables == PAD_BLOCK_ID).any()
+    return spec, k_cache, v_cache, tables
+
+
+@pytest.mark.parametrize("name", sorted(PREFILL_BATCHES))
+@pytest.mark.parametrize("group", [1, 3])
+def test_prefill_equals_reference_fp32(name: str, group: int) -> None:
+    parts = PREFILL_BATCHES[name]
+    lens = tuple(s for _, s in parts)
+    spec, k_cache, v_cache, tables = _caches(lens, dtype="float32")
+    starts = torch.tensor([0, *torch.tensor([nq for nq, _ in parts]).cumsum(0).tolist()], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(int(starts[-1]), group * spec.num_kv_heads, spec.head_dim, generator=gen)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    args = (q, k_cache, v_cache, tables, seq_lens, starts)
+    got = sdpa_attention.prefill_attention(*args, scale=0.125)
+    want = reference.prefill_attention(*args, scale=0.125)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", sorted(DECODE_LENS))
+@pytest.mark.parametrize("group", [1, 3, 8])
+def test_decode_equals_reference_fp32(name: str, group: int) -> None:
+    lens = DECODE_LENS[name]
+    spec, k_cache, v_cache, tables = _caches(lens, dtype="float32", seed=len(lens))
+    q = torch.randn(len(lens), group * spec.num_kv_heads, spec.head_dim, generator=torch.Generator().manual_seed(4))
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    got = sdpa_attention.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale=0.125)
+    want = reference.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale=0.125)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_bf16_is_close_to_the_reference() -> None:
+    """bf16 inputs: SDPA accumulates in float32, as the reference does; only the output rounding differs."""
+    lens = DECODE_LENS["ragged"]
+    spec, k_cache, v_cache, tables = _caches(lens, dtype="bfloat16", seed=5)
+    q = torch.randn(len(lens), 3 * spec.num_kv_heads, spec.head_dim).to(torch.bfloat16)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    got = sdpa_attention.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale=0.125)
+    want = reference.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale=0.125)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=0)
+
+
+def test_token_weights_go_to_the_reference() -> None:
+    lens = (20, 3)
+    spec, k_cache, v_cache, tables = _caches(lens, dtype="float32", seed=6)
+    q = torch.randn(2, 2 * spec.num_kv_heads, spec.head_dim)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    got_w, want_w = torch.empty(2, spec.num_kv_heads, 20), torch.empty(2, spec.num_kv_heads, 20)
+    got = sdpa_attention.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale=0.125, token_weights=got_w)
+    want = reference.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale=0.125, token_weights=want_w)
+    assert torch.equal(got, want) and torch.equal(got_w, want_w)
