@@ -22,7 +22,8 @@ import torch
 
 from benchmarks.common import emit, machine_label
 from kernels import reference
-from kvstore.block_spec import DTYPE_NAME_TO_TORCH, BlockSpec
+from kvstore.block_spec import BlockSpec
+from model.dtype import DTYPE_NAME_TO_TORCH
 
 # (batch, seq_len_tokens); every sequence has the same length so the byte count is exact.
 CUDA_SHAPES = ((8, 8192), (32, 1024), (32, 4096), (64, 2048), (64, 8192))

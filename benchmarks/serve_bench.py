@@ -3,13 +3,18 @@
     kvrelay bench serve --url http://127.0.0.1:8000 --workload shared-prefix --request-rate 2 4 inf
     kvrelay bench serve --baselines --workload trace --trace-requests 100
     kvrelay bench serve --standard            # what `make bench` runs (see `run_standard`)
+    kvrelay bench serve --model .models/smollm2-135m-instruct \
+        --baselines aggregated,disaggregated,vllm,transformers --groups 2 --system-tokens 256   # vs vLLM
 
 ``--baselines`` starts, one after another, kvrelay disaggregated (1 prefill + 1 decode, the default
 config), aggregated (decode only, local prefill), prefix cache off (``engine.enable_prefix_caching:
 false``), and runs ``transformers`` ``generate`` offline over the same prompts. Each request rate gets its
 own workload seed (``--seed`` + rate index), so caches start cold at every rate and every baseline sees
-the same prompts. Output under ``--out-dir``: one JSON per run, ``summary.json``, ``summary.md`` and PNG
-plots. Field names follow ``vllm bench serve`` (`benchmarks.serve_metrics`).
+the same prompts. ``vllm`` starts ``--peer-script`` (vLLM's CPU build, ``../shared/peers/vllm-cpu.sh``)
+on the same model directory after the kvrelay baselines, and ``--peer-url`` adds any running
+OpenAI server as baseline ``peer``; one server runs at a time. Output under ``--out-dir``: one JSON
+per run, ``summary.json``, ``summary.md`` and PNG plots. Field names follow ``vllm bench serve``
+(`benchmarks.serve_metrics`).
 """
 
 from __future__ import annotations
@@ -24,13 +29,15 @@ from typing import Any
 
 from benchmarks import serve_report, workloads
 from benchmarks.common import machine_label
+from benchmarks.peer import DEFAULT_PEER_SCRIPT, PeerServer
 from benchmarks.serve_client import ClientConfig, LoadConfig
 from benchmarks.serve_metrics import parse_goodput
 from benchmarks.serve_run import ServerNodes, run_workload
 from benchmarks.ttft_prefix import ensure_bench_model
 
 SERVER_BASELINES = ("disaggregated", "aggregated", "prefix-cache-off")
-ALL_BASELINES = (*SERVER_BASELINES, "transformers")
+DEFAULT_BASELINES = (*SERVER_BASELINES, "transformers")
+ALL_BASELINES = (*DEFAULT_BASELINES, "vllm")
 MakeWorkload = Callable[[int], workloads.Workload]
 
 
@@ -38,8 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvrelay bench serve", description=__doc__.splitlines()[0])
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--url", help="server root, e.g. http://127.0.0.1:8000 (no /v1)")
-    mode.add_argument("--baselines", nargs="?", const=",".join(ALL_BASELINES), default=None,
-                      help=f"start kvrelay baselines here (comma list; default all: {','.join(ALL_BASELINES)})")
+    mode.add_argument("--baselines", nargs="?", const=",".join(DEFAULT_BASELINES), default=None,
+                      help=f"start baselines here (comma list of {','.join(ALL_BASELINES)}; "
+                      f"default {','.join(DEFAULT_BASELINES)})")
     mode.add_argument("--standard", action="store_true", help="the `make bench` set (see run_standard)")
     p.add_argument("--model", help="model directory (default: tiny model with 4,096 positions)")
     p.add_argument("--model-name", help="model name for --url (default: first of /v1/models)")
@@ -53,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out-dir", default="bench-out/serve")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--hf-batch-size", type=int, default=16, help="transformers baseline batch")
+    p.add_argument("--peer-url", help="with --baselines: also measure this running OpenAI server (baseline 'peer')")
+    p.add_argument("--peer-script", default=str(DEFAULT_PEER_SCRIPT),
+                   help="what baseline 'vllm' runs as SCRIPT serve MODEL_DIR PORT")
     w = p.add_argument_group("workloads")
     w.add_argument("--groups", type=int, default=4)
     w.add_argument("--prompts-per-group", type=int, default=8)
@@ -78,10 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
 def workload_factory(args: argparse.Namespace, model_dir: str | None) -> MakeWorkload:
     """``seed → Workload`` for ``args.workload``."""
     name = args.workload
+    vocab = _vocab_size(model_dir)
     if name == "shared-prefix":
         return lambda seed: workloads.shared_prefix(
             groups=args.groups, prompts_per_group=args.prompts_per_group, system_tokens=args.system_tokens,
-            question_tokens=args.question_tokens, output_tokens=args.output_tokens, seed=seed)
+            question_tokens=args.question_tokens, output_tokens=args.output_tokens, seed=seed, vocab=vocab)
     if name == "multi-round":
         encode = _encoder(model_dir)
         return lambda seed: workloads.multi_round(
@@ -96,6 +108,12 @@ def workload_factory(args: argparse.Namespace, model_dir: str | None) -> MakeWor
     return lambda seed: workloads.random_prompts(
         num_requests=args.num_prompts, input_tokens=args.input_tokens, output_tokens=args.output_tokens,
         range_ratio=args.range_ratio, seed=seed)
+
+
+def _vocab_size(model_dir: str | None) -> int:
+    """Token ids of random prompts are drawn below this: the model's vocabulary, or 256 without a model."""
+    config = Path(model_dir or "") / "config.json"
+    return int(json.loads(config.read_text())["vocab_size"]) if model_dir and config.is_file() else 256
 
 
 def _encoder(model_dir: str | None) -> Callable[[str], list[int]]:
@@ -151,6 +169,16 @@ def run_baselines(args: argparse.Namespace, baselines: list[str], make: MakeWork
             runs += run_rates(client, nodes, make, args, label=name, out_dir=out_dir)
             if name == "disaggregated" and on_disaggregated is not None:
                 on_disaggregated(dep)
+    peers = [("vllm", None)] if "vllm" in baselines else []
+    peers += [("peer", args.peer_url.rstrip("/"))] if args.peer_url else []
+    for label, url in peers:
+        if url is None:
+            with PeerServer(args.peer_script, model_dir) as peer:
+                client = ClientConfig(peer.url, _first_model(peer.url), timeout_s=args.timeout_s)
+                runs += run_rates(client, ServerNodes(), make, args, label=label, out_dir=out_dir)
+        else:
+            client = ClientConfig(url, _first_model(url), timeout_s=args.timeout_s, api_key=args.api_key)
+            runs += run_rates(client, ServerNodes(), make, args, label=label, out_dir=out_dir)
     hf = None
     if "transformers" in baselines:
         from benchmarks.hf_offline import run_transformers

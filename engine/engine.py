@@ -44,6 +44,7 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     attention_backend: str | None = None  # None: triton on CUDA, sdpa elsewhere
+    kv_dtype: str | None = None  # None: the model's weights dtype
     long_context: LongContextConfig = LongContextConfig()  # the default policy; requests may override it
 
 
@@ -97,7 +98,7 @@ class LLMEngine:
         self.model_config = cfg
         self.model = loaded.model
         device = next(self.model.parameters()).device
-        self.spec = self.block_spec_for(loaded, self.config.block_size_tokens)
+        self.spec = self.block_spec_for(loaded, self.config.block_size_tokens, kv_dtype=self.config.kv_dtype)
         self.max_model_len = self.config.max_model_len or cfg.max_context_tokens
         self.eos_token_ids = frozenset(cfg.eos_token_ids)
         if store_config is None:
@@ -126,10 +127,10 @@ class LLMEngine:
         self._pending_outputs: list[StepOutput] = []
 
     @staticmethod
-    def block_spec_for(loaded: LoadedModel, block_size_tokens: int) -> BlockSpec:
-        """The KV block layout of ``loaded`` (its KV dtype is its parameters' dtype)."""
+    def block_spec_for(loaded: LoadedModel, block_size_tokens: int, *, kv_dtype: str | None = None) -> BlockSpec:
+        """The KV block layout of ``loaded``; its KV dtype is ``kv_dtype``, by default its parameters' dtype."""
         cfg = loaded.config
-        dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
+        dtype = kv_dtype or str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
         return BlockSpec(
             num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
             block_size_tokens=block_size_tokens, dtype=dtype, model_fingerprint=loaded.fingerprint,

@@ -19,6 +19,7 @@ import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+import torch
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -139,6 +140,7 @@ class EngineNode:
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({
             "status": "ok", "role": self.config.role, "node": self.config.name, "pid": os.getpid(),
+            "cpus": sorted(os.sched_getaffinity(0)), "threads": torch.get_num_threads(),
             "running": self.worker.num_running, "waiting": self.worker.num_waiting,
             "free_blocks": self.worker.num_free_blocks, "in_use_blocks": self.worker.num_in_use_blocks,
             "total_blocks": self.engine.pool.num_blocks,

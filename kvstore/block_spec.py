@@ -16,11 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-DTYPE_NAME_TO_TORCH: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+from model.dtype import DTYPE_NAME_TO_TORCH
 
 
 @dataclass(frozen=True, slots=True)

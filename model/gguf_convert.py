@@ -27,10 +27,11 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from model.dtype import DTYPE_NAME_TO_TORCH
 from model.gguf_tokenizer import GgufError, build_tokenizer, read_field, tokenizer_config
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama",)
-DTYPE_NAME_TO_TORCH: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+PULL_DTYPES: tuple[str, ...] = ("bfloat16", "float32")
 GGUF_LAYER_TO_HF: dict[str, str] = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -163,11 +164,11 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, dtype: str = "bf
 
     Raises:
         GgufError: unreadable file, unsupported architecture, tokenizer or tensor (message names it).
-        ValueError: ``dtype`` is not one of `DTYPE_NAME_TO_TORCH`.
+        ValueError: ``dtype`` is not one of `PULL_DTYPES`.
         FileExistsError: ``out_dir`` exists.
     """
-    if dtype not in DTYPE_NAME_TO_TORCH:
-        raise ValueError(f"dtype {dtype!r} is not supported; use one of {sorted(DTYPE_NAME_TO_TORCH)}")
+    if dtype not in PULL_DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; use one of {list(PULL_DTYPES)}")
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     reader = open_gguf(gguf_path)
     config = hf_config(reader)

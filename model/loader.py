@@ -20,15 +20,11 @@ from torch import nn
 from tqdm import tqdm
 
 from model.config import ModelConfig, read_model_config
+from model.dtype import DTYPE_NAME_TO_TORCH, resolve_dtype
 from model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
-DTYPE_NAME_TO_TORCH: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 FINGERPRINT_SAMPLE_BYTES = 1 << 20
@@ -64,14 +60,12 @@ def load_model(
 
     Raises:
         FileNotFoundError: no ``config.json``, no weights file, or a shard the index names is absent.
-        ValueError: unsupported architecture or dtype; a parameter has no tensor in the checkpoint
-            (named, with the directory); a tensor's shape differs from the parameter's (named, with
-            expected and found shapes and the file).
+        ValueError: unsupported architecture or dtype (``auto``: see `model.dtype.resolve_dtype`); a
+            parameter has no tensor in the checkpoint (named, with the directory); a tensor's shape
+            differs from the parameter's (named, with expected and found shapes and the file).
     """
     model_dir = Path(model_dir)
-    if dtype not in DTYPE_NAME_TO_TORCH:
-        raise ValueError(f"dtype {dtype!r} is not supported; use one of {sorted(DTYPE_NAME_TO_TORCH)}")
-    torch_dtype = DTYPE_NAME_TO_TORCH[dtype]
+    torch_dtype = DTYPE_NAME_TO_TORCH[resolve_dtype(dtype, device)]
     config = read_model_config(model_dir)
     name_to_file = _tensor_files(model_dir)
     with torch.device("meta"):

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from model.gguf_convert import DTYPE_NAME_TO_TORCH, convert_gguf
+from model.gguf_convert import PULL_DTYPES, convert_gguf
 from model.gguf_tokenizer import GgufError
 from model.registry import ModelSource, model_source
 
@@ -71,8 +71,8 @@ def pull_model(name: str, out_dir: str | Path | None = None, *, dtype: str = "bf
             conversion failed. No directory is left at ``out_dir``.
     """
     source = model_source(name)
-    if dtype not in DTYPE_NAME_TO_TORCH:
-        raise ValueError(f"dtype {dtype!r} is not supported; use one of {sorted(DTYPE_NAME_TO_TORCH)}")
+    if dtype not in PULL_DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; use one of {list(PULL_DTYPES)}")
     out_dir = Path(out_dir) if out_dir is not None else default_model_dir(name)
     if _finished(out_dir, source, dtype):
         return out_dir

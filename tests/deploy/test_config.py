@@ -92,6 +92,8 @@ def test_fraction_of_free_without_nvml_fails_at_start_saying_to_use_bytes(tmp_pa
         ("{device: {bytes: 1GiB}, colour: blue}", "kvstore.colour: unknown key"),
         ("{device: {bytes: 1GiB}, block_size_tokens: 0}", "kvstore.block_size_tokens: 0 is not a positive integer"),
         ("[1, 2]", "kvstore: must be a mapping"),
+        ("{device: {bytes: 1GiB}, dtype: auto}",
+         "kvstore.dtype: 'auto' is not one of ['bfloat16', 'float16', 'float32']"),
     ],
 )
 def test_every_bad_value_names_its_key_path(tmp_path, kvstore, message):
@@ -139,3 +141,13 @@ def test_decode_long_context_section(tmp_path):
     with pytest.raises(ConfigError, match="infinigen offloads to the host tier; set kvstore.host.bytes"):
         load_config(write(tmp_path, "model: {path: m}\nkvstore: {device: {bytes: 1GiB}}\n"
                                     "decode: {long_context: {policy: infinigen}}\n"))
+
+
+def test_dtypes_default_to_auto_weights_and_kv_following_them(tmp_path):
+    config = load_config(write(tmp_path, "model: {path: m}\nkvstore: {device: {bytes: 1GiB}}\n"))
+    assert (config.model.dtype, config.kvstore.dtype) == ("auto", None)
+    config = load_config(write(tmp_path, "model: {path: m, dtype: float32}\n"
+                                         "kvstore: {device: {bytes: 1GiB}, dtype: bfloat16}\n"))
+    assert (config.model.dtype, config.kvstore.dtype) == ("float32", "bfloat16")
+    with pytest.raises(ConfigError, match="model.dtype: 'fp8' is not one of \\['auto'"):
+        load_config(write(tmp_path, "model: {path: m, dtype: fp8}\nkvstore: {device: {bytes: 1GiB}}\n"))

@@ -132,7 +132,7 @@ def test_half_precision_load(tiny_dir: Path, dtype: str) -> None:
 
 
 def test_unsupported_dtype_is_named(tiny_dir: Path) -> None:
-    expected = r"dtype 'int8' is not supported; use one of \['bfloat16', 'float16', 'float32'\]"
+    expected = r"dtype 'int8' is not supported; use one of \['auto', 'bfloat16', 'float16', 'float32'\]"
     with pytest.raises(ValueError, match=expected):
         load_model(tiny_dir, dtype="int8")
 

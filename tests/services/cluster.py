@@ -36,7 +36,7 @@ class Cluster(Deployment):
     def __init__(self, model_dir: Path, *, prefill: int = 1, decode: int = 1,
                  overrides: dict[str, Any] | None = None, env: dict[str, str] | None = None) -> None:
         base = {
-            "model": {"name": "tiny"},
+            "model": {"name": "tiny", "dtype": "float32"},  # exact: tests compare with a float32 engine
             "engine": {"max_num_seqs": 32, "max_num_batched_tokens": 512},
             "prefill": {"ports": [0] * prefill, "lease_ttl_s": 10},
             "decode": {"ports": [0] * decode, "transfer_timeout_s": 30},  # generous: CI machines are shared

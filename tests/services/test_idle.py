@@ -13,7 +13,8 @@ import msgpack
 import openai
 import pytest
 
-from tests.services.cluster import Cluster
+from deploy.cpu_budget import available_cpus, split_cpus
+from tests.services.cluster import Cluster, get_json
 
 IDLE_WINDOW_S = 10.0
 MAX_IDLE_CPU_S = 0.5
@@ -51,6 +52,9 @@ def test_idle_deployment_uses_under_half_a_cpu_second_in_ten_seconds(tiny_model_
     with Cluster(tiny_model_dir) as cluster:
         pids = _tree(cluster._proc.pid)
         assert len(pids) == 4, pids  # kvrelay up, router, prefill, decode
+        health = [get_json(url + "/health") for url in cluster.prefill_urls + cluster.decode_urls]
+        assert [h["cpus"] for h in health] == split_cpus(available_cpus(), 2)  # the thread budget
+        assert [h["threads"] for h in health] == [len(h["cpus"]) for h in health]
         openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0).completions.create(
             model="tiny", prompt=list(range(1, 40)), max_tokens=4)  # every part has run once: KV moved over NIXL
         time.sleep(2.0)  # let the request's aftermath (KV events, lease expiry) settle

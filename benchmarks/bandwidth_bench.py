@@ -1,0 +1,97 @@
+"""``kvrelay bench bandwidth``: batch-1 decode speed against the memory-bandwidth limit, in one run.
+
+Decoding one sequence reads every weight once per token, so no engine can beat
+
+    limit (tokens/s) = copy bandwidth (bytes/s) / weight bytes per token
+
+where the copy bandwidth is measured here, now, as bytes copied per second by ``Tensor.copy_`` of a
+buffer far larger than the caches (best of ``--repeats``), and the weight bytes are every parameter
+once (a tied embedding counts once: the head reads all of it, the lookup one row). The engine runs
+in process on the real model (``--dtype auto``: bf16 here), one greedy sequence, and its decode rate
+is taken from the first token to the last. Both use the same torch thread count.
+
+    kvrelay bench bandwidth --model .models/smollm2-135m-instruct
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+import torch
+
+from benchmarks.common import machine_label
+
+COPY_BYTES = 1 << 30
+
+
+def copy_bandwidth(nbytes: int = COPY_BYTES, repeats: int = 5) -> float:
+    """Bytes copied per second (best of ``repeats``) between two ``nbytes`` buffers, first touch excluded."""
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every distinct parameter (tied tensors once)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def decode_rate(model_dir: str, *, dtype: str, prompt_tokens: int, new_tokens: int, repeats: int) -> dict[str, Any]:
+    """Batch-1 greedy decode tokens per second after the first token (best of ``repeats``)."""
+    from engine.engine import EngineConfig, LLMEngine
+    from model.loader import load_model
+    from model.sampling import SamplingParams
+
+    loaded = load_model(model_dir, dtype=dtype)
+    engine = LLMEngine(loaded, EngineConfig(num_blocks=256, enable_prefix_caching=False))
+    prompt = [(i * 7919) % 30000 + 100 for i in range(prompt_tokens)]
+    best = 0.0
+    for r in range(repeats + 1):  # the first run warms up
+        engine.add_request(f"r{r}", prompt, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
+        first = last = None
+        while engine.has_unfinished():
+            for _ in engine.step():
+                now = time.perf_counter()
+                first = now if first is None else first
+                last = now
+        if r > 0 and first is not None and last is not None and last > first:
+            best = max(best, (new_tokens - 1) / (last - first))
+    return {"decode_tok_s": best, "weight_bytes": weight_bytes(loaded.model),
+            "dtype": str(next(loaded.model.parameters()).dtype).removeprefix("torch.")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="kvrelay bench bandwidth", description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, help="model directory (e.g. .models/smollm2-135m-instruct)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default=None, help="also write the JSON here")
+    args = p.parse_args(argv)
+    bandwidth = copy_bandwidth()
+    decode = decode_rate(args.model, dtype=args.dtype, prompt_tokens=args.prompt_tokens,
+                         new_tokens=args.new_tokens, repeats=args.repeats)
+    limit = bandwidth / decode["weight_bytes"]
+    result = {"bench": "bandwidth", "model": args.model, **decode, "copy_bytes_per_s": bandwidth,
+              "limit_tok_s": limit, "fraction_of_limit": decode["decode_tok_s"] / limit,
+              "torch_threads": torch.get_num_threads(), **machine_label()}
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return 0

@@ -1,0 +1,74 @@
+"""`PeerServer`: another OpenAI-compatible server to measure kvrelay against, started for one benchmark.
+
+The peer script (``../shared/peers/vllm-cpu.sh`` for vLLM's CPU build) is called as
+``SCRIPT serve MODEL_DIR PORT`` and must serve ``/v1`` on ``127.0.0.1:PORT``; it is ready when
+``GET /v1/models`` answers. It runs in its own process group (stopped with SIGTERM, then SIGKILL)
+and logs to a file whose tail goes into any start-up error.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import tempfile
+import time
+import urllib.error
+from pathlib import Path
+
+from benchmarks.deployment import free_ports, get_text
+
+DEFAULT_PEER_SCRIPT = Path(__file__).resolve().parents[2] / "shared" / "peers" / "vllm-cpu.sh"
+STARTUP_TIMEOUT_S = 900.0  # vLLM's CPU build compiles for ~3.5 min on 2 cores
+
+
+class PeerServer:
+    """``with PeerServer(script, model_dir) as peer: peer.url`` (no trailing ``/v1``)."""
+
+    def __init__(self, script: str | Path, model_dir: str | Path) -> None:
+        self.script, self.model_dir = Path(script), Path(model_dir).resolve()
+        if not self.script.is_file():
+            raise FileNotFoundError(f"peer script {self.script} not found; pass --peer-script")
+        self.port = free_ports(1)[0]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log = tempfile.NamedTemporaryFile(prefix="kvrelay-peer-", suffix=".log", delete=False)  # noqa: SIM115
+        self._proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = STARTUP_TIMEOUT_S) -> PeerServer:
+        """Start and wait until ``/v1/models`` answers.
+
+        Raises:
+            RuntimeError: the peer exited or did not answer in ``timeout_s``; carries its log's tail.
+        """
+        self._proc = subprocess.Popen(["bash", str(self.script), "serve", str(self.model_dir), str(self.port)],
+                                      stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                get_text(self.url + "/v1/models", timeout_s=5)
+                return self
+            except (urllib.error.URLError, OSError):
+                pass
+            if self._proc.poll() is not None or time.monotonic() > deadline:
+                tail = Path(self._log.name).read_text(errors="replace")[-4000:]
+                self.stop()
+                raise RuntimeError(f"peer {self.script.name} did not start serving in {timeout_s:.0f} s:\n{tail}")
+            time.sleep(2.0)
+
+    def stop(self) -> None:
+        """SIGTERM the peer's process group, SIGKILL after 30 s; idempotent."""
+        if self._proc is not None and self._proc.poll() is None:
+            os.killpg(self._proc.pid, signal.SIGTERM)
+            try:
+                self._proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self._proc.pid, signal.SIGKILL)
+                self._proc.wait()
+        self._proc = None
+
+    def __enter__(self) -> PeerServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+        Path(self._log.name).unlink(missing_ok=True)
