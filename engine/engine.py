@@ -43,7 +43,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
-    attention_backend: str | None = None  # None: triton on CUDA, sdpa elsewhere
+    attention_backend: str | None = None  # None: triton on CUDA, torch elsewhere
     kv_dtype: str | None = None  # None: the model's weights dtype
     long_context: LongContextConfig = LongContextConfig()  # the default policy; requests may override it
 

@@ -2,9 +2,12 @@
 
 Each step runs every decode-ready sequence (one token each) plus prefill chunks, first-come
 first-served, under a token budget (``max_num_batched_tokens``) and a sequence cap
-(``max_num_seqs``). Long prompts are chunked across steps. When a decode needs a block and none is
-free, the most recently arrived running sequence is preempted by recompute: its blocks are
-released (full ones stay in the prefix cache), and it re-enters the waiting queue at its place.
+(``max_num_seqs``). Long prompts are chunked across steps. A waiting prompt that shares a block with
+a prompt still being prefilled waits for it (later arrivals may go first meanwhile), so a prefix that
+many requests bring at once is computed once and then read from the prefix cache. When a decode
+needs a block and none is free, the most recently arrived running sequence is preempted by
+recompute: its blocks are released (full ones stay in the prefix cache), and it re-enters the
+waiting queue at its place.
 """
 
 from __future__ import annotations
@@ -138,16 +141,22 @@ class Scheduler:
                 if chunk:
                     prefills.append(PrefillChunk(seq, chunk))
                     budget -= chunk
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        inflight = self._inflight_keys()
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[i]
             if seq in preempted:
                 break  # it just lost its blocks; do not take them back in the same step
+            if not seq.prefix_matched and self._waits_for(seq, inflight):
+                i += 1
+                continue
             if not seq.prefix_matched:
                 self._match_prefix(seq)
             chunk = self._grow_for_prefill(seq, budget)
             if chunk == 0:
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(i)
+            inflight.update(self._prompt_keys(seq)[seq.num_keyed_blocks :])
             self._drop_pins(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -155,6 +164,24 @@ class Scheduler:
             prefills.append(PrefillChunk(seq, chunk))
             budget -= chunk
         return ScheduledStep(prefills, decodes, preempted)
+
+    def _prompt_keys(self, seq: Sequence) -> list[BlockKey]:
+        """Keys of the full blocks of ``seq``'s tokens so far (empty with prefix caching off)."""
+        if not self.config.enable_prefix_caching:
+            return []
+        return self.keys_of(seq)[: len(seq.token_ids) // self.config.block_size_tokens]
+
+    def _inflight_keys(self) -> set[BlockKey]:
+        """Keys of full prompt blocks that running prefills will compute but have not keyed yet."""
+        out: set[BlockKey] = set()
+        for seq in self.running:
+            if not seq.is_decode:
+                out.update(self._prompt_keys(seq)[seq.num_keyed_blocks :])
+        return out
+
+    def _waits_for(self, seq: Sequence, inflight: set[BlockKey]) -> bool:
+        """Whether a prompt block of ``seq`` is being computed by another prefill right now."""
+        return bool(inflight) and not seq.pinned_block_ids and any(k in inflight for k in self._prompt_keys(seq))
 
     def _reserve_decode_slot(self, seq: Sequence) -> bool:
         """Make sure the block for KV row ``num_kv_tokens`` exists and is private."""

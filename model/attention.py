@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from kernels import reference, sdpa_attention
+from kernels import reference, torch_attention
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,12 +99,12 @@ class ReferenceBackend:
     score_blocks = staticmethod(reference.score_blocks)
 
 
-class SdpaBackend:
-    """Batched attention through fused ``scaled_dot_product_attention`` (`kernels.sdpa_attention`); the CPU path."""
+class TorchBackend:
+    """Batched attention through fused ``scaled_dot_product_attention`` (`kernels.torch_attention`); the CPU path."""
 
     write_kv = staticmethod(reference.write_kv)
-    paged_decode_attention = staticmethod(sdpa_attention.paged_decode_attention)
-    prefill_attention = staticmethod(sdpa_attention.prefill_attention)
+    paged_decode_attention = staticmethod(torch_attention.paged_decode_attention)
+    prefill_attention = staticmethod(torch_attention.prefill_attention)
     block_key_summaries = staticmethod(reference.block_key_summaries)
     score_blocks = staticmethod(reference.score_blocks)
 
@@ -122,13 +122,13 @@ class TritonBackend:
         self.score_blocks = triton_long_context.score_blocks
 
 
-BACKEND_NAME_TO_CLASS: dict[str, type] = {"reference": ReferenceBackend, "sdpa": SdpaBackend,
+BACKEND_NAME_TO_CLASS: dict[str, type] = {"reference": ReferenceBackend, "torch": TorchBackend,
                                           "triton": TritonBackend}
 
 
 def default_backend_name(device: torch.device) -> str:
     """``triton`` on CUDA, ``sdpa`` elsewhere."""
-    return "triton" if device.type == "cuda" else "sdpa"
+    return "triton" if device.type == "cuda" else "torch"
 
 
 def make_backend(name: str) -> AttentionBackend:

@@ -93,6 +93,34 @@ def test_prefix_reuse_counts_exact_blocks_and_salt_isolates(tiny_model_dir):
     eng.check_integrity()
 
 
+def test_prompts_sharing_an_inflight_prefix_wait_for_it(tiny_model_dir):
+    """A and B share 3 blocks and arrive together: B waits one step (C, a stranger, goes first), then
+    reads A's 3 blocks from the prefix cache instead of computing them again."""
+    loaded = load_model(tiny_model_dir)
+    shared = prompts_for(258, (48,), seed=6)[0]  # exactly 3 blocks of 16
+    a, b = shared + [5, 6], shared + [7, 8, 9]
+    c = prompts_for(258, (20,), seed=7)[0]
+    alone = {name: LLMEngine(loaded, EngineConfig(num_blocks=64)).generate([p], SamplingParams(max_tokens=6))[0][0]
+             for name, p in (("a", a), ("b", b), ("c", c))}
+    eng = LLMEngine(loaded, EngineConfig(num_blocks=64))
+    for name, prompt in (("a", a), ("b", b), ("c", c)):
+        eng.add_request(name, prompt, SamplingParams(max_tokens=6))
+    eng.step()
+    assert [s.seq_id for s in eng.scheduler.running] == [0, 2] and eng.stats.computed_prefill_tokens == 50 + 20
+    assert [s.seq_id for s in eng.scheduler.waiting] == [1]
+    eng.step()
+    seq_b = eng._requests["b"].seqs[0]
+    assert seq_b.num_cached_prompt_tokens == 48 and eng.stats.computed_prefill_tokens == 70 + 3
+    got: dict[str, list[int]] = {"a": [], "b": [], "c": []}
+    for name in got:
+        got[name] = list(eng._requests[name].seqs[0].output_token_ids)
+    while eng.has_unfinished():
+        for out in eng.step():
+            got[out.request_id].extend(out.new_token_ids)
+    assert got == alone
+    eng.check_integrity()
+
+
 def _keys(engine: LLMEngine, tokens: list[int]) -> list[bytes]:
     from kvstore.block_key import block_keys
 

@@ -78,7 +78,7 @@ def _hf_logits(hf: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     return hf(torch.tensor([ids])).logits[0].float()
 
 
-@pytest.fixture(params=["reference", "sdpa"])
+@pytest.fixture(params=["reference", "torch"])
 def backend_name(request) -> str:
     """Both CPU attention backends: the plain reference and the batched SDPA serving path."""
     return request.param

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference, sdpa_attention
+from kernels import reference, torch_attention
 from kvstore.block_spec import BlockSpec
 from tests.kernels.test_triton_attention import PAD_BLOCK_ID, make_block_tables, make_layer
 
@@ -19,6 +19,7 @@ PREFILL_BATCHES = {
     "one-over-prefix": [(5, 70)],
     "ragged": [(16, 16), (1, 33), (40, 300), (7, 7), (3, 128)],
     "chunks-over-prefixes": [(32, 288), (32, 288), (288, 288), (1, 1)],
+    "grouped-by-length": [(288, 288), (32, 300), (0, 20), (30, 64), (1, 77), (250, 250), (31, 31)],
 }
 DECODE_LENS = {"one": (1,), "ragged": (1, 17, 300, 64, 5), "equal": (288,) * 8}
 
@@ -45,7 +46,7 @@ def test_prefill_equals_reference_fp32(name: str, group: int) -> None:
     q = torch.randn(int(starts[-1]), group * spec.num_kv_heads, spec.head_dim, generator=gen)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     args = (q, k_cache, v_cache, tables, seq_lens, starts)
-    got = sdpa_attention.prefill_attention(*args, scale=0.125)
+    got = torch_attention.prefill_attention(*args, scale=0.125)
     want = reference.prefill_attention(*args, scale=0.125)
     assert got.shape == want.shape and got.dtype == torch.float32
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
@@ -58,7 +59,7 @@ def test_decode_equals_reference_fp32(name: str, group: int) -> None:
     spec, k_cache, v_cache, tables = _caches(lens, dtype="float32", seed=len(lens))
     q = torch.randn(len(lens), group * spec.num_kv_heads, spec.head_dim, generator=torch.Generator().manual_seed(4))
     seq_lens = torch.tensor(lens, dtype=torch.int32)
-    got = sdpa_attention.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale=0.125)
+    got = torch_attention.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale=0.125)
     want = reference.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale=0.125)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
@@ -69,7 +70,7 @@ def test_bf16_is_close_to_the_reference() -> None:
     spec, k_cache, v_cache, tables = _caches(lens, dtype="bfloat16", seed=5)
     q = torch.randn(len(lens), 3 * spec.num_kv_heads, spec.head_dim).to(torch.bfloat16)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
-    got = sdpa_attention.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale=0.125)
+    got = torch_attention.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale=0.125)
     want = reference.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale=0.125)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=0)
@@ -81,6 +82,15 @@ def test_token_weights_go_to_the_reference() -> None:
     q = torch.randn(2, 2 * spec.num_kv_heads, spec.head_dim)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     got_w, want_w = torch.empty(2, spec.num_kv_heads, 20), torch.empty(2, spec.num_kv_heads, 20)
-    got = sdpa_attention.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale=0.125, token_weights=got_w)
+    got = torch_attention.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale=0.125, token_weights=got_w)
     want = reference.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale=0.125, token_weights=want_w)
     assert torch.equal(got, want) and torch.equal(got_w, want_w)
+
+
+def test_padding_groups_bound_the_waste() -> None:
+    assert torch_attention._padding_groups([288, 32, 32, 32]) == [[0], [1, 2, 3]]
+    assert torch_attention._padding_groups([288, 288, 160]) == [[0, 1, 2]]
+    assert torch_attention._padding_groups([1, 0, 40, 7, 3]) == [[2], [3, 4], [0]]
+    for q_lens in ([288, 32, 32, 32], [5, 100, 7, 64, 1, 1, 33]):
+        for group in torch_attention._padding_groups(q_lens):
+            assert len(group) * max(q_lens[i] for i in group) <= 1.5 * sum(q_lens[i] for i in group)
