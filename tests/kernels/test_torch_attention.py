@@ -82,8 +82,9 @@ def test_token_weights_go_to_the_reference() -> None:
     q = torch.randn(2, 2 * spec.num_kv_heads, spec.head_dim)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     got_w, want_w = torch.empty(2, spec.num_kv_heads, 20), torch.empty(2, spec.num_kv_heads, 20)
-    got = torch_attention.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale=0.125, token_weights=got_w)
-    want = reference.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale=0.125, token_weights=want_w)
+    args = (q, k_cache, v_cache, tables, seq_lens)
+    got = torch_attention.paged_decode_attention(*args, scale=0.125, token_weights=got_w)
+    want = reference.paged_decode_attention(*args, scale=0.125, token_weights=want_w)
     assert torch.equal(got, want) and torch.equal(got_w, want_w)
 
 
