@@ -86,6 +86,9 @@ class EngineWorker:
         self._unfinished: dict[str, int] = {}  # samples of each request still to finish
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        # Outputs of the current pass, handed to the event loop in one call (`_flush`): one wake-up a
+        # step instead of one per token keeps the event loop from taking the GIL between model ops.
+        self._outbox: list[tuple[RequestStream, StepOutput | BaseException]] = []  # worker thread only
         self.num_running = 0  # written by the worker thread, read anywhere (a snapshot for load reports)
         self.num_waiting = 0
         self.num_free_blocks = engine.pool.num_free_blocks
@@ -155,8 +158,13 @@ class EngineWorker:
 
     # --------------------------------------------------------- worker thread
     def _emit(self, stream: RequestStream, item: StepOutput | BaseException) -> None:
-        assert self._loop is not None
-        self._loop.call_soon_threadsafe(stream._queue.put_nowait, item)
+        self._outbox.append((stream, item))
+
+    def _flush(self) -> None:
+        if self._outbox:
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(_deliver_all, self._outbox)
+            self._outbox = []
 
     def _do_submit(self, cmd: _Submit) -> None:
         rid = cmd.stream.request_id
@@ -211,6 +219,7 @@ class EngineWorker:
         while True:
             for cmd in self._drain(wait=not self.engine.has_unfinished()):
                 if cmd is None:
+                    self._flush()
                     return
                 cmd()
             if self.engine.has_unfinished():
@@ -224,6 +233,7 @@ class EngineWorker:
                     self._deliver(out)
                 if self._after_step is not None:
                     self._after_step(self.engine)
+            self._flush()
             self._snapshot()
 
     def _fail_all(self, exc: EngineFailure) -> None:
@@ -242,6 +252,11 @@ class EngineWorker:
         self.num_waiting = len(self.engine.scheduler.waiting)
         self.num_free_blocks = self.engine.pool.num_free_blocks
         self.num_in_use_blocks = self.engine.pool.stats().num_in_use
+
+
+def _deliver_all(items: list[tuple[RequestStream, StepOutput | BaseException]]) -> None:
+    for stream, item in items:
+        stream._queue.put_nowait(item)
 
 
 def _set_result(fut: asyncio.Future, value: object) -> None:

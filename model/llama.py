@@ -50,6 +50,11 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
         self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_bias)
+        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by `fuse`
+
+    def fuse(self) -> None:
+        """One ``[q; k; v]`` weight (and bias) for one matmul a step; q/k/v_proj become views of it."""
+        self.qkv = _fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(
         self,
@@ -61,9 +66,14 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """``x`` ``[T, hidden]`` → ``[T, hidden]``; writes the tokens' KV into ``layer_cache``."""
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.qkv is not None:
+            q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            q, k, v = F.linear(x, *self.qkv).split([q_size, kv_size, kv_size], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
         cos, sin = cos_sin
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = paged_attention(backend, q, k, v, layer_cache, batch, scale=self.scale, layer=self.layer_idx)
@@ -79,9 +89,33 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by `fuse`
+
+    def fuse(self) -> None:
+        """One ``[gate; up]`` weight for one matmul a step; gate/up_proj become views of it."""
+        self.gate_up = _fuse_linears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is not None:
+            gate, up = F.linear(x, *self.gate_up).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate the weights (and biases) of ``linears`` along the output dimension and re-point each
+    layer's parameters at its slice, so the fused tensors are the only copy (names stay Hugging Face's)."""
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    has_bias = linears[0].bias is not None
+    bias = torch.cat([lin.bias.detach() for lin in linears]) if has_bias else None
+    start = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        lin.weight = nn.Parameter(weight[start : start + rows], requires_grad=False)
+        if bias is not None:
+            lin.bias = nn.Parameter(bias[start : start + rows], requires_grad=False)
+        start += rows
+    return weight, bias
 
 
 class DecoderLayer(nn.Module):
@@ -173,6 +207,13 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos_sin, kv_pool[:, i], batch, backend)
         return self.model.norm(x)
+
+    def fuse_projections(self) -> None:
+        """Merge q/k/v and gate/up into one matmul each (fewer, larger matmuls a step: on a CPU every
+        matmul is a parallel region whose threads wait for each other). Same results, same memory."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden_size]`` → float32 ``[N, vocab_size]``."""
