@@ -8,7 +8,7 @@ MODEL_DIR ?= .models/$(MODEL)
 TINY_DIR := .models/tiny
 PYTEST_ARGS ?=
 
-.PHONY: serve model test bench bench-long-context lint gpu-check clean
+.PHONY: serve model test bench bench-real bench-long-context lint gpu-check clean
 
 $(BIN)/kvrelay: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -33,12 +33,26 @@ serve: model
 test: $(BIN)/kvrelay
 	$(BIN)/python -m pytest -m "not slow and not gpu" $(PYTEST_ARGS)
 
-bench: $(BIN)/kvrelay $(TINY_DIR)/config.json
+# About 12 minutes: the tiny-model set (~6), then the real model against vLLM's CPU build (started once, ~3.5 min).
+PEER ?= ../shared/peers/vllm-cpu.sh
+bench: $(BIN)/kvrelay $(TINY_DIR)/config.json model
 	mkdir -p bench-out
 	$(BIN)/kvrelay bench memory --out bench-out/memory.json
 	$(BIN)/kvrelay bench decode --model $(TINY_DIR) --out bench-out/decode.json
 	$(BIN)/kvrelay bench kernel --out bench-out/kernel.json
 	$(BIN)/kvrelay bench serve --standard --no-progress --out-dir bench-out/serve
+	$(MAKE) bench-real
+
+# The real model: kvrelay aggregated and 1P1D, vLLM's CPU build and transformers on one workload, in one run
+# (16 requests: 2 groups x 8 sharing a 256-token system prompt + 32-token question, 32 tokens out, greedy);
+# then batch-1 decode against the memory-bandwidth limit, and greedy agreement of bf16 with float32.
+bench-real: $(BIN)/kvrelay model
+	mkdir -p bench-out
+	$(BIN)/kvrelay bench serve --model $(MODEL_DIR) --baselines aggregated,disaggregated,vllm,transformers \
+		--peer-script $(PEER) --groups 2 --prompts-per-group 8 --system-tokens 256 --question-tokens 32 \
+		--output-tokens 32 --no-progress --out-dir bench-out/serve-vs-vllm
+	$(BIN)/kvrelay bench bandwidth --model $(MODEL_DIR) --out bench-out/bandwidth.json
+	$(BIN)/kvrelay bench dtype --model $(MODEL_DIR) --out bench-out/dtype.json
 
 # H2O and InfiniGen-style offload vs full attention (builds the retrieval model once, ~2 min; then ~15 min).
 bench-long-context: $(BIN)/kvrelay

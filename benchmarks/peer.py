@@ -49,10 +49,12 @@ class PeerServer:
                 return self
             except (urllib.error.URLError, OSError):
                 pass
-            if self._proc.poll() is not None or time.monotonic() > deadline:
+            code = self._proc.poll()
+            if code is not None or time.monotonic() > deadline:
                 tail = Path(self._log.name).read_text(errors="replace")[-4000:]
                 self.stop()
-                raise RuntimeError(f"peer {self.script.name} did not start serving in {timeout_s:.0f} s:\n{tail}")
+                why = f"exited with code {code}" if code is not None else f"did not serve in {timeout_s:.0f} s"
+                raise RuntimeError(f"peer {self.script.name} {why}:\n{tail}")
             time.sleep(2.0)
 
     def stop(self) -> None:

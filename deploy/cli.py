@@ -115,6 +115,7 @@ BENCH_NAME_TO_MODULE: dict[str, str] = {
     "serve": "benchmarks.serve_bench",
     "long-context": "benchmarks.long_context_bench",
     "bandwidth": "benchmarks.bandwidth_bench",
+    "dtype": "benchmarks.dtype_bench",
 }
 
 

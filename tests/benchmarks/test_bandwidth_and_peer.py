@@ -1,0 +1,40 @@
+"""Pieces of the real-model benchmarks: weight bytes per token, dtype agreement, and the peer server."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks.bandwidth_bench import weight_bytes
+from benchmarks.dtype_bench import run as dtype_run
+from benchmarks.peer import PeerServer
+from model.loader import load_model
+
+
+def test_weight_bytes_counts_a_tied_embedding_once(tiny_model_dir: Path) -> None:
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    h, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    kv = config["num_key_value_heads"] * (h // config["num_attention_heads"])
+    per_layer = h * h * 2 + h * kv * 2 + 3 * h * inter + 2 * h  # q, o, k, v, gate/up/down, two norms
+    head = 0 if config.get("tie_word_embeddings") else vocab * h
+    want = 4 * (vocab * h + config["num_hidden_layers"] * per_layer + h + head)  # float32
+    assert weight_bytes(load_model(tiny_model_dir, dtype="float32").model) == want
+
+
+def test_dtype_agreement_is_reported_as_fractions(tiny_model_dir: Path) -> None:
+    out = dtype_run(str(tiny_model_dir), count=3, new_tokens=4)
+    assert out["prompts"] == 3 and out["new_tokens"] == 4
+    assert out["identical_outputs_frac"] in (0.0, 1 / 3, 2 / 3, 1.0)
+    assert out["mean_agreeing_prefix_frac"] <= out["mean_positional_agreement"]
+
+
+def test_a_peer_that_exits_is_reported_with_its_output(tmp_path: Path) -> None:
+    script = tmp_path / "peer.sh"
+    script.write_text('echo "peer cannot serve $2 on port $3" >&2; exit 3\n')
+    with pytest.raises(RuntimeError) as err:
+        PeerServer(script, tmp_path).start(timeout_s=30)
+    assert str(err.value).startswith("peer peer.sh exited with code 3:\npeer cannot serve ")
+    with pytest.raises(FileNotFoundError, match="pass --peer-script"):
+        PeerServer(tmp_path / "absent.sh", tmp_path)
