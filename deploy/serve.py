@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import threading
 from typing import Any
 
 from aiohttp import web
@@ -14,7 +15,7 @@ from deploy.config import for_node
 from deploy.cpu_budget import apply_cpus, format_cpus
 from engine.engine import EngineConfig, LLMEngine
 from engine.node_app import NodeConfig, NodeMetrics
-from engine.worker import EngineWorker
+from engine.worker import CallerThreadHost, EngineWorker
 from model.loader import load_model
 
 log = logging.getLogger(__name__)
@@ -49,8 +50,10 @@ def build_engine(config: Any, *, node_name: str, registry: CollectorRegistry) ->
     ), store_config=store_config, registry=registry)
 
 
-def build_app(config: Any, role: str, index: int) -> tuple[web.Application, str, int]:
-    """The aiohttp app of ``role`` number ``index`` and the (host, port) it listens on.
+def build_app(config: Any, role: str, index: int, *,
+              worker_host: CallerThreadHost | None = None) -> tuple[web.Application, str, int]:
+    """The aiohttp app of ``role`` number ``index`` and the (host, port) it listens on. An engine node's
+    loop runs on ``worker_host``'s thread when given, else on a thread of its own.
 
     Raises:
         ValueError: unknown role, or an index past the configured nodes.
@@ -80,7 +83,7 @@ def build_app(config: Any, role: str, index: int) -> tuple[web.Application, str,
     engine = build_engine(config, node_name=name, registry=metrics.registry)
     node = NodeConfig(role=role, name=name, model_name=config.model.name, host=internal.bind, port=port,
                       max_pending_requests=config.decode.max_pending_requests, internal_token=internal.token)
-    worker = EngineWorker(engine)
+    worker = EngineWorker(engine, host=worker_host)
     from deploy.transfer_wiring import DecodeTransfer, PrefillTransfer, advertised_host
     from transfer.config import TransferConfig
 
@@ -104,27 +107,74 @@ def build_app(config: Any, role: str, index: int) -> tuple[web.Application, str,
 
 
 def run_role(config: Any, role: str, index: int = 0, *, cpus: list[int] | None = None) -> int:
-    """Serve until SIGTERM/SIGINT; returns the exit code. An engine node pins itself to ``cpus``
-    (None: every CPU it may run on) and sizes torch's threads to them (`deploy.cpu_budget`)."""
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role}-{index} %(levelname)s %(name)s: %(message)s")
-    if role != "router":
-        log.info("%s-%d runs on CPUs %s", role, index, format_cpus(apply_cpus(cpus)))
-    app, host, port = build_app(config, role, index)
+    """Serve until SIGTERM/SIGINT; returns the exit code.
 
-    async def main() -> None:
-        # Nodes answer the router's event polls several times a second: no access log for those.
-        runner = web.AppRunner(app, handler_cancellation=True, access_log=log if role == "router" else None)
-        await runner.setup()
-        site = web.TCPSite(runner, host, port)
-        await site.start()
-        log.info("%s-%d listening on http://%s:%d", role, index, host, port)
-        stop = asyncio.Event()
+    An engine node pins itself to ``cpus`` (None: every CPU it may run on), sizes torch's threads to
+    them (`deploy.cpu_budget`), and runs its engine on this (the main) thread and its event loop on
+    another (see `engine.worker.CallerThreadHost` for why).
+    """
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role}-{index} %(levelname)s %(name)s: %(message)s")
+    if role == "router":
+        app, host, port = build_app(config, role, index)
+        asyncio.run(_serve(app, host, port, name=f"{role}-{index}", access_log=True, stop=_Stop()))
+        return 0
+    log.info("%s-%d runs on CPUs %s", role, index, format_cpus(apply_cpus(cpus)))
+    worker_host = CallerThreadHost()
+    app, host, port = build_app(config, role, index, worker_host=worker_host)
+    stop = _Stop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stop.set())
+    failures: list[BaseException] = []
+
+    def loop_thread() -> None:
+        try:
+            # Nodes answer the router's event polls: no access log for those.
+            asyncio.run(_serve(app, host, port, name=f"{role}-{index}", access_log=False, stop=stop))
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the main thread
+            failures.append(exc)
+
+    thread = threading.Thread(target=loop_thread, name="event-loop")
+    thread.start()
+    worker_host.serve(keep_waiting=thread.is_alive)  # returns when the server stops the engine
+    thread.join()
+    if failures:
+        raise failures[0]
+    return 0
+
+
+class _Stop:
+    """Set from a signal handler on any thread; awaited by the event loop."""
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._event: asyncio.Event | None = None
+        self._set_early = False
+
+    def set(self) -> None:
+        self._set_early = True
+        loop, event = self._loop, self._event
+        if loop is not None and event is not None:
+            loop.call_soon_threadsafe(event.set)
+
+    async def wait(self) -> None:
+        event = asyncio.Event()
+        self._event = event
+        self._loop = asyncio.get_running_loop()
+        if self._set_early:  # set before the loop was known (or while it was being published)
+            event.set()
+        await event.wait()
+
+
+async def _serve(app: web.Application, host: str, port: int, *, name: str, access_log: bool, stop: _Stop) -> None:
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=log if access_log else None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    log.info("%s listening on http://%s:%d", name, host, port)
+    if threading.current_thread() is threading.main_thread():
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
-        log.info("%s-%d stopping", role, index)
-        await runner.cleanup()
-
-    asyncio.run(main())
-    return 0
+    await stop.wait()
+    log.info("%s stopping", name)
+    await runner.cleanup()
