@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
 from engine.engine import EngineConfig, LLMEngine, RequestError
-from engine.worker import EngineWorker
+from engine.worker import CallerThreadHost, EngineWorker
 from model.loader import load_model
 from model.sampling import SamplingParams
 
@@ -78,3 +79,33 @@ def test_abort_before_the_fork_ends_every_sample(tiny_model_dir):
         await worker.stop()
 
     asyncio.run(main())
+
+
+def test_worker_on_the_callers_thread_serves_and_stops(tiny_model_dir):
+    """The serving layout: the engine loop on the main thread, the event loop on another."""
+    loaded = load_model(tiny_model_dir)
+    prompt, params = [5, 6, 7, 8] * 5, SamplingParams(max_tokens=12, ignore_eos=True)
+    [[offline]] = LLMEngine(loaded, EngineConfig(num_blocks=64)).generate([prompt], params)
+    host = CallerThreadHost()
+    worker = EngineWorker(LLMEngine(loaded, EngineConfig(num_blocks=64)), host=host)
+    seen: dict[str, object] = {}
+
+    async def main() -> None:
+        worker.start()
+        seen["tokens"] = (await _collect(worker.submit("r", prompt, params)))[0]
+        seen["engine_thread"] = await worker.call(lambda e: threading.current_thread().name)
+        await worker.stop()
+
+    loop_thread = threading.Thread(target=lambda: asyncio.run(main()), name="event-loop")
+    loop_thread.start()
+    host.serve(keep_waiting=loop_thread.is_alive)
+    loop_thread.join(30)
+    assert seen == {"tokens": offline, "engine_thread": threading.main_thread().name}
+    assert not loop_thread.is_alive()
+
+
+def test_caller_thread_host_returns_when_nothing_comes():
+    done = threading.Event()
+    threading.Timer(0.2, done.set).start()
+    CallerThreadHost().serve(keep_waiting=lambda: not done.is_set())
+    assert done.is_set()
