@@ -16,13 +16,12 @@ is taken from the first token to the last. Both use the same torch thread count.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from typing import Any
 
 import torch
 
-from benchmarks.common import machine_label
+from benchmarks.common import emit, machine_label
 
 COPY_BYTES = 1 << 30
 
@@ -89,9 +88,5 @@ def main(argv: list[str] | None = None) -> int:
     result = {"bench": "bandwidth", "model": args.model, **decode, "copy_bytes_per_s": bandwidth,
               "limit_tok_s": limit, "fraction_of_limit": decode["decode_tok_s"] / limit,
               "torch_threads": torch.get_num_threads(), **machine_label()}
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(result, args.out)
     return 0

@@ -58,6 +58,18 @@ def merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def stop_process_group(proc: subprocess.Popen, *, grace_s: float = 30.0) -> None:
+    """SIGTERM ``proc`` (it stops what it started), then SIGKILL its whole process group (it was started
+    with ``start_new_session``) if it is still there after ``grace_s``; returns once it has exited."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 def get_text(url: str, *, timeout_s: float = 10.0) -> str:
     with urllib.request.urlopen(url, timeout=timeout_s) as resp:
         return resp.read().decode()
@@ -154,13 +166,7 @@ class Deployment:
     def stop(self) -> None:
         """SIGTERM the process group (``kvrelay up`` stops its nodes), SIGKILL after 30 s; idempotent."""
         if self._proc is not None:
-            if self._proc.poll() is None:
-                self._proc.send_signal(signal.SIGTERM)
-                try:
-                    self._proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(self._proc.pid, signal.SIGKILL)
-                    self._proc.wait()
+            stop_process_group(self._proc)
             self._proc = None
         if self._log_file is not None:
             self._log_file.close()

@@ -12,10 +12,9 @@ this one is only indicative). Prompts are chat-templated questions, as users sen
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
-from benchmarks.common import machine_label
+from benchmarks.common import emit, machine_label
 
 TOPICS = ["the moon", "bread", "volcanoes", "the Roman empire", "photosynthesis", "chess", "rainbows", "bees",
           "the internet", "glaciers", "music", "electricity", "the ocean", "coffee", "trains", "mathematics"]
@@ -63,9 +62,5 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     result = {"bench": "dtype", "model": args.model, **run(args.model, count=args.prompts,
                                                            new_tokens=args.new_tokens), **machine_label()}
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(result, args.out)
     return 0

@@ -3,20 +3,19 @@
 The peer script (``../shared/peers/vllm-cpu.sh`` for vLLM's CPU build) is called as
 ``SCRIPT serve MODEL_DIR PORT`` and must serve ``/v1`` on ``127.0.0.1:PORT``; it is ready when
 ``GET /v1/models`` answers. It runs in its own process group (stopped with SIGTERM, then SIGKILL)
-and logs to a file whose tail goes into any start-up error.
+and logs to a file whose tail goes into any start-up error. The script should ``exec`` the server, so
+that SIGTERM reaches it.
 """
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import tempfile
 import time
 import urllib.error
 from pathlib import Path
 
-from benchmarks.deployment import free_ports, get_text
+from benchmarks.deployment import free_ports, get_text, stop_process_group
 
 DEFAULT_PEER_SCRIPT = Path(__file__).resolve().parents[2] / "shared" / "peers" / "vllm-cpu.sh"
 STARTUP_TIMEOUT_S = 900.0  # vLLM's CPU build compiles for ~3.5 min on 2 cores
@@ -58,14 +57,9 @@ class PeerServer:
             time.sleep(2.0)
 
     def stop(self) -> None:
-        """SIGTERM the peer's process group, SIGKILL after 30 s; idempotent."""
-        if self._proc is not None and self._proc.poll() is None:
-            os.killpg(self._proc.pid, signal.SIGTERM)
-            try:
-                self._proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self._proc.pid, signal.SIGKILL)
-                self._proc.wait()
+        """SIGTERM the peer, SIGKILL its process group after 30 s; idempotent."""
+        if self._proc is not None:
+            stop_process_group(self._proc)
         self._proc = None
 
     def __enter__(self) -> PeerServer:
