@@ -166,15 +166,18 @@ class _Stop:
 
 
 async def _serve(app: web.Application, host: str, port: int, *, name: str, access_log: bool, stop: _Stop) -> None:
+    """Serve ``app`` until ``stop``; its cleanup (which stops an engine node's worker) runs however this ends."""
     runner = web.AppRunner(app, handler_cancellation=True, access_log=log if access_log else None)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    log.info("%s listening on http://%s:%d", name, host, port)
-    if threading.current_thread() is threading.main_thread():
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("%s stopping", name)
-    await runner.cleanup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        log.info("%s listening on http://%s:%d", name, host, port)
+        if threading.current_thread() is threading.main_thread():
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        log.info("%s stopping", name)
+    finally:
+        await runner.cleanup()

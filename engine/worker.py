@@ -120,8 +120,8 @@ class EngineWorker:
         self._unfinished: dict[str, int] = {}  # samples of each request still to finish
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        # Outputs of the current pass, handed to the event loop in one call (`_flush`): one wake-up a
-        # step instead of one per token keeps the event loop from taking the GIL between model ops.
+        # Outputs of the current pass, handed to the event loop in one call (`_flush`): one wake-up of the
+        # event loop a step instead of one per token.
         self._outbox: list[tuple[RequestStream, StepOutput | BaseException]] = []  # worker thread only
         self.num_running = 0  # written by the worker thread, read anywhere (a snapshot for load reports)
         self.num_waiting = 0
