@@ -17,6 +17,7 @@ from torch import nn
 
 from model.attention import AttentionBackend, AttentionBatch, paged_attention
 from model.config import ModelConfig
+from model.linear_kernel import LinearKernel
 from model.rope import apply_rotary, rope_inv_freq, rotary_cos_sin
 
 
@@ -50,11 +51,14 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
         self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_bias)
-        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by `fuse`
+        self.qkv: LinearKernel | None = None  # set by `prepare`
+        self.out: LinearKernel | None = None
 
-    def fuse(self) -> None:
-        """One ``[q; k; v]`` weight (and bias) for one matmul a step; q/k/v_proj become views of it."""
-        self.qkv = _fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+    def prepare(self) -> None:
+        """One ``[q; k; v]`` weight (and bias) for one matmul a step (q/k/v_proj become views of it), and
+        the fastest matmul kernels for it and o_proj."""
+        self.qkv = LinearKernel(*_fuse_linears(self.q_proj, self.k_proj, self.v_proj))
+        self.out = LinearKernel(self.o_proj.weight, self.o_proj.bias)
 
     def forward(
         self,
@@ -68,7 +72,7 @@ class Attention(nn.Module):
         t = x.shape[0]
         if self.qkv is not None:
             q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            q, k, v = F.linear(x, *self.qkv).split([q_size, kv_size, kv_size], dim=-1)
+            q, k, v = self.qkv(x).split([q_size, kv_size, kv_size], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.reshape(t, self.num_heads, self.head_dim)
@@ -77,7 +81,8 @@ class Attention(nn.Module):
         cos, sin = cos_sin
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = paged_attention(backend, q, k, v, layer_cache, batch, scale=self.scale, layer=self.layer_idx)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        out = out.reshape(t, self.num_heads * self.head_dim)
+        return self.out(out) if self.out is not None else self.o_proj(out)
 
 
 class MLP(nn.Module):
@@ -89,16 +94,19 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
-        self.gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by `fuse`
+        self.gate_up: LinearKernel | None = None  # set by `prepare`
+        self.down: LinearKernel | None = None
 
-    def fuse(self) -> None:
-        """One ``[gate; up]`` weight for one matmul a step; gate/up_proj become views of it."""
-        self.gate_up = _fuse_linears(self.gate_proj, self.up_proj)
+    def prepare(self) -> None:
+        """One ``[gate; up]`` weight for one matmul a step (gate/up_proj become views of it), and the
+        fastest matmul kernels for it and down_proj."""
+        self.gate_up = LinearKernel(*_fuse_linears(self.gate_proj, self.up_proj))
+        self.down = LinearKernel(self.down_proj.weight, self.down_proj.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up is not None:
-            gate, up = F.linear(x, *self.gate_up).chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
+        if self.gate_up is not None and self.down is not None:
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
+            return self.down(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -163,6 +171,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = DecoderModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.head: LinearKernel | None = None  # set by `prepare_for_inference`
         self.register_buffer("rope_inv_freq", rope_inv_freq(config.rope, config.head_dim), persistent=False)
 
     def forward(
@@ -208,13 +217,15 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, cos_sin, kv_pool[:, i], batch, backend)
         return self.model.norm(x)
 
-    def fuse_projections(self) -> None:
+    def prepare_for_inference(self) -> None:
         """Merge q/k/v and gate/up into one matmul each (fewer, larger matmuls a step: on a CPU every
-        matmul is a parallel region whose threads wait for each other). Same results, same memory."""
+        matmul is a parallel region whose threads wait for each other) and pick each weight's fastest
+        matmul kernel (`model.linear_kernel`). Same results; call once, after loading."""
         for layer in self.model.layers:
-            layer.self_attn.fuse()
-            layer.mlp.fuse()
+            layer.self_attn.prepare()
+            layer.mlp.prepare()
+        self.head = LinearKernel(self.lm_head.weight, None)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden_size]`` → float32 ``[N, vocab_size]``."""
-        return self.lm_head(hidden).float()
+        return (self.head(hidden) if self.head is not None else self.lm_head(hidden)).float()

@@ -103,7 +103,7 @@ def load_model(
         )
     model.to(device=device)  # moves the rope buffer; parameters are already there
     model.eval().requires_grad_(False)
-    model.fuse_projections()
+    model.prepare_for_inference()
     fingerprint = model_fingerprint(model_dir)
     return LoadedModel(config=config, model=model, fingerprint=fingerprint, model_dir=model_dir)
 

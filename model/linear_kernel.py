@@ -1,0 +1,45 @@
+"""`LinearKernel`: ``y = x Wᵀ + b`` for one fixed weight, on the fastest path this machine has.
+
+On a CPU with oneDNN, a bf16 weight is also kept in oneDNN's packed (blocked) layout and multiplied
+with its packed-weight matmul: measured here for a 3072×576 bf16 weight, 2.5× faster than
+``F.linear`` at 1 row, 2× at 16 rows, 1.3× at 300 rows, with bit-identical results (both accumulate
+in float32). float32 weights stay on ``F.linear``: the packed path sums in another order (differences
+of 1e-4), and float32 is what the exactness tests pin against transformers. The packed copy costs
+the weight's size again in memory. Packing uses torch's internal ``mkldnn`` ops (those its compiler
+emits); where they are missing or refuse a weight, the kernel falls back to ``F.linear``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+PACKED_DTYPES = (torch.bfloat16,)
+PACK_ROWS_HINT = 16  # the batch the packing is tuned for; any row count works
+
+
+class LinearKernel:
+    """Multiply by one weight ``[out, in]`` (and add ``bias`` ``[out]``, if any); see module doc."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight, self.bias = weight, bias
+        self.packed = _pack(weight)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[T, in]`` → ``[T, out]`` in ``x.dtype``."""
+        if self.packed is not None and x.dim() == 2 and x.shape[0] > 0:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor | None:
+    if weight.device.type != "cpu" or weight.dtype not in PACKED_DTYPES or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS_HINT)
+    except (AttributeError, RuntimeError) as exc:
+        log.warning("oneDNN cannot pack a %s weight (%s); using F.linear", tuple(weight.shape), exc)
+        return None

@@ -1,0 +1,29 @@
+"""`LinearKernel`: the packed oneDNN matmul gives F.linear's results for bf16; float32 keeps F.linear."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model.linear_kernel import LinearKernel
+
+
+@pytest.mark.parametrize("rows", [1, 16, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_packed_equals_f_linear(rows: int, with_bias: bool) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(192, 64, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(192, generator=gen).to(torch.bfloat16) if with_bias else None
+    x = torch.randn(rows, 64, generator=gen).to(torch.bfloat16)
+    kernel = LinearKernel(weight, bias)
+    assert (kernel.packed is not None) == torch.backends.mkldnn.is_available()
+    got = kernel(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 192)
+    torch.testing.assert_close(got, F.linear(x, weight, bias), atol=0, rtol=0)
+
+
+def test_float32_is_not_packed() -> None:
+    weight, x = torch.randn(8, 4), torch.randn(3, 4)
+    kernel = LinearKernel(weight, None)
+    assert kernel.packed is None and torch.equal(kernel(x), F.linear(x, weight))
