@@ -31,6 +31,21 @@ import torch.nn.functional as F
 from kernels import reference
 
 
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """`kernels.reference.write_kv` without the padding mask when no slot is negative (the serving case:
+    a step's slots are all real), which saves a boolean gather per tensor and layer."""
+    if slot_mapping.numel() and int(slot_mapping.min()) < 0:
+        reference.write_kv(k_cache, v_cache, key, value, slot_mapping)
+        return
+    block_size = k_cache.shape[2]
+    slots = slot_mapping.long()
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, :, offsets] = key.to(k_cache.dtype)
+    v_cache[blocks, :, offsets] = value.to(v_cache.dtype)
+
+
 def _own_block_ids(block_tables: torch.Tensor, seq_lens: torch.Tensor, num_blocks: int,
                    block_size: int) -> torch.Tensor:
     """``[N, num_blocks]`` int64 block ids; entries past a sequence's own blocks (the contract lets

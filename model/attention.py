@@ -102,7 +102,7 @@ class ReferenceBackend:
 class TorchBackend:
     """Batched attention through fused ``scaled_dot_product_attention`` (`kernels.torch_attention`); the CPU path."""
 
-    write_kv = staticmethod(reference.write_kv)
+    write_kv = staticmethod(torch_attention.write_kv)
     paged_decode_attention = staticmethod(torch_attention.paged_decode_attention)
     prefill_attention = staticmethod(torch_attention.prefill_attention)
     block_key_summaries = staticmethod(reference.block_key_summaries)

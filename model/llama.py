@@ -69,17 +69,16 @@ class Attention(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         """``x`` ``[T, hidden]`` → ``[T, hidden]``; writes the tokens' KV into ``layer_cache``."""
-        t = x.shape[0]
-        if self.qkv is not None:
-            q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            q, k, v = self.qkv(x).split([q_size, kv_size, kv_size], dim=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.reshape(t, self.num_heads, self.head_dim)
-        k = k.reshape(t, self.num_kv_heads, self.head_dim)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        t, heads, kv_heads, dim = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         cos, sin = cos_sin
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.qkv is not None:  # q and k side by side: one rotation for both
+            qk, v = self.qkv(x).split([(heads + kv_heads) * dim, kv_heads * dim], dim=-1)
+            q, k = apply_rotary(qk.reshape(t, heads + kv_heads, dim), cos, sin).split([heads, kv_heads], dim=1)
+        else:
+            q = apply_rotary(self.q_proj(x).reshape(t, heads, dim), cos, sin)
+            k = apply_rotary(self.k_proj(x).reshape(t, kv_heads, dim), cos, sin)
+            v = self.v_proj(x)
+        v = v.reshape(t, kv_heads, dim)
         out = paged_attention(backend, q, k, v, layer_cache, batch, scale=self.scale, layer=self.layer_idx)
         out = out.reshape(t, self.num_heads * self.head_dim)
         return self.out(out) if self.out is not None else self.o_proj(out)

@@ -95,3 +95,17 @@ def test_padding_groups_bound_the_waste() -> None:
     for q_lens in ([288, 32, 32, 32], [5, 100, 7, 64, 1, 1, 33]):
         for group in torch_attention._padding_groups(q_lens):
             assert len(group) * max(q_lens[i] for i in group) <= 1.5 * sum(q_lens[i] for i in group)
+
+
+@pytest.mark.parametrize("slots", [[5, 0, 33, 18], [5, -1, 33, -1]], ids=["all-real", "with-padding"])
+def test_write_kv_equals_reference(slots: list[int]) -> None:
+    spec, k_cache, v_cache, _ = _caches((40,), dtype="bfloat16", seed=9)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    gen = torch.Generator().manual_seed(10)
+    key = torch.randn(4, spec.num_kv_heads, spec.head_dim, generator=gen)
+    value = torch.randn(4, spec.num_kv_heads, spec.head_dim, generator=gen)
+    slot_mapping = torch.tensor(slots)
+    torch_attention.write_kv(k_cache, v_cache, key, value, slot_mapping)
+    reference.write_kv(ref_k, ref_v, key, value, slot_mapping)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+    assert not torch.equal(k_cache, _caches((40,), dtype="bfloat16", seed=9)[1])  # something was written
