@@ -39,6 +39,17 @@ def _tree(root: int) -> list[int]:
     return out
 
 
+def _wait_until_settled(urls: list[str], timeout_s: float = 30.0) -> None:
+    """Every node reports nothing running and no block in use (the finished request's KV handed back)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        health = [get_json(url + "/health") for url in urls]
+        if all(h["running"] == 0 and h["waiting"] == 0 and h["in_use_blocks"] == 0 for h in health):
+            return
+        assert time.monotonic() < deadline, f"nodes did not settle: {health}"
+        time.sleep(0.1)
+
+
 def _cpu_s(pids: list[int]) -> float:
     """User + system CPU seconds of ``pids`` so far (all their threads)."""
     total = 0
@@ -57,7 +68,7 @@ def test_idle_deployment_uses_under_half_a_cpu_second_in_ten_seconds(tiny_model_
         assert [h["threads"] for h in health] == [len(h["cpus"]) for h in health]
         openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0).completions.create(
             model="tiny", prompt=list(range(1, 40)), max_tokens=4)  # every part has run once: KV moved over NIXL
-        time.sleep(2.0)  # let the request's aftermath (KV events, lease expiry) settle
+        _wait_until_settled(cluster.prefill_urls + cluster.decode_urls)  # leases released, nothing running
         before, start = _cpu_s(pids), time.monotonic()
         time.sleep(IDLE_WINDOW_S)
         used = _cpu_s(pids) - before
