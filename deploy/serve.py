@@ -148,10 +148,10 @@ class _Stop:
     def __init__(self) -> None:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._event: asyncio.Event | None = None
-        self._set_early = False
+        self._requested = False
 
     def set(self) -> None:
-        self._set_early = True
+        self._requested = True
         loop, event = self._loop, self._event
         if loop is not None and event is not None:
             loop.call_soon_threadsafe(event.set)
@@ -160,7 +160,7 @@ class _Stop:
         event = asyncio.Event()
         self._event = event
         self._loop = asyncio.get_running_loop()
-        if self._set_early:  # set before the loop was known (or while it was being published)
+        if self._requested:  # asked before the loop was known (or while it was being published)
             event.set()
         await event.wait()
 

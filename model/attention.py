@@ -100,7 +100,8 @@ class ReferenceBackend:
 
 
 class TorchBackend:
-    """Batched attention through fused ``scaled_dot_product_attention`` (`kernels.torch_attention`); the CPU path."""
+    """Batched plain-torch attention (`kernels.torch_attention`: fused SDPA in prefill, block-wise matmuls in
+    decode); the CPU path."""
 
     write_kv = staticmethod(torch_attention.write_kv)
     paged_decode_attention = staticmethod(torch_attention.paged_decode_attention)
@@ -127,7 +128,7 @@ BACKEND_NAME_TO_CLASS: dict[str, type] = {"reference": ReferenceBackend, "torch"
 
 
 def default_backend_name(device: torch.device) -> str:
-    """``triton`` on CUDA, ``sdpa`` elsewhere."""
+    """``triton`` on CUDA, ``torch`` elsewhere."""
     return "triton" if device.type == "cuda" else "torch"
 
 
