@@ -43,13 +43,14 @@ bench: $(BIN)/kvrelay $(TINY_DIR)/config.json model
 	$(BIN)/kvrelay bench serve --standard --no-progress --out-dir bench-out/serve
 	$(MAKE) bench-real
 
-# The real model: kvrelay aggregated and 1P1D, vLLM's CPU build and transformers on one workload, in one run
-# (16 requests: 2 groups x 8 sharing a 256-token system prompt + 32-token question, 32 tokens out, greedy);
-# then batch-1 decode against the memory-bandwidth limit, and greedy agreement of bf16 with float32.
+# The real model: kvrelay aggregated and 1P1D (with and without CPU lending), vLLM's CPU build and transformers
+# on one workload, in one run (16 requests: 2 groups x 8 sharing a 256-token system prompt + 32-token question,
+# 32 tokens out, greedy; each server 3 times on fresh prompts, the median run reported); then batch-1 decode
+# against the memory-bandwidth limit, and greedy agreement of bf16 with float32.
 bench-real: $(BIN)/kvrelay model
 	mkdir -p bench-out
-	$(BIN)/kvrelay bench serve --model $(MODEL_DIR) --baselines aggregated,disaggregated,vllm,transformers \
-		--peer-script $(PEER) --groups 2 --prompts-per-group 8 --system-tokens 256 --question-tokens 32 \
+	$(BIN)/kvrelay bench serve --model $(MODEL_DIR) --baselines aggregated,disaggregated,disaggregated-static,vllm,transformers \
+		--repeats 3 --peer-script $(PEER) --groups 2 --prompts-per-group 8 --system-tokens 256 --question-tokens 32 \
 		--output-tokens 32 --no-progress --out-dir bench-out/serve-vs-vllm
 	$(BIN)/kvrelay bench bandwidth --model $(MODEL_DIR) --out bench-out/bandwidth.json
 	$(BIN)/kvrelay bench dtype --model $(MODEL_DIR) --out bench-out/dtype.json

@@ -5,6 +5,8 @@ applies per-section overrides; ports are always fresh, the disk tier goes to a t
 the model path is the benchmark's model. Baselines are overrides::
 
     BASELINE_TO_OVERRIDES["aggregated"] == {"prefill": {"ports": []}}      # decode prefills itself
+
+and extra ``kvrelay up`` arguments (``BASELINE_TO_UP_ARGS``: 1P1D without CPU lending).
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ BASELINE_TO_OVERRIDES: dict[str, dict[str, dict[str, Any]]] = {
     "disaggregated": {},
     "aggregated": {"prefill": {"ports": []}},
     "prefix-cache-off": {"engine": {"enable_prefix_caching": False}},
+    "disaggregated-static": {},
 }
+BASELINE_TO_UP_ARGS: dict[str, list[str]] = {"disaggregated-static": ["--no-cpu-lending"]}
 
 
 def free_ports(n: int) -> list[int]:
@@ -83,7 +87,8 @@ class Deployment:
     """
 
     def __init__(self, model_dir: str | Path, *, overrides: dict[str, dict[str, Any]] | None = None,
-                 base_config: Path = DEFAULT_CONFIG, env: dict[str, str] | None = None) -> None:
+                 base_config: Path = DEFAULT_CONFIG, env: dict[str, str] | None = None,
+                 up_args: list[str] | None = None) -> None:
         self.config: dict[str, Any] = merge(yaml.safe_load(base_config.read_text()), overrides or {})
         num_prefill = len(self.config.get("prefill", {}).get("ports", []))
         num_decode = len(self.config.get("decode", {}).get("ports", [8200]))
@@ -108,6 +113,7 @@ class Deployment:
         self._saved_log: list[str] | None = None
         self._env = {**os.environ, **(env or {})}
         self._proc: subprocess.Popen | None = None
+        self._up_args = list(up_args or [])
 
     def start(self, timeout_s: float = 300.0) -> Deployment:
         """Start, wait for ``kvrelay up``'s ready line (every node healthy), then read the node URLs from
@@ -121,8 +127,8 @@ class Deployment:
         """
         self._log_file = open(self._log_path, "w")  # noqa: SIM115 - closed in stop()
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "deploy.cli", "up", "--config", str(self.path)], stdout=self._log_file,
-            stderr=subprocess.STDOUT, start_new_session=True, env=self._env,
+            [sys.executable, "-m", "deploy.cli", "up", "--config", str(self.path), *self._up_args],
+            stdout=self._log_file, stderr=subprocess.STDOUT, start_new_session=True, env=self._env,
         )
         deadline = time.monotonic() + timeout_s
         while not any(READY.search(line) for line in self.log):  # up is ready: it restarts a node from now on

@@ -9,8 +9,10 @@ The router needs no share: it does no math and sleeps on its event loop.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
+from collections.abc import Callable
 
 import torch
 
@@ -61,8 +63,9 @@ def format_cpus(cpus: list[int]) -> str:
     return ",".join(map(str, cpus))
 
 
-def apply_cpus(cpus: list[int] | None) -> list[int]:
-    """Pin this process to ``cpus`` (None: keep its mask) and size torch's thread pools to it.
+def apply_cpus(cpus: list[int] | None, *, threads: int | None = None) -> list[int]:
+    """Pin this process to ``cpus`` (None: keep its mask) and size torch's thread pools to it
+    (or to ``threads`` intra-op threads).
 
     Call before torch runs any parallel work. Returns the CPUs now in use.
 
@@ -72,9 +75,106 @@ def apply_cpus(cpus: list[int] | None) -> list[int]:
     if cpus is not None:
         os.sched_setaffinity(0, cpus)
     mine = available_cpus()
-    torch.set_num_threads(len(mine))
+    torch.set_num_threads(threads or len(mine))
     try:
         torch.set_num_interop_threads(1)
     except RuntimeError:  # already set, or parallel work already ran: keep what is there
         pass
     return mine
+
+
+class CoreLending:
+    """Lend this node's CPUs to the other nodes of one machine while it has nothing to compute, and
+    borrow theirs while they have nothing to compute (what `kvrelay up` sets up unless
+    ``--no-cpu-lending``, or nodes would share CPUs anyway).
+
+    A node owns its *home* CPUs (its `split_cpus` share) and may run on the whole *pool* (every CPU
+    of the deployment). Per CPU ``N`` two lock files live in ``lock_dir``: ``cpu-N`` is held by
+    whoever computes on N, ``want-N`` by its owner while the owner has work. Protocol, per step:
+
+    * `before_step`: the owner takes ``want-N`` then ``cpu-N`` of each home CPU (blocking: if a
+      borrower holds ``cpu-N``, the owner waits for the end of that borrower's current step, never
+      longer, since a borrower re-checks ``want-N`` before each step); then it tries, without
+      waiting, every other CPU whose ``want`` lock is free, and keeps those it gets for this step.
+      torch's intra-op thread count is set to the CPUs held.
+    * `after_step`: borrowed CPUs go back; home CPUs stay held.
+    * `idle`: the engine has nothing left to do; home CPUs go back, to be lent.
+
+    So at any moment each CPU runs one node's math (no oversubscription), and a CPU whose owner is
+    idle is not left idle while another node computes. Locks are ``flock`` locks: a node that dies
+    releases everything it held. Used from the engine thread only.
+    """
+
+    def __init__(self, lock_dir: str, home: list[int], pool: list[int], *,
+                 set_threads: Callable[[int], None] = torch.set_num_threads) -> None:
+        """``home`` ⊆ ``pool``, both non-empty; ``set_threads(n)`` sizes the intra-op pool (torch's).
+
+        Raises:
+            ValueError: ``home`` empty or not inside ``pool``.
+        """
+        if not home or not set(home) <= set(pool):
+            raise ValueError(f"home CPUs {home} must be a non-empty part of the pool {pool}")
+        os.makedirs(lock_dir, exist_ok=True)
+        self._set = set_threads
+
+        def fd(name: str) -> int:
+            return os.open(os.path.join(lock_dir, name), os.O_RDWR | os.O_CREAT, 0o600)
+
+        self.home = sorted(home)
+        self.others = [c for c in sorted(pool) if c not in home]
+        self._cpu = {c: fd(f"cpu-{c}") for c in pool}
+        self._want = {c: fd(f"want-{c}") for c in pool}
+        self._holding_home = False
+        self._borrowed: list[int] = []
+        self.threads = len(self.home)
+
+    def before_step(self) -> int:
+        """Hold the home CPUs and borrow what idle owners lend; returns the thread count set."""
+        if not self._holding_home:
+            for c in self.home:
+                fcntl.flock(self._want[c], fcntl.LOCK_EX)
+                fcntl.flock(self._cpu[c], fcntl.LOCK_EX)
+            self._holding_home = True
+        for c in self.others:
+            try:
+                fcntl.flock(self._want[c], fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # its owner has work
+            try:
+                fcntl.flock(self._cpu[c], fcntl.LOCK_EX | fcntl.LOCK_NB)
+                self._borrowed.append(c)
+            except BlockingIOError:
+                pass  # another borrower has it
+            finally:
+                fcntl.flock(self._want[c], fcntl.LOCK_UN)
+        self._set_threads(len(self.home) + len(self._borrowed))
+        return self.threads
+
+    def after_step(self) -> None:
+        """Give back the CPUs borrowed for this step."""
+        for c in self._borrowed:
+            fcntl.flock(self._cpu[c], fcntl.LOCK_UN)
+        self._borrowed = []
+
+    def idle(self) -> None:
+        """Nothing left to compute: lend the home CPUs until the next `before_step` (and size torch's
+        threads back to them)."""
+        self.after_step()
+        if self._holding_home:
+            for c in self.home:
+                fcntl.flock(self._cpu[c], fcntl.LOCK_UN)
+                fcntl.flock(self._want[c], fcntl.LOCK_UN)
+            self._holding_home = False
+        self._set_threads(len(self.home))
+
+    def close(self) -> None:
+        """Release everything and close the lock files."""
+        self.idle()
+        for fd in [*self._cpu.values(), *self._want.values()]:
+            os.close(fd)
+        self._cpu, self._want = {}, {}
+
+    def _set_threads(self, n: int) -> None:
+        if n != self.threads:
+            self._set(n)
+            self.threads = n

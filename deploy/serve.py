@@ -12,10 +12,10 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from deploy.config import for_node
-from deploy.cpu_budget import apply_cpus, format_cpus
+from deploy.cpu_budget import CoreLending, apply_cpus, format_cpus
 from engine.engine import EngineConfig, LLMEngine
 from engine.node_app import NodeConfig, NodeMetrics
-from engine.worker import CallerThreadHost, EngineWorker
+from engine.worker import CallerThreadHost, EngineWorker, StepCores
 from model.loader import load_model
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,8 @@ def build_engine(config: Any, *, node_name: str, registry: CollectorRegistry) ->
 
 
 def build_app(config: Any, role: str, index: int, *,
-              worker_host: CallerThreadHost | None = None) -> tuple[web.Application, str, int]:
+              worker_host: CallerThreadHost | None = None,
+              cores: StepCores | None = None) -> tuple[web.Application, str, int]:
     """The aiohttp app of ``role`` number ``index`` and the (host, port) it listens on. An engine node's
     loop runs on ``worker_host``'s thread when given, else on a thread of its own.
 
@@ -82,8 +83,9 @@ def build_app(config: Any, role: str, index: int, *,
     metrics = NodeMetrics(role)
     engine = build_engine(config, node_name=name, registry=metrics.registry)
     node = NodeConfig(role=role, name=name, model_name=config.model.name, host=internal.bind, port=port,
-                      max_pending_requests=config.decode.max_pending_requests, internal_token=internal.token)
-    worker = EngineWorker(engine, host=worker_host)
+                      max_pending_requests=config.decode.max_pending_requests, internal_token=internal.token,
+                      cpus=tuple(cores.home) if isinstance(cores, CoreLending) else ())
+    worker = EngineWorker(engine, host=worker_host, cores=cores)
     from deploy.transfer_wiring import DecodeTransfer, PrefillTransfer, advertised_host
     from transfer.config import TransferConfig
 
@@ -106,7 +108,8 @@ def build_app(config: Any, role: str, index: int, *,
     return app, internal.bind, port
 
 
-def run_role(config: Any, role: str, index: int = 0, *, cpus: list[int] | None = None) -> int:
+def run_role(config: Any, role: str, index: int = 0, *, cpus: list[int] | None = None,
+             cpu_pool: list[int] | None = None, cpu_lock_dir: str | None = None) -> int:
     """Serve until SIGTERM/SIGINT; returns the exit code.
 
     An engine node pins itself to ``cpus`` (None: every CPU it may run on), sizes torch's threads to
@@ -118,9 +121,16 @@ def run_role(config: Any, role: str, index: int = 0, *, cpus: list[int] | None =
         app, host, port = build_app(config, role, index)
         asyncio.run(_serve(app, host, port, name=f"{role}-{index}", access_log=True, stop=_Stop()))
         return 0
-    log.info("%s-%d runs on CPUs %s", role, index, format_cpus(apply_cpus(cpus)))
+    cores: CoreLending | None = None
+    if cpu_pool is not None and cpu_lock_dir is not None and cpus is not None:
+        apply_cpus(cpu_pool, threads=len(cpus))
+        cores = CoreLending(cpu_lock_dir, cpus, cpu_pool)
+        log.info("%s-%d owns CPUs %s and borrows idle ones of %s", role, index, format_cpus(cpus),
+                 format_cpus(cpu_pool))
+    else:
+        log.info("%s-%d runs on CPUs %s", role, index, format_cpus(apply_cpus(cpus)))
     worker_host = CallerThreadHost()
-    app, host, port = build_app(config, role, index, worker_host=worker_host)
+    app, host, port = build_app(config, role, index, worker_host=worker_host, cores=cores)
     stop = _Stop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop.set())

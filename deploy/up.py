@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import faulthandler
 import json
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -27,9 +29,15 @@ RESTART_BACKOFF_S = 2.0
 REPORT_EVERY_S = 30.0
 
 
-def _role_cmd(role: str, config_path: Path, index: int, overrides: list[str], cpus: list[int] | None) -> list[str]:
+def _role_cmd(role: str, config_path: Path, index: int, overrides: list[str], cpus: list[int] | None,
+              lending: tuple[list[int], str] | None = None) -> list[str]:
     cmd = [sys.executable, "-m", "deploy.cli", role, "--config", str(config_path), "--index", str(index), *overrides]
-    return cmd + (["--cpus", format_cpus(cpus)] if cpus is not None else [])
+    if cpus is None:
+        return cmd
+    cmd += ["--cpus", format_cpus(cpus)]
+    if lending is not None:
+        cmd += ["--cpu-pool", format_cpus(lending[0]), "--cpu-lock-dir", lending[1]]
+    return cmd
 
 
 def _router_health(url: str) -> dict[str, Any] | None:
@@ -70,17 +78,24 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
-def up(config: Any, config_path: Path, *, overrides: list[str], startup_timeout_s: float = 300.0) -> int:
+def up(config: Any, config_path: Path, *, overrides: list[str], startup_timeout_s: float = 300.0,
+       lend_cpus: bool = True) -> int:
     """Run the whole deployment until a signal; returns the exit code.
 
     A prefill or decode node that dies after start is restarted after ``RESTART_BACKOFF_S`` (the
     router routes around it meanwhile), as a Kubernetes Deployment would; a router that dies, or any
     process that dies before the deployment became healthy, stops everything.
+
+    With ``lend_cpus`` (and more than one engine node, no more nodes than CPUs) a node's CPUs are lent
+    to the others while it has nothing to compute (`deploy.cpu_budget.CoreLending`).
     """
     plan = [("prefill", i) for i in range(len(config.prefill.ports))]
     plan += [("decode", i) for i in range(len(config.decode.ports))]
     cpus = available_cpus()
     shares: list[list[int] | None] = [*split_cpus(cpus, len(plan)), None]  # the router takes no share
+    # Nodes lend idle CPUs to each other (`CoreLending`) unless they already share CPUs.
+    lock_dir = tempfile.mkdtemp(prefix="kvrelay-cpus-") if lend_cpus and 1 < len(plan) <= len(cpus) else None
+    lending = (cpus, lock_dir) if lock_dir is not None else None
     if len(cpus) < len(plan):
         print(f"kvrelay up: {len(plan)} engine nodes share {len(cpus)} CPUs; they will slow each other down",
               file=sys.stderr, flush=True)
@@ -97,7 +112,7 @@ def up(config: Any, config_path: Path, *, overrides: list[str], startup_timeout_
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints where this process is (stderr)
     try:
         for role, index in plan:
-            procs.append(subprocess.Popen(_role_cmd(role, config_path, index, overrides, shares[len(procs)])))
+            procs.append(subprocess.Popen(_role_cmd(role, config_path, index, overrides, shares[len(procs)], lending)))
         url = f"http://{config.router.host}:{config.router.port}"
         deadline = time.monotonic() + startup_timeout_s
         next_report = time.monotonic() + REPORT_EVERY_S
@@ -117,7 +132,7 @@ def up(config: Any, config_path: Path, *, overrides: list[str], startup_timeout_
                     restart_at[k] = now + RESTART_BACKOFF_S
                 elif now >= restart_at[k]:
                     del restart_at[k]
-                    procs[k] = subprocess.Popen(_role_cmd(role, config_path, index, overrides, shares[k]))
+                    procs[k] = subprocess.Popen(_role_cmd(role, config_path, index, overrides, shares[k], lending))
             if not ready:
                 health = _router_health(url)
                 all_up = health is not None and all(n["healthy"] for n in health.get("nodes", {}).values())
@@ -136,5 +151,7 @@ def up(config: Any, config_path: Path, *, overrides: list[str], startup_timeout_
         return 0
     finally:
         _stop(procs)
+        if lock_dir is not None:
+            shutil.rmtree(lock_dir, ignore_errors=True)
         for s, h in old.items():
             signal.signal(s, h)

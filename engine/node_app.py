@@ -43,6 +43,7 @@ class NodeConfig:
         name: unique node name (appears in KV events and logs).
         max_pending_requests: requests waiting or running beyond which new ones get 429.
         internal_token: shared secret for internal endpoints; None leaves them open (loopback only).
+        cpus: the CPUs the node owns (`deploy.cpu_budget`); empty: every CPU it may run on.
     """
 
     role: str
@@ -52,6 +53,7 @@ class NodeConfig:
     port: int = 0
     max_pending_requests: int = 256
     internal_token: str | None = None
+    cpus: tuple[int, ...] = ()
 
 
 class NodeMetrics:
@@ -140,7 +142,8 @@ class EngineNode:
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({
             "status": "ok", "role": self.config.role, "node": self.config.name, "pid": os.getpid(),
-            "cpus": sorted(os.sched_getaffinity(0)), "threads": torch.get_num_threads(),
+            "cpus": list(self.config.cpus) or sorted(os.sched_getaffinity(0)),
+            "cpu_pool": sorted(os.sched_getaffinity(0)), "threads": torch.get_num_threads(),
             "running": self.worker.num_running, "waiting": self.worker.num_waiting,
             "free_blocks": self.worker.num_free_blocks, "in_use_blocks": self.worker.num_in_use_blocks,
             "total_blocks": self.engine.pool.num_blocks,

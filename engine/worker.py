@@ -17,7 +17,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from engine.engine import LLMEngine, RequestError, StepOutput
 from engine.long_context import LongContextConfig
@@ -74,6 +74,19 @@ class _Submit:
     long_context: LongContextConfig | None = None
 
 
+class StepCores(Protocol):
+    """Which CPUs the engine may compute on, step by step (`deploy.cpu_budget.CoreLending`)."""
+
+    def before_step(self) -> int:
+        """Called before each step; may block until the node's own CPUs are free; returns threads."""
+
+    def after_step(self) -> None:
+        """Called after each step, also one that raised."""
+
+    def idle(self) -> None:
+        """Called when the engine has nothing left to compute."""
+
+
 class CallerThreadHost:
     """Runs a worker's loop on the thread that calls `serve` instead of a thread of its own.
 
@@ -109,8 +122,9 @@ class EngineWorker:
     runs on that thread after each step."""
 
     def __init__(self, engine: LLMEngine, *, after_step: Callable[[LLMEngine], None] | None = None,
-                 host: CallerThreadHost | None = None) -> None:
+                 host: CallerThreadHost | None = None, cores: StepCores | None = None) -> None:
         self.engine = engine
+        self._cores = cores
         self._after_step = after_step
         self._host = host
         self._stopped = threading.Event()  # set when the loop has returned
@@ -261,18 +275,26 @@ class EngineWorker:
 
     def _loop_until_stopped(self) -> None:
         while True:
-            for cmd in self._drain(wait=not self.engine.has_unfinished()):
+            idle = not self.engine.has_unfinished()
+            if idle and self._cores is not None:
+                self._cores.idle()
+            for cmd in self._drain(wait=idle):
                 if cmd is None:
                     self._flush()
                     return
                 cmd()
             if self.engine.has_unfinished():
+                if self._cores is not None:
+                    self._cores.before_step()
                 try:
                     outputs = self.engine.step()
                 except Exception as exc:  # noqa: BLE001 - a failed step must not take the server down
                     log.exception("engine step failed; failing %d in-flight requests", len(self._streams))
                     self._fail_all(EngineFailure(f"engine step failed: {exc}"))
                     outputs = []
+                finally:
+                    if self._cores is not None:
+                        self._cores.after_step()
                 for out in outputs:
                     self._deliver(out)
                 if self._after_step is not None:

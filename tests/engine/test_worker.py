@@ -109,3 +109,38 @@ def test_caller_thread_host_returns_when_nothing_comes():
     threading.Timer(0.2, done.set).start()
     CallerThreadHost().serve(keep_waiting=lambda: not done.is_set())
     assert done.is_set()
+
+
+class _RecordingCores:
+    """A `StepCores` that records the calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def before_step(self) -> int:
+        self.calls.append("before")
+        return 1
+
+    def after_step(self) -> None:
+        self.calls.append("after")
+
+    def idle(self) -> None:
+        self.calls.append("idle")
+
+
+def test_the_worker_brackets_every_step_with_its_cores_and_lends_them_when_idle(tiny_model_dir):
+    loaded = load_model(tiny_model_dir)
+    cores = _RecordingCores()
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+
+    async def main() -> None:
+        engine = LLMEngine(loaded, EngineConfig(num_blocks=64))
+        worker = EngineWorker(engine, cores=cores)
+        worker.start()
+        assert len((await _collect(worker.submit("r", [5, 6, 7], params)))[0]) == 3
+        await worker.stop()
+
+    asyncio.run(main())
+    calls = [c for i, c in enumerate(cores.calls) if c != "idle" or cores.calls[i - 1 : i] != ["idle"]]
+    # idle before the request, then one before/after pair per step (prefill + 2 decodes), then idle again
+    assert calls == ["idle", "before", "after", "before", "after", "before", "after", "idle"]
