@@ -25,25 +25,43 @@ With ``token_weights`` (H2O needs the softmax weights) both functions hand over 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from kernels import reference
 
 
+@dataclass(frozen=True, slots=True)
+class SlotPlan:
+    """Where `write_kv` puts a step's tokens: ``blocks``/``offsets`` ``[T]`` int64, or None when a slot is
+    negative (padding: the reference's masked write is used). The same for every layer of a step."""
+
+    blocks: torch.Tensor | None
+    offsets: torch.Tensor | None
+
+
+def slot_plan(slot_mapping: torch.Tensor, block_size: int) -> SlotPlan:
+    if slot_mapping.numel() and int(slot_mapping.min()) < 0:
+        return SlotPlan(None, None)
+    slots = slot_mapping.long()
+    return SlotPlan(slots // block_size, slots % block_size)
+
+
 def write_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+    k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
+    *, plan: SlotPlan | None = None,
 ) -> None:
     """`kernels.reference.write_kv` without the padding mask when no slot is negative (the serving case:
-    a step's slots are all real), which saves a boolean gather per tensor and layer."""
-    if slot_mapping.numel() and int(slot_mapping.min()) < 0:
+    a step's slots are all real), which saves a boolean gather per tensor and layer. ``plan``: the step's
+    `slot_plan` (computed here when None)."""
+    plan = plan if plan is not None else slot_plan(slot_mapping, k_cache.shape[2])
+    if plan.blocks is None or plan.offsets is None:
         reference.write_kv(k_cache, v_cache, key, value, slot_mapping)
         return
-    block_size = k_cache.shape[2]
-    slots = slot_mapping.long()
-    blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, :, offsets] = key.to(k_cache.dtype)
-    v_cache[blocks, :, offsets] = value.to(v_cache.dtype)
+    k_cache[plan.blocks, :, plan.offsets] = key.to(k_cache.dtype)
+    v_cache[plan.blocks, :, plan.offsets] = value.to(v_cache.dtype)
 
 
 def _own_block_ids(block_tables: torch.Tensor, seq_lens: torch.Tensor, num_blocks: int,
@@ -64,6 +82,25 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Ten
     return blocks.transpose(1, 2).reshape(ids.shape[0], h, num_blocks * b, d)
 
 
+@dataclass(frozen=True, slots=True)
+class DecodePlan:
+    """The per-step part of decode attention, the same for every layer: ``m`` blocks per sequence,
+    ``ids`` ``[N·m]`` int64 block ids to read, ``past_end`` ``[N, m·B]`` bool (keys past each length)."""
+
+    m: int
+    ids: torch.Tensor
+    past_end: torch.Tensor
+
+
+def decode_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
+                device: torch.device) -> DecodePlan:
+    seq_lens = seq_lens.to(device=device, dtype=torch.int64)
+    m = -(-int(seq_lens.max()) // block_size)
+    ids = _own_block_ids(block_tables, seq_lens, m, block_size).reshape(-1)
+    past_end = torch.arange(m * block_size, device=device)[None, :] >= seq_lens[:, None]
+    return DecodePlan(m, ids, past_end)
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -73,8 +110,10 @@ def paged_decode_attention(
     *,
     scale: float,
     token_weights: torch.Tensor | None = None,
+    plan: DecodePlan | None = None,
 ) -> torch.Tensor:
-    """`kernels.reference.paged_decode_attention`, block by block for all sequences at once (module doc)."""
+    """`kernels.reference.paged_decode_attention`, block by block for all sequences at once (module doc).
+    ``plan``: the step's `decode_plan` for these tables and lengths (computed here when None)."""
     if token_weights is not None:
         return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=scale,
                                                 token_weights=token_weights)
@@ -83,18 +122,16 @@ def paged_decode_attention(
     n, num_heads, head_dim = q.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
     group = num_heads // num_kv_heads
-    seq_lens = seq_lens.to(device=q.device, dtype=torch.int64)
-    m = -(-int(seq_lens.max()) // block_size)
-    ids = _own_block_ids(block_tables, seq_lens, m, block_size).reshape(-1)
-    k, v = k_cache.index_select(0, ids), v_cache.index_select(0, ids)  # [N·M, Hkv, B, D]
+    plan = plan if plan is not None else decode_plan(block_tables, seq_lens, block_size, q.device)
+    m = plan.m
+    k, v = k_cache.index_select(0, plan.ids), v_cache.index_select(0, plan.ids)  # [N·M, Hkv, B, D]
     if k.dtype != q.dtype:
         k, v = k.to(q.dtype), v.to(q.dtype)
     q_blocks = q.view(n, 1, num_kv_heads, group, head_dim).expand(n, m, num_kv_heads, group, head_dim)
     scores = torch.matmul(q_blocks.reshape(n * m, num_kv_heads, group, head_dim), k.transpose(-1, -2))
     scores = scores.float().view(n, m, num_kv_heads, group, block_size).permute(0, 2, 3, 1, 4)
     scores = scores.reshape(n, num_kv_heads, group, m * block_size) * scale
-    past_end = torch.arange(m * block_size, device=q.device)[None, :] >= seq_lens[:, None]
-    probs = torch.softmax(scores.masked_fill(past_end[:, None, None, :], float("-inf")), dim=-1)
+    probs = torch.softmax(scores.masked_fill(plan.past_end[:, None, None, :], float("-inf")), dim=-1)
     probs = probs.to(q.dtype).view(n, num_kv_heads, group, m, block_size).permute(0, 3, 1, 2, 4)
     out = torch.matmul(probs.reshape(n * m, num_kv_heads, group, block_size), v)  # [N·M, Hkv, G, D]
     return out.view(n, m, num_heads, head_dim).float().sum(dim=1).to(q.dtype)

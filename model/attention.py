@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from kernels import reference, torch_attention
+from kernels import cpu_attention, reference, torch_attention
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,13 +101,50 @@ class ReferenceBackend:
 
 class TorchBackend:
     """Batched plain-torch attention (`kernels.torch_attention`: fused SDPA in prefill, block-wise matmuls in
-    decode); the CPU path."""
+    decode); the CPU path.
 
-    write_kv = staticmethod(torch_attention.write_kv)
-    paged_decode_attention = staticmethod(torch_attention.paged_decode_attention)
+    A step calls each kernel once per layer with the same metadata tensors, so the metadata's derived
+    index tensors (`torch_attention.slot_plan`, `decode_plan`) are computed once per step, for the
+    first layer, and reused while the same tensor objects come back (the model runner builds fresh
+    ones every step and nobody writes into them). One instance per engine, used from one thread.
+
+    Decode attention goes through the C++ kernel of `kernels.cpu_attention` where it builds and takes
+    the inputs (CPU, float32/bf16 KV in the query's dtype, no token weights), else through torch ops.
+    """
+
     prefill_attention = staticmethod(torch_attention.prefill_attention)
     block_key_summaries = staticmethod(reference.block_key_summaries)
     score_blocks = staticmethod(reference.score_blocks)
+
+    def __init__(self) -> None:
+        self._cpu_kernels = cpu_attention.load()
+        self._slots: tuple[torch.Tensor, int, torch_attention.SlotPlan] | None = None
+        self._decode: tuple[torch.Tensor, torch.Tensor, int, torch_attention.DecodePlan] | None = None
+
+    def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        block_size = k_cache.shape[2]
+        memo = self._slots
+        if memo is None or memo[0] is not slot_mapping or memo[1] != block_size:
+            memo = self._slots = (slot_mapping, block_size, torch_attention.slot_plan(slot_mapping, block_size))
+        torch_attention.write_kv(k_cache, v_cache, key, value, slot_mapping, plan=memo[2])
+
+    def paged_decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: torch.Tensor, seq_lens: torch.Tensor, *, scale: float,
+                               token_weights: torch.Tensor | None = None) -> torch.Tensor:
+        if self._cpu_kernels is not None and token_weights is None and cpu_attention.supports(q, k_cache):
+            return cpu_attention.paged_decode_attention(self._cpu_kernels, q, k_cache, v_cache, block_tables,
+                                                        seq_lens, scale=scale)
+        plan = None
+        if token_weights is None and q.shape[0]:
+            block_size = k_cache.shape[2]
+            memo = self._decode
+            if memo is None or memo[0] is not block_tables or memo[1] is not seq_lens or memo[2] != block_size:
+                memo = self._decode = (block_tables, seq_lens, block_size,
+                                       torch_attention.decode_plan(block_tables, seq_lens, block_size, q.device))
+            plan = memo[3]
+        return torch_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=scale,
+                                                      token_weights=token_weights, plan=plan)
 
 
 class TritonBackend:

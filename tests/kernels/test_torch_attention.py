@@ -109,3 +109,43 @@ def test_write_kv_equals_reference(slots: list[int]) -> None:
     reference.write_kv(ref_k, ref_v, key, value, slot_mapping)
     assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
     assert not torch.equal(k_cache, _caches((40,), dtype="bfloat16", seed=9)[1])  # something was written
+
+
+def test_the_backend_plans_once_per_step_and_anew_for_the_next_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`TorchBackend` reuses a step's derived metadata across layers (same tensor objects) and never
+    carries it into the next step (new tensors, other lengths)."""
+    from model.attention import TorchBackend
+
+    plans: list[tuple[int, ...]] = []
+    real = torch_attention.decode_plan
+    monkeypatch.setattr(torch_attention, "decode_plan",
+                        lambda tables, lens, *rest: plans.append(tuple(lens.tolist())) or real(tables, lens, *rest))
+    backend = TorchBackend()
+    backend._cpu_kernels = None  # the torch-op path (where the C++ kernel does not build)
+    for step, lens in enumerate([(1, 17, 300), (2, 18, 301, 40)]):
+        spec, k_cache, v_cache, tables = _caches(lens, dtype="float32", seed=20 + step)
+        seq_lens = torch.tensor(lens, dtype=torch.int32)
+        for layer in range(3):
+            q = torch.randn(len(lens), 3 * spec.num_kv_heads, spec.head_dim,
+                            generator=torch.Generator().manual_seed(layer))
+            got = backend.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale=0.125)
+            want = reference.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale=0.125)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert plans == [(1, 17, 300), (2, 18, 301, 40)]
+
+
+def test_the_backend_write_plan_follows_the_slot_mapping() -> None:
+    from model.attention import TorchBackend
+
+    backend = TorchBackend()
+    spec, k_cache, v_cache, _ = _caches((40,), dtype="float32", seed=9)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    for i, slots in enumerate([[5, 0, 33, 18], [5, -1, 34, -1], [7, 1, 2, 3]]):
+        gen = torch.Generator().manual_seed(i)
+        key = torch.randn(4, spec.num_kv_heads, spec.head_dim, generator=gen)
+        value = torch.randn(4, spec.num_kv_heads, spec.head_dim, generator=gen)
+        slot_mapping = torch.tensor(slots)
+        for _ in range(2):  # two layers of one step
+            backend.write_kv(k_cache, v_cache, key, value, slot_mapping)
+            reference.write_kv(ref_k, ref_v, key, value, slot_mapping)
+        assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)

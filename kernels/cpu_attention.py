@@ -1,0 +1,78 @@
+"""Paged decode attention as one C++ loop per (sequence, KV head): the CPU decode path.
+
+`kernels.torch_attention.paged_decode_attention` needs about fifteen torch ops per layer (gather,
+two batched matmuls, masking, float32 softmax, casts, a sum), each a few microseconds of dispatch:
+at batch 1 that is most of the attention time. ``csrc/decode_attention.cpp`` does the same math in
+one call: for each (sequence, KV head), a pass over the sequence's K blocks in place (no gather)
+for the float32 scores of the head's query group, a float32 softmax, a pass over its V blocks;
+split over torch's own thread pool (``at::parallel_for``). Measured here for SmolLM2's shapes (9
+query heads, 3 KV heads, 64 dims, 288-token contexts, bf16, 2 threads): 21 µs against 112 µs at 1
+sequence, 262 µs against 421 µs at 16.
+
+It is compiled on first use with torch's extension builder (g++, about 20 s, once per machine:
+cached under ``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``). ``-ffast-math`` lets the
+compiler vectorize ``exp`` (glibc's vector math); scores are finite by construction (the softmax
+subtracts the row maximum), so only the summation order differs from the reference (observed
+≤ 4e-7 absolute in float32). Where the build fails (no compiler) or ``KVRELAY_CPU_KERNELS=0``,
+`load` returns None and callers use the torch path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).parent / "csrc" / "decode_attention.cpp"
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
+DISABLE_ENV = "KVRELAY_CPU_KERNELS"
+
+_lock = threading.Lock()
+_loaded: ModuleType | None = None
+_tried = False
+
+
+def load() -> ModuleType | None:
+    """The compiled extension (built on first call), or None when disabled or the build failed."""
+    global _loaded, _tried
+    with _lock:
+        if _tried:
+            return _loaded
+        _tried = True
+        if os.environ.get(DISABLE_ENV, "1") == "0":
+            log.info("%s=0: CPU decode attention through torch ops", DISABLE_ENV)
+            return None
+        try:
+            from torch.utils.cpp_extension import load as build
+
+            _loaded = build("kvrelay_cpu_attention", [str(SOURCE)], extra_cflags=CFLAGS, verbose=False)
+        except Exception as exc:  # noqa: BLE001 - any build failure falls back to the torch path
+            log.warning("could not build the C++ CPU decode attention (%s); using torch ops instead", exc)
+            _loaded = None
+        return _loaded
+
+
+def paged_decode_attention(ext: ModuleType, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, *, scale: float) -> torch.Tensor:
+    """`kernels.reference.paged_decode_attention` (no token weights) through ``ext``.
+
+    q ``[N, Hq, D]`` and the caches ``[num_blocks, Hkv, B, D]`` (each block's ``[Hkv, B, D]``
+    contiguous, as slices of the KV pool are) share one dtype, float32 or bfloat16; tables
+    ``[N, ≥ ceil(len/B)]``; every length ≥ 1. Returns ``[N, Hq, D]`` in q's dtype.
+
+    Raises:
+        RuntimeError: naming the broken condition (a length past its table, a block id out of
+            range, mismatched shapes or dtypes).
+    """
+    return ext.paged_decode_attention(q.contiguous(), k_cache, v_cache, block_tables, seq_lens, float(scale))
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether `paged_decode_attention` takes these inputs (else use the torch path)."""
+    return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and k_cache.dtype == q.dtype
+            and q.shape[0] > 0)

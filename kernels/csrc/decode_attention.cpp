@@ -1,0 +1,132 @@
+// Paged decode attention for the CPU: one pass over each sequence's K, one over its V, float32 math.
+//
+// Same contract as kernels/reference.py::paged_decode_attention (without token weights):
+//   q            [N, Hq, D]            float32 or bfloat16 (contiguous)
+//   k/v_cache    [num_blocks, Hkv, B, D] same dtype as q (strided over the block dimension allowed:
+//                                        each block's [Hkv, B, D] must be contiguous)
+//   block_tables [N, W] int32, seq_lens [N] int32 or int64; seq_lens[n] >= 1, ceil(len/B) <= W
+//   returns      [N, Hq, D] in q's dtype
+// Work is split over (sequence, kv head) pairs with at::parallel_for (torch's thread pool).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+
+template <typename T>
+void decode_kernel(const T* q, const T* k_cache, const T* v_cache, int64_t block_stride, const int32_t* tables,
+                   int64_t table_width, const int64_t* lens, T* out, int64_t n_seqs, int64_t hq, int64_t hkv,
+                   int64_t block_size, int64_t d, float scale) {
+  const int64_t group = hq / hkv;
+  at::parallel_for(0, n_seqs * hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * d), acc(group * d), row(d), scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t n = item / hkv, h = item % hkv, len = lens[n];
+      const int64_t head0 = h * group;
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t i = 0; i < d; ++i) qf[g * d + i] = to_float(q[(n * hq + head0 + g) * d + i]) * scale;
+      scores.assign(group * len, 0.0f);
+      // Pass 1: scores[g, t] = (scale q_g) . k_t
+      for (int64_t t = 0; t < len; ++t) {
+        const int64_t block = tables[n * table_width + t / block_size];
+        const T* kp = k_cache + block * block_stride + (h * block_size + t % block_size) * d;
+        float* kf = row.data();
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) kf[i] = to_float(kp[i]);  // once per token, not per query head
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = qf.data() + g * d;
+          float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+          for (int64_t i = 0; i < d; ++i) s += qg[i] * kf[i];
+          scores[g * len + t] = s;
+        }
+      }
+      // Softmax per query head, in float32.
+      for (int64_t g = 0; g < group; ++g) {
+        float* sg = scores.data() + g * len;
+        const float mx = *std::max_element(sg, sg + len);
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < len; ++t) {
+          sg[t] = std::exp(sg[t] - mx);  // vectorized through glibc's libmvec
+          sum += sg[t];
+        }
+        const float inv = 1.0f / sum;
+        for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
+      }
+      // Pass 2: out_g = sum_t p[g, t] v_t
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t t = 0; t < len; ++t) {
+        const int64_t block = tables[n * table_width + t / block_size];
+        const T* vp = v_cache + block * block_stride + (h * block_size + t % block_size) * d;
+        float* vf = row.data();
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) vf[i] = to_float(vp[i]);
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = scores[g * len + t];
+          float* ag = acc.data() + g * d;
+#pragma omp simd
+          for (int64_t i = 0; i < d; ++i) ag[i] += p * vf[i];
+        }
+      }
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t i = 0; i < d; ++i) out[(n * hq + head0 + g) * d + i] = static_cast<T>(acc[g * d + i]);
+    }
+  });
+}
+
+void check_cache(const torch::Tensor& cache, const torch::Tensor& q, const char* name) {
+  TORCH_CHECK(cache.dim() == 4, name, " must be [num_blocks, Hkv, B, D]");
+  TORCH_CHECK(cache.scalar_type() == q.scalar_type(), name, " dtype must equal q's");
+  TORCH_CHECK(cache.stride(3) == 1 && cache.stride(2) == cache.size(3) && cache.stride(1) == cache.size(2) * cache.size(3),
+              name, ": each block's [Hkv, B, D] must be contiguous");
+}
+
+}  // namespace
+
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [N, Hq, D]");
+  TORCH_CHECK(q.device().is_cpu(), "q must be on the CPU");
+  check_cache(k_cache, q, "k_cache");
+  check_cache(v_cache, q, "v_cache");
+  TORCH_CHECK(k_cache.stride(0) == v_cache.stride(0), "k_cache and v_cache must share the block stride");
+  const int64_t n = q.size(0), hq = q.size(1), d = q.size(2);
+  const int64_t hkv = k_cache.size(1), block_size = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == d && hq % hkv == 0, "head shapes of q and the caches do not match");
+  auto tables = block_tables.to(torch::kInt32).contiguous();
+  auto lens = seq_lens.to(torch::kInt64).contiguous();
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == n && lens.numel() == n, "one table row and length per sequence");
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  const int32_t* tp = tables.data_ptr<int32_t>();
+  const int64_t num_blocks = k_cache.size(0);
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(lp[i] >= 1 && (lp[i] + block_size - 1) / block_size <= tables.size(1),
+                "sequence ", i, ": length ", lp[i], " does not fit its block table");
+    for (int64_t b = 0; b < (lp[i] + block_size - 1) / block_size; ++b)
+      TORCH_CHECK(tp[i * tables.size(1) + b] >= 0 && tp[i * tables.size(1) + b] < num_blocks,
+                  "sequence ", i, ": block id out of range");
+  }
+  auto out = torch::empty_like(q);
+  if (q.scalar_type() == torch::kFloat32) {
+    decode_kernel<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), k_cache.stride(0),
+                         tp, tables.size(1), lp, out.data_ptr<float>(), n, hq, hkv, block_size, d, float(scale));
+  } else if (q.scalar_type() == torch::kBFloat16) {
+    using T = c10::BFloat16;
+    decode_kernel<T>(q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), k_cache.stride(0), tp,
+                     tables.size(1), lp, out.data_ptr<T>(), n, hq, hkv, block_size, d, float(scale));
+  } else {
+    TORCH_CHECK(false, "paged_decode_attention: dtype must be float32 or bfloat16, got ", q.scalar_type());
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
+}

@@ -1,0 +1,84 @@
+"""The C++ CPU decode attention (`kernels.cpu_attention`) against `kernels.reference`.
+
+Ragged batches over block tables with shuffled ids and padding past each sequence's blocks, caches
+that are strided slices of a whole KV pool (as the engine passes them), query groups 1/3/8.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_attention, reference
+from kvstore.block_spec import BlockSpec
+from tests.kernels.test_torch_attention import DECODE_LENS
+from tests.kernels.test_triton_attention import make_block_tables, make_layer
+
+
+@pytest.fixture(scope="module")
+def ext():
+    built = cpu_attention.load()
+    assert built is not None, "the C++ CPU decode attention did not build here (g++ and ninja are installed)"
+    return built
+
+
+def _inputs(lens: tuple[int, ...], dtype: str, group: int, seed: int):
+    spec = BlockSpec(num_layers=3, num_kv_heads=2, head_dim=64, block_size_tokens=16, dtype=dtype)
+    num_blocks = sum(-(-n // 16) for n in lens) + 3
+    pool, k_cache, v_cache = make_layer(spec, num_blocks, torch.device("cpu"), seed)
+    tables = make_block_tables(lens, 16, max(-(-n // 16) for n in lens) + 2, num_blocks, seed)
+    q = torch.randn(len(lens), group * 2, 64, generator=torch.Generator().manual_seed(seed)).to(k_cache.dtype)
+    return q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("name", sorted(DECODE_LENS))
+@pytest.mark.parametrize("group", [1, 3, 8])
+def test_decode_equals_reference_fp32(ext, name: str, group: int) -> None:
+    q, k_cache, v_cache, tables, seq_lens = _inputs(DECODE_LENS[name], "float32", group, seed=len(name))
+    assert not k_cache.is_contiguous()  # a slice of the pool: blocks strided, each block contiguous
+    got = cpu_attention.paged_decode_attention(ext, q, k_cache, v_cache, tables, seq_lens, scale=0.125)
+    want = reference.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale=0.125)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_bf16_equals_the_float32_math_rounded_once(ext) -> None:
+    q, k_cache, v_cache, tables, seq_lens = _inputs(DECODE_LENS["ragged"], "bfloat16", 3, seed=7)
+    got = cpu_attention.paged_decode_attention(ext, q, k_cache, v_cache, tables, seq_lens, scale=0.125)
+    want = reference.paged_decode_attention(q.float(), k_cache.float(), v_cache.float(), tables, seq_lens,
+                                            scale=0.125)
+    assert got.dtype == torch.bfloat16
+    # float32 math on the bf16 values; the only difference is the final rounding to bf16 (2^-8 relative)
+    torch.testing.assert_close(got.float(), want, atol=1e-5, rtol=2**-8)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ("long", "sequence 1: length 1000 does not fit its block table"),
+    ("bad_block", "sequence 0: block id out of range"),
+    ("empty", "sequence 0: length 0 does not fit its block table"),
+    ("dtype", "k_cache dtype must equal q's"),
+])
+def test_bad_input_is_refused_with_a_named_reason(ext, change: str, message: str) -> None:
+    q, k_cache, v_cache, tables, seq_lens = _inputs((20, 40), "float32", 1, seed=3)
+    if change == "long":
+        seq_lens[1] = 1000
+    elif change == "bad_block":
+        tables[0, 0] = 10_000
+    elif change == "empty":
+        seq_lens[0] = 0
+    else:
+        q = q.to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match=message):
+        cpu_attention.paged_decode_attention(ext, q, k_cache, v_cache, tables, seq_lens, scale=0.125)
+
+
+def test_the_torch_backend_decodes_through_the_kernel(ext, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kernels import torch_attention
+    from model.attention import TorchBackend
+
+    monkeypatch.setattr(torch_attention, "paged_decode_attention",
+                        lambda *a, **k: pytest.fail("the torch-op path ran"))
+    q, k_cache, v_cache, tables, seq_lens = _inputs(DECODE_LENS["ragged"], "float32", 3, seed=11)
+    got = TorchBackend().paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale=0.125)
+    want = reference.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale=0.125)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
