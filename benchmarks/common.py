@@ -11,10 +11,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-TRACE_PATH_CANDIDATES = (
-    Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / "conversation_trace.jsonl",
-    Path("/work/shared/traces/conversation_trace.jsonl"),
-)
+# Shipped with the repository (source, license and checksum in benchmarks/traces/README.md).
+DEFAULT_TRACE = Path(__file__).resolve().parent / "traces" / "conversation_trace.jsonl"
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,16 +24,21 @@ class TraceRequest:
 
 
 def find_trace(path: str | None = None) -> Path:
-    """The Mooncake conversation trace; ``path`` wins, then ``KVRELAY_TRACE``, then ``../shared/traces``.
+    """The trace to replay: ``path`` if given, else ``KVRELAY_TRACE`` if set, else the Mooncake
+    conversation trace shipped in ``benchmarks/traces/``.
 
     Raises:
-        FileNotFoundError: naming the places looked at.
+        FileNotFoundError: the chosen file does not exist (naming it and where the choice came from).
     """
-    candidates = [Path(p) for p in (path, os.environ.get("KVRELAY_TRACE")) if p] + list(TRACE_PATH_CANDIDATES)
-    for cand in candidates:
-        if cand.is_file():
-            return cand
-    raise FileNotFoundError(f"conversation trace not found; looked at {[str(c) for c in candidates]}")
+    if path:
+        chosen, origin = Path(path), "--trace"
+    elif os.environ.get("KVRELAY_TRACE"):
+        chosen, origin = Path(os.environ["KVRELAY_TRACE"]), "KVRELAY_TRACE"
+    else:
+        chosen, origin = DEFAULT_TRACE, "the shipped trace"
+    if not chosen.is_file():
+        raise FileNotFoundError(f"trace file {chosen} ({origin}) does not exist")
+    return chosen
 
 
 def read_trace(path: str | None = None, *, limit: int | None = None) -> Iterator[TraceRequest]:

@@ -78,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--num-prompts", type=int, default=32, help="random workload")
     w.add_argument("--input-tokens", type=int, default=256, help="random workload")
     w.add_argument("--range-ratio", type=float, default=0.0, help="random workload")
-    w.add_argument("--trace", help="trace file (default: ../shared/traces/conversation_trace.jsonl)")
+    w.add_argument("--trace", help="trace file (default: KVRELAY_TRACE, else the shipped "
+                   "benchmarks/traces/conversation_trace.jsonl)")
     w.add_argument("--trace-start", type=int, default=0)
     w.add_argument("--trace-requests", type=int, default=150)
     w.add_argument("--trace-block-tokens", type=int, default=16, help="tokens per 512-token trace block")

@@ -10,7 +10,7 @@ import math
 import pytest
 
 from benchmarks import workloads
-from benchmarks.common import find_trace
+from benchmarks.common import DEFAULT_TRACE, find_trace
 from benchmarks.deployment import Deployment
 from benchmarks.serve_client import ClientConfig, LoadConfig
 from benchmarks.serve_run import ServerNodes, run_workload
@@ -40,11 +40,8 @@ def encode(text: str) -> list[int]:
     return list(text.encode("utf-8"))
 
 
-def trace_or_skip(**kwargs: object) -> workloads.Workload:
-    try:
-        find_trace()
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
+def shipped_trace(**kwargs: object) -> workloads.Workload:
+    assert find_trace() == DEFAULT_TRACE  # the repository's copy: no skip, it is always there
     return workloads.trace(**kwargs)  # type: ignore[arg-type]
 
 
@@ -53,7 +50,7 @@ WORKLOADS = {
                                                      question_tokens=8, output_tokens=4, seed=11),
     "multi-round": lambda: workloads.multi_round(users=2, rounds=3, system_tokens=48, question_tokens=8,
                                                  output_tokens=6, encode=encode, max_prompt_tokens=400, seed=12),
-    "trace": lambda: trace_or_skip(start=0, num_requests=12, block_tokens=16, time_compression=20.0,
+    "trace": lambda: shipped_trace(start=0, num_requests=12, block_tokens=16, time_compression=20.0,
                                    max_prompt_tokens=300, max_output_tokens=4, seed=13),
     "random": lambda: workloads.random_prompts(num_requests=4, input_tokens=40, output_tokens=4, seed=14),
 }
