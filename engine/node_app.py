@@ -23,12 +23,11 @@ import torch
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from engine.protocol import GenerationMessage, ProtocolError, pack, parse_generation
+from engine.protocol import TOKEN_HEADER, GenerationMessage, ProtocolError, pack, parse_generation
 from engine.worker import EngineWorker
 from kvstore.kv_events import KvEventLog
 
 log = logging.getLogger(__name__)
-TOKEN_HEADER = "X-Kvrelay-Token"
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 MAX_EVENT_WAIT_S = 30.0
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

@@ -7,8 +7,7 @@ from typing import Any
 
 import aiohttp
 
-from engine.node_app import TOKEN_HEADER
-from engine.protocol import ProtocolError, new_unpacker, pack, unpack
+from engine.protocol import TOKEN_HEADER, ProtocolError, new_unpacker, pack, unpack
 from router.nodes import Node
 
 

@@ -11,7 +11,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from model.sampling import SamplingParams
+from model.sampling_params import SamplingParams
 from model.tokenizer import Tokenizer
 
 MAX_STOP_STRINGS = 4
