@@ -20,7 +20,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from benchmarks.serve_bench import run_baselines, run_rates, workload_factory, write_report
+from benchmarks.serve_baselines import run_baselines, run_rates, workload_factory, write_report
 from benchmarks.serve_client import ClientConfig
 from benchmarks.serve_run import ServerNodes
 from benchmarks.ttft_prefix import ensure_bench_model, measure_ttft_prefix
