@@ -18,14 +18,11 @@ first, so a shared block is never written.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
+from engine.policy_api import PolicyHost, Row
 from engine.sequence import Sequence
-
-if TYPE_CHECKING:
-    from engine.kv_policy import KvPolicies, Row
 
 
 @dataclass(slots=True, eq=False)
@@ -40,7 +37,7 @@ class H2OState:
 class H2O:
     wants_weights = True
 
-    def __init__(self, owner: KvPolicies) -> None:
+    def __init__(self, owner: PolicyHost) -> None:
         self.owner = owner
 
     def new_state(self, seq: Sequence) -> H2OState:

@@ -20,14 +20,11 @@ A sequence's device blocks, once its KV outgrows the budget::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
+from engine.policy_api import PolicyHost, Row
 from engine.sequence import Sequence
-
-if TYPE_CHECKING:
-    from engine.kv_policy import KvPolicies, Row
 
 
 @dataclass(slots=True, eq=False)
@@ -44,7 +41,7 @@ class InfiniGenState:
 class InfiniGen:
     wants_weights = False
 
-    def __init__(self, owner: KvPolicies) -> None:
+    def __init__(self, owner: PolicyHost) -> None:
         self.owner = owner
 
     def new_state(self, seq: Sequence) -> InfiniGenState:

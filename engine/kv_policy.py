@@ -19,13 +19,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from engine.h2o import H2O
 from engine.infinigen import InfiniGen
+from engine.policy_api import LongContextStats, Policy, Row
 from engine.scheduler import ScheduledStep
 from engine.sequence import Sequence, SequenceStatus
 from kvstore.block_spec import BlockSpec
@@ -37,45 +37,6 @@ log = logging.getLogger(__name__)
 # ``observer(seq, layer, positions)``: after attention, the token positions each KV head of ``seq``
 # attended over (``[Hkv, n]`` int64) — what the benchmark needs to measure the attention mass kept.
 Observer = Callable[[Sequence, int, torch.Tensor], None]
-
-
-@dataclass(slots=True)
-class LongContextStats:
-    """Counters since start."""
-
-    evicted_tokens: int = 0  # h2o: (token, all layers) rows dropped
-    offloaded_blocks: int = 0  # infinigen: device blocks moved to host
-    recalled_layer_blocks: int = 0  # infinigen: (block, layer) slices copied back to device
-    deferred: int = 0  # steps a sequence stayed over budget: no free device block (h2o) or host slot (infinigen)
-    copy_fallbacks: int = 0  # NIXL loopback copies that failed and were redone with torch
-
-
-class Policy(Protocol):
-    """One policy's behaviour; its per-sequence state is opaque to the manager."""
-
-    wants_weights: bool  # attention must output per-token weights for this policy's sequences
-
-    def new_state(self, seq: Sequence) -> Any: ...
-
-    def begin_step(self, seq: Sequence, state: Any, *, num_tokens: int) -> None:
-        """Before the forward: ``num_tokens`` new tokens of ``seq`` get KV rows this step."""
-
-    def before_decode(self, layer: int, rows: list[Row], q: torch.Tensor) -> None:
-        """Per layer, before decode attention; ``q`` ``[Nd, Hq, D]`` is the step's decode queries."""
-
-    def observe(self, layer: int, state: Any, weights: torch.Tensor, num_rows: int) -> None:
-        """Per layer, after attention: ``weights`` ``[Hkv, W]`` of the sequence's first ``num_rows`` rows."""
-
-    def positions(self, seq: Sequence, state: Any, layer: int, num_rows: int) -> torch.Tensor:
-        """``[Hkv, num_rows]`` token positions attended at ``layer``."""
-        ...
-
-    def enforce(self, seq: Sequence, state: Any) -> None:
-        """After the step: bring ``seq`` within its device budget for the next token."""
-
-    def fork(self, state: Any) -> Any: ...
-
-    def free(self, state: Any) -> None: ...
 
 
 class KvPolicies:
@@ -184,18 +145,6 @@ class KvPolicies:
                 dst[d].copy_(src[s])
             else:
                 dst[d, layers[i]].copy_(src[s, layers[i]])
-
-
-@dataclass(frozen=True, slots=True)
-class Row:
-    """One policy sequence in a step: its row in the step's decode (or prefill) batch, and how many
-    KV rows it attends over after this step's tokens are written."""
-
-    row: int
-    seq: Sequence
-    policy: Policy
-    state: Any
-    num_rows: int
 
 
 class StepHook:
