@@ -277,3 +277,25 @@ def read_snapshot(path: Path) -> DiskSnapshot | None:
         )
     finally:
         env.close()
+
+
+@dataclass(frozen=True, slots=True)
+class LmdbOptions:
+    """Tuning of the disk tier; the defaults suit blocks of tens of KiB to a few MiB.
+
+    ``high_watermark_frac``/``low_watermark_frac`` of the usable map: a put that would pass the high
+    mark evicts LRU blocks down to the low mark. The gap leaves LMDB room for pages freed by recent
+    transactions, which it can reuse only two commits later. ``reserved_pages`` (meta pages,
+    sub-database roots, branch pages) are kept out of the usable map. Every ``stale_reader_check_s`` the
+    writer thread frees reader slots of dead processes (otherwise other processes could not even open the
+    environment once the table is full of them).
+    """
+
+    high_watermark_frac: float = 0.90
+    low_watermark_frac: float = 0.80
+    max_readers: int = 126
+    max_pending_bytes: int = 256 << 20
+    max_batch_bytes: int = 32 << 20
+    checksum: str = "pagesum"
+    reserved_pages: int = 64
+    stale_reader_check_s: float = 1.0

@@ -40,6 +40,7 @@ from kvstore.block_spec import BlockSpec
 from kvstore.disk_index import DiskIndex, Entry
 from kvstore.lmdb_env import (
     CORRUPTION_ERRORS,
+    LmdbOptions,
     OpenedEnv,
     OwnerLock,
     enable_readahead,
@@ -53,30 +54,10 @@ from kvstore.lmdb_writer import Delete, LmdbWriter, Put
 from kvstore.metrics import StoreMetrics
 from kvstore.tier import TierStats
 
+__all__ = ["DiskStats", "LmdbOptions", "LmdbTier"]  # LmdbOptions lives in lmdb_env (the writer uses it too)
 log = logging.getLogger(__name__)
+DEFAULT_OPTIONS = LmdbOptions()
 MAP_SLACK_FRAC = 0.1  # how far past disk.bytes `grow_map` may take the map, to let evictions through
-
-
-@dataclass(frozen=True, slots=True)
-class LmdbOptions:
-    """Tuning of the disk tier; the defaults suit blocks of tens of KiB to a few MiB.
-
-    ``high_watermark_frac``/``low_watermark_frac`` of the usable map: a put that would pass the high
-    mark evicts LRU blocks down to the low mark. The gap leaves LMDB room for pages freed by recent
-    transactions, which it can reuse only two commits later. ``reserved_pages`` (meta pages,
-    sub-database roots, branch pages) are kept out of the usable map. Every ``stale_reader_check_s`` the
-    writer thread frees reader slots of dead processes (otherwise other processes could not even open the
-    environment once the table is full of them).
-    """
-
-    high_watermark_frac: float = 0.90
-    low_watermark_frac: float = 0.80
-    max_readers: int = 126
-    max_pending_bytes: int = 256 << 20
-    max_batch_bytes: int = 32 << 20
-    checksum: str = "pagesum"
-    reserved_pages: int = 64
-    stale_reader_check_s: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +118,7 @@ class LmdbTier:
 
     def __init__(
         self, spec: BlockSpec, path: str | Path, *, capacity_bytes: int, metrics: StoreMetrics | None = None,
-        options: LmdbOptions = LmdbOptions(),
+        options: LmdbOptions = DEFAULT_OPTIONS,
     ) -> None:
         self.spec = spec
         self.path = Path(path)

@@ -21,22 +21,44 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import lmdb
 
 from kvstore.block_key import BlockKey
 from kvstore.block_record import RecordCodec
-from kvstore.disk_index import Entry
-from kvstore.lmdb_env import CORRUPTION_ERRORS, OpenedEnv, pack_access, read_u64, u64
-
-if TYPE_CHECKING:
-    from kvstore.lmdb_tier import LmdbTier
+from kvstore.disk_index import DiskIndex, Entry
+from kvstore.lmdb_env import CORRUPTION_ERRORS, LmdbOptions, OpenedEnv, pack_access, read_u64, u64
 
 log = logging.getLogger(__name__)
 _MAX_BATCH_OPS = 4096
 _MAX_MAP_FULL_STREAK = 3
 
+
+
+class WriterHost(Protocol):
+    """The tier members the writer uses (`kvstore.lmdb_tier.LmdbTier` provides them)."""
+
+    path: object  # shown in log lines
+    options: LmdbOptions
+    index: DiskIndex
+
+    @property
+    def headroom_bytes(self) -> int: ...
+
+    @property
+    def record_disk_bytes(self) -> int: ...
+
+    @property
+    def map_lock(self) -> threading.Lock: ...
+
+    def grow_map_locked(self) -> bool: ...
+
+    def request_reset(self, reason: str, *, corrupt: bool) -> None: ...
+
+    def note_dropped(self, n: int) -> None: ...
+
+    def note_map_full(self, num_evicted: int) -> None: ...
 
 @dataclass(frozen=True, slots=True)
 class Put:
@@ -69,7 +91,7 @@ class LmdbWriter:
     (`LmdbTier.take_batch_state_locked`).
     """
 
-    def __init__(self, opened: OpenedEnv, codec: RecordCodec, *, tier: LmdbTier) -> None:
+    def __init__(self, opened: OpenedEnv, codec: RecordCodec, *, tier: WriterHost) -> None:
         self._opened = opened
         self._codec = codec
         self._tier = tier
