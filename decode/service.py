@@ -21,6 +21,8 @@ from engine.engine import RequestError
 from engine.node_app import EngineNode, NodeConfig, NodeMetrics, msgpack_response
 from engine.protocol import pack
 from engine.worker import EngineFailure, EngineWorker
+from transfer.errors import TransferError
+from transfer.puller import PullResult
 
 log = logging.getLogger(__name__)
 
@@ -39,12 +41,9 @@ class DecodeConfig:
             raise ValueError(f"on_transfer_failure must be one of {FAILURE_POLICIES}, got {self.on_transfer_failure!r}")
 
 
-# ``pull(handle, request_id, deadline_s=) -> (pinned local block ids, bytes read)``; raises on failure.
-PullFn = Callable[..., Awaitable[tuple[list[int], int]]]
-
-
-class TransferFailed(RuntimeError):
-    """Pulling KV from the prefill node failed; the message says why."""
+# ``pull(handle, request_id, deadline_s=) -> PullResult`` (its block ids carry one reference each);
+# raises `TransferError` on failure.
+PullFn = Callable[..., Awaitable[PullResult]]
 
 
 class DecodeService(EngineNode):
@@ -67,37 +66,44 @@ class DecodeService(EngineNode):
         return app
 
     async def _pinned_blocks(self, handle: Any, request_id: str) -> list[int] | None:
-        """Pull the handle's KV. None: pulled nothing (recompute); raises TransferFailed under ``fail``."""
+        """Pull the handle's KV. None: pulled nothing (recompute). Under ``fail`` a failed pull raises
+        its `TransferError`; either way the failure is counted under its reason."""
         if handle is None:
             return []
-        if self._pull is None:
-            raise TransferFailed("this decode node has no KV transfer agent")
         t0 = time.perf_counter()
         deadline_s = self.decode_config.transfer_timeout_s
         # The pull runs as its own task with its own deadline, shielded: a client that goes away mid-pull
         # must not cancel it half way (blocks reserved on the engine thread would leak); its blocks are
         # given back once it ends instead.
-        task = asyncio.ensure_future(self._pull(handle, request_id, deadline_s=deadline_s))
         try:
-            pinned, num_bytes = await asyncio.shield(task)
-        except asyncio.CancelledError:
-            task.add_done_callback(self._release_abandoned)
-            raise
-        except Exception as exc:  # noqa: BLE001 - every transfer failure takes the same policy
-            self.metrics.transfer_failures.inc()
-            log.warning("request %s: KV pull failed: %s", request_id, exc)
-            if self.decode_config.on_transfer_failure == "fail":
-                raise TransferFailed(f"KV transfer from the prefill node failed: {exc}") from None
-            return None
-        self.metrics.transfer_seconds.observe(time.perf_counter() - t0)
-        self.metrics.transfer_bytes.inc(num_bytes)
-        return pinned
+            if self._pull is None:
+                raise TransferError("no_agent", "this decode node has no KV transfer agent")
+            task = asyncio.ensure_future(self._pull(handle, request_id, deadline_s=deadline_s))
+            try:
+                result = await asyncio.shield(task)
+            except asyncio.CancelledError:
+                task.add_done_callback(self._release_abandoned)
+                raise
+        except TransferError as exc:
+            failure = exc
+        except Exception as exc:  # noqa: BLE001 - a bug while pulling: same policy as a transfer failure
+            log.exception("request %s: KV pull raised unexpectedly", request_id)
+            failure = TransferError("internal", f"{type(exc).__name__}: {exc}")
+        else:
+            self.metrics.transfer_seconds.observe(time.perf_counter() - t0)
+            self.metrics.transfer_bytes.inc(result.bytes_read)
+            return result.block_ids
+        self.metrics.transfer_failures.labels(reason=failure.reason).inc()
+        log.warning("request %s: KV pull failed (%s): %s", request_id, failure.reason, failure)
+        if self.decode_config.on_transfer_failure == "fail":
+            raise failure
+        return None
 
     def _release_abandoned(self, task: asyncio.Future) -> None:
         """Give back the blocks of a pull whose request went away while it ran."""
         if task.cancelled() or task.exception() is not None:
             return
-        block_ids = task.result()[0]
+        block_ids = task.result().block_ids
         if block_ids:
             asyncio.ensure_future(self.worker.call(lambda engine: engine.pool.release(block_ids)))
 
@@ -115,9 +121,10 @@ class DecodeService(EngineNode):
             return msgpack_response({"error": str(exc)}, status=400)
         try:
             pinned = await self._pinned_blocks(handle, rid)
-        except TransferFailed as exc:
+        except TransferError as exc:
             self.metrics.request_done("transfer_failed")
-            return msgpack_response({"error": str(exc)}, status=502)
+            return msgpack_response({"error": f"KV transfer from the prefill node failed ({exc.reason}): {exc}"},
+                                    status=502)
         log.info("request %s: joining the batch (%d prompt tokens, %d pulled blocks%s)", rid, len(prompt),
                  len(pinned or []), ", recompute after a failed pull" if pinned is None else "")
         stream = self.worker.submit(rid, prompt, params, salt=salt, first_token_ids=first,

@@ -14,13 +14,14 @@ from engine.engine import LLMEngine
 from engine.worker import EngineWorker
 from kvstore.block_key import block_keys
 from transfer.config import TransferConfig
+from transfer.errors import TransferError
 from transfer.lease import LeaseTable, TierBlock
 from transfer.nixl_agent import KvAgent
 from transfer.owner import KvOwner
 from transfer.peer_cache import PeerCache
-from transfer.puller import Puller
+from transfer.puller import Puller, PullResult
 from transfer.server import add_transfer_routes
-from transfer.wire import handle_from_wire, handle_to_wire
+from transfer.wire import WireError, handle_from_wire, handle_to_wire
 
 
 def advertised_host(bind: str) -> str:
@@ -93,11 +94,18 @@ class DecodeTransfer:
         self._peers: PeerCache | None = None
         self._puller: Puller | None = None
 
-    async def pull(self, handle: dict[str, Any], request_id: str, *, deadline_s: float) -> tuple[list[int], int]:
-        """Local block ids (one reference each, for the engine to take over) and the bytes read."""
+    async def pull(self, handle: dict[str, Any], request_id: str, *, deadline_s: float) -> PullResult:
+        """Pull the handle's blocks; their local ids carry one reference each, for the engine to take over.
+
+        Raises:
+            TransferError: the pull failed (``reason`` says why); a malformed handle is ``bad_handle``.
+        """
         assert self._puller is not None, "DecodeTransfer.install() was not called"
-        result = await self._puller.pull(handle_from_wire(handle), deadline_s=deadline_s)
-        return result.block_ids, result.bytes_read
+        try:
+            parsed = handle_from_wire(handle)
+        except WireError as exc:
+            raise TransferError("bad_handle", f"the KV handle is malformed: {exc}") from None
+        return await self._puller.pull(parsed, deadline_s=deadline_s)
 
     def install(self, app: web.Application) -> None:
         app.on_startup.append(self._start)

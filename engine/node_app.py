@@ -68,8 +68,8 @@ class NodeMetrics:
         self.transfer_seconds = Histogram("kvrelay_kv_transfer_seconds", "Time to pull a request's KV",
                                           registry=self.registry,
                                           buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30))
-        self.transfer_failures = Counter("kvrelay_kv_transfer_failures", "KV pulls that failed",
-                                         registry=self.registry)
+        self.transfer_failures = Counter("kvrelay_kv_transfer_failures", "KV pulls that failed, by reason "
+                                         "(transfer.errors.REASONS)", ["reason"], registry=self.registry)
         self.prefix_hit_tokens = Counter("kvrelay_engine_prefix_hit_tokens", "Prompt tokens served from cache",
                                          registry=self.registry)
         self.computed_tokens = Counter("kvrelay_engine_prefill_tokens", "Prompt tokens computed",

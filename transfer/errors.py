@@ -12,12 +12,15 @@
     read_error   NIXL reported an error for the READ
     timeout      the deadline passed before the READ completed
     lease_lost   the owner no longer holds the lease, so the bytes read cannot be trusted
+    no_agent     this node has no transfer agent (it cannot pull at all)
+    internal     anything else went wrong while pulling (a bug: logged with its traceback)
 """
 
 from __future__ import annotations
 
 REASONS = frozenset(
-    {"handshake", "mismatch", "bad_handle", "no_blocks", "peer_gone", "read_error", "timeout", "lease_lost"}
+    {"handshake", "mismatch", "bad_handle", "no_blocks", "peer_gone", "read_error", "timeout", "lease_lost",
+     "no_agent", "internal"}
 )
 
 

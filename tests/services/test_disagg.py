@@ -53,8 +53,16 @@ def test_requests_sharing_a_prefix_go_to_the_prefill_that_holds_it(tiny_model_di
 
 
 def transfer(url: str) -> tuple[float, float]:
+    """KV bytes pulled and failed pulls (all reasons) so far."""
     m = metrics(url)
-    return m.get("kvrelay_kv_transfer_bytes_total", 0.0), m.get("kvrelay_kv_transfer_failures_total", 0.0)
+    failures = sum(v for k, v in m.items() if k.startswith("kvrelay_kv_transfer_failures_total{"))
+    return m.get("kvrelay_kv_transfer_bytes_total", 0.0), failures
+
+
+def failure_reasons(url: str) -> dict[str, float]:
+    """Failed pulls by reason label, the reasons seen so far only."""
+    prefix = 'kvrelay_kv_transfer_failures_total{reason="'
+    return {k[len(prefix):-2]: v for k, v in metrics(url).items() if k.startswith(prefix)}
 
 
 def test_kv_moves_once_then_the_prefix_is_reused(tiny_model_dir, tmp_path):
@@ -125,6 +133,23 @@ def test_prefill_killed_after_handing_out_kv(tiny_model_dir, tmp_path, policy):
             assert status == 200
             assert want[:1] + [t for f in frames for t in f["tokens"]] == want
         else:
-            assert status == 502 and "KV transfer from the prefill node failed" in frames[0]["error"]
+            assert status == 502 and "KV transfer from the prefill node failed (handshake)" in frames[0]["error"]
         assert transfer(decode)[1] == 1.0
+        assert failure_reasons(decode) == {"handshake": 1.0}  # the owner died before decode ever reached it
+        wait_for(lambda: get_json(decode + "/health")["in_use_blocks"] == 0, what="decode pool idle")
+
+
+def test_a_malformed_handle_is_counted_as_bad_handle_and_recomputed(tiny_model_dir):
+    from engine.protocol import params_to_wire
+
+    loaded = load_model(tiny_model_dir)
+    prompt = list(range(3, 40))
+    [[want]] = LLMEngine(loaded, EngineConfig(num_blocks=64)).generate([prompt], SamplingParams(max_tokens=6))
+    with Cluster(tiny_model_dir, overrides={"prefill": {"ports": []}}) as c:  # decode alone; default: recompute
+        decode = c.decode_urls[0]
+        status, frames = _internal_post(decode, "/generate", {
+            "request_id": "r1", "prompt": prompt, "params": params_to_wire(SamplingParams(max_tokens=6)),
+            "salt": b"", "handle": {"v": 999}})
+        assert status == 200 and [t for f in frames for t in f["tokens"]] == want  # recomputed here, right answer
+        assert failure_reasons(decode) == {"bad_handle": 1.0}
         wait_for(lambda: get_json(decode + "/health")["in_use_blocks"] == 0, what="decode pool idle")
