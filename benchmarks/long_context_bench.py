@@ -58,10 +58,10 @@ def _policy(name: str, frac: float, prompt_tokens: int, bs: int, sink: int, rece
 def _run(loaded: Any, prompts: list[list[int]], answer_tokens: int, policy: Any, *, bs: int,
          record: bool) -> RunResult:
     """All prompts in one batch; times the steps after every prompt has been prefilled."""
-    from deploy.transfer_wiring import make_agent
     from engine.engine import EngineConfig, LLMEngine
     from kvstore.tiered_store import TieredStoreConfig
     from model.sampling import SamplingParams
+    from transfer.node_agent import make_agent
 
     longest = max(len(p) for p in prompts) + answer_tokens
     blocks = len(prompts) * (-(-longest // bs) + 2) + 8

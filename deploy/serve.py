@@ -86,18 +86,20 @@ def build_app(config: Any, role: str, index: int, *,
                       max_pending_requests=config.decode.max_pending_requests, internal_token=internal.token,
                       cpus=tuple(cores.home) if isinstance(cores, CoreLending) else ())
     worker = EngineWorker(engine, host=worker_host, cores=cores)
-    from deploy.transfer_wiring import DecodeTransfer, PrefillTransfer, advertised_host
     from transfer.config import TransferConfig
+    from transfer.node_agent import advertised_host
 
     transfer_config = TransferConfig(agent_name=name, lease_ttl_s=config.prefill.lease_ttl_s,
                                      internal_token=internal.token)
     if role == "prefill":
+        from prefill.kv_publish import PrefillTransfer
         from prefill.service import PrefillService
 
         owner = PrefillTransfer(worker, transfer_config, owner_url=node_url(advertised_host(internal.bind), port))
         app = PrefillService(node, worker, publish=owner.publish, release=owner.release, metrics=metrics).make_app()
         owner.install(app)
         return app, internal.bind, port
+    from decode.kv_pull import DecodeTransfer
     from decode.service import DecodeConfig, DecodeService
 
     reader = DecodeTransfer(worker, transfer_config)

@@ -25,7 +25,7 @@ from engine.worker import EngineFailure, EngineWorker
 log = logging.getLogger(__name__)
 
 # ``publish(engine, prompt, salt) -> handle``: pin the prompt's full blocks under a lease and describe
-# them for a reader. Runs on the engine thread. Supplied by transfer/.
+# them for a reader. Runs on the engine thread (`prefill.kv_publish.PrefillTransfer.publish`).
 PublishFn = Callable[[LLMEngine, list[int], bytes], dict[str, Any] | None]
 # ``release(handle)``: drop a handle's lease when no decode node will read it.
 ReleaseFn = Callable[[dict[str, Any]], Awaitable[None]]

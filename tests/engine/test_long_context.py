@@ -7,13 +7,13 @@ import random
 import pytest
 import torch
 
-from deploy.transfer_wiring import make_agent
 from engine.engine import EngineConfig, LLMEngine, RequestError
 from engine.long_context import LongContextConfig
 from kernels import reference
 from kvstore.tiered_store import TieredStoreConfig
 from model.loader import load_model
 from model.sampling import SamplingParams
+from transfer.node_agent import make_agent
 
 BS = 16
 H2O_SMALL = LongContextConfig("h2o", device_budget_tokens=64, sink_tokens=16, recent_tokens=16)

@@ -1,0 +1,54 @@
+"""Publishing a prompt's KV: the prefill node's side of a transfer (compute → key → lease → handle).
+
+`PrefillTransfer.publish` runs on the engine thread the moment a prompt finishes: it keys the prompt's
+full blocks, pins them under a lease in the node's `transfer.owner.KvOwner` and returns the handle the
+decode node will pull from; the owner serves ``/kv/meta``, renewals and the done/abort notifications.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from engine.engine import LLMEngine
+from engine.worker import EngineWorker
+from kvstore.block_key import block_keys
+from transfer.config import TransferConfig
+from transfer.lease import LeaseTable, TierBlock
+from transfer.node_agent import make_agent, worker_pool_call
+from transfer.owner import KvOwner
+from transfer.server import add_transfer_routes
+from transfer.wire import handle_from_wire, handle_to_wire
+
+
+class PrefillTransfer:
+    """Owner side: pins a finished prompt's blocks under a lease and serves ``/kv/meta`` and renewals."""
+
+    def __init__(self, worker: EngineWorker, config: TransferConfig, *, owner_url: str) -> None:
+        engine = worker.engine
+        self.agent = make_agent(engine, config.agent_name)
+        self.owner = KvOwner(self.agent, LeaseTable({"device": engine.pool}), owner_url=owner_url, config=config,
+                             pool_call=worker_pool_call(worker))
+
+    def publish(self, engine: LLMEngine, prompt: list[int], salt: bytes) -> dict[str, Any] | None:
+        """On the engine thread, right after the prompt finished: lease its full blocks. None if it has none."""
+        spec = engine.spec
+        keys = block_keys(prompt, block_size_tokens=spec.block_size_tokens, spec_fingerprint=spec.fingerprint,
+                          salt=salt)
+        block_ids = engine.pool.match_prefix(keys)
+        if not block_ids:
+            return None
+        handle = self.owner.offer(keys[: len(block_ids)], [TierBlock("device", b) for b in block_ids],
+                                  num_tokens=len(block_ids) * spec.block_size_tokens)
+        return handle_to_wire(handle)
+
+    async def release(self, handle: dict[str, Any]) -> None:
+        await self.owner.release(handle_from_wire(handle).lease_id)
+
+    def install(self, app: web.Application) -> None:
+        add_transfer_routes(app, self.owner)
+        app.on_cleanup.append(self._close)
+
+    async def _close(self, app: web.Application) -> None:
+        self.agent.close()
