@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from engine.engine import EngineConfig, LLMEngine
 from model.loader import load_model
 from model.sampling import SamplingParams
@@ -78,3 +80,16 @@ def test_store_stats_and_clear_per_node(tmp_path: Path, tiny_model_dir: Path):
     assert bad.returncode == 2 and "'prefill-7' is not a node of this config (prefill-0, decode-0)" in bad.stderr
     cleared = kvrelay("store", "clear", "--config", str(cfg), "--node", "prefill-0")
     assert cleared.returncode == 0 and json.loads(cleared.stdout)["removed"] == [str(tmp_path / "disk" / "prefill-0")]
+
+
+def test_every_bench_name_resolves_to_its_main() -> None:
+    from deploy.cli import BENCH_NAMES, _bench_main
+
+    mains = {name: _bench_main(name) for name in BENCH_NAMES}
+    assert {name: f.__module__ for name, f in mains.items()} == {
+        "bandwidth": "benchmarks.bandwidth_bench", "decode": "benchmarks.decode_bench",
+        "dtype": "benchmarks.dtype_bench", "kernel": "benchmarks.kernel_bench",
+        "long-context": "benchmarks.long_context_bench", "memory": "benchmarks.memory_bench",
+        "serve": "benchmarks.serve_bench", "tiers": "benchmarks.tier_bench", "transfer": "benchmarks.transfer_bench"}
+    with pytest.raises(ValueError, match="unknown benchmark 'nope'"):
+        _bench_main("nope")
