@@ -1,7 +1,7 @@
 """The decode service: pulls a request's KV from the prefill node that computed it, joins the
 continuous batch and streams tokens back to the router.
 
-    POST /generate   msgpack request (see `engine.protocol`) → a stream of msgpack frames
+    POST /generate   msgpack request (see `node.protocol`) → a stream of msgpack frames
 
 A request without a KV handle is prefilled here (aggregated mode, and the recompute fallback).
 """
@@ -18,9 +18,9 @@ from typing import Any
 from aiohttp import web
 
 from engine.engine import RequestError
-from engine.node_app import EngineNode, NodeConfig, NodeMetrics, msgpack_response
-from engine.protocol import pack
 from engine.worker import EngineFailure, EngineWorker
+from node.app import EngineNode, NodeConfig, NodeMetrics, msgpack_response
+from node.protocol import pack
 from transfer.errors import TransferError
 from transfer.puller import PullResult
 

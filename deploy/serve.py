@@ -14,9 +14,9 @@ from prometheus_client import CollectorRegistry
 from deploy.config import for_node
 from deploy.cpu_budget import CoreLending, apply_cpus, format_cpus
 from engine.engine import EngineConfig, LLMEngine
-from engine.node_app import NodeConfig, NodeMetrics
 from engine.worker import CallerThreadHost, EngineWorker, StepCores
 from model.loader import load_model
+from node.app import NodeConfig, NodeMetrics
 
 log = logging.getLogger(__name__)
 ROLES = ("router", "prefill", "decode")

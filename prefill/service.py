@@ -19,8 +19,8 @@ from typing import Any
 from aiohttp import web
 
 from engine.engine import LLMEngine, RequestError
-from engine.node_app import EngineNode, NodeConfig, NodeMetrics, msgpack_response
 from engine.worker import EngineFailure, EngineWorker
+from node.app import EngineNode, NodeConfig, NodeMetrics, msgpack_response
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import aiohttp
 
-from engine.protocol import TOKEN_HEADER, ProtocolError, new_unpacker, pack, unpack
+from node.protocol import TOKEN_HEADER, ProtocolError, new_unpacker, pack, unpack
 from router.nodes import Node
 
 

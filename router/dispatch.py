@@ -15,8 +15,8 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from engine.protocol import params_to_wire
 from kvstore.block_key import block_keys
+from node.protocol import params_to_wire
 from router.backends import Backends, NodeRefused, NodeUnavailable
 from router.nodes import NodeSet
 from router.openai_api import ApiError, GenerationRequest

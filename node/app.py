@@ -23,9 +23,9 @@ import torch
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from engine.protocol import TOKEN_HEADER, GenerationMessage, ProtocolError, pack, parse_generation
 from engine.worker import EngineWorker
 from kvstore.kv_events import KvEventLog
+from node.protocol import TOKEN_HEADER, GenerationMessage, ProtocolError, pack, parse_generation
 
 log = logging.getLogger(__name__)
 OPEN_PATHS = frozenset({"/health", "/metrics"})
