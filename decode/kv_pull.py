@@ -1,24 +1,21 @@
 """Pulling a prompt's KV: the decode node's side of a transfer (handle → verify → pull → join).
 
-`DecodeTransfer.pull` checks the handle from the wire, then lets the `transfer.puller.Puller` read
+`DecodeTransfer.pull` lets the `transfer.puller.Puller` read
 the missing blocks over NIXL into the engine's pool (pool operations on the engine thread); the
 decode service hands the returned blocks to the engine with the request.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import aiohttp
 from aiohttp import web
 
 from engine.worker import EngineWorker
 from transfer.config import TransferConfig
-from transfer.errors import TransferError
+from transfer.handle import KvHandle
 from transfer.node_agent import make_agent, worker_pool_call
 from transfer.peer_cache import PeerCache
 from transfer.puller import Puller, PullResult
-from transfer.wire import WireError, handle_from_wire
 
 
 class DecodeTransfer:
@@ -32,18 +29,14 @@ class DecodeTransfer:
         self._peers: PeerCache | None = None
         self._puller: Puller | None = None
 
-    async def pull(self, handle: dict[str, Any], request_id: str, *, deadline_s: float) -> PullResult:
+    async def pull(self, handle: KvHandle, request_id: str, *, deadline_s: float) -> PullResult:
         """Pull the handle's blocks; their local ids carry one reference each, for the engine to take over.
 
         Raises:
-            TransferError: the pull failed (``reason`` says why); a malformed handle is ``bad_handle``.
+            TransferError: the pull failed (``reason`` says why).
         """
         assert self._puller is not None, "DecodeTransfer.install() was not called"
-        try:
-            parsed = handle_from_wire(handle)
-        except WireError as exc:
-            raise TransferError("bad_handle", f"the KV handle is malformed: {exc}") from None
-        return await self._puller.pull(parsed, deadline_s=deadline_s)
+        return await self._puller.pull(handle, deadline_s=deadline_s)
 
     def install(self, app: web.Application) -> None:
         app.on_startup.append(self._start)

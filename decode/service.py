@@ -23,6 +23,7 @@ from node.app import EngineNode, NodeConfig, NodeMetrics, msgpack_response
 from node.protocol import pack
 from transfer.errors import TransferError
 from transfer.puller import PullResult
+from transfer.wire import WireError, handle_from_wire
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ class DecodeConfig:
             raise ValueError(f"on_transfer_failure must be one of {FAILURE_POLICIES}, got {self.on_transfer_failure!r}")
 
 
-# ``pull(handle, request_id, deadline_s=) -> PullResult`` (its block ids carry one reference each);
+# ``pull(handle: KvHandle, request_id, deadline_s=) -> PullResult`` (its block ids carry one reference each);
 # raises `TransferError` on failure.
 PullFn = Callable[..., Awaitable[PullResult]]
 
@@ -65,10 +66,11 @@ class DecodeService(EngineNode):
         app.router.add_post("/generate", self.generate)
         return app
 
-    async def _pinned_blocks(self, handle: Any, request_id: str) -> list[int] | None:
-        """Pull the handle's KV. None: pulled nothing (recompute). Under ``fail`` a failed pull raises
-        its `TransferError`; either way the failure is counted under its reason."""
-        if handle is None:
+    async def _pinned_blocks(self, wire_handle: dict[str, Any] | None, request_id: str) -> list[int] | None:
+        """Pull the KV of the handle (as it came over HTTP: checked and typed here, at the edge). None:
+        pulled nothing (recompute). Under ``fail`` a failed pull raises its `TransferError`; either way
+        the failure is counted under its reason."""
+        if wire_handle is None:
             return []
         t0 = time.perf_counter()
         deadline_s = self.decode_config.transfer_timeout_s
@@ -78,6 +80,10 @@ class DecodeService(EngineNode):
         try:
             if self._pull is None:
                 raise TransferError("no_agent", "this decode node has no KV transfer agent")
+            try:
+                handle = handle_from_wire(wire_handle)
+            except WireError as exc:
+                raise TransferError("bad_handle", f"the KV handle is malformed: {exc}") from None
             task = asyncio.ensure_future(self._pull(handle, request_id, deadline_s=deadline_s))
             try:
                 result = await asyncio.shield(task)

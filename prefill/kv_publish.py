@@ -7,19 +7,17 @@ decode node will pull from; the owner serves ``/kv/meta``, renewals and the done
 
 from __future__ import annotations
 
-from typing import Any
-
 from aiohttp import web
 
 from engine.engine import LLMEngine
 from engine.worker import EngineWorker
 from kvstore.block_key import block_keys
 from transfer.config import TransferConfig
+from transfer.handle import KvHandle
 from transfer.lease import LeaseTable, TierBlock
 from transfer.node_agent import make_agent, worker_pool_call
 from transfer.owner import KvOwner
 from transfer.server import add_transfer_routes
-from transfer.wire import handle_from_wire, handle_to_wire
 
 
 class PrefillTransfer:
@@ -31,7 +29,7 @@ class PrefillTransfer:
         self.owner = KvOwner(self.agent, LeaseTable({"device": engine.pool}), owner_url=owner_url, config=config,
                              pool_call=worker_pool_call(worker))
 
-    def publish(self, engine: LLMEngine, prompt: list[int], salt: bytes) -> dict[str, Any] | None:
+    def publish(self, engine: LLMEngine, prompt: list[int], salt: bytes) -> KvHandle | None:
         """On the engine thread, right after the prompt finished: lease its full blocks. None if it has none."""
         spec = engine.spec
         keys = block_keys(prompt, block_size_tokens=spec.block_size_tokens, spec_fingerprint=spec.fingerprint,
@@ -39,12 +37,11 @@ class PrefillTransfer:
         block_ids = engine.pool.match_prefix(keys)
         if not block_ids:
             return None
-        handle = self.owner.offer(keys[: len(block_ids)], [TierBlock("device", b) for b in block_ids],
-                                  num_tokens=len(block_ids) * spec.block_size_tokens)
-        return handle_to_wire(handle)
+        return self.owner.offer(keys[: len(block_ids)], [TierBlock("device", b) for b in block_ids],
+                                num_tokens=len(block_ids) * spec.block_size_tokens)
 
-    async def release(self, handle: dict[str, Any]) -> None:
-        await self.owner.release(handle_from_wire(handle).lease_id)
+    async def release(self, handle: KvHandle) -> None:
+        await self.owner.release(handle.lease_id)
 
     def install(self, app: web.Application) -> None:
         add_transfer_routes(app, self.owner)

@@ -21,14 +21,16 @@ from aiohttp import web
 from engine.engine import LLMEngine, RequestError
 from engine.worker import EngineFailure, EngineWorker
 from node.app import EngineNode, NodeConfig, NodeMetrics, msgpack_response
+from transfer.handle import KvHandle
+from transfer.wire import handle_to_wire
 
 log = logging.getLogger(__name__)
 
 # ``publish(engine, prompt, salt) -> handle``: pin the prompt's full blocks under a lease and describe
 # them for a reader. Runs on the engine thread (`prefill.kv_publish.PrefillTransfer.publish`).
-PublishFn = Callable[[LLMEngine, list[int], bytes], dict[str, Any] | None]
+PublishFn = Callable[[LLMEngine, list[int], bytes], KvHandle | None]
 # ``release(handle)``: drop a handle's lease when no decode node will read it.
-ReleaseFn = Callable[[dict[str, Any]], Awaitable[None]]
+ReleaseFn = Callable[[KvHandle], Awaitable[None]]
 
 
 class PrefillService(EngineNode):
@@ -63,7 +65,7 @@ class PrefillService(EngineNode):
         if isinstance(msg, web.Response):
             return msg
         rid, prompt, params, salt = msg.request_id, msg.prompt, msg.params, msg.salt
-        published: dict[str, Any] = {}
+        published: dict[str, KvHandle | None] = {}
 
         def on_finish(engine: LLMEngine, request_id: str) -> None:
             if self._publish is not None:
@@ -101,7 +103,7 @@ class PrefillService(EngineNode):
         self.metrics.request_done("ok")
         log.info("request %s: prefilled %d tokens (%d from cache), first tokens %s, handle %s", rid, len(prompt),
                  num_cached, tokens, "leased" if handle is not None else "none")
-        return msgpack_response({
-            "first_token_ids": tokens, "finish_reasons": reasons, "handle": handle,
-            "num_cached_tokens": num_cached,
+        return msgpack_response({  # the handle becomes msgpack here, at the HTTP edge
+            "first_token_ids": tokens, "finish_reasons": reasons,
+            "handle": handle_to_wire(handle) if handle is not None else None, "num_cached_tokens": num_cached,
         })
