@@ -64,6 +64,23 @@ class TieredStoreConfig:
     device: str = "cpu"
     disk_options: LmdbOptions = field(default_factory=LmdbOptions)
 
+    def __post_init__(self) -> None:
+        """Raises ValueError naming the field (``kvstore`` in YAML: device/host/disk sizes, ``admit``)."""
+        if isinstance(self.num_device_blocks, bool) or not isinstance(self.num_device_blocks, int) \
+                or self.num_device_blocks < 1:
+            raise ValueError(f"num_device_blocks must be a positive integer, got {self.num_device_blocks!r}")
+        for name in ("num_host_blocks", "disk_capacity_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if self.disk_path is not None and self.disk_capacity_bytes == 0:
+            raise ValueError(f"a disk tier at {self.disk_path!r} needs disk_capacity_bytes > 0")
+        if self.watermark_blocks is not None and not (
+                isinstance(self.watermark_blocks, int) and 0 <= self.watermark_blocks <= self.num_device_blocks):
+            raise ValueError(f"watermark_blocks must be in [0, num_device_blocks={self.num_device_blocks}], "
+                             f"got {self.watermark_blocks!r}")
+        parse_admission(self.admit)  # raises ValueError with the accepted spellings
+
 
 @dataclass(frozen=True, slots=True)
 class PrefixMatch:

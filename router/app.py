@@ -64,6 +64,30 @@ class RouterConfig:
     startup_timeout_s: float = 120.0
     long_context: LongContextConfig = LongContextConfig()  # the decode nodes' default (decode.long_context)
 
+    def __post_init__(self) -> None:
+        """Raises ValueError naming the field (as in the YAML ``router`` section)."""
+        for url in (*self.prefill_urls, *self.decode_urls):
+            if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+                raise ValueError(f"node URLs must start with http:// or https://, got {url!r}")
+        if not self.decode_urls and self.prefill_urls:
+            raise ValueError("prefill nodes need at least one decode node (decode_urls is empty)")
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be an integer in [0, 65535], got {self.port!r}")
+        for name in ("max_body_bytes", "max_n"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if isinstance(self.load_weight_tokens, bool) or not isinstance(self.load_weight_tokens, int) \
+                or self.load_weight_tokens < 0:
+            raise ValueError(f"load_weight_tokens must be an integer >= 0, got {self.load_weight_tokens!r}")
+        for name in ("request_timeout_s", "node_retry_s", "startup_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
+        if not self.event_poll_interval_s >= 0:
+            raise ValueError(f"event_poll_interval_s must be >= 0 seconds, got {self.event_poll_interval_s!r}")
+        if not 0 <= self.event_wait_s <= 30:  # what a node accepts as /kv/events?wait_s
+            raise ValueError(f"event_wait_s must be in [0, 30] seconds, got {self.event_wait_s!r}")
+
 
 class RouterMetrics:
     def __init__(self) -> None:
