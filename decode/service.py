@@ -12,11 +12,11 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
+from decode.config import DecodeConfig
 from engine.engine import RequestError
 from engine.worker import EngineFailure, EngineWorker
 from node.app import EngineNode, NodeConfig, NodeMetrics, msgpack_response
@@ -26,21 +26,6 @@ from transfer.puller import PullResult
 from transfer.wire import WireError, handle_from_wire
 
 log = logging.getLogger(__name__)
-
-FAILURE_POLICIES = ("recompute", "fail")
-
-
-@dataclass(frozen=True, slots=True)
-class DecodeConfig:
-    """Decode-only settings. ``on_transfer_failure``: ``recompute`` the prompt here, or ``fail`` the request."""
-
-    on_transfer_failure: str = "recompute"
-    transfer_timeout_s: float = 10.0
-
-    def __post_init__(self) -> None:
-        if self.on_transfer_failure not in FAILURE_POLICIES:
-            raise ValueError(f"on_transfer_failure must be one of {FAILURE_POLICIES}, got {self.on_transfer_failure!r}")
-
 
 # ``pull(handle: KvHandle, request_id, deadline_s=) -> PullResult`` (its block ids carry one reference each);
 # raises `TransferError` on failure.

@@ -22,7 +22,7 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -42,9 +42,11 @@ from deploy.service_config import (
 )
 from deploy.sizes import ConfigError
 from kvstore.admission import parse_admission
-from kvstore.block_spec import BlockSpec
-from kvstore.tiered_store import TieredStoreConfig
-from model.dtype import DTYPE_NAME_TO_TORCH
+from model.dtype_names import DTYPE_NAMES
+
+if TYPE_CHECKING:  # the store's types load torch; the router process reads this config without them
+    from kvstore.block_spec import BlockSpec
+    from kvstore.tiered_store import TieredStoreConfig
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "local.yaml"
 GpuFreeBytes = Callable[[], int]
@@ -132,6 +134,8 @@ class KvStoreConfig:
         Raises:
             ConfigError: the device tier holds no block, or ``spec`` has another block size.
         """
+        from kvstore.tiered_store import TieredStoreConfig
+
         if spec.block_size_tokens != self.block_size_tokens:
             raise ConfigError(
                 f"kvstore.block_size_tokens: {self.block_size_tokens} but the model's KV blocks have "
@@ -186,7 +190,7 @@ def parse_kvstore(root: Section, *, base_dir: Path, gpu_free_bytes: GpuFreeBytes
     """
     k = root.section("kvstore")
     block_size_tokens = k.take("block_size_tokens", positive_int, 16)
-    kv_dtype = k.take("dtype", one_of(tuple(sorted(DTYPE_NAME_TO_TORCH))), None)
+    kv_dtype = k.take("dtype", one_of(DTYPE_NAMES), None)
     d = k.section("device")
     device = DeviceTierConfig(d.take("bytes", size, None), d.take("fraction_of_free", _fraction, None))
     d.done()

@@ -14,8 +14,6 @@ import os
 import re
 from collections.abc import Callable
 
-import torch
-
 
 def available_cpus() -> list[int]:
     """The CPUs this process may run on, ascending."""
@@ -72,6 +70,8 @@ def apply_cpus(cpus: list[int] | None, *, threads: int | None = None) -> list[in
     Raises:
         OSError: a CPU is not available to this process.
     """
+    import torch  # here, not at import: the router process reads this module and loads no torch
+
     if cpus is not None:
         os.sched_setaffinity(0, cpus)
     mine = available_cpus()
@@ -106,8 +106,9 @@ class CoreLending:
     """
 
     def __init__(self, lock_dir: str, home: list[int], pool: list[int], *,
-                 set_threads: Callable[[int], None] = torch.set_num_threads) -> None:
-        """``home`` ⊆ ``pool``, both non-empty; ``set_threads(n)`` sizes the intra-op pool (torch's).
+                 set_threads: Callable[[int], None] | None = None) -> None:
+        """``home`` ⊆ ``pool``, both non-empty; ``set_threads(n)`` sizes the intra-op pool (default:
+        ``torch.set_num_threads``).
 
         Raises:
             ValueError: ``home`` empty or not inside ``pool``.
@@ -115,6 +116,10 @@ class CoreLending:
         if not home or not set(home) <= set(pool):
             raise ValueError(f"home CPUs {home} must be a non-empty part of the pool {pool}")
         os.makedirs(lock_dir, exist_ok=True)
+        if set_threads is None:
+            import torch
+
+            set_threads = torch.set_num_threads
         self._set = set_threads
 
         def fd(name: str) -> int:

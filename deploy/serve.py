@@ -6,17 +6,17 @@ import asyncio
 import logging
 import signal
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from deploy.config import for_node
 from deploy.cpu_budget import CoreLending, apply_cpus, format_cpus
-from engine.engine import EngineConfig, LLMEngine
-from engine.worker import CallerThreadHost, EngineWorker, StepCores
-from model.loader import load_model
-from node.app import NodeConfig, NodeMetrics
+
+if TYPE_CHECKING:  # engine nodes import these where they are built: the router process loads no torch
+    from engine.engine import LLMEngine
+    from engine.worker import CallerThreadHost, StepCores
 
 log = logging.getLogger(__name__)
 ROLES = ("router", "prefill", "decode")
@@ -37,6 +37,9 @@ def build_engine(config: Any, *, node_name: str, registry: CollectorRegistry) ->
     Each node keeps its disk tier in its own subdirectory (``disk.path/<node name>``): LMDB environments
     are one per process.
     """
+    from engine.engine import EngineConfig, LLMEngine
+    from model.loader import load_model
+
     m = config.model
     loaded = load_model(m.path, dtype=m.dtype, device=m.device)
     spec = LLMEngine.block_spec_for(loaded, config.kvstore.block_size_tokens, kv_dtype=config.kvstore.dtype)
@@ -75,6 +78,9 @@ def build_app(config: Any, role: str, index: int, *,
             load_weight_tokens=r.load_weight_tokens, long_context=config.decode.long_context,
         ))
         return router.make_app(), r.host, r.port
+    from engine.worker import EngineWorker
+    from node.app import NodeConfig, NodeMetrics
+
     ports = config.prefill.ports if role == "prefill" else config.decode.ports
     if not 0 <= index < len(ports):
         raise ValueError(f"{role}.ports has {len(ports)} entries; --index {index} is out of range")
@@ -99,8 +105,9 @@ def build_app(config: Any, role: str, index: int, *,
         app = PrefillService(node, worker, publish=owner.publish, release=owner.release, metrics=metrics).make_app()
         owner.install(app)
         return app, internal.bind, port
+    from decode.config import DecodeConfig
     from decode.kv_pull import DecodeTransfer
-    from decode.service import DecodeConfig, DecodeService
+    from decode.service import DecodeService
 
     reader = DecodeTransfer(worker, transfer_config)
     service = DecodeService(node, DecodeConfig(config.decode.on_transfer_failure, config.decode.transfer_timeout_s),
@@ -131,6 +138,8 @@ def run_role(config: Any, role: str, index: int = 0, *, cpus: list[int] | None =
                  format_cpus(cpu_pool))
     else:
         log.info("%s-%d runs on CPUs %s", role, index, format_cpus(apply_cpus(cpus)))
+    from engine.worker import CallerThreadHost
+
     worker_host = CallerThreadHost()
     app, host, port = build_app(config, role, index, worker_host=worker_host, cores=cores)
     stop = _Stop()

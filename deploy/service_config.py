@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from decode.service import FAILURE_POLICIES
+from decode.config import FAILURE_POLICIES
 from deploy.sizes import ConfigError, parse_size
 from engine.long_context import OVERRIDABLE, POLICIES, LongContextConfig
-from model.dtype import AUTO, DTYPE_CHOICES
+from model.dtype_names import AUTO, DTYPE_CHOICES
 
 
 @dataclass(frozen=True, slots=True)

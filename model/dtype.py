@@ -10,13 +10,10 @@ from pathlib import Path
 
 import torch
 
-DTYPE_NAME_TO_TORCH: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
-AUTO = "auto"
-DTYPE_CHOICES: tuple[str, ...] = (AUTO, *sorted(DTYPE_NAME_TO_TORCH))
+from model.dtype_names import AUTO, DTYPE_CHOICES, DTYPE_NAMES
+
+DTYPE_NAME_TO_TORCH: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_NAMES}
+__all__ = ["AUTO", "DTYPE_CHOICES", "DTYPE_NAME_TO_TORCH", "cpu_flags", "resolve_dtype"]
 BF16_CPU_FLAGS: frozenset[str] = frozenset({"amx_bf16", "avx512_bf16"})
 
 

@@ -45,7 +45,7 @@ def test_router_config_names_the_bad_field(kwargs: dict, message: str) -> None:
     ({"num_host_blocks": -1}, "num_host_blocks must be an integer >= 0, got -1"),
     ({"disk_path": "/tmp/x"}, "a disk tier at '/tmp/x' needs disk_capacity_bytes > 0"),
     ({"watermark_blocks": 11}, "watermark_blocks must be in \\[0, num_device_blocks=10\\], got 11"),
-    ({"admit": "sometimes"}, "sometimes"),
+    ({"admit": "sometimes"}, "'sometimes' is not an admission policy"),
 ])
 def test_store_config_names_the_bad_field(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
+
+CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "configs" / "local.yaml"
 
 
 def test_importing_the_router_loads_no_torch() -> None:
@@ -13,3 +16,15 @@ def test_importing_the_router_loads_no_torch() -> None:
             "print(len(names), sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'triton')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split(" ", 1)
     assert int(out[0]) >= 7 and out[1].strip() == "[]"
+
+
+def test_the_router_process_loads_no_torch(tiny_model_dir) -> None:
+    """What `kvrelay router` runs: the command, the config, and the router's app, built for real."""
+    code = ("import sys, deploy.cli\n"
+            "from deploy.config import load_config\n"
+            "from deploy.serve import build_app\n"
+            f"config = load_config({str(CONFIG)!r}, model_path={str(tiny_model_dir)!r})\n"
+            "app, host, port = build_app(config, 'router', 0)\n"
+            "print(port, sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'triton')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split(" ", 1)
+    assert out[0] == "8000" and out[1].strip() == "[]"
