@@ -1,10 +1,13 @@
 """Thread budget: which CPUs each node of one machine may use, so that nodes never oversubscribe it.
 
 `kvrelay up` splits the CPUs it may use (its affinity mask) among the engine nodes it starts,
-disjoint and as even as the count allows; each node pins itself to its share and runs torch with one
-intra-op thread per CPU of it (one inter-op thread: a step is one chain of ops). A node started on
-its own (``kvrelay prefill|decode``, e.g. in a Kubernetes pod) takes every CPU its mask allows.
-The router needs no share: it does no math and sleeps on its event loop.
+disjoint and as even as the count allows, and runs torch with one intra-op thread per CPU a node
+computes on (one inter-op thread: a step is one chain of ops). With `CoreLending` (the default of
+`kvrelay up`) a node may run on every CPU of the deployment but computes, step by step, on its own
+share plus the shares of nodes that have nothing to compute; without it (``--no-cpu-lending``) each
+node is pinned to its share. A node started on its own (``kvrelay prefill|decode``, e.g. in a
+Kubernetes pod) takes every CPU its mask allows. The router needs no share: it does no math and
+sleeps on its event loop.
 """
 
 from __future__ import annotations
