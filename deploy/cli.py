@@ -156,7 +156,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from deploy.model_cmd import add_model_parser
     from deploy.store_cmd import add_store_parser
-    from model.dtype import DTYPE_CHOICES
+    from model.dtype_names import DTYPE_CHOICES
 
     parser = argparse.ArgumentParser(prog="kvrelay", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)

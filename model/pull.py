@@ -28,7 +28,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from model.gguf_convert import PULL_DTYPES, convert_gguf
+from model.dtype_names import PULL_DTYPES
+from model.gguf_convert import convert_gguf
 from model.gguf_tokenizer import GgufError
 from model.registry import ModelSource, model_source
 
