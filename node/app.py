@@ -25,7 +25,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from engine.worker import EngineWorker
 from kvstore.kv_events import KvEventLog
-from node.protocol import TOKEN_HEADER, GenerationMessage, ProtocolError, pack, parse_generation
+from node.protocol import GenerationMessage, ProtocolError, pack, parse_generation
+from transfer.config import TOKEN_HEADER
 
 log = logging.getLogger(__name__)
 OPEN_PATHS = frozenset({"/health", "/metrics"})

@@ -8,8 +8,8 @@ Nothing is pickled. Every decoder sets msgpack's length limits and checks field 
     decode request    {"request_id", "prompt", "params", "salt", "first_token_ids"?, "handle"?, "long_context"?}
     decode stream     frames {"index", "tokens", "finished", "reason"} | {"error", "status"}
 
-Internal endpoints take the deployment's shared secret in the `TOKEN_HEADER` header. No torch here:
-the router imports this module.
+Internal endpoints take the deployment's shared secret in `transfer.config.TOKEN_HEADER`. No torch
+here: the router imports this module.
 """
 
 from __future__ import annotations
@@ -22,8 +22,6 @@ from typing import Any
 import msgpack
 
 from model.sampling_params import SamplingParams
-
-TOKEN_HEADER = "X-Kvrelay-Token"  # the internal plane's shared secret (also transfer.peer_cache's)
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
 MAX_PROMPT_TOKENS = 4 * 1024 * 1024

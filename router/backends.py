@@ -7,8 +7,9 @@ from typing import Any
 
 import aiohttp
 
-from node.protocol import TOKEN_HEADER, ProtocolError, new_unpacker, pack, unpack
+from node.protocol import ProtocolError, new_unpacker, pack, unpack
 from router.nodes import Node
+from transfer.config import TOKEN_HEADER
 
 
 class NodeUnavailable(Exception):

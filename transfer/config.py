@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The header that carries the deployment's internal token on every internal endpoint: the transfer
+# endpoints here, and the engine nodes' API (`node.protocol`, `node.app`, the router's backends).
+TOKEN_HEADER = "X-Kvrelay-Token"
+
 
 @dataclass(frozen=True, slots=True)
 class TransferConfig:
@@ -15,7 +19,7 @@ class TransferConfig:
         lease_ttl_s: how long an owner pins blocks for a reader that neither renews nor finishes.
         handshake_timeout_s: bound on one ``GET /kv/meta``.
         renew_timeout_s: bound on one ``POST /kv/lease/renew``.
-        internal_token: shared secret sent and required as ``X-Kvrelay-Token``; None leaves the
+        internal_token: shared secret sent and required in `TOKEN_HEADER`; None leaves the
             endpoints open (bind them to loopback or a private address then).
         reap_interval_s: how often the owner unpins expired leases.
         notif_poll_interval_s: how often the owner drains NIXL notifications.

@@ -23,7 +23,7 @@ import logging
 
 import aiohttp
 
-from transfer.config import TransferConfig
+from transfer.config import TOKEN_HEADER, TransferConfig
 from transfer.errors import PeerMismatchError, TransferError
 from transfer.handle import KvHandle
 from transfer.metadata import PROTOCOL_VERSION, check_compatible
@@ -40,7 +40,6 @@ from transfer.wire import (
 )
 
 log = logging.getLogger(__name__)
-TOKEN_HEADER = "X-Kvrelay-Token"
 
 
 class PeerCache:

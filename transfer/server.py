@@ -24,8 +24,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
+from transfer.config import TOKEN_HEADER
 from transfer.owner import KvOwner
-from transfer.peer_cache import TOKEN_HEADER
 from transfer.wire import (
     MAX_SMALL_MESSAGE_BYTES,
     WireError,

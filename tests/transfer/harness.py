@@ -29,10 +29,10 @@ from kvstore.block_key import BlockKey, block_keys
 from kvstore.block_pool import BlockPool
 from kvstore.block_spec import BlockSpec
 from tests.transfer.owner_proc import expected_block, make_spec, words_of
-from transfer.config import TransferConfig
+from transfer.config import TOKEN_HEADER, TransferConfig
 from transfer.handle import KvHandle
 from transfer.nixl_agent import KvAgent
-from transfer.peer_cache import TOKEN_HEADER, PeerCache
+from transfer.peer_cache import PeerCache
 from transfer.puller import Puller
 from transfer.wire import decode_handle
 

@@ -15,8 +15,8 @@ from aiohttp import web
 
 from tests.transfer.harness import TOKEN, in_thread, open_reader, run, tokens
 from tests.transfer.test_wire import META, malformed
+from transfer.config import TOKEN_HEADER
 from transfer.errors import PeerMismatchError, TransferError
-from transfer.peer_cache import TOKEN_HEADER
 from transfer.wire import decode_meta, encode_meta, encode_notif, encode_renew_request
 
 
