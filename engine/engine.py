@@ -23,6 +23,7 @@ from engine.model_runner import ModelRunner
 from engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from engine.sequence import Sequence, SequenceStatus
 from kvstore.block_spec import BlockSpec
+from kvstore.checks import require_int
 from kvstore.tiered_store import TieredStore, TieredStoreConfig
 from model.attention import BACKEND_NAME_TO_CLASS, default_backend_name, make_backend
 from model.loader import LoadedModel
@@ -50,17 +51,12 @@ class EngineConfig:
     def __post_init__(self) -> None:
         """Raises ValueError naming the field (as in the YAML ``engine``/``kvstore`` sections)."""
         for name in ("num_blocks", "block_size_tokens", "max_num_seqs", "max_num_batched_tokens"):
-            _check_positive_int(name, getattr(self, name))
+            require_int(name, getattr(self, name))
         if self.max_model_len is not None:
-            _check_positive_int("max_model_len", self.max_model_len)
+            require_int("max_model_len", self.max_model_len)
         if self.attention_backend is not None and self.attention_backend not in BACKEND_NAME_TO_CLASS:
             raise ValueError(f"attention_backend must be one of {sorted(BACKEND_NAME_TO_CLASS)} or unset, "
                              f"got {self.attention_backend!r}")
-
-
-def _check_positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvstore.checks import require_int
 from model.dtype import DTYPE_NAME_TO_TORCH
 
 
@@ -40,9 +41,7 @@ class BlockSpec:
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"BlockSpec.{name} must be a positive integer, got {value!r}")
+            require_int(f"BlockSpec.{name}", getattr(self, name))
         if self.dtype not in DTYPE_NAME_TO_TORCH:
             raise ValueError(
                 f"BlockSpec.dtype {self.dtype!r} is not supported; use one of {sorted(DTYPE_NAME_TO_TORCH)}"

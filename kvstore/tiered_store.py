@@ -32,6 +32,7 @@ from kvstore.block_key import BlockKey
 from kvstore.block_mover import Block, BlockMover, pool_rows
 from kvstore.block_pool import BlockPool, PoolStats
 from kvstore.block_spec import BlockSpec
+from kvstore.checks import require_int
 from kvstore.host_tier import HostTier
 from kvstore.lmdb_tier import DiskStats, LmdbOptions, LmdbTier
 from kvstore.metrics import StoreMetrics
@@ -66,13 +67,9 @@ class TieredStoreConfig:
 
     def __post_init__(self) -> None:
         """Raises ValueError naming the field (``kvstore`` in YAML: device/host/disk sizes, ``admit``)."""
-        if isinstance(self.num_device_blocks, bool) or not isinstance(self.num_device_blocks, int) \
-                or self.num_device_blocks < 1:
-            raise ValueError(f"num_device_blocks must be a positive integer, got {self.num_device_blocks!r}")
-        for name in ("num_host_blocks", "disk_capacity_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        require_int("num_device_blocks", self.num_device_blocks)
+        require_int("num_host_blocks", self.num_host_blocks, minimum=0)
+        require_int("disk_capacity_bytes", self.disk_capacity_bytes, minimum=0)
         if self.disk_path is not None and self.disk_capacity_bytes == 0:
             raise ValueError(f"a disk tier at {self.disk_path!r} needs disk_capacity_bytes > 0")
         if self.watermark_blocks is not None and not (

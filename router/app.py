@@ -20,6 +20,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from engine.long_context import LongContextConfig
+from kvstore.checks import require_int
 from model.tokenizer import load_tokenizer
 from router.backends import Backends, NodeUnavailable
 from router.dispatch import ClusterInfo, Dispatcher, SampleDelta
@@ -71,15 +72,10 @@ class RouterConfig:
                 raise ValueError(f"node URLs must start with http:// or https://, got {url!r}")
         if not self.decode_urls and self.prefill_urls:
             raise ValueError("prefill nodes need at least one decode node (decode_urls is empty)")
-        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be an integer in [0, 65535], got {self.port!r}")
-        for name in ("max_body_bytes", "max_n"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if isinstance(self.load_weight_tokens, bool) or not isinstance(self.load_weight_tokens, int) \
-                or self.load_weight_tokens < 0:
-            raise ValueError(f"load_weight_tokens must be an integer >= 0, got {self.load_weight_tokens!r}")
+        require_int("port", self.port, minimum=0, maximum=65535)
+        require_int("max_body_bytes", self.max_body_bytes)
+        require_int("max_n", self.max_n)
+        require_int("load_weight_tokens", self.load_weight_tokens, minimum=0)
         for name in ("request_timeout_s", "node_retry_s", "startup_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
