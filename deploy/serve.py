@@ -16,7 +16,7 @@ from deploy.cpu_budget import CoreLending, apply_cpus, format_cpus
 
 if TYPE_CHECKING:  # engine nodes import these where they are built: the router process loads no torch
     from engine.engine import LLMEngine
-    from engine.worker import CallerThreadHost, StepCores
+    from engine.worker import CallerThreadHost
 
 log = logging.getLogger(__name__)
 ROLES = ("router", "prefill", "decode")
@@ -55,7 +55,7 @@ def build_engine(config: Any, *, node_name: str, registry: CollectorRegistry) ->
 
 def build_app(config: Any, role: str, index: int, *,
               worker_host: CallerThreadHost | None = None,
-              cores: StepCores | None = None) -> tuple[web.Application, str, int]:
+              cores: CoreLending | None = None) -> tuple[web.Application, str, int]:
     """The aiohttp app of ``role`` number ``index`` and the (host, port) it listens on. An engine node's
     loop runs on ``worker_host``'s thread when given, else on a thread of its own.
 
@@ -90,7 +90,7 @@ def build_app(config: Any, role: str, index: int, *,
     engine = build_engine(config, node_name=name, registry=metrics.registry)
     node = NodeConfig(role=role, name=name, model_name=config.model.name, host=internal.bind, port=port,
                       max_pending_requests=config.decode.max_pending_requests, internal_token=internal.token,
-                      cpus=tuple(cores.home) if isinstance(cores, CoreLending) else ())
+                      cpus=tuple(cores.home) if cores is not None else ())
     worker = EngineWorker(engine, host=worker_host, cores=cores)
     from transfer.config import TransferConfig
     from transfer.node_agent import advertised_host
