@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from prometheus_client import CollectorRegistry
 
+from engine.block_tables import BlockTables
 from engine.kv_policy import KvPolicies
 from engine.long_context import LongContextConfig
 from engine.model_runner import ModelRunner
@@ -119,7 +120,8 @@ class LLMEngine:
         self.kv_pool = self.store.device_pool
         backend = make_backend(self.config.attention_backend or default_backend_name(device))
         self.runner = ModelRunner(self.model, self.kv_pool, backend, block_size_tokens=self.spec.block_size_tokens)
-        self.policies = KvPolicies(self.store, backend, spec=self.spec, scale=cfg.head_dim**-0.5)
+        tables = BlockTables(self.store.block_pool)  # the one writer of block tables, shared below
+        self.policies = KvPolicies(self.store, backend, tables=tables, spec=self.spec, scale=cfg.head_dim**-0.5)
         self.check_long_context(self.config.long_context)
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -127,7 +129,7 @@ class LLMEngine:
                 max_num_batched_tokens=self.config.max_num_batched_tokens,
                 enable_prefix_caching=self.config.enable_prefix_caching,
             ),
-            self.store, spec_fingerprint=self.spec.fingerprint, copy_block=self.runner.copy_block,
+            self.store, tables=tables, spec_fingerprint=self.spec.fingerprint, copy_block=self.runner.copy_block,
             on_free=self.policies.on_free,
         )
         self.stats = EngineStats()
@@ -332,14 +334,13 @@ class LLMEngine:
                     )
                     child.forked = True
                     child.seed = seq.seed
-                    child.block_table = list(seq.block_table)
+                    self.scheduler.tables.fork(seq, child)
                     child.block_keys = list(seq.block_keys)
                     child.num_computed_tokens = seq.num_computed_tokens
                     child.num_keyed_blocks = seq.num_keyed_blocks
                     child.long_context = seq.long_context
                     child.num_absent_tokens = seq.num_absent_tokens
                     child.keys_stopped = seq.keys_stopped
-                    self.pool.acquire(child.block_table)
                     self.policies.fork(seq, child)
                     self.scheduler.add_running(child)
                     req.seqs.append(child)

@@ -131,12 +131,11 @@ class H2O:
         rows = kv[table].permute(1, 2, 3, 0, 4, 5).reshape(num_layers, 2, heads, nb_old * bs, -1)
         d = rows.shape[-1]
         kept = rows.gather(3, idx[:, None, :, :, None].expand(num_layers, 2, heads, keep, d))
-        pool.release(seq.block_table[nb_new:])
-        del seq.block_table[nb_new:]
+        tables = owner.tables
+        tables.replace(seq, nb_new, len(seq.block_table))
         fresh = pool.allocate(len(shared))  # cannot fail: counted above
         for i, b in zip(shared, fresh):  # shared: write a private copy instead
-            pool.release([seq.block_table[i]])
-            seq.block_table[i] = b
+            tables.replace(seq, i, i + 1, [b])
         if first_block >= nb_new:
             return True
         padded = kept.new_zeros(num_layers, 2, heads, nb_new * bs, d)

@@ -122,7 +122,7 @@ class InfiniGen:
             owner.kv_pool, torch.tensor(victims, dtype=torch.int64, device=owner.kv_pool.device))
         owner.copy_blocks("device", victims, "host", slots)  # falls back to torch; never half done
         state.host_slots.extend(slots)
-        owner.pool.release(victims)
+        owner.tables.replace(seq, front, front + move)  # the victims leave the table (and the pool)
         state.summaries = summaries if state.summaries is None else torch.cat([state.summaries, summaries])
         # Staging blocks come from what the victims freed; shared victims (an n > 1 sibling, a cached
         # prompt) free nothing, so take what is there: fewer staging blocks only mean fewer recalls.
@@ -132,8 +132,7 @@ class InfiniGen:
         state.staging.extend(new)
         for staged in state.staged:
             staged.extend([-1] * len(new))
-        sink = seq.block_table[: state.num_sink_blocks]
-        seq.block_table[:] = sink + state.staging + seq.block_table[front + move :]
+        owner.tables.replace(seq, front, front, new)  # new staging blocks follow the old ones
         seq.num_absent_tokens = (len(state.host_slots) - len(state.staging)) * bs
         seq.keys_stopped = True
         owner.stats.offloaded_blocks += move

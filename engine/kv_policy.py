@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from engine.block_tables import BlockTables
 from engine.h2o import H2O
 from engine.infinigen import InfiniGen
 from engine.policy_api import LongContextStats, Policy, Row
@@ -45,13 +46,16 @@ class KvPolicies:
     Args:
         store: the engine's tiered store (device pool, block pool, host tier, local copy path).
         backend: attention kernels (block summaries and scores come from it).
+        tables: the engine's one writer of block tables; policies edit tables only through it.
         spec: block layout.
         scale: the model's softmax scale (``head_dim ** -0.5``).
     """
 
-    def __init__(self, store: TieredStore, backend: AttentionBackend, *, spec: BlockSpec, scale: float) -> None:
+    def __init__(self, store: TieredStore, backend: AttentionBackend, *, tables: BlockTables, spec: BlockSpec,
+                 scale: float) -> None:
         self.store = store
         self.pool = store.block_pool
+        self.tables = tables
         self.kv_pool = store.device_pool
         self.backend = backend
         self.spec = spec

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 import torch
 
+from engine.block_tables import BlockTables
 from engine.sequence import Sequence
 from kvstore.block_pool import BlockPool
 from kvstore.block_spec import BlockSpec
@@ -75,6 +76,7 @@ class PolicyHost(Protocol):
 
     store: TieredStore
     pool: BlockPool
+    tables: BlockTables  # every block-table edit goes through it
     kv_pool: torch.Tensor  # [num_blocks, L, 2, Hkv, B, D], the device tier
     backend: AttentionBackend
     spec: BlockSpec

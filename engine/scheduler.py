@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from engine.block_tables import BlockTables
 from engine.sequence import Sequence, SequenceStatus
 from kvstore.block_key import BlockKey, extend_block_keys
 from kvstore.tiered_store import TieredStore
@@ -49,12 +50,14 @@ class ScheduledStep:
 
 
 class Scheduler:
-    """Owns the waiting and running lists and every sequence's block table.
+    """Owns the waiting and running lists and every sequence's block table (written through
+    ``self.tables``, the `BlockTables` the engine and the long-context policies share).
 
     Args:
         config: limits and block size.
         store: the tiered KV store; its device `BlockPool` holds the blocks (ref counts stay its
             business) and its lower tiers answer prefix lookups the device misses.
+        tables: writes every block table (over ``store``'s block pool).
         spec_fingerprint: enters every block key.
         copy_block: ``copy_block(src, dst)`` copies a block's bytes (copy-on-write of a shared tail).
         on_free: ``on_free(seq)`` runs whenever a sequence's blocks are released (finish, preemption,
@@ -62,12 +65,13 @@ class Scheduler:
     """
 
     def __init__(
-        self, config: SchedulerConfig, store: TieredStore, *, spec_fingerprint: bytes, copy_block: CopyBlock,
-        on_free: FreeHook | None = None,
+        self, config: SchedulerConfig, store: TieredStore, *, tables: BlockTables, spec_fingerprint: bytes,
+        copy_block: CopyBlock, on_free: FreeHook | None = None,
     ) -> None:
         self.config = config
         self.store = store
         self.pool = store.block_pool
+        self.tables = tables
         self.spec_fingerprint = spec_fingerprint
         self.copy_block = copy_block
         self.on_free = on_free
@@ -108,7 +112,7 @@ class Scheduler:
         hit = self.store.load(keys, self.store.match_prefix(keys))  # acquired; lower tiers promoted
         if seq.num_output_tokens == 0:
             self.store.record_prompt(len(seq.token_ids), len(hit) * bs)
-        seq.block_table = list(hit)
+        self.tables.assign(seq, hit)
         seq.num_keyed_blocks = len(hit)
         seq.num_computed_tokens = len(hit) * bs
         self.num_prefix_hit_tokens += seq.num_computed_tokens
@@ -188,19 +192,14 @@ class Scheduler:
         bs = self.config.block_size_tokens
         pos = seq.num_kv_tokens
         if pos // bs >= len(seq.block_table):
-            new = self.pool.try_allocate(1)
-            if new is None:
-                return False
-            seq.block_table.extend(new)
-            return True
+            return self.tables.grow(seq, 1)
         tail = seq.block_table[pos // bs]
         if self.pool.ref_count(tail) > 1:  # shared partial tail after a fork: copy on write
             new = self.pool.try_allocate(1)
             if new is None:
                 return False
             self.copy_block(tail, new[0])
-            self.pool.release([tail])
-            seq.block_table[pos // bs] = new[0]
+            self.tables.replace(seq, pos // bs, pos // bs + 1, new)
         return True
 
     def _grow_for_prefill(self, seq: Sequence, budget: int) -> int:
@@ -216,8 +215,7 @@ class Scheduler:
         if chunk <= 0:
             return 0
         need = -(-(start + chunk) // bs) - have
-        if need > 0:
-            seq.block_table.extend(self.pool.allocate(need))
+        self.tables.grow(seq, need, required=True)
         return chunk
 
     def preempt(self, seq: Sequence) -> None:
@@ -264,9 +262,7 @@ class Scheduler:
     def free_blocks(self, seq: Sequence) -> None:
         if self.on_free is not None:
             self.on_free(seq)
-        if seq.block_table:
-            self.pool.release(seq.block_table)
-        seq.block_table = []
+        self.tables.free(seq)
         seq.num_absent_tokens = 0
         seq.keys_stopped = False
 
