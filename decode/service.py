@@ -119,7 +119,8 @@ class DecodeService(EngineNode):
         log.info("request %s: joining the batch (%d prompt tokens, %d pulled blocks%s)", rid, len(prompt),
                  len(pinned or []), ", recompute after a failed pull" if pinned is None else "")
         stream = self.worker.submit(rid, prompt, params, salt=salt, first_token_ids=first,
-                                    pinned_block_ids=pinned or [], long_context=long_context)
+                                    pinned_block_ids=pinned or [], long_context=long_context,
+                                    block_keys=self.block_keys_of(msg))
         resp = web.StreamResponse(headers={"Content-Type": "application/msgpack"})
         done = False
         try:

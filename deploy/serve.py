@@ -45,12 +45,11 @@ def build_engine(config: Any, *, node_name: str, registry: CollectorRegistry) ->
     spec = LLMEngine.block_spec_for(loaded, config.kvstore.block_size_tokens, kv_dtype=config.kvstore.dtype)
     store_config = for_node(config.kvstore, node_name).store_config(spec, device=m.device)
     e = config.engine
-    return LLMEngine(loaded, EngineConfig(
-        num_blocks=store_config.num_device_blocks, block_size_tokens=config.kvstore.block_size_tokens,
-        max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens, max_model_len=e.max_model_len,
+    return LLMEngine(loaded, EngineConfig(  # the layout is ``spec``, built once above
+        num_blocks=store_config.num_device_blocks, max_num_seqs=e.max_num_seqs,
+        max_num_batched_tokens=e.max_num_batched_tokens, max_model_len=e.max_model_len,
         enable_prefix_caching=e.enable_prefix_caching, long_context=config.decode.long_context,
-        kv_dtype=config.kvstore.dtype,
-    ), store_config=store_config, registry=registry)
+    ), spec=spec, store_config=store_config, registry=registry)
 
 
 def build_app(config: Any, role: str, index: int, *,

@@ -23,6 +23,7 @@ from engine.long_context import LongContextConfig
 from engine.model_runner import ModelRunner
 from engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from engine.sequence import Sequence, SequenceStatus
+from kvstore.block_key import BlockKey, block_keys
 from kvstore.block_spec import BlockSpec
 from kvstore.checks import require_int
 from kvstore.tiered_store import TieredStore, TieredStoreConfig
@@ -95,6 +96,12 @@ class LLMEngine:
     Args:
         loaded: the model (`model.loader.load_model`).
         config: sizing.
+        spec: the KV block layout, when the caller built it already (a deployment builds it once from
+            its ``kvstore`` section and sizes the tiers with it); then ``config.block_size_tokens`` and
+            ``config.kv_dtype`` are not used. Default: `block_spec_for` from ``config``.
+
+    Raises:
+        ValueError: ``spec`` does not describe ``loaded``'s KV (layers, heads, head size, weights).
     """
 
     def __init__(
@@ -102,6 +109,7 @@ class LLMEngine:
         loaded: LoadedModel,
         config: EngineConfig | None = None,
         *,
+        spec: BlockSpec | None = None,
         store_config: TieredStoreConfig | None = None,
         registry: CollectorRegistry | None = None,
     ) -> None:
@@ -110,7 +118,13 @@ class LLMEngine:
         self.model_config = cfg
         self.model = loaded.model
         device = next(self.model.parameters()).device
-        self.spec = self.block_spec_for(loaded, self.config.block_size_tokens, kv_dtype=self.config.kv_dtype)
+        if spec is None:
+            spec = self.block_spec_for(loaded, self.config.block_size_tokens, kv_dtype=self.config.kv_dtype)
+        elif (spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.model_fingerprint) != (
+                cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, loaded.fingerprint):
+            raise ValueError(f"the block spec ({spec.num_layers} layers, {spec.num_kv_heads} KV heads of "
+                             f"{spec.head_dim}, model {spec.model_fingerprint[:12]}) is not this model's")
+        self.spec = spec
         self.max_model_len = self.config.max_model_len or cfg.max_context_tokens
         self.eos_token_ids = frozenset(cfg.eos_token_ids)
         if store_config is None:
@@ -125,11 +139,11 @@ class LLMEngine:
         self.check_long_context(self.config.long_context)
         self.scheduler = Scheduler(
             SchedulerConfig(
-                block_size_tokens=self.spec.block_size_tokens, max_num_seqs=self.config.max_num_seqs,
+                max_num_seqs=self.config.max_num_seqs,
                 max_num_batched_tokens=self.config.max_num_batched_tokens,
                 enable_prefix_caching=self.config.enable_prefix_caching,
             ),
-            self.store, tables=tables, spec_fingerprint=self.spec.fingerprint, copy_block=self.runner.copy_block,
+            self.store, tables=tables, spec=self.spec, copy_block=self.runner.copy_block,
             on_free=self.policies.on_free,
         )
         self.stats = EngineStats()
@@ -148,6 +162,12 @@ class LLMEngine:
             num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
             block_size_tokens=block_size_tokens, dtype=dtype, model_fingerprint=loaded.fingerprint,
         )
+
+    def prompt_block_keys(self, prompt_token_ids: Seq[int], salt: bytes) -> list[BlockKey]:
+        """The keys of the full blocks of a prompt under this engine's `BlockSpec` (a pure function:
+        safe to call from any thread). Raises ValueError for a token id outside ``[0, 2**32)``."""
+        return block_keys(prompt_token_ids, block_size_tokens=self.spec.block_size_tokens,
+                          spec_fingerprint=self.spec.fingerprint, salt=salt)
 
     # ------------------------------------------------------------------ inputs
     def validate_prompt(self, prompt_token_ids: Seq[int]) -> None:
@@ -186,6 +206,7 @@ class LLMEngine:
         first_token_ids: Seq[int] | None = None,
         pinned_block_ids: Seq[int] = (),
         long_context: LongContextConfig | None = None,
+        block_keys: Seq[BlockKey] | None = None,
     ) -> None:
         """Queue a request. Its ``params.n`` samples share the prompt's blocks after prefill.
 
@@ -197,9 +218,13 @@ class LLMEngine:
                 in this pool). The engine takes over those references and drops them once the
                 request's last sample has been admitted (its prefix match has acquired them) or ends.
             long_context: this request's policy (default: ``config.long_context``).
+            block_keys: the keys of the prompt's full blocks (`prompt_block_keys`), when the caller has
+                computed them already (the node computes them once per request, at its edge); else the
+                scheduler computes them.
 
         Raises:
             RequestError: invalid prompt or first tokens, or a duplicate ``request_id``.
+            ValueError: ``block_keys`` does not hold one key per full prompt block.
         """
         if request_id in self._requests:
             raise RequestError(f"request id {request_id!r} is already running")
@@ -210,6 +235,9 @@ class LLMEngine:
         except ValueError as exc:
             raise RequestError(str(exc)) from None
         prompt = list(prompt_token_ids)
+        if block_keys is not None and len(block_keys) != len(prompt) // self.spec.block_size_tokens:
+            raise ValueError(f"{len(block_keys)} block keys for a prompt of {len(prompt)} tokens "
+                             f"({len(prompt) // self.spec.block_size_tokens} full blocks)")
         req = _Request(request_id, params)
         if first_token_ids is None:
             req.seqs.append(self._new_sequence(request_id, 0, prompt, len(prompt), params, salt))
@@ -221,6 +249,9 @@ class LLMEngine:
                 seq = self._new_sequence(request_id, index, prompt + [tok], len(prompt), params, salt)
                 seq.forked = True
                 req.seqs.append(seq)
+        if block_keys is not None:
+            for seq in req.seqs:
+                seq.block_keys = list(block_keys)  # the prompt's full blocks are the same in prompt + [first]
         self._requests[request_id] = req
         req.seqs[-1].pinned_block_ids = list(pinned_block_ids)
         for seq in req.seqs:

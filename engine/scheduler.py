@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from engine.block_tables import BlockTables
 from engine.sequence import Sequence, SequenceStatus
 from kvstore.block_key import BlockKey, extend_block_keys
+from kvstore.block_spec import BlockSpec
 from kvstore.tiered_store import TieredStore
 
 CopyBlock = Callable[[int, int], None]
@@ -26,7 +27,6 @@ FreeHook = Callable[[Sequence], None]
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    block_size_tokens: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
     enable_prefix_caching: bool = True
@@ -54,25 +54,25 @@ class Scheduler:
     ``self.tables``, the `BlockTables` the engine and the long-context policies share).
 
     Args:
-        config: limits and block size.
+        config: limits.
         store: the tiered KV store; its device `BlockPool` holds the blocks (ref counts stay its
             business) and its lower tiers answer prefix lookups the device misses.
         tables: writes every block table (over ``store``'s block pool).
-        spec_fingerprint: enters every block key.
+        spec: the block layout (block size; its fingerprint enters every block key).
         copy_block: ``copy_block(src, dst)`` copies a block's bytes (copy-on-write of a shared tail).
         on_free: ``on_free(seq)`` runs whenever a sequence's blocks are released (finish, preemption,
             giving back holds): a long-context policy drops its state for the sequence there.
     """
 
     def __init__(
-        self, config: SchedulerConfig, store: TieredStore, *, tables: BlockTables, spec_fingerprint: bytes,
+        self, config: SchedulerConfig, store: TieredStore, *, tables: BlockTables, spec: BlockSpec,
         copy_block: CopyBlock, on_free: FreeHook | None = None,
     ) -> None:
         self.config = config
         self.store = store
         self.pool = store.block_pool
         self.tables = tables
-        self.spec_fingerprint = spec_fingerprint
+        self.spec = spec
         self.copy_block = copy_block
         self.on_free = on_free
         self.waiting: list[Sequence] = []  # sorted by arrival
@@ -94,8 +94,8 @@ class Scheduler:
     def keys_of(self, seq: Sequence) -> list[BlockKey]:
         """Keys of every full block of ``seq.token_ids`` (computed incrementally, cached on the sequence)."""
         return extend_block_keys(
-            seq.block_keys, seq.token_ids, block_size_tokens=self.config.block_size_tokens,
-            spec_fingerprint=self.spec_fingerprint, salt=seq.salt,
+            seq.block_keys, seq.token_ids, block_size_tokens=self.spec.block_size_tokens,
+            spec_fingerprint=self.spec.fingerprint, salt=seq.salt,
         )
 
     def _match_prefix(self, seq: Sequence) -> None:
@@ -107,7 +107,7 @@ class Scheduler:
         seq.prefix_matched = True
         if not self.config.enable_prefix_caching and not seq.pinned_block_ids:
             return
-        bs = self.config.block_size_tokens
+        bs = self.spec.block_size_tokens
         keys = self.keys_of(seq)[: (len(seq.token_ids) - 1) // bs]
         hit = self.store.load(keys, self.store.match_prefix(keys))  # acquired; lower tiers promoted
         if seq.num_output_tokens == 0:
@@ -173,7 +173,7 @@ class Scheduler:
         """Keys of the full blocks of ``seq``'s tokens so far (empty with prefix caching off)."""
         if not self.config.enable_prefix_caching:
             return []
-        return self.keys_of(seq)[: len(seq.token_ids) // self.config.block_size_tokens]
+        return self.keys_of(seq)[: len(seq.token_ids) // self.spec.block_size_tokens]
 
     def _inflight_keys(self) -> set[BlockKey]:
         """Keys of full prompt blocks that running prefills will compute but have not keyed yet."""
@@ -189,7 +189,7 @@ class Scheduler:
 
     def _reserve_decode_slot(self, seq: Sequence) -> bool:
         """Make sure the block for KV row ``num_kv_tokens`` exists and is private."""
-        bs = self.config.block_size_tokens
+        bs = self.spec.block_size_tokens
         pos = seq.num_kv_tokens
         if pos // bs >= len(seq.block_table):
             return self.tables.grow(seq, 1)
@@ -204,7 +204,7 @@ class Scheduler:
 
     def _grow_for_prefill(self, seq: Sequence, budget: int) -> int:
         """Allocate blocks for the next chunk of ``seq``; returns the chunk size (0: nothing fits)."""
-        bs = self.config.block_size_tokens
+        bs = self.spec.block_size_tokens
         chunk = min(seq.num_pending_tokens, budget)
         start = seq.num_computed_tokens
         have = len(seq.block_table)
@@ -247,7 +247,7 @@ class Scheduler:
         seq.num_computed_tokens += num_tokens
         if not self.config.enable_prefix_caching or seq.keys_stopped:
             return
-        full = seq.num_computed_tokens // self.config.block_size_tokens
+        full = seq.num_computed_tokens // self.spec.block_size_tokens
         if full > seq.num_keyed_blocks:
             keys = self.keys_of(seq)
             for i in range(seq.num_keyed_blocks, full):

@@ -21,6 +21,7 @@ from typing import Any, Protocol, TypeVar
 
 from engine.engine import LLMEngine, RequestError, StepOutput
 from engine.long_context import LongContextConfig
+from kvstore.block_key import BlockKey
 from model.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ class _Submit:
     pinned_block_ids: list[int]
     on_finish: FinishHook | None
     long_context: LongContextConfig | None = None
+    block_keys: list[BlockKey] | None = None
 
 
 class StepCores(Protocol):
@@ -172,13 +174,15 @@ class EngineWorker:
         pinned_block_ids: Sequence[int] = (),
         on_finish: FinishHook | None = None,
         long_context: LongContextConfig | None = None,
+        block_keys: Sequence[BlockKey] | None = None,
     ) -> RequestStream:
         """Queue a request (see `LLMEngine.add_request`). ``on_finish(engine, request_id)`` runs on the
         worker thread right after the step that finishes the request, before any other step and
         before the stream yields its last output."""
         stream = RequestStream(request_id, params.n)
         cmd = _Submit(stream, list(prompt), params, salt, None if first_token_ids is None else list(first_token_ids),
-                      list(pinned_block_ids), on_finish, long_context)
+                      list(pinned_block_ids), on_finish, long_context,
+                      None if block_keys is None else list(block_keys))
         self._commands.put(lambda: self._do_submit(cmd))
         return stream
 
@@ -223,11 +227,11 @@ class EngineWorker:
         try:
             self.engine.add_request(rid, cmd.prompt, cmd.params, salt=cmd.salt,
                                     first_token_ids=cmd.first_token_ids, pinned_block_ids=cmd.pinned_block_ids,
-                                    long_context=cmd.long_context)
-        except RequestError as exc:
+                                    long_context=cmd.long_context, block_keys=cmd.block_keys)
+        except (RequestError, ValueError) as exc:  # ValueError: the caller's block keys do not fit (a bug)
             if cmd.pinned_block_ids:
                 self.engine.pool.release(cmd.pinned_block_ids)
-            self._emit(cmd.stream, exc)
+            self._emit(cmd.stream, exc if isinstance(exc, RequestError) else EngineFailure(str(exc)))
             return
         self._streams[rid] = cmd.stream
         self._unfinished[rid] = cmd.params.n

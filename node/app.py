@@ -24,6 +24,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from engine.worker import EngineWorker
+from kvstore.block_key import BlockKey
 from kvstore.kv_events import KvEventLog
 from node.protocol import GenerationMessage, ProtocolError, pack, parse_generation
 from transfer.config import TOKEN_HEADER
@@ -138,6 +139,14 @@ class EngineNode:
             self.metrics.request_done("overloaded")
             return msgpack_response({"error": f"{self.config.role} node is at capacity; retry later"}, status=429)
         return msg
+
+    def block_keys_of(self, msg: GenerationMessage) -> list[BlockKey] | None:
+        """The keys of the prompt's full blocks, computed once per request here at the edge and handed
+        to the engine (and to the KV publish or pull). None for a prompt longer than the engine takes
+        (it refuses it with a 400; hashing it first would only cost time)."""
+        if len(msg.prompt) > self.engine.max_model_len:
+            return None
+        return self.engine.prompt_block_keys(msg.prompt, msg.salt)
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({

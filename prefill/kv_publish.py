@@ -11,7 +11,7 @@ from aiohttp import web
 
 from engine.engine import LLMEngine
 from engine.worker import EngineWorker
-from kvstore.block_key import block_keys
+from kvstore.block_key import BlockKey
 from transfer.config import TransferConfig
 from transfer.handle import KvHandle
 from transfer.lease import LeaseTable, TierBlock
@@ -29,11 +29,10 @@ class PrefillTransfer:
         self.owner = KvOwner(self.agent, LeaseTable({"device": engine.pool}), owner_url=owner_url, config=config,
                              pool_call=worker_pool_call(worker))
 
-    def publish(self, engine: LLMEngine, prompt: list[int], salt: bytes) -> KvHandle | None:
-        """On the engine thread, right after the prompt finished: lease its full blocks. None if it has none."""
+    def publish(self, engine: LLMEngine, keys: list[BlockKey]) -> KvHandle | None:
+        """On the engine thread, right after the prompt finished: lease the leading blocks of ``keys`` (the
+        keys of the prompt's full blocks, computed once for the request) that the pool holds. None if none."""
         spec = engine.spec
-        keys = block_keys(prompt, block_size_tokens=spec.block_size_tokens, spec_fingerprint=spec.fingerprint,
-                          salt=salt)
         block_ids = engine.pool.match_prefix(keys)
         if not block_ids:
             return None

@@ -20,15 +20,17 @@ from aiohttp import web
 
 from engine.engine import LLMEngine, RequestError
 from engine.worker import EngineFailure, EngineWorker
+from kvstore.block_key import BlockKey
 from node.app import EngineNode, NodeConfig, NodeMetrics, msgpack_response
 from transfer.handle import KvHandle
 from transfer.wire import handle_to_wire
 
 log = logging.getLogger(__name__)
 
-# ``publish(engine, prompt, salt) -> handle``: pin the prompt's full blocks under a lease and describe
-# them for a reader. Runs on the engine thread (`prefill.kv_publish.PrefillTransfer.publish`).
-PublishFn = Callable[[LLMEngine, list[int], bytes], KvHandle | None]
+# ``publish(engine, keys) -> handle``: pin the prompt's full blocks (``keys``: their block keys) under
+# a lease and describe them for a reader. Runs on the engine thread
+# (`prefill.kv_publish.PrefillTransfer.publish`).
+PublishFn = Callable[[LLMEngine, list[BlockKey]], KvHandle | None]
 # ``release(handle)``: drop a handle's lease when no decode node will read it.
 ReleaseFn = Callable[[KvHandle], Awaitable[None]]
 
@@ -65,16 +67,17 @@ class PrefillService(EngineNode):
         if isinstance(msg, web.Response):
             return msg
         rid, prompt, params, salt = msg.request_id, msg.prompt, msg.params, msg.salt
+        keys = self.block_keys_of(msg)
         published: dict[str, KvHandle | None] = {}
 
         def on_finish(engine: LLMEngine, request_id: str) -> None:
-            if self._publish is not None:
-                published["handle"] = self._publish(engine, prompt, salt)
+            if self._publish is not None and keys:
+                published["handle"] = self._publish(engine, keys)
 
         first: list[int | None] = [None] * params.n
         num_cached = 0
         stream = self.worker.submit(rid, prompt, dataclasses.replace(params, max_tokens=1), salt=salt,
-                                    on_finish=on_finish)
+                                    on_finish=on_finish, block_keys=keys)
         done = False
         try:
             async for out in stream:

@@ -288,3 +288,32 @@ def test_pins_held_by_a_waiting_request_do_not_stall_a_chunked_prefill(tiny_mode
             break
     assert got == {"A": want_a, "B": want_b}
     assert eng.pool.stats().num_in_use == 0
+
+
+def test_block_keys_carried_with_the_request_are_the_ones_the_engine_keys_blocks_by(tiny_model_dir):
+    """Keys computed once at the node's edge reach the pool unchanged: the engine does not hash the
+    prompt again (keys made under another salt prove it), and keys that do not fit are refused."""
+    eng = LLMEngine(load_model(tiny_model_dir), EngineConfig(num_blocks=32))
+    prompt = prompts_for(258, (40,), seed=9)[0]
+    assert eng.prompt_block_keys(prompt, b"") == _keys(eng, prompt)
+    carried = eng.prompt_block_keys(prompt, b"other")
+    assert carried != _keys(eng, prompt)
+    with pytest.raises(ValueError, match="1 block keys for a prompt of 40 tokens \\(2 full blocks\\)"):
+        eng.add_request("bad", prompt, SamplingParams(max_tokens=2), block_keys=carried[:1])
+    eng.add_request("r", prompt, SamplingParams(max_tokens=2), block_keys=carried)
+    while eng.has_unfinished():
+        eng.step()
+    assert [eng.pool.block_id_of(k) is not None for k in carried] == [True, True]
+    assert [eng.pool.block_id_of(k) for k in _keys(eng, prompt)] == [None, None]
+    eng.check_integrity()
+
+
+def test_an_engine_takes_the_block_spec_it_is_given_and_refuses_another_models(tiny_model_dir):
+    import dataclasses
+
+    loaded = load_model(tiny_model_dir)
+    spec = LLMEngine.block_spec_for(loaded, 32, kv_dtype="float32")
+    eng = LLMEngine(loaded, EngineConfig(num_blocks=8), spec=spec)  # config's block size (16) is not used
+    assert eng.spec is spec and eng.scheduler.spec is spec and eng.kv_pool.shape[4] == 32
+    with pytest.raises(ValueError, match=r"the block spec \(3 layers"):
+        LLMEngine(loaded, EngineConfig(num_blocks=8), spec=dataclasses.replace(spec, num_layers=3))
