@@ -1,7 +1,7 @@
 """The decode service: pulls a request's KV from the prefill node that computed it, joins the
 continuous batch and streams tokens back to the router.
 
-    POST /generate   msgpack request (see `node.protocol`) → a stream of msgpack frames
+    POST /generate   msgpack request (`transfer.wire.GenerationMessage`) → a stream of msgpack frames
 
 A request without a KV handle is prefilled here (aggregated mode, and the recompute fallback).
 """
@@ -12,7 +12,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 from aiohttp import web
 
@@ -20,10 +19,9 @@ from decode.config import DecodeConfig
 from engine.engine import RequestError
 from engine.worker import EngineFailure, EngineWorker
 from node.app import EngineNode, NodeConfig, NodeMetrics, msgpack_response
-from node.protocol import pack
 from transfer.errors import TransferError
 from transfer.puller import PullResult
-from transfer.wire import WireError, handle_from_wire
+from transfer.wire import DecodeFrame, GenerationMessage, encode_error_frame, encode_frame
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +49,12 @@ class DecodeService(EngineNode):
         app.router.add_post("/generate", self.generate)
         return app
 
-    async def _pinned_blocks(self, wire_handle: dict[str, Any] | None, request_id: str) -> list[int] | None:
-        """Pull the KV of the handle (as it came over HTTP: checked and typed here, at the edge). None:
-        pulled nothing (recompute). Under ``fail`` a failed pull raises its `TransferError`; either way
-        the failure is counted under its reason."""
-        if wire_handle is None:
+    async def _pinned_blocks(self, msg: GenerationMessage) -> list[int] | None:
+        """Pull the KV of the request's handle (typed at the HTTP edge; a malformed one arrives as
+        ``handle_error``). None: pulled nothing (recompute). Under ``fail`` a failed pull raises its
+        `TransferError`; either way the failure is counted under its reason."""
+        request_id = msg.request_id
+        if msg.handle is None and msg.handle_error is None:
             return []
         t0 = time.perf_counter()
         deadline_s = self.decode_config.transfer_timeout_s
@@ -65,11 +64,10 @@ class DecodeService(EngineNode):
         try:
             if self._pull is None:
                 raise TransferError("no_agent", "this decode node has no KV transfer agent")
-            try:
-                handle = handle_from_wire(wire_handle)
-            except WireError as exc:
-                raise TransferError("bad_handle", f"the KV handle is malformed: {exc}") from None
-            task = asyncio.ensure_future(self._pull(handle, request_id, deadline_s=deadline_s))
+            if msg.handle_error is not None:
+                raise TransferError("bad_handle", f"the KV handle is malformed: {msg.handle_error}")
+            assert msg.handle is not None  # no handle_error, so there is a handle
+            task = asyncio.ensure_future(self._pull(msg.handle, request_id, deadline_s=deadline_s))
             try:
                 result = await asyncio.shield(task)
             except asyncio.CancelledError:
@@ -102,8 +100,7 @@ class DecodeService(EngineNode):
         msg = await self.read_request(request)
         if isinstance(msg, web.Response):
             return msg
-        rid, prompt, params, salt, first, handle = (msg.request_id, msg.prompt, msg.params, msg.salt,
-                                                    msg.first_token_ids, msg.handle)
+        rid, prompt, params, salt, first = msg.request_id, msg.prompt, msg.params, msg.salt, msg.first_token_ids
         try:
             long_context = self.engine.config.long_context.with_overrides(msg.long_context)
             self.engine.check_long_context(long_context)
@@ -111,7 +108,7 @@ class DecodeService(EngineNode):
             self.metrics.request_done("bad_request")
             return msgpack_response({"error": str(exc)}, status=400)
         try:
-            pinned = await self._pinned_blocks(handle, rid)
+            pinned = await self._pinned_blocks(msg)
         except TransferError as exc:
             self.metrics.request_done("transfer_failed")
             return msgpack_response({"error": f"KV transfer from the prefill node failed ({exc.reason}): {exc}"},
@@ -127,20 +124,20 @@ class DecodeService(EngineNode):
             async for out in stream:
                 if not resp.prepared:
                     await resp.prepare(request)
-                await resp.write(pack({"index": out.index, "tokens": out.new_token_ids, "finished": out.finished,
-                                       "reason": out.finish_reason}))
+                await resp.write(encode_frame(DecodeFrame(out.index, out.new_token_ids, out.finished,
+                                                          out.finish_reason)))
             done = True
         except RequestError as exc:
             self.metrics.request_done("bad_request")
             if not resp.prepared:
                 return msgpack_response({"error": str(exc)}, status=400)
-            await resp.write(pack({"error": str(exc), "status": 400}))
+            await resp.write(encode_error_frame(str(exc), 400))
             return resp
         except EngineFailure as exc:
             self.metrics.request_done("error")
             if not resp.prepared:
                 return msgpack_response({"error": str(exc)}, status=500)
-            await resp.write(pack({"error": str(exc), "status": 500}))
+            await resp.write(encode_error_frame(str(exc), 500))
             return resp
         finally:
             if not done:

@@ -26,8 +26,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from engine.worker import EngineWorker
 from kvstore.block_key import BlockKey
 from kvstore.kv_events import KvEventLog
-from node.protocol import GenerationMessage, ProtocolError, pack, parse_generation
 from transfer.config import TOKEN_HEADER
+from transfer.wire import GenerationMessage, WireError, decode_generation, pack
 
 log = logging.getLogger(__name__)
 OPEN_PATHS = frozenset({"/health", "/metrics"})
@@ -131,8 +131,8 @@ class EngineNode:
     async def read_request(self, request: web.Request) -> GenerationMessage | web.Response:
         """The request's message, or the response refusing it: 400 malformed, 429 at capacity."""
         try:
-            msg = parse_generation(await request.read())
-        except ProtocolError as exc:
+            msg = decode_generation(await request.read())
+        except WireError as exc:
             self.metrics.request_done("bad_request")
             return msgpack_response({"error": str(exc)}, status=400)
         if self.worker.num_running + self.worker.num_waiting >= self.config.max_pending_requests:

@@ -23,7 +23,7 @@ from engine.worker import EngineFailure, EngineWorker
 from kvstore.block_key import BlockKey
 from node.app import EngineNode, NodeConfig, NodeMetrics, msgpack_response
 from transfer.handle import KvHandle
-from transfer.wire import handle_to_wire
+from transfer.wire import PrefillReply, encode_prefill_reply
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,5 @@ class PrefillService(EngineNode):
         self.metrics.request_done("ok")
         log.info("request %s: prefilled %d tokens (%d from cache), first tokens %s, handle %s", rid, len(prompt),
                  num_cached, tokens, "leased" if handle is not None else "none")
-        return msgpack_response({  # the handle becomes msgpack here, at the HTTP edge
-            "first_token_ids": tokens, "finish_reasons": reasons,
-            "handle": handle_to_wire(handle) if handle is not None else None, "num_cached_tokens": num_cached,
-        })
+        reply = PrefillReply(tokens, reasons, handle, num_cached)  # msgpack only here, at the HTTP edge
+        return web.Response(body=encode_prefill_reply(reply), content_type="application/msgpack")

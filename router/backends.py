@@ -7,9 +7,9 @@ from typing import Any
 
 import aiohttp
 
-from node.protocol import ProtocolError, new_unpacker, pack, unpack
 from router.nodes import Node
 from transfer.config import TOKEN_HEADER
+from transfer.wire import WireError, new_unpacker, unpack
 
 
 class NodeUnavailable(Exception):
@@ -53,7 +53,7 @@ class Backends:
         body = await resp.read()
         try:
             message = str(unpack(body).get("error", body[:200]))
-        except (ProtocolError, AttributeError):
+        except (WireError, AttributeError):
             message = body[:200].decode(errors="replace")
         if resp.status >= 500 and resp.status not in (502,):
             raise NodeUnavailable(f"{node.name} answered {resp.status}: {message}")
@@ -64,26 +64,28 @@ class Backends:
             async with self.session.get(node.url + path, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
                 await self._check(node, resp)
                 return unpack(await resp.read())
-        except (aiohttp.ClientError, TimeoutError, ProtocolError) as exc:
+        except (aiohttp.ClientError, TimeoutError, WireError) as exc:
             raise NodeUnavailable(f"{node.name}: GET {path} failed: {exc!r}") from None
 
-    async def post_msgpack(self, node: Node, path: str, body: dict[str, Any]) -> Any:
+    async def post(self, node: Node, path: str, body: bytes) -> bytes:
+        """POST an encoded message (`transfer.wire`); the answer's bytes, for the caller to decode."""
         try:
-            async with self.session.post(node.url + path, data=pack(body)) as resp:
+            async with self.session.post(node.url + path, data=body) as resp:
                 await self._check(node, resp)
-                return unpack(await resp.read())
-        except (aiohttp.ClientError, TimeoutError, ProtocolError) as exc:
+                return await resp.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
             raise NodeUnavailable(f"{node.name}: POST {path} failed: {exc!r}") from None
 
-    async def stream(self, node: Node, path: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """POST, then yield each msgpack frame of the streamed answer.
+    async def stream(self, node: Node, path: str, body: bytes) -> AsyncIterator[Any]:
+        """POST an encoded message, then yield each msgpack object of the streamed answer (decode
+        them with `transfer.wire.decode_frame`).
 
         Raises:
             NodeUnavailable: before or during the stream (connection lost, node died).
             NodeRefused: the node refused the request.
         """
         try:
-            async with self.session.post(node.url + path, data=pack(body)) as resp:
+            async with self.session.post(node.url + path, data=body) as resp:
                 await self._check(node, resp)
                 unpacker = new_unpacker()
                 async for chunk in resp.content.iter_any():

@@ -16,10 +16,18 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from kvstore.block_key import block_keys
-from node.protocol import params_to_wire
 from router.backends import Backends, NodeRefused, NodeUnavailable
 from router.nodes import NodeSet
 from router.openai_api import ApiError, GenerationRequest
+from transfer.wire import (
+    GenerationMessage,
+    PrefillReply,
+    StreamError,
+    WireError,
+    decode_frame,
+    decode_prefill_reply,
+    encode_generation,
+)
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +61,10 @@ class Dispatcher:
         return block_keys(prompt, block_size_tokens=self.info.block_size_tokens,
                           spec_fingerprint=self.info.spec_fingerprint, salt=salt)
 
-    async def _prefill(self, req: GenerationRequest, salt: bytes, keys: list[bytes]) -> dict | None:
+    async def _prefill(self, req: GenerationRequest, salt: bytes, keys: list[bytes]) -> PrefillReply | None:
         """First tokens and KV handle from a prefill node; None when no prefill node can serve."""
         tried: set[str] = set()
-        body = {"request_id": req.request_id, "prompt": req.prompt_token_ids,
-                "params": params_to_wire(req.params), "salt": salt}
+        body = encode_generation(GenerationMessage(req.request_id, req.prompt_token_ids, req.params, salt))
         while True:
             node = self.nodes.pick_prefill(keys, len(req.prompt_token_ids), exclude=tried)
             if node is None:
@@ -66,10 +73,18 @@ class Dispatcher:
             node.in_flight += 1
             node.queued_tokens += len(req.prompt_token_ids)
             try:
-                answer = await self.backends.post_msgpack(node, "/prefill", body)
-                answer["node"] = node.name
+                try:
+                    answer = decode_prefill_reply(await self.backends.post(node, "/prefill", body))
+                except WireError as exc:
+                    raise NodeUnavailable(f"{node.name}: malformed /prefill answer: {exc}") from None
+                if len(answer.first_token_ids) != req.params.n:
+                    raise NodeUnavailable(f"{node.name}: {len(answer.first_token_ids)} first tokens for "
+                                          f"n={req.params.n}")
+                if answer.handle_error is not None:
+                    log.warning("request %s: %s sent a malformed KV handle (%s); decode will recompute",
+                                req.request_id, node.name, answer.handle_error)
                 log.info("request %s: prefilled on %s (%d prompt tokens, %d from cache)", req.request_id, node.name,
-                         len(req.prompt_token_ids), answer.get("num_cached_tokens", 0))
+                         len(req.prompt_token_ids), answer.num_cached_tokens)
                 return answer
             except NodeUnavailable as exc:
                 log.warning("request %s: %s; trying another prefill node", req.request_id, exc)
@@ -93,9 +108,9 @@ class Dispatcher:
         first = None
         handle = None
         if pre is not None:
-            first = list(pre["first_token_ids"])
-            handle = pre.get("handle")
-            for i, (tok, reason) in enumerate(zip(first, pre["finish_reasons"])):
+            first = pre.first_token_ids
+            handle = pre.handle
+            for i, (tok, reason) in enumerate(zip(first, pre.finish_reasons, strict=True)):
                 finished[i] = reason is not None
                 yield SampleDelta(i, [tok], finished[i], reason)
             if all(finished):
@@ -106,22 +121,28 @@ class Dispatcher:
             if node is None:
                 raise ApiError(503, "no decode node is available; retry later")
             tried.add(node.name)
-            body = {"request_id": req.request_id, "prompt": req.prompt_token_ids,
-                    "params": params_to_wire(req.params), "salt": salt, "first_token_ids": first, "handle": handle,
-                    "long_context": req.long_context}
+            body = encode_generation(GenerationMessage(
+                req.request_id, req.prompt_token_ids, req.params, salt, first_token_ids=first, handle=handle,
+                long_context=req.long_context))
             started = False
             node.in_flight += 1
             log.info("request %s: decoding on %s (KV handle: %s)", req.request_id, node.name, handle is not None)
             try:
-                async for frame in self.backends.stream(node, "/generate", body):
-                    if "error" in frame:
-                        raise ApiError(int(frame.get("status", 500)), str(frame["error"]))
+                async for obj in self.backends.stream(node, "/generate", body):
+                    try:
+                        frame = decode_frame(obj)
+                    except StreamError as exc:
+                        raise ApiError(exc.status, exc.message) from None
+                    except WireError as exc:
+                        raise NodeUnavailable(f"{node.name}: malformed frame: {exc}") from None
+                    if frame.index >= n:
+                        raise NodeUnavailable(f"{node.name}: a frame for sample {frame.index} of {n}")
                     started = True
-                    i = int(frame["index"])
+                    i = frame.index
                     if finished[i]:
                         continue
-                    finished[i] = bool(frame["finished"])
-                    yield SampleDelta(i, list(frame["tokens"]), finished[i], frame["reason"])
+                    finished[i] = frame.finished
+                    yield SampleDelta(i, frame.tokens, finished[i], frame.reason)
                 if not all(finished):
                     raise NodeUnavailable(f"{node.name} ended the stream before every sample finished")
                 return

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # The header that carries the deployment's internal token on every internal endpoint: the transfer
-# endpoints here, and the engine nodes' API (`node.protocol`, `node.app`, the router's backends).
+# endpoints here, and the engine nodes' API (`transfer.wire`, `node.app`, the router's backends).
 TOKEN_HEADER = "X-Kvrelay-Token"
 
 

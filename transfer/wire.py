@@ -1,4 +1,6 @@
-"""msgpack encoding of everything the transfer layer sends: metadata, KV handles, lease messages.
+"""msgpack encoding of every internal message: the transfer layer's (metadata, KV handles, lease
+messages) and the router's and nodes' (generation requests, prefill replies, decode frames). The one
+wire module: typed objects everywhere else, msgpack only here, at the HTTP and NIXL edges.
 
 Nothing is pickled, ever. Every decoder
 
@@ -18,11 +20,21 @@ minor sender may add some); a different ``v`` raises `WireVersionError`.
               "block_ids": [int], "num_tokens", "lease_id", "lease_ttl_s"}
     notif    {"v", "kind": "done"|"abort", "lease_id"}             (NIXL notification, reader → owner)
     renew    {"v", "lease_id"}  →  {"v", "ttl_s": float}            (POST /kv/lease/renew)
+
+    generation request  {"request_id", "prompt", "params", "salt", "first_token_ids"?, "handle"?, "long_context"?}
+    prefill reply       {"first_token_ids", "finish_reasons", "handle", "num_cached_tokens"}
+    decode stream       frames {"index", "tokens", "finished", "reason"} | {"error", "status"}
+
+Router ↔ node messages are unversioned (one deployment runs one build) and share the node limits
+(`MAX_BODY_BYTES`, `MAX_PROMPT_TOKENS`, `MAX_SALT_BYTES`, `MAX_TEXT_CHARS`). No torch here: the
+router imports this module.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +42,7 @@ import aiohttp
 import msgpack
 
 from kvstore.block_key import BlockKey
+from model.sampling_params import SamplingParams
 from transfer.handle import KvHandle
 from transfer.lease import TierBlock
 from transfer.metadata import PROTOCOL_VERSION, AgentMeta, TierRegion
@@ -283,3 +296,214 @@ async def read_body(content: aiohttp.StreamReader, *, max_bytes: int, what: str)
             raise WireError(f"{what}: body exceeds the {max_bytes}-byte limit")
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+# -------------------------------------------------- router ↔ node messages
+# A prefill or decode request, the prefill's reply, and decode's stream of frames. Unversioned: a
+# deployment's router and nodes run one build. Decoded with the limits below, like every message here.
+MAX_BODY_BYTES = 64 << 20
+MAX_PROMPT_TOKENS = 4 << 20
+MAX_SALT_BYTES = 1024
+MAX_TEXT_CHARS = 1 << 20  # request ids, error messages, long-context option values
+MAX_NODE_MAP_LEN = 64
+_NODE_LIMITS: dict[str, int] = dict(max_bin_len=max(KEY_BYTES, MAX_SALT_BYTES), max_str_len=MAX_TEXT_CHARS,
+                                    max_array_len=MAX_PROMPT_TOKENS, max_map_len=MAX_NODE_MAP_LEN, max_ext_len=0)
+
+
+def pack(obj: Any) -> bytes:
+    """msgpack of a plain value (maps, lists, ints, str, bytes); never pickle."""
+    return _pack(obj)
+
+
+def unpack(data: Any, what: str = "message") -> Any:
+    """Decode one router ↔ node msgpack body with the node limits. Raises WireError."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise WireError(f"{what}: expected bytes, got {type(data).__name__}")
+    if len(data) > MAX_BODY_BYTES:
+        raise WireError(f"{what}: {len(data)} bytes exceeds the {MAX_BODY_BYTES}-byte limit")
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=True, **_NODE_LIMITS)
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        raise WireError(f"{what}: malformed msgpack ({type(exc).__name__}: {str(exc)[:200]})") from None
+
+
+def new_unpacker() -> msgpack.Unpacker:
+    """A streaming unpacker with the node limits (decode's framed token stream)."""
+    return msgpack.Unpacker(raw=False, strict_map_key=True, max_buffer_size=MAX_BODY_BYTES, **_NODE_LIMITS)
+
+
+def _opt(msg: dict[str, Any], name: str, kind: type, what: str) -> Any:
+    return None if msg.get(name) is None else _field(msg, name, kind, what)
+
+
+def _token_ids(msg: dict[str, Any], name: str, what: str, *, optional: bool = False) -> list[int] | None:
+    value = _opt(msg, name, list, what) if optional else _field(msg, name, list, what)
+    if value is None:
+        return None
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in value):
+        raise WireError(f"{what}.{name}: must be a list of token ids in [0, 2**32)")
+    return value
+
+
+def params_to_wire(params: SamplingParams) -> dict[str, Any]:
+    out = dataclasses.asdict(params)
+    out["stop_token_ids"] = list(params.stop_token_ids)
+    return out
+
+
+_PARAM_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "max_tokens": lambda v: isinstance(v, int), "temperature": lambda v: isinstance(v, (int, float)),
+    "top_p": lambda v: isinstance(v, (int, float)), "top_k": lambda v: isinstance(v, int),
+    "seed": lambda v: v is None or isinstance(v, int), "n": lambda v: isinstance(v, int),
+    "stop_token_ids": lambda v: isinstance(v, list) and all(isinstance(t, int) for t in v),
+    "ignore_eos": lambda v: isinstance(v, bool),
+}
+
+
+def params_from_wire(value: Any, what: str = "params") -> SamplingParams:
+    """Raises WireError for a field of the wrong type or a value `SamplingParams` refuses."""
+    if not isinstance(value, dict):
+        raise WireError(f"{what}: expected a map, got {type(value).__name__}")
+    kwargs: dict[str, Any] = {}
+    for name, ok in _PARAM_FIELDS.items():
+        if name in value:
+            if not ok(value[name]) or (isinstance(value[name], bool) and name != "ignore_eos"):
+                raise WireError(f"{what}.{name}: has the wrong type")
+            kwargs[name] = value[name]
+    if "stop_token_ids" in kwargs:
+        kwargs["stop_token_ids"] = tuple(kwargs["stop_token_ids"])
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as exc:
+        raise WireError(f"{what}: {exc}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationMessage:
+    """A prefill (``/prefill``) or decode (``/generate``) request.
+
+    ``handle``: the KV to pull (decode only). A handle that arrives malformed is not a malformed
+    request: ``handle`` is then None and ``handle_error`` says why (decode counts it and recomputes).
+    """
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    salt: bytes
+    first_token_ids: list[int] | None = None
+    handle: KvHandle | None = None
+    long_context: dict[str, Any] | None = None  # the request's overrides of decode.long_context
+    handle_error: str | None = None
+
+
+def encode_generation(msg: GenerationMessage) -> bytes:
+    return _pack({
+        "request_id": msg.request_id, "prompt": msg.prompt, "params": params_to_wire(msg.params), "salt": msg.salt,
+        "first_token_ids": msg.first_token_ids, "handle": handle_to_wire(msg.handle) if msg.handle else None,
+        "long_context": msg.long_context,
+    })
+
+
+def _handle_or_error(msg: dict[str, Any], what: str) -> tuple[KvHandle | None, str | None]:
+    raw = msg.get("handle")
+    if raw is None:
+        return None, None
+    try:
+        return handle_from_wire(raw), None
+    except WireError as exc:
+        return None, str(exc)
+
+
+def decode_generation(data: Any) -> GenerationMessage:
+    """Decode and check a prefill/decode request body. Raises WireError naming the bad field."""
+    what = "generation request"
+    msg = unpack(data, what)
+    if not isinstance(msg, dict):
+        raise WireError(f"{what}: expected a map, got {type(msg).__name__}")
+    salt = _field(msg, "salt", bytes, what)
+    handle, handle_error = _handle_or_error(msg, what)
+    prompt = _token_ids(msg, "prompt", what)
+    assert prompt is not None
+    return GenerationMessage(
+        request_id=_str(msg, "request_id", what, MAX_TEXT_CHARS), prompt=prompt,
+        params=params_from_wire(_field(msg, "params", dict, what), f"{what}.params"), salt=salt,
+        first_token_ids=_token_ids(msg, "first_token_ids", what, optional=True), handle=handle,
+        long_context=_opt(msg, "long_context", dict, what), handle_error=handle_error,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillReply:
+    """A prefill node's answer: one first token per sample, why each sample already ended (None: decode
+    continues it), the KV handle (None: nothing to pull), and how many prompt tokens came from cache.
+    ``handle_error``: as in `GenerationMessage`."""
+
+    first_token_ids: list[int]
+    finish_reasons: list[str | None]
+    handle: KvHandle | None
+    num_cached_tokens: int
+    handle_error: str | None = None
+
+
+def encode_prefill_reply(reply: PrefillReply) -> bytes:
+    return _pack({
+        "first_token_ids": reply.first_token_ids, "finish_reasons": reply.finish_reasons,
+        "handle": handle_to_wire(reply.handle) if reply.handle else None, "num_cached_tokens": reply.num_cached_tokens,
+    })
+
+
+def decode_prefill_reply(data: Any) -> PrefillReply:
+    """Raises WireError naming the bad field (a malformed handle only sets ``handle_error``)."""
+    what = "prefill reply"
+    msg = unpack(data, what)
+    if not isinstance(msg, dict):
+        raise WireError(f"{what}: expected a map, got {type(msg).__name__}")
+    first = _token_ids(msg, "first_token_ids", what)
+    assert first is not None
+    reasons = _field(msg, "finish_reasons", list, what)
+    if len(reasons) != len(first) or not all(r is None or isinstance(r, str) for r in reasons):
+        raise WireError(f"{what}.finish_reasons: expected one reason (or nil) per first token")
+    handle, handle_error = _handle_or_error(msg, what)
+    return PrefillReply(first, reasons, handle, _int(msg, "num_cached_tokens", what, 0, 1 << 40), handle_error)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeFrame:
+    """One frame of decode's token stream: new tokens of sample ``index``."""
+
+    index: int
+    tokens: list[int]
+    finished: bool
+    reason: str | None
+
+
+def encode_frame(frame: DecodeFrame) -> bytes:
+    return _pack({"index": frame.index, "tokens": frame.tokens, "finished": frame.finished, "reason": frame.reason})
+
+
+def encode_error_frame(message: str, status: int) -> bytes:
+    """The frame that ends a stream that failed after it started."""
+    return _pack({"error": message, "status": status})
+
+
+class StreamError(Exception):
+    """An error frame: the node failed the request after its stream began."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def decode_frame(obj: Any) -> DecodeFrame:
+    """Check one frame from `new_unpacker`. Raises StreamError for an error frame, WireError if malformed."""
+    what = "decode frame"
+    if not isinstance(obj, dict):
+        raise WireError(f"{what}: expected a map, got {type(obj).__name__}")
+    if "error" in obj:
+        status = obj.get("status", 500)
+        raise StreamError(status if isinstance(status, int) and 400 <= status < 600 else 500, str(obj["error"]))
+    tokens = _token_ids(obj, "tokens", what)
+    assert tokens is not None
+    reason = _opt(obj, "reason", str, what)
+    return DecodeFrame(_int(obj, "index", what, 0, 1 << 16), tokens, _field(obj, "finished", bool, what), reason)

@@ -97,7 +97,7 @@ def _internal_post(url: str, path: str, body: dict) -> tuple[int, list[dict]]:
     import urllib.error
     import urllib.request
 
-    from node.protocol import new_unpacker, pack
+    from transfer.wire import new_unpacker, pack
 
     req = urllib.request.Request(url + path, data=pack(body), method="POST",
                                  headers={"Content-Type": "application/msgpack"})
@@ -113,7 +113,7 @@ def _internal_post(url: str, path: str, body: dict) -> tuple[int, list[dict]]:
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 def test_prefill_killed_after_handing_out_kv(tiny_model_dir, tmp_path, policy):
-    from node.protocol import params_to_wire
+    from transfer.wire import params_to_wire
 
     loaded = load_model(tiny_model_dir)
     rng = random.Random(2)
@@ -140,7 +140,7 @@ def test_prefill_killed_after_handing_out_kv(tiny_model_dir, tmp_path, policy):
 
 
 def test_a_malformed_handle_is_counted_as_bad_handle_and_recomputed(tiny_model_dir):
-    from node.protocol import params_to_wire
+    from transfer.wire import params_to_wire
 
     loaded = load_model(tiny_model_dir)
     prompt = list(range(3, 40))

@@ -1,5 +1,5 @@
-"""Issue 4, test 5 (decoders): malformed metadata, handles and lease messages are rejected with one
-typed `WireError`; memory stays bounded; a pickle payload is never executed."""
+"""Issue 4, test 5 (decoders): malformed metadata, handles, lease messages and router ↔ node messages
+are rejected with one typed `WireError`; memory stays bounded; a pickle payload is never executed."""
 
 from __future__ import annotations
 
@@ -11,20 +11,33 @@ import msgpack
 import pytest
 
 from kvstore.block_key import BlockKey
+from model.sampling_params import SamplingParams
 from transfer.handle import KvHandle
 from transfer.lease import TierBlock
 from transfer.metadata import PROTOCOL_VERSION, AgentMeta, TierRegion
 from transfer.wire import (
+    MAX_SALT_BYTES,
+    DecodeFrame,
+    GenerationMessage,
+    PrefillReply,
+    StreamError,
     WireError,
     WireVersionError,
+    decode_frame,
+    decode_generation,
     decode_handle,
     decode_meta,
     decode_notif,
+    decode_prefill_reply,
     decode_renew_reply,
     decode_renew_request,
+    encode_error_frame,
+    encode_frame,
+    encode_generation,
     encode_handle,
     encode_meta,
     encode_notif,
+    encode_prefill_reply,
     handle_from_wire,
     handle_to_wire,
 )
@@ -66,7 +79,7 @@ def malformed(tmp_path: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.parametrize("decoder", [decode_meta, decode_handle, decode_notif, decode_renew_request,
-                                     decode_renew_reply])
+                                     decode_renew_reply, decode_generation, decode_prefill_reply])
 def test_malformed_payloads_are_rejected_with_bounded_memory_and_no_pickle(decoder, tmp_path):
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     for name, payload in malformed(tmp_path).items():
@@ -133,3 +146,68 @@ def test_meta_schema_violations_name_the_field(tier, match):
     raw["fingerprint"] = b"short"
     with pytest.raises(WireError, match="fingerprint: 5 bytes"):
         decode_meta(msgpack.packb(raw))
+
+
+GEN = GenerationMessage("r1", [1, 2, 3], SamplingParams(max_tokens=5, temperature=0.5, stop_token_ids=(7,)), b"salt",
+                        first_token_ids=[9], handle=HANDLE, long_context={"policy": "h2o"})
+
+
+def gen_wire(**changes):
+    msg = msgpack.unpackb(encode_generation(GEN), raw=False)
+    msg.update(changes)
+    return msgpack.packb(msg, use_bin_type=True)
+
+
+def test_router_node_messages_round_trip_typed():
+    assert decode_generation(encode_generation(GEN)) == GEN
+    bare = GenerationMessage("r2", [5], SamplingParams(), b"")
+    assert decode_generation(encode_generation(bare)) == bare
+    reply = PrefillReply([4, 5], ["stop", None], HANDLE, 16)
+    assert decode_prefill_reply(encode_prefill_reply(reply)) == reply
+    frame = DecodeFrame(1, [3, 4], True, "length")
+    assert decode_frame(msgpack.unpackb(encode_frame(frame), raw=False)) == frame
+    with pytest.raises(StreamError, match="engine broke") as err:
+        decode_frame(msgpack.unpackb(encode_error_frame("engine broke", 503), raw=False))
+    assert err.value.status == 503
+
+
+def test_a_malformed_handle_in_a_request_is_reported_not_fatal():
+    msg = decode_generation(gen_wire(handle={"v": 999}))
+    assert msg.handle is None and "protocol version 999" in msg.handle_error
+    assert msg.prompt == GEN.prompt  # the request itself stands: decode counts bad_handle and recomputes
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"prompt": [1, -1]}, r"generation request.prompt: must be a list of token ids"),
+    ({"prompt": [2**32]}, "prompt: must be a list of token ids"),
+    ({"prompt": "abc"}, "prompt: expected list"),
+    ({"salt": "text"}, "salt: expected bytes"),
+    ({"salt": b"x" * (MAX_SALT_BYTES + 1)}, "malformed msgpack"),
+    ({"request_id": ""}, "request_id: length 0"),
+    ({"params": {"top_k": "5"}}, r"params.top_k: has the wrong type"),
+    ({"params": {"temperature": True}}, r"params.temperature: has the wrong type"),
+    ({"params": {"max_tokens": 0}}, r"generation request.params: max_tokens"),
+    ({"first_token_ids": [True]}, "first_token_ids: must be a list of token ids"),
+    ({"long_context": [1]}, "long_context: expected dict"),
+])
+def test_generation_request_violations_name_the_field(changes, match):
+    with pytest.raises(WireError, match=match):
+        decode_generation(gen_wire(**changes))
+
+
+@pytest.mark.parametrize("obj, match", [
+    ({"index": 0, "tokens": [1], "finished": "yes", "reason": None}, "finished: expected bool"),
+    ({"index": -1, "tokens": [1], "finished": False, "reason": None}, "index"),
+    ({"index": 0, "tokens": ["a"], "finished": False, "reason": None}, "tokens"),
+    ([1], "expected a map"),
+])
+def test_decode_frame_violations_name_the_field(obj, match):
+    with pytest.raises(WireError, match=match):
+        decode_frame(obj)
+
+
+def test_prefill_reply_needs_one_reason_per_first_token():
+    body = msgpack.packb({"first_token_ids": [1, 2], "finish_reasons": [None], "handle": None,
+                          "num_cached_tokens": 0})
+    with pytest.raises(WireError, match="one reason"):
+        decode_prefill_reply(body)
