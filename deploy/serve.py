@@ -75,6 +75,8 @@ def build_app(config: Any, role: str, index: int, *,
             host=r.host, port=r.port, api_keys=r.api_keys, max_body_bytes=r.max_body_bytes,
             request_timeout_s=r.request_timeout_s, max_n=r.max_n, internal_token=internal.token,
             load_weight_tokens=r.load_weight_tokens, long_context=config.decode.long_context,
+            max_concurrent_requests=r.max_concurrent_requests, max_connections_per_node=r.max_connections_per_node,
+            connect_timeout_s=r.connect_timeout_s,
         ))
         return router.make_app(), r.host, r.port
     from engine.worker import EngineWorker

@@ -7,7 +7,7 @@
     prefill:  {ports: [8100, ...], lease_ttl_s}
     decode:   {ports: [8200, ...], on_transfer_failure, max_pending_requests, transfer_timeout_s}
     router:   {host, port, api_keys, api_keys_env, max_body_bytes, request_timeout_s, max_n, load_weight_tokens,
-               prefill_urls, decode_urls}
+               max_concurrent_requests, max_connections_per_node, connect_timeout_s, prefill_urls, decode_urls}
 """
 
 from __future__ import annotations
@@ -72,6 +72,9 @@ class RouterSection:
     load_weight_tokens: int = 64
     prefill_urls: tuple[str, ...] = ()  # empty: http://{internal.bind}:{port} for each prefill port
     decode_urls: tuple[str, ...] = ()
+    max_concurrent_requests: int = 1024
+    max_connections_per_node: int = 1024
+    connect_timeout_s: float = 5.0
 
 
 class Section:
@@ -197,7 +200,10 @@ def parse_services(root: Section, *, base_dir: Path, env: Mapping[str, str] | No
                            r.take("max_body_bytes", size, 1024 * 1024), r.take("request_timeout_s", positive_float,
                                                                                  300.0),
                            r.take("max_n", positive_int, 4), r.take("load_weight_tokens", positive_int, 64),
-                           r.take("prefill_urls", _url_list, ()), r.take("decode_urls", _url_list, ()))
+                           r.take("prefill_urls", _url_list, ()), r.take("decode_urls", _url_list, ()),
+                           r.take("max_concurrent_requests", positive_int, 1024),
+                           r.take("max_connections_per_node", positive_int, 1024),
+                           r.take("connect_timeout_s", positive_float, 5.0))
     r.done()
     return {"model": model, "engine": engine, "internal": InternalSection(bind, token), "prefill": prefill,
             "decode": decode, "router": router}

@@ -139,6 +139,7 @@ class EngineWorker:
         # Outputs of the current pass, handed to the event loop in one call (`_flush`): one wake-up of the
         # event loop a step instead of one per token.
         self._outbox: list[tuple[RequestStream, StepOutput | BaseException]] = []  # worker thread only
+        self.failure: str | None = None  # why the loop died (set once, on its thread); /health reports it
         self.num_running = 0  # written by the worker thread, read anywhere (a snapshot for load reports)
         self.num_waiting = 0
         self.num_free_blocks = engine.pool.num_free_blocks
@@ -274,8 +275,17 @@ class EngineWorker:
     def _run(self) -> None:
         try:
             self._loop_until_stopped()
+        except BaseException as exc:
+            self.failure = f"the engine loop died: {type(exc).__name__}: {exc}"
+            log.critical("%s", self.failure, exc_info=True)
+            raise
         finally:
             self._stopped.set()
+
+    @property
+    def alive(self) -> bool:
+        """Started, and its loop has neither died nor been stopped."""
+        return (self._loop is not None) and not self._stopped.is_set()
 
     def _loop_until_stopped(self) -> None:
         while True:
@@ -286,7 +296,10 @@ class EngineWorker:
                 if cmd is None:
                     self._flush()
                     return
-                cmd()
+                try:
+                    cmd()
+                except Exception:  # noqa: BLE001 - a failed command must not stop the loop serving the rest
+                    log.exception("engine command failed")
             if self.engine.has_unfinished():
                 if self._cores is not None:
                     self._cores.before_step()

@@ -18,6 +18,7 @@ import logging
 import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from aiohttp import web
@@ -33,6 +34,8 @@ log = logging.getLogger(__name__)
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 MAX_EVENT_WAIT_S = 30.0
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# Functions whose maps join the node's /health answer (e.g. the prefill node's lease counts).
+HEALTH_EXTRAS: web.AppKey[list[Callable[[], dict[str, Any]]]] = web.AppKey("health_extras", list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +132,12 @@ class EngineNode:
         await self.worker.stop()
 
     async def read_request(self, request: web.Request) -> GenerationMessage | web.Response:
-        """The request's message, or the response refusing it: 400 malformed, 429 at capacity."""
+        """The request's message, or the response refusing it: 400 malformed, 429 at capacity, 503 when
+        the engine loop is not running."""
+        if not self.worker.alive:
+            self.metrics.request_done("error")
+            return msgpack_response({"error": f"{self.config.role} node's engine is not running "
+                                              f"({self.worker.failure or 'stopped'})"}, status=503)
         try:
             msg = decode_generation(await request.read())
         except WireError as exc:
@@ -149,8 +157,16 @@ class EngineNode:
         return self.engine.prompt_block_keys(msg.prompt, msg.salt)
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({
-            "status": "ok", "role": self.config.role, "node": self.config.name, "pid": os.getpid(),
+        """200 with the node's state, or 503 once its engine loop has died or stopped (so probes and the
+        router take it out)."""
+        alive = self.worker.alive
+        extras: dict[str, Any] = {}
+        for extra in request.app.get(HEALTH_EXTRAS, []):
+            extras.update(extra())
+        return web.json_response(status=200 if alive else 503, data={
+            **extras,
+            "status": "ok" if alive else "engine_down", "error": self.worker.failure, "role": self.config.role,
+            "node": self.config.name, "pid": os.getpid(),
             "cpus": list(self.config.cpus) or sorted(os.sched_getaffinity(0)),
             "cpu_pool": sorted(os.sched_getaffinity(0)), "threads": torch.get_num_threads(),
             "running": self.worker.num_running, "waiting": self.worker.num_waiting,

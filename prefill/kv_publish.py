@@ -12,6 +12,7 @@ from aiohttp import web
 from engine.engine import LLMEngine
 from engine.worker import EngineWorker
 from kvstore.block_key import BlockKey
+from node.app import HEALTH_EXTRAS
 from transfer.config import TransferConfig
 from transfer.handle import KvHandle
 from transfer.lease import LeaseTable, TierBlock
@@ -44,7 +45,11 @@ class PrefillTransfer:
 
     def install(self, app: web.Application) -> None:
         add_transfer_routes(app, self.owner)
+        app.setdefault(HEALTH_EXTRAS, []).append(self._health)
         app.on_cleanup.append(self._close)
+
+    def _health(self) -> dict[str, int]:
+        return {"leases": self.owner.leases.num_leases, "leased_blocks": self.owner.leases.num_pinned_blocks}
 
     async def _close(self, app: web.Application) -> None:
         self.agent.close()

@@ -96,8 +96,11 @@ class PrefillService(EngineNode):
                 self.worker.abort(rid)
         tokens = [t for t in first if t is not None]
         if len(tokens) != params.n:
-            self.metrics.request_done("error")
-            return msgpack_response({"error": "prefill produced no first token"}, status=500)
+            # The engine ended the prompt unstarted: it fit the pool (checked when it arrived) but the
+            # pool is held by other prompts and by leases handed out. A full node, not a broken one.
+            self.metrics.request_done("overloaded")
+            return msgpack_response({"error": "the prefill node's KV pool is full (held by running prompts and "
+                                              "by KV leases); retry later"}, status=429)
         reasons = [self._reason(t, len(prompt), params) for t in tokens]
         handle = published.get("handle")
         if handle is not None and all(r is not None for r in reasons) and self._release is not None:

@@ -11,6 +11,7 @@ import hashlib
 import hmac
 import json
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ log = logging.getLogger(__name__)
 # A node that has never answered is polled every round; say so at these failure counts (not at every try).
 UNSEEN_WARN_AFTER = frozenset({50, 300, 1200})
 EVENT_ANSWER_TIMEOUT_S = 5.0  # beyond the long-poll wait: a node slower than this is taken out
+RETRY_AFTER_S = 1  # what a 429 or 503 answer tells the client to wait, in seconds
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +65,9 @@ class RouterConfig:
     event_wait_s: float = 2.0  # how long a node may hold an event request that has no news
     node_retry_s: float = 5.0
     startup_timeout_s: float = 120.0
+    max_concurrent_requests: int = 1024  # admitted at once; more get 429 with Retry-After
+    max_connections_per_node: int = 1024  # pooled request connections to each node
+    connect_timeout_s: float = 5.0  # the TCP connect to a node (not the wait for a pooled connection)
     long_context: LongContextConfig = LongContextConfig()  # the decode nodes' default (decode.long_context)
 
     def __post_init__(self) -> None:
@@ -76,7 +81,9 @@ class RouterConfig:
         require_int("max_body_bytes", self.max_body_bytes)
         require_int("max_n", self.max_n)
         require_int("load_weight_tokens", self.load_weight_tokens, minimum=0)
-        for name in ("request_timeout_s", "node_retry_s", "startup_timeout_s"):
+        require_int("max_concurrent_requests", self.max_concurrent_requests)
+        require_int("max_connections_per_node", self.max_connections_per_node)
+        for name in ("request_timeout_s", "node_retry_s", "startup_timeout_s", "connect_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
         if not self.event_poll_interval_s >= 0:
@@ -107,7 +114,10 @@ class Router:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.metrics = RouterMetrics()
-        self.backends = Backends(internal_token=config.internal_token, timeout_s=config.request_timeout_s)
+        self.backends = Backends(internal_token=config.internal_token, timeout_s=config.request_timeout_s,
+                                 connect_timeout_s=config.connect_timeout_s,
+                                 max_connections_per_node=config.max_connections_per_node)
+        self.num_admitted = 0  # requests between admission and their last byte
         self.nodes: NodeSet | None = None
         self.dispatcher: Dispatcher | None = None
         self.served: ServedModel | None = None
@@ -229,7 +239,8 @@ class Router:
 
     def _error(self, exc: ApiError) -> web.Response:
         self.metrics.requests.labels("router", str(exc.status)).inc()
-        return web.json_response(exc.body(), status=exc.status)
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status in (429, 503) else None
+        return web.json_response(exc.body(), status=exc.status, headers=headers)
 
     # ------------------------------------------------------------- handlers
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -239,19 +250,27 @@ class Router:
         return await self._handle(request, parse_chat)
 
     async def _handle(self, request: web.Request, parse: Any) -> web.StreamResponse:
-        try:
-            salt = self._auth(request)
-            assert self.served is not None
-            req: GenerationRequest = parse(await self._body(request), self.served)
-            self._check_long_context(req)
-        except ApiError as exc:
-            return self._error(exc)
+        if self.num_admitted >= self.config.max_concurrent_requests:  # before reading or parsing anything
+            return self._error(ApiError(429, f"the router is serving {self.num_admitted} requests, its limit "
+                                             "(router.max_concurrent_requests); retry later"))
+        self.num_admitted += 1
         self.metrics.running.labels("router").inc()
         try:
+            try:
+                salt = self._auth(request)
+                assert self.served is not None
+                body = await self._body(request)
+                # Tokenizing and templating can take a while for a long prompt: off the event loop.
+                req: GenerationRequest = await asyncio.get_running_loop().run_in_executor(
+                    None, parse, body, self.served)
+                self._check_long_context(req)
+            except ApiError as exc:
+                return self._error(exc)
             if req.stream:
                 return await self._stream(request, req, salt)
             return await self._complete(req, salt)
         finally:
+            self.num_admitted -= 1
             self.metrics.running.labels("router").dec()
 
     def _check_long_context(self, req: GenerationRequest) -> None:
@@ -356,10 +375,13 @@ class Router:
             return web.json_response({"status": "starting"}, status=503)
         now = time.monotonic()
         nodes = {n.name: {"url": n.url, "healthy": n.healthy(now), "in_flight": n.in_flight,
-                          "kv_keys": self.nodes.index.num_keys(n.name), "last_error": n.last_error}
+                          "kv_keys": self.nodes.index.num_keys(n.name), "last_error": n.last_error,
+                          "times_down": n.times_down}
                  for n in self.nodes.all}
         ok = any(n.healthy(now) for n in self.nodes.decode)
-        return web.json_response({"status": "ok" if ok else "degraded", "nodes": nodes}, status=200 if ok else 503)
+        return web.json_response({"status": "ok" if ok else "degraded", "pid": os.getpid(),
+                                  "admitted": self.num_admitted, "nodes": nodes},
+                                 status=200 if ok else 503)
 
     async def prometheus(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -9,7 +10,10 @@ import aiohttp
 
 from router.nodes import Node
 from transfer.config import TOKEN_HEADER
-from transfer.wire import WireError, new_unpacker, unpack
+from transfer.wire import WireError, decode_release_reply, encode_lease_request, new_unpacker, unpack
+
+log = logging.getLogger(__name__)
+CONTROL_CONNECTIONS_PER_NODE = 4  # an event long poll and a few /info or lease calls at a time
 
 
 class NodeUnavailable(Exception):
@@ -26,26 +30,51 @@ class NodeRefused(Exception):
 
 
 class Backends:
-    """One aiohttp session for every internal call. ``timeout_s`` bounds connects and each read."""
+    """The router's internal HTTP clients: one session for requests (prefill, decode streams) and one
+    for control calls (``/info``, ``/kv/events`` long polls), so that a saturated request pool never
+    delays the polls that decide whether a node is alive.
 
-    def __init__(self, *, internal_token: str | None, timeout_s: float) -> None:
+    Args:
+        internal_token: sent to the nodes in `transfer.config.TOKEN_HEADER`.
+        timeout_s: the longest wait for each read of an answer (a node that stops answering).
+        connect_timeout_s: the TCP connect alone. Waiting for a free pooled connection is not a connect
+            failure and is not timed here (the request's own deadline bounds it), so load never takes
+            a healthy node out.
+        max_connections_per_node: pooled request connections per node (each running request holds one).
+    """
+
+    def __init__(self, *, internal_token: str | None, timeout_s: float, connect_timeout_s: float = 5.0,
+                 max_connections_per_node: int = 1024) -> None:
         self._headers = {"Content-Type": "application/msgpack"}
         if internal_token:
             self._headers[TOKEN_HEADER] = internal_token
-        self._timeout = aiohttp.ClientTimeout(total=None, connect=5.0, sock_read=timeout_s)
+        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s, sock_read=timeout_s)
+        self._limit = max_connections_per_node
         self._session: aiohttp.ClientSession | None = None
+        self._control: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
-        self._session = aiohttp.ClientSession(timeout=self._timeout, headers=self._headers)
+        self._session = aiohttp.ClientSession(
+            timeout=self._timeout, headers=self._headers,
+            connector=aiohttp.TCPConnector(limit=0, limit_per_host=self._limit))
+        self._control = aiohttp.ClientSession(
+            timeout=self._timeout, headers=self._headers,
+            connector=aiohttp.TCPConnector(limit=0, limit_per_host=CONTROL_CONNECTIONS_PER_NODE))
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        for session in (self._session, self._control):
+            if session is not None:
+                await session.close()
 
     @property
     def session(self) -> aiohttp.ClientSession:
         assert self._session is not None, "Backends.start() was not called"
         return self._session
+
+    @property
+    def control(self) -> aiohttp.ClientSession:
+        assert self._control is not None, "Backends.start() was not called"
+        return self._control
 
     async def _check(self, node: Node, resp: aiohttp.ClientResponse) -> None:
         if resp.status < 400:
@@ -61,11 +90,23 @@ class Backends:
 
     async def get_msgpack(self, node: Node, path: str, *, timeout_s: float = 5.0) -> Any:
         try:
-            async with self.session.get(node.url + path, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            async with self.control.get(node.url + path, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
                 await self._check(node, resp)
                 return unpack(await resp.read())
         except (aiohttp.ClientError, TimeoutError, WireError) as exc:
             raise NodeUnavailable(f"{node.name}: GET {path} failed: {exc!r}") from None
+
+    async def release_lease(self, node: Node, lease_id: str, *, timeout_s: float = 5.0) -> bool:
+        """Ask prefill ``node`` to drop a lease no decode node will read. Whether it still held it;
+        False also when the node did not answer (its lease then ends with its TTL)."""
+        try:
+            async with self.control.post(node.url + "/kv/lease/release", data=encode_lease_request(lease_id),
+                                         timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                await self._check(node, resp)
+                return decode_release_reply(await resp.read())
+        except (aiohttp.ClientError, TimeoutError, WireError, NodeUnavailable, NodeRefused) as exc:
+            log.warning("%s: releasing lease %s failed (%s); it ends with its TTL", node.name, lease_id, exc)
+            return False
 
     async def post(self, node: Node, path: str, body: bytes) -> bytes:
         """POST an encoded message (`transfer.wire`); the answer's bytes, for the caller to decode."""

@@ -11,14 +11,16 @@ the request with 503 (its tokens so far were already sent).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from kvstore.block_key import block_keys
 from router.backends import Backends, NodeRefused, NodeUnavailable
-from router.nodes import NodeSet
+from router.nodes import Node, NodeSet
 from router.openai_api import ApiError, GenerationRequest
+from transfer.handle import KvHandle
 from transfer.wire import (
     GenerationMessage,
     PrefillReply,
@@ -56,18 +58,27 @@ class Dispatcher:
         self.nodes = nodes
         self.backends = backends
         self.info = info
+        self._releases: set[asyncio.Future] = set()  # lease releases in flight (fire and forget)
 
     def keys_for(self, prompt: list[int], salt: bytes) -> list[bytes]:
         return block_keys(prompt, block_size_tokens=self.info.block_size_tokens,
                           spec_fingerprint=self.info.spec_fingerprint, salt=salt)
 
-    async def _prefill(self, req: GenerationRequest, salt: bytes, keys: list[bytes]) -> PrefillReply | None:
-        """First tokens and KV handle from a prefill node; None when no prefill node can serve."""
+    async def _prefill(self, req: GenerationRequest, salt: bytes,
+                       keys: list[bytes]) -> tuple[PrefillReply, Node] | None:
+        """First tokens and KV handle from a prefill node, and that node; None when no prefill node is up.
+
+        Raises:
+            ApiError: the request was refused (4xx), or every prefill node is full (429).
+        """
         tried: set[str] = set()
+        full: NodeRefused | None = None
         body = encode_generation(GenerationMessage(req.request_id, req.prompt_token_ids, req.params, salt))
         while True:
             node = self.nodes.pick_prefill(keys, len(req.prompt_token_ids), exclude=tried)
             if node is None:
+                if full is not None:  # up but full: not a reason to move the prompt onto a decode node
+                    raise ApiError(429, full.message)
                 return None
             tried.add(node.name)
             node.in_flight += 1
@@ -85,12 +96,14 @@ class Dispatcher:
                                 req.request_id, node.name, answer.handle_error)
                 log.info("request %s: prefilled on %s (%d prompt tokens, %d from cache)", req.request_id, node.name,
                          len(req.prompt_token_ids), answer.num_cached_tokens)
-                return answer
+                return answer, node
             except NodeUnavailable as exc:
                 log.warning("request %s: %s; trying another prefill node", req.request_id, exc)
-                self.nodes.mark_down(node)
+                self.nodes.mark_down(node, str(exc))
             except NodeRefused as exc:
-                raise ApiError(exc.status, exc.message) from None
+                if exc.status != 429:
+                    raise ApiError(exc.status, exc.message) from None
+                full = exc  # this node is at capacity: another may not be
             finally:
                 node.in_flight -= 1
                 node.queued_tokens -= len(req.prompt_token_ids)
@@ -104,27 +117,54 @@ class Dispatcher:
         keys = self.keys_for(req.prompt_token_ids, salt)
         n = req.params.n
         finished = [False] * n
-        pre = await self._prefill(req, salt, keys)
+        prefilled = await self._prefill(req, salt, keys)
         first = None
         handle = None
-        if pre is not None:
+        owner: Node | None = None  # the prefill node that holds the handle's lease
+        if prefilled is not None:
+            pre, owner = prefilled
             first = pre.first_token_ids
             handle = pre.handle
-            for i, (tok, reason) in enumerate(zip(first, pre.finish_reasons, strict=True)):
-                finished[i] = reason is not None
-                yield SampleDelta(i, [tok], finished[i], reason)
-            if all(finished):
-                return
+        # What became of the handle, in order: "sent" (a decode node got it and may be reading it: its
+        # done/abort notification, or the lease's TTL, ends the lease), "unread" (refused before
+        # reading, or no decode node left), "maybe" (a node failed while it may have been reading).
+        fate: list[str] = []
+        try:
+            if prefilled is not None:
+                for i, (tok, reason) in enumerate(zip(first or [], pre.finish_reasons, strict=True)):
+                    finished[i] = reason is not None
+                    yield SampleDelta(i, [tok], finished[i], reason)
+                if all(finished):
+                    return  # the prefill node released the lease itself
+            async for delta in self._decode(req, salt, keys, first, handle, finished, fate):
+                yield delta
+        finally:
+            if handle is not None and owner is not None and fate[-1:] != ["sent"] and "maybe" not in fate:
+                # No decode node took the handle (the client left during prefill, every decode node
+                # refused or none was up): free the prefill's blocks now, not at the lease's TTL.
+                task = asyncio.ensure_future(self.backends.release_lease(owner, handle.lease_id))
+                self._releases.add(task)
+                task.add_done_callback(self._releases.discard)
+
+    async def _decode(self, req: GenerationRequest, salt: bytes, keys: list[bytes], first: list[int] | None,
+                      handle: KvHandle | None, finished: list[bool], fate: list[str]) -> AsyncIterator[SampleDelta]:
+        """The decode phase of `run`; appends to ``fate`` what became of ``handle`` (see `run`)."""
+        n = req.params.n
         tried: set[str] = set()
+        full: NodeRefused | None = None
         while True:
             node = self.nodes.pick_decode(keys, exclude=tried)
             if node is None:
+                fate.append("unread")
+                if full is not None:
+                    raise ApiError(429, full.message)
                 raise ApiError(503, "no decode node is available; retry later")
             tried.add(node.name)
             body = encode_generation(GenerationMessage(
                 req.request_id, req.prompt_token_ids, req.params, salt, first_token_ids=first, handle=handle,
                 long_context=req.long_context))
             started = False
+            fate.append("sent")  # from here the node may be reading the handle's blocks
             node.in_flight += 1
             log.info("request %s: decoding on %s (KV handle: %s)", req.request_id, node.name, handle is not None)
             try:
@@ -148,10 +188,17 @@ class Dispatcher:
                 return
             except NodeUnavailable as exc:
                 self.nodes.mark_down(node, str(exc))
+                fate.append("maybe")
                 if started:
                     raise ApiError(503, f"the decode node failed mid-request: {exc}") from None
                 log.warning("request %s: %s; trying another decode node", req.request_id, exc)
             except NodeRefused as exc:
+                if exc.status == 429:
+                    full = exc  # at capacity (refused before reading anything): try another decode node
+                    fate.append("unread")
+                    continue
+                if exc.status != 502:  # 502: the pull failed; the reader has already given the lease up
+                    fate.append("unread")
                 raise ApiError(exc.status, exc.message) from None
             finally:
                 node.in_flight -= 1

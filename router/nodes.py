@@ -34,6 +34,7 @@ class Node:
     failures: int = 0
     seen: bool = False  # answered at least once; until then it is polled at every round
     last_error: str = ""  # why the last call failed; cleared when it answers
+    times_down: int = 0  # how often it was taken out after it had answered (never reset)
 
     def healthy(self, now: float) -> bool:
         return now >= self.down_until
@@ -57,6 +58,7 @@ class NodeSet:
 
     def mark_down(self, node: Node, error: str = "") -> None:
         node.failures += 1
+        node.times_down += node.seen
         node.last_error = error
         node.down_until = time.monotonic() + self.retry_after_s
         self.index.drop_node(node.name)

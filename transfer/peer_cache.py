@@ -35,7 +35,7 @@ from transfer.wire import (
     WireVersionError,
     decode_meta,
     decode_renew_reply,
-    encode_renew_request,
+    encode_lease_request,
     read_body,
 )
 
@@ -152,7 +152,7 @@ class PeerCache:
                 or ``lease_lost`` for a malformed answer or an unexpected status (the lease cannot be confirmed).
         """
         try:
-            async with self._session.post(handle.renew_url, data=encode_renew_request(handle.lease_id),
+            async with self._session.post(handle.renew_url, data=encode_lease_request(handle.lease_id),
                                           headers=self._headers,
                                           timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
                 body = await read_body(resp.content, max_bytes=MAX_SMALL_MESSAGE_BYTES, what="lease renew reply")

@@ -2,8 +2,10 @@
 
     GET  /kv/meta           msgpack `AgentMeta` (see `transfer.wire`)
     POST /kv/lease/renew    msgpack {"v", "lease_id"} → 200 {"v", "ttl_s"} | 404 (lease gone) | 400 | 413
+    POST /kv/lease/release  msgpack {"v", "lease_id"} → 200 {"v", "released"} | 400 | 413  (the router, for
+                            a handle no decode node will read: refused, or no decode node left)
 
-Both require ``X-Kvrelay-Token`` when ``config.internal_token`` is set (401 otherwise). `bind_socket`
+All require ``X-Kvrelay-Token`` when ``config.internal_token`` is set (401 otherwise). `bind_socket`
 binds loopback unless told otherwise, so the port (and the owner URL that goes into handles) is known
 before the app starts. `add_transfer_routes` also runs `KvOwner.run` (notification drain and lease
 reaper) for the app's lifetime.
@@ -29,8 +31,9 @@ from transfer.owner import KvOwner
 from transfer.wire import (
     MAX_SMALL_MESSAGE_BYTES,
     WireError,
-    decode_renew_request,
+    decode_lease_request,
     encode_meta,
+    encode_release_reply,
     encode_renew_reply,
     read_body,
 )
@@ -41,7 +44,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def add_transfer_routes(app: web.Application, owner: KvOwner) -> None:
-    """Add ``/kv/meta`` and ``/kv/lease/renew`` to ``app`` and run ``owner``'s background work with it."""
+    """Add ``/kv/meta``, ``/kv/lease/renew`` and ``/kv/lease/release`` to ``app`` and run ``owner``'s
+    background work with it."""
     token = owner.config.internal_token
     meta_body = encode_meta(owner.agent.meta)
 
@@ -56,14 +60,25 @@ def add_transfer_routes(app: web.Application, owner: KvOwner) -> None:
     async def get_meta(request: web.Request) -> web.Response:
         return web.Response(body=meta_body, content_type=MSGPACK)
 
-    async def renew(request: web.Request) -> web.Response:
+    async def lease_id_of(request: web.Request) -> str | web.Response:
         if request.content_length is not None and request.content_length > MAX_SMALL_MESSAGE_BYTES:
-            return web.Response(status=413, text=f"a renew request is at most {MAX_SMALL_MESSAGE_BYTES} bytes")
+            return web.Response(status=413, text=f"a lease request is at most {MAX_SMALL_MESSAGE_BYTES} bytes")
         try:
-            body = await read_body(request.content, max_bytes=MAX_SMALL_MESSAGE_BYTES, what="lease renew request")
-            lease_id = decode_renew_request(body)
+            body = await read_body(request.content, max_bytes=MAX_SMALL_MESSAGE_BYTES, what="lease request")
+            return decode_lease_request(body)
         except WireError as exc:
             return web.Response(status=400, text=str(exc))
+
+    async def release(request: web.Request) -> web.Response:
+        lease_id = await lease_id_of(request)
+        if isinstance(lease_id, web.Response):
+            return lease_id
+        return web.Response(body=encode_release_reply(await owner.release(lease_id)), content_type=MSGPACK)
+
+    async def renew(request: web.Request) -> web.Response:
+        lease_id = await lease_id_of(request)
+        if isinstance(lease_id, web.Response):
+            return lease_id
         ttl_s = await owner.renew(lease_id)
         if ttl_s is None:
             return web.Response(status=404, text="lease expired or released")
@@ -78,6 +93,7 @@ def add_transfer_routes(app: web.Application, owner: KvOwner) -> None:
 
     app.router.add_get("/kv/meta", guarded(get_meta))
     app.router.add_post("/kv/lease/renew", guarded(renew))
+    app.router.add_post("/kv/lease/release", guarded(release))
     app.cleanup_ctx.append(background)
 
 

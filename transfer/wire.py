@@ -20,6 +20,7 @@ minor sender may add some); a different ``v`` raises `WireVersionError`.
               "block_ids": [int], "num_tokens", "lease_id", "lease_ttl_s"}
     notif    {"v", "kind": "done"|"abort", "lease_id"}             (NIXL notification, reader → owner)
     renew    {"v", "lease_id"}  →  {"v", "ttl_s": float}            (POST /kv/lease/renew)
+    release  {"v", "lease_id"}  →  {"v", "released": bool}          (POST /kv/lease/release, from the router)
 
     generation request  {"request_id", "prompt", "params", "salt", "first_token_ids"?, "handle"?, "long_context"?}
     prefill reply       {"first_token_ids", "finish_reasons", "handle", "num_cached_tokens"}
@@ -263,15 +264,26 @@ def decode_notif(data: Any) -> LeaseNotif:
     return LeaseNotif(kind, _str(msg, "lease_id", what, MAX_LEASE_ID_CHARS))
 
 
-def encode_renew_request(lease_id: str) -> bytes:
+def encode_lease_request(lease_id: str) -> bytes:
     return _pack({"v": PROTOCOL_VERSION, "lease_id": lease_id})
 
 
-def decode_renew_request(data: Any) -> str:
-    """The lease id of a renew request. Raises WireError."""
-    what = "lease renew request"
+def decode_lease_request(data: Any) -> str:
+    """The lease id of a renew or release request. Raises WireError."""
+    what = "lease request"
     msg = _unpack(data, what, max_bytes=MAX_SMALL_MESSAGE_BYTES, max_array_len=0, max_bin_len=0)
     return _str(msg, "lease_id", what, MAX_LEASE_ID_CHARS)
+
+
+def encode_release_reply(released: bool) -> bytes:
+    return _pack({"v": PROTOCOL_VERSION, "released": bool(released)})
+
+
+def decode_release_reply(data: Any) -> bool:
+    """Whether the owner still held the lease it was asked to release. Raises WireError."""
+    what = "lease release reply"
+    msg = _unpack(data, what, max_bytes=MAX_SMALL_MESSAGE_BYTES, max_array_len=0, max_bin_len=0)
+    return _field(msg, "released", bool, what)
 
 
 def encode_renew_reply(ttl_s: float) -> bytes:

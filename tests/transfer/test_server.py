@@ -17,7 +17,7 @@ from tests.transfer.harness import TOKEN, in_thread, open_reader, run, tokens
 from tests.transfer.test_wire import META, malformed
 from transfer.config import TOKEN_HEADER
 from transfer.errors import PeerMismatchError, TransferError
-from transfer.wire import decode_meta, encode_meta, encode_notif, encode_renew_request
+from transfer.wire import decode_meta, encode_lease_request, encode_meta, encode_notif
 
 
 def test_endpoints_require_the_shared_token(owner):
@@ -25,7 +25,7 @@ def test_endpoints_require_the_shared_token(owner):
     assert owner.get("/kv/meta", {TOKEN_HEADER: "wrong"})[0] == 401
     status, body = owner.get("/kv/meta", {TOKEN_HEADER: TOKEN})
     assert status == 200 and decode_meta(body).agent_name == "owner-shared"
-    assert owner.post("/kv/lease/renew", encode_renew_request("ab"), {TOKEN_HEADER: ""})[0] == 401
+    assert owner.post("/kv/lease/renew", encode_lease_request("ab"), {TOKEN_HEADER: ""})[0] == 401
 
 
 def test_malformed_renew_bodies_are_rejected_and_the_owner_stays_up_with_bounded_memory(owner, tmp_path):
@@ -33,7 +33,7 @@ def test_malformed_renew_bodies_are_rejected_and_the_owner_stays_up_with_bounded
     for name, payload in malformed(tmp_path).items():
         status, _ = owner.post("/kv/lease/renew", payload)
         assert status in (400, 413), (name, status)
-    assert owner.post("/kv/lease/renew", encode_renew_request("0" * 32))[0] == 404  # well-formed, unknown
+    assert owner.post("/kv/lease/renew", encode_lease_request("0" * 32))[0] == 404  # well-formed, unknown
 
     # A 4 GiB Content-Length with a few bytes behind it: refused before reading.
     with socket.create_connection(("127.0.0.1", owner.port), timeout=10) as sock:
@@ -138,3 +138,22 @@ def _with_version(version: int) -> bytes:
     raw = msgpack.unpackb(encode_meta(META))
     raw["v"] = version
     return msgpack.packb(raw)
+
+
+def test_release_drops_a_lease_once_and_checks_its_body(owner, tmp_path):
+    from transfer.wire import decode_release_reply
+
+    handle = owner.offer(tokens(20, 3))
+    before = owner.state()
+    assert owner.post("/kv/lease/release", encode_lease_request(handle.lease_id), {TOKEN_HEADER: ""})[0] == 401
+    status, body = owner.post("/kv/lease/release", encode_lease_request(handle.lease_id))
+    assert status == 200 and decode_release_reply(body) is True
+    after = owner.state()
+    assert after["leases"] == before["leases"] - 1
+    assert after["pinned_refs"] == before["pinned_refs"] - len(handle.blocks) and after["integrity"] == "ok"
+    status, body = owner.post("/kv/lease/release", encode_lease_request(handle.lease_id))
+    assert status == 200 and decode_release_reply(body) is False  # already gone: nothing changes
+    assert owner.post("/kv/lease/renew", encode_lease_request(handle.lease_id))[0] == 404
+    for name, payload in malformed(tmp_path).items():
+        assert owner.post("/kv/lease/release", payload)[0] in (400, 413), name
+    assert owner.alive()

@@ -26,11 +26,11 @@ from transfer.wire import (
     decode_frame,
     decode_generation,
     decode_handle,
+    decode_lease_request,
     decode_meta,
     decode_notif,
     decode_prefill_reply,
     decode_renew_reply,
-    decode_renew_request,
     encode_error_frame,
     encode_frame,
     encode_generation,
@@ -78,7 +78,7 @@ def malformed(tmp_path: Path) -> dict[str, bytes]:
     }
 
 
-@pytest.mark.parametrize("decoder", [decode_meta, decode_handle, decode_notif, decode_renew_request,
+@pytest.mark.parametrize("decoder", [decode_meta, decode_handle, decode_notif, decode_lease_request,
                                      decode_renew_reply, decode_generation, decode_prefill_reply])
 def test_malformed_payloads_are_rejected_with_bounded_memory_and_no_pickle(decoder, tmp_path):
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -1,0 +1,108 @@
+"""Many clients at once against a deployment's OpenAI API: what each got back, and how long it took.
+
+`hammer` opens ``clients`` concurrent completions (half streaming, mixed prompt and output lengths,
+every ``disconnect_every``-th streaming client hanging up after its first chunk) and reports every
+answer. `kvrelay bench load` prints its figures; the load test asserts on the same report.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import string
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import aiohttp
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """One client's outcome. ``tokens``: completion tokens received (usage, or streamed chunks' count
+    of the tiny model's one-token-per-chunk stream); ``wanted``: ``max_tokens`` it asked for."""
+
+    status: int
+    stream: bool
+    disconnected: bool
+    tokens: int
+    wanted: int
+    seconds: float
+    error: str = ""
+    retry_after: str | None = None
+
+
+@dataclass(slots=True)
+class LoadReport:
+    answers: list[Answer] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    @property
+    def statuses(self) -> dict[int, int]:
+        return dict(sorted(Counter(a.status for a in self.answers).items()))
+
+    def figures(self) -> dict[str, float]:
+        ok = [a.seconds for a in self.answers if a.status == 200 and not a.disconnected]
+        n = len(self.answers)
+        return {
+            "requests": n, "ok": sum(a.status == 200 for a in self.answers),
+            "share_429": sum(a.status == 429 for a in self.answers) / n if n else 0.0,
+            "other": sum(a.status not in (200, 429) for a in self.answers),
+            "latency_mean_s": sum(ok) / len(ok) if ok else 0.0, "latency_max_s": max(ok, default=0.0),
+            "wall_s": self.wall_s,
+        }
+
+
+def _prompt(rng: random.Random) -> str:
+    return "".join(rng.choice(string.ascii_lowercase + " ") for _ in range(rng.randrange(8, 200)))
+
+
+async def _one(session: aiohttp.ClientSession, url: str, model: str, rng: random.Random, *, stream: bool,
+               disconnect: bool) -> Answer:
+    wanted = rng.randrange(4, 33)
+    body = {"model": model, "prompt": _prompt(rng), "max_tokens": wanted, "temperature": 0, "ignore_eos": True,
+            "stream": stream}
+    t0 = time.perf_counter()
+    try:
+        async with session.post(url + "/v1/completions", json=body) as resp:
+            if resp.status != 200:
+                text = await resp.text()
+                return Answer(resp.status, stream, False, 0, wanted, time.perf_counter() - t0, text[:300],
+                              resp.headers.get("Retry-After"))
+            if not stream:
+                data = await resp.json()
+                return Answer(200, False, False, data["usage"]["completion_tokens"], wanted,
+                              time.perf_counter() - t0)
+            tokens, error = 0, ""
+            async for line in resp.content:
+                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    error = str(chunk["error"])[:300]
+                    break
+                tokens += 1
+                if disconnect:
+                    resp.close()  # hang up mid-stream
+                    return Answer(200, True, True, tokens, wanted, time.perf_counter() - t0)
+            return Answer(200 if not error else 599, True, False, tokens, wanted, time.perf_counter() - t0, error)
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        return Answer(0, stream, False, 0, wanted, time.perf_counter() - t0, repr(exc)[:300])
+
+
+async def hammer(url: str, model: str, *, clients: int, seed: int = 0, disconnect_every: int = 10,
+                 timeout_s: float = 600.0) -> LoadReport:
+    """``clients`` completions at once (see the module docstring). Status 0: the connection failed;
+    599: a stream that ended with an error event."""
+    rng = random.Random(seed)
+    plans = [(rng.random() < 0.5, random.Random(rng.random())) for _ in range(clients)]
+    connector = aiohttp.TCPConnector(limit=0)
+    report = LoadReport()
+    t0 = time.perf_counter()
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+        report.answers = list(await asyncio.gather(*(
+            _one(session, url, model, r, stream=stream, disconnect=stream and i % disconnect_every == 0)
+            for i, (stream, r) in enumerate(plans))))
+    report.wall_s = time.perf_counter() - t0
+    return report
