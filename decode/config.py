@@ -13,6 +13,8 @@ class DecodeConfig:
 
     on_transfer_failure: str = "recompute"
     transfer_timeout_s: float = 10.0
+    # The prefill nodes (their URLs) a handle may name as its owner; empty: any (tests of one node).
+    allowed_owners: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.on_transfer_failure not in FAILURE_POLICIES:

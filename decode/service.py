@@ -18,6 +18,7 @@ from aiohttp import web
 from decode.config import DecodeConfig
 from engine.engine import RequestError
 from engine.worker import EngineFailure, EngineWorker
+from kvstore.block_key import BlockKey
 from node.app import EngineNode, NodeConfig, NodeMetrics, msgpack_response
 from transfer.errors import TransferError
 from transfer.puller import PullResult
@@ -49,7 +50,22 @@ class DecodeService(EngineNode):
         app.router.add_post("/generate", self.generate)
         return app
 
-    async def _pinned_blocks(self, msg: GenerationMessage) -> list[int] | None:
+    def _check_handle(self, msg: GenerationMessage, keys: list[BlockKey] | None) -> None:
+        """A handle may only name the blocks of this request's own prompt and salt (keys this node
+        computed), held by a prefill node of this deployment. Raises TransferError before any contact."""
+        handle = msg.handle
+        assert handle is not None
+        allowed = self.decode_config.allowed_owners
+        if allowed and handle.owner_url.rstrip("/") not in {u.rstrip("/") for u in allowed}:
+            raise TransferError("foreign_owner", f"the KV handle names {handle.owner_url[:100]!r}, "
+                                                 "which is not a prefill node of this deployment")
+        n = len(handle.keys)
+        if keys is None or n > len(keys) or list(handle.keys) != keys[:n] or \
+                handle.num_tokens != n * self.engine.spec.block_size_tokens:
+            raise TransferError("key_mismatch", "the KV handle's block keys are not those of this request's "
+                                                "prompt and salt")
+
+    async def _pinned_blocks(self, msg: GenerationMessage, keys: list[BlockKey] | None) -> list[int] | None:
         """Pull the KV of the request's handle (typed at the HTTP edge; a malformed one arrives as
         ``handle_error``). None: pulled nothing (recompute). Under ``fail`` a failed pull raises its
         `TransferError`; either way the failure is counted under its reason."""
@@ -67,6 +83,7 @@ class DecodeService(EngineNode):
             if msg.handle_error is not None:
                 raise TransferError("bad_handle", f"the KV handle is malformed: {msg.handle_error}")
             assert msg.handle is not None  # no handle_error, so there is a handle
+            self._check_handle(msg, keys)
             task = asyncio.ensure_future(self._pull(msg.handle, request_id, deadline_s=deadline_s))
             try:
                 result = await asyncio.shield(task)
@@ -108,7 +125,8 @@ class DecodeService(EngineNode):
             self.metrics.request_done("bad_request")
             return msgpack_response({"error": str(exc)}, status=400)
         try:
-            pinned = await self._pinned_blocks(msg)
+            keys = self.block_keys_of(msg)
+            pinned = await self._pinned_blocks(msg, keys)
         except TransferError as exc:
             self.metrics.request_done("transfer_failed")
             return msgpack_response({"error": f"KV transfer from the prefill node failed ({exc.reason}): {exc}"},
@@ -117,7 +135,7 @@ class DecodeService(EngineNode):
                  len(pinned or []), ", recompute after a failed pull" if pinned is None else "")
         stream = self.worker.submit(rid, prompt, params, salt=salt, first_token_ids=first,
                                     pinned_block_ids=pinned or [], long_context=long_context,
-                                    block_keys=self.block_keys_of(msg))
+                                    block_keys=keys)
         resp = web.StreamResponse(headers={"Content-Type": "application/msgpack"})
         done = False
         try:

@@ -94,7 +94,9 @@ def build_app(config: Any, role: str, index: int, *,
                       cpus=tuple(cores.home) if cores is not None else ())
     worker = EngineWorker(engine, host=worker_host, cores=cores)
     from transfer.config import TransferConfig
-    from transfer.node_agent import advertised_host
+    from transfer.node_agent import advertised_host, restrict_transfer_to
+
+    restrict_transfer_to(internal.bind)  # before the NIXL agent exists
 
     transfer_config = TransferConfig(agent_name=name, lease_ttl_s=config.prefill.lease_ttl_s,
                                      internal_token=internal.token)
@@ -111,7 +113,10 @@ def build_app(config: Any, role: str, index: int, *,
     from decode.service import DecodeService
 
     reader = DecodeTransfer(worker, transfer_config)
-    service = DecodeService(node, DecodeConfig(config.decode.on_transfer_failure, config.decode.transfer_timeout_s),
+    r = config.router
+    owners = (*r.prefill_urls, *(node_url(advertised_host(internal.bind), p) for p in config.prefill.ports))
+    service = DecodeService(node, DecodeConfig(config.decode.on_transfer_failure, config.decode.transfer_timeout_s,
+                                               allowed_owners=owners),
                             worker, pull=reader.pull, metrics=metrics)
     app = service.make_app()
     reader.install(app)

@@ -13,6 +13,8 @@
     timeout      the deadline passed before the READ completed
     lease_lost   the owner no longer holds the lease, so the bytes read cannot be trusted
     no_agent     this node has no transfer agent (it cannot pull at all)
+    key_mismatch the handle's keys are not those of the request's own prompt and salt (forged or stale)
+    foreign_owner the handle names an owner that is not a prefill node of this deployment
     internal     anything else went wrong while pulling (a bug: logged with its traceback)
 """
 
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 REASONS = frozenset(
     {"handshake", "mismatch", "bad_handle", "no_blocks", "peer_gone", "read_error", "timeout", "lease_lost",
-     "no_agent", "internal"}
+     "no_agent", "internal", "key_mismatch", "foreign_owner"}
 )
 
 

@@ -4,6 +4,7 @@ and `decode.kv_pull`; the engine itself never imports the transfer layer."""
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -20,6 +21,38 @@ def advertised_host(bind: str) -> str:
     if bind in ("0.0.0.0", "::", ""):
         return socket.getfqdn()
     return bind
+
+
+def interface_of(ip: str) -> str | None:
+    """The name of this host's network interface whose (primary IPv4) address is ``ip``, or None."""
+    import fcntl
+    import struct
+
+    siocgifaddr = 0x8915
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            try:
+                packed = fcntl.ioctl(sock.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue  # no IPv4 address
+        if socket.inet_ntoa(packed[20:24]) == ip:
+            return name
+    return None
+
+
+def restrict_transfer_to(bind: str, environ: dict[str, str] | None = None) -> str | None:
+    """Keep NIXL's UCX transport on the interface of ``internal.bind`` (UCX's TCP transport otherwise
+    listens on every interface): sets ``UCX_NET_DEVICES`` before the agent is made, unless the operator
+    set it (RDMA clusters name their HCAs there). Returns the device list set, or None (bound to all
+    addresses, already set, or no interface has that address)."""
+    env = os.environ if environ is None else environ
+    if "UCX_NET_DEVICES" in env or bind in ("0.0.0.0", "::", ""):
+        return None
+    device = "lo" if bind == "localhost" or bind.startswith("127.") else interface_of(bind)
+    if device is None:
+        return None
+    env["UCX_NET_DEVICES"] = device
+    return device
 
 
 def worker_pool_call(worker: EngineWorker) -> Callable[[Callable[[], Any]], Awaitable[Any]]:

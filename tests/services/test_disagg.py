@@ -92,15 +92,17 @@ def test_kv_moves_once_then_the_prefix_is_reused(tiny_model_dir, tmp_path):
     assert out["choices"][0]["text"] == load_tokenizer(tiny_model_dir).decode(want)
 
 
-def _internal_post(url: str, path: str, body: dict) -> tuple[int, list[dict]]:
-    """POST msgpack to a node; the answer's msgpack objects (one, or a decode stream's frames)."""
+def _internal_post(url: str, path: str, body: dict, token: str = "kvrelay-test-token") -> tuple[int, list[dict]]:
+    """POST msgpack to a node (with the `Cluster`'s internal token); the answer's msgpack objects (one,
+    or a decode stream's frames)."""
     import urllib.error
     import urllib.request
 
+    from transfer.config import TOKEN_HEADER
     from transfer.wire import new_unpacker, pack
 
     req = urllib.request.Request(url + path, data=pack(body), method="POST",
-                                 headers={"Content-Type": "application/msgpack"})
+                                 headers={"Content-Type": "application/msgpack", TOKEN_HEADER: token})
     try:
         with urllib.request.urlopen(req, timeout=60) as resp:
             status, data = resp.status, resp.read()
@@ -153,3 +155,37 @@ def test_a_malformed_handle_is_counted_as_bad_handle_and_recomputed(tiny_model_d
         assert status == 200 and [t for f in frames for t in f["tokens"]] == want  # recomputed here, right answer
         assert failure_reasons(decode) == {"bad_handle": 1.0}
         wait_for(lambda: get_json(decode + "/health")["in_use_blocks"] == 0, what="decode pool idle")
+
+
+def test_forged_handles_are_refused_and_nothing_is_stored(tiny_model_dir):
+    """Issue 13, test 3: a handle whose keys are not the request's own prompt and salt (another prompt,
+    another tenant's salt) or whose owner is not a prefill node of this deployment is refused before
+    any contact; the request is recomputed with the right tokens, and later requests too."""
+    from transfer.wire import params_to_wire
+
+    loaded = load_model(tiny_model_dir)
+    rng = random.Random(5)
+    a = [rng.randrange(256) for _ in range(70)]
+    b = [rng.randrange(256) for _ in range(70)]
+    [[want_b]] = LLMEngine(loaded, EngineConfig(num_blocks=64)).generate([b], SamplingParams(max_tokens=6))
+    params = params_to_wire(SamplingParams(max_tokens=6))
+    with Cluster(tiny_model_dir) as c:
+        prefill, decode = c.prefill_urls[0], c.decode_urls[0]
+        status, [pre] = _internal_post(prefill, "/prefill", {"request_id": "a", "prompt": a, "params": params,
+                                                             "salt": b""})
+        assert status == 200 and pre["handle"] is not None
+        forged = {
+            "other prompt": dict(prompt=b, salt=b"", handle=pre["handle"]),
+            "other tenant": dict(prompt=a, salt=b"t" * 16, handle=pre["handle"]),
+            "foreign owner": dict(prompt=a, salt=b"", handle={**pre["handle"], "owner_url": "http://10.9.9.9:1"}),
+        }
+        for i, (name, fields) in enumerate(forged.items()):
+            status, frames = _internal_post(decode, "/generate", {"request_id": f"f{i}", "params": params,
+                                                                  "first_token_ids": pre["first_token_ids"], **fields})
+            assert status == 200, (name, frames)
+        assert failure_reasons(decode) == {"key_mismatch": 2.0, "foreign_owner": 1.0}
+        assert transfer(decode)[0] == 0.0  # not a byte was read from anyone
+        wait_for(lambda: get_json(decode + "/health")["in_use_blocks"] == 0, what="decode pool idle")
+        code, body = post(c.url, {"model": "tiny", "prompt": b, "max_tokens": 6, "temperature": 0})
+        assert code == 200 and body["usage"]["completion_tokens"] == len(want_b)
+        assert body["choices"][0]["text"] == load_tokenizer(tiny_model_dir).decode(want_b)
