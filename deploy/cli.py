@@ -117,7 +117,14 @@ def _cmd_role(args: argparse.Namespace) -> int:
     if pool is not None and cpus is not None and not set(cpus) <= set(pool):
         print(f"kvrelay {args.command}: --cpus {args.cpus} is not inside --cpu-pool {args.cpu_pool}", file=sys.stderr)
         return 2
-    return run_role(_load(args), args.command, args.index, cpus=cpus, cpu_pool=pool, cpu_lock_dir=args.cpu_lock_dir)
+    from deploy.service_config import internal_token_problem
+
+    config = _load(args)
+    problem = internal_token_problem(config.internal)
+    if problem is not None:
+        print(f"kvrelay {args.command}: refusing to start: {problem}", file=sys.stderr)
+        return 2
+    return run_role(config, args.command, args.index, cpus=cpus, cpu_pool=pool, cpu_lock_dir=args.cpu_lock_dir)
 
 
 BENCH_NAMES = ("bandwidth", "decode", "dtype", "kernel", "long-context", "memory", "serve", "tiers", "transfer")

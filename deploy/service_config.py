@@ -153,6 +153,19 @@ def size(v: Any) -> int:
     return parse_size(v)
 
 
+TOKEN_ENV = "KVRELAY_INTERNAL_TOKEN"  # the internal token when the config names none (`kvrelay up` sets it)
+LOOPBACK_BINDS = ("127.0.0.1", "localhost", "::1")
+
+
+def internal_token_problem(internal: InternalSection) -> str | None:
+    """Why a node with these ``internal`` settings must not start (fail closed), or None: an internal
+    plane reachable from other machines needs the shared token."""
+    if internal.token is None and internal.bind not in LOOPBACK_BINDS and not internal.bind.startswith("127."):
+        return (f"internal.bind is {internal.bind!r} (reachable from other machines) but no internal token is "
+                f"set: set internal.token_env to the name of a variable holding a secret, or {TOKEN_ENV}")
+    return None
+
+
 def _env(name: str | None, env: Mapping[str, str]) -> str | None:
     return env.get(name) if name else None
 
@@ -176,7 +189,8 @@ def parse_services(root: Section, *, base_dir: Path, env: Mapping[str, str] | No
     e.done()
     i = root.section("internal")
     bind = i.take("bind", string, "127.0.0.1")
-    token = i.take("token", string, None) or _env(i.take("token_env", string, None), env)
+    token = (i.take("token", string, None) or _env(i.take("token_env", string, None), env)
+             or env.get(TOKEN_ENV) or None)
     i.done()
     p = root.section("prefill")
     prefill = PrefillSection(p.take("ports", port_list, ()), p.take("lease_ttl_s", positive_float, 30.0))

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import faulthandler
 import json
+import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from deploy.cpu_budget import available_cpus, format_cpus, split_cpus
+from deploy.service_config import TOKEN_ENV
 
 GRACE_S = 10.0
 RESTART_BACKOFF_S = 2.0
@@ -100,6 +103,10 @@ def up(config: Any, config_path: Path, *, overrides: list[str], startup_timeout_
         print(f"kvrelay up: {len(plan)} engine nodes share {len(cpus)} CPUs; they will slow each other down",
               file=sys.stderr, flush=True)
     plan.append(("router", 0))
+    # Every node gets the internal token: the config's, else one made up for this deployment's life.
+    env = dict(os.environ)
+    if config.internal.token is None:
+        env[TOKEN_ENV] = secrets.token_urlsafe(32)
     procs: list[subprocess.Popen] = []
     restart_at: dict[int, float] = {}
     stopping = False
@@ -112,7 +119,8 @@ def up(config: Any, config_path: Path, *, overrides: list[str], startup_timeout_
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints where this process is (stderr)
     try:
         for role, index in plan:
-            procs.append(subprocess.Popen(_role_cmd(role, config_path, index, overrides, shares[len(procs)], lending)))
+            procs.append(subprocess.Popen(_role_cmd(role, config_path, index, overrides, shares[len(procs)], lending),
+                                          env=env))
         url = f"http://{config.router.host}:{config.router.port}"
         deadline = time.monotonic() + startup_timeout_s
         next_report = time.monotonic() + REPORT_EVERY_S
@@ -132,7 +140,8 @@ def up(config: Any, config_path: Path, *, overrides: list[str], startup_timeout_
                     restart_at[k] = now + RESTART_BACKOFF_S
                 elif now >= restart_at[k]:
                     del restart_at[k]
-                    procs[k] = subprocess.Popen(_role_cmd(role, config_path, index, overrides, shares[k], lending))
+                    procs[k] = subprocess.Popen(_role_cmd(role, config_path, index, overrides, shares[k], lending),
+                                                env=env)
             if not ready:
                 health = _router_health(url)
                 all_up = health is not None and all(n["healthy"] for n in health.get("nodes", {}).values())

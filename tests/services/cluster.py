@@ -10,6 +10,8 @@ from typing import Any
 
 from benchmarks.deployment import Deployment, merge
 
+TEST_TOKEN_ENV = "KVRELAY_INTERNAL_TOKEN"
+
 
 def get_json(url: str, *, headers: dict[str, str] | None = None, timeout: float = 5.0) -> Any:
     req = urllib.request.Request(url, headers=headers or {})
@@ -42,7 +44,10 @@ class Cluster(Deployment):
             "decode": {"ports": [0] * decode, "transfer_timeout_s": 30},  # generous: CI machines are shared
             "router": {"request_timeout_s": 60},
         }
-        super().__init__(model_dir, overrides=merge(base, overrides or {}), env=env)
+        # The nodes' internal token (`kvrelay up` would make one up; tests that talk to nodes need it).
+        self.token = (env or {}).get(TEST_TOKEN_ENV, "kvrelay-test-token")
+        super().__init__(model_dir, overrides=merge(base, overrides or {}), env={TEST_TOKEN_ENV: self.token,
+                                                                                 **(env or {})})
 
     def node_pid(self, url: str) -> int:
         return int(get_json(url + "/health")["pid"])

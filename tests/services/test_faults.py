@@ -110,3 +110,32 @@ def test_internal_endpoints_need_the_token_and_bind_loopback(tiny_model_dir, tmp
             port = url.rsplit(":", 1)[1]
             rows = [line.split() for line in os.popen(f"ss -ltnH 'sport = :{port}'").read().splitlines()]
             assert [r[3] for r in rows] == [f"127.0.0.1:{port}"]  # the local address: loopback only
+            # Every socket the node listens on (its HTTP port and NIXL's UCX listeners) is on loopback.
+            pid = c.node_pid(url)
+            mine = [line.split()[3] for line in os.popen("ss -ltnpH").read().splitlines() if f"pid={pid}," in line]
+            assert len(mine) >= 2 and all(a.startswith("127.0.0.1:") for a in mine), mine
+
+
+def test_the_internal_plane_fails_closed(tiny_model_dir, tmp_path):
+    """Issue 13: a node reachable from other machines without a token refuses to start, naming the
+    setting; `kvrelay up` with no token configured makes one up, so its nodes still refuse strangers."""
+    import subprocess
+    import sys
+
+    cfg = tmp_path / "open.yaml"
+    cfg.write_text(f"model: {{path: {tiny_model_dir}}}\nkvstore: {{device: {{bytes: 8MiB}}}}\n"
+                   "internal: {bind: 0.0.0.0}\nprefill: {ports: [0]}\n")
+    env = {k: v for k, v in os.environ.items() if k != "KVRELAY_INTERNAL_TOKEN"}
+    for role in ("prefill", "decode"):
+        done = subprocess.run([sys.executable, "-m", "deploy.cli", role, "--config", str(cfg)], env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2, done.stderr
+        assert f"kvrelay {role}: refusing to start: internal.bind is '0.0.0.0' (reachable from other machines) " \
+               "but no internal token is set" in done.stderr
+    with Cluster(tiny_model_dir, env={"KVRELAY_INTERNAL_TOKEN": ""}) as c:  # none configured: up makes one
+        for url in c.prefill_urls + c.decode_urls:
+            with pytest.raises(urllib.error.HTTPError) as err:
+                get_json(url + "/info")
+            assert err.value.code == 401
+        code, body = post(c.url, {"model": "tiny", "prompt": "hi", "max_tokens": 3, "ignore_eos": True})
+        assert code == 200 and body["usage"]["completion_tokens"] == 3

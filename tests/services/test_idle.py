@@ -8,6 +8,7 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import openai
@@ -15,6 +16,7 @@ import pytest
 
 from deploy.cpu_budget import available_cpus, split_cpus
 from tests.services.cluster import Cluster, get_json
+from transfer.config import TOKEN_HEADER
 
 IDLE_WINDOW_S = 10.0
 MAX_IDLE_CPU_S = 0.5
@@ -81,12 +83,16 @@ def test_event_long_poll_answers_when_a_block_is_stored(tiny_model_dir: Path) ->
     """The router's long poll: a node holds ``/kv/events`` until it has news, up to ``wait_s``."""
     with Cluster(tiny_model_dir, overrides={"prefill": {"ports": []}}) as cluster:  # one node: decode
         node = cluster.decode_urls[0]
-        last = msgpack.unpackb(urllib.request.urlopen(node + "/kv/events?after=0", timeout=10).read())["last_seq"]
+
+        def open_(url: str, timeout: float) -> Any:  # internal endpoints want the cluster's token
+            return urllib.request.urlopen(urllib.request.Request(url, headers={TOKEN_HEADER: cluster.token}),
+                                          timeout=timeout)
+        last = msgpack.unpackb(open_(node + "/kv/events?after=0", timeout=10).read())["last_seq"]
         start = time.monotonic()
-        quiet = msgpack.unpackb(urllib.request.urlopen(f"{node}/kv/events?after={last}&wait_s=1", timeout=10).read())
+        quiet = msgpack.unpackb(open_(f"{node}/kv/events?after={last}&wait_s=1", timeout=10).read())
         assert quiet["events"] == [] and quiet["last_seq"] == last and time.monotonic() - start >= 1.0
         with ThreadPoolExecutor(1) as pool:
-            waiting = pool.submit(lambda: urllib.request.urlopen(f"{node}/kv/events?after={last}&wait_s=30",
+            waiting = pool.submit(lambda: open_(f"{node}/kv/events?after={last}&wait_s=30",
                                                                  timeout=60).read())
             openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0).completions.create(
                 model="tiny", prompt=list(range(1, 40)), max_tokens=2)  # 39 tokens: two full blocks stored
@@ -95,12 +101,10 @@ def test_event_long_poll_answers_when_a_block_is_stored(tiny_model_dir: Path) ->
         assert batch["events"][0][1] == "stored" and time.monotonic() - start < 25
         kinds = [e[1] for e in batch["events"]]
         while len(kinds) < 2:
-            batch = msgpack.unpackb(urllib.request.urlopen(
-                f"{node}/kv/events?after={batch['last_seq']}&wait_s=5", timeout=10).read())
+            batch = msgpack.unpackb(open_(f"{node}/kv/events?after={batch['last_seq']}&wait_s=5", timeout=10).read())
             assert batch["events"], "the second block's event never came"
             kinds += [e[1] for e in batch["events"]]
         assert kinds[:2] == ["stored", "stored"]
-        bad = urllib.request.Request(f"{node}/kv/events?after=0&wait_s=31")
         with pytest.raises(urllib.error.HTTPError) as err:
-            urllib.request.urlopen(bad, timeout=10)
+            open_(f"{node}/kv/events?after=0&wait_s=31", timeout=10)
         assert err.value.code == 400 and b"wait_s must be in [0, 30]" in err.value.read()
