@@ -37,6 +37,7 @@ from router.openai_api import (
     usage_chunk,
 )
 from router.text_output import SampleText
+from transfer.wire import TENANT_SALT_BYTES
 
 log = logging.getLogger(__name__)
 # A node that has never answered is polled every round; say so at these failure counts (not at every try).
@@ -107,7 +108,7 @@ def salt_for_key(api_key: str | None) -> bytes:
     """Per-tenant cache salt: derived from the API key by the router, never taken from the client."""
     if api_key is None:
         return b""
-    return hashlib.sha256(b"kvrelay.salt.v1" + api_key.encode()).digest()[:16]
+    return hashlib.sha256(b"kvrelay.salt.v1" + api_key.encode()).digest()[:TENANT_SALT_BYTES]
 
 
 class Router:
@@ -236,6 +237,8 @@ class Router:
             return json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise ApiError(400, "request body is nested too deeply") from None
 
     def _error(self, exc: ApiError) -> web.Response:
         self.metrics.requests.labels("router", str(exc.status)).inc()

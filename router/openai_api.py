@@ -14,6 +14,8 @@ from typing import Any
 from model.sampling_params import SamplingParams
 from model.tokenizer import Tokenizer
 
+MAX_STOP_STRING_CHARS = 1024  # each; matched against the text at every token
+MAX_STOP_TOKEN_IDS = 64
 MAX_STOP_STRINGS = 4
 # Fields this server does not implement, with the values that mean "not used" and are accepted.
 UNSUPPORTED_FIELD_TO_NEUTRAL: dict[str, tuple[Any, ...]] = {
@@ -91,6 +93,15 @@ def _get(body: dict[str, Any], name: str, types: type | tuple[type, ...], defaul
     return value
 
 
+def _number(body: dict[str, Any], name: str, default: float) -> float:
+    """A finite-or-NaN float from an int or float field (an int too large for a float is a 400)."""
+    value = _get(body, name, (int, float), default)
+    try:
+        return float(value)
+    except OverflowError:
+        raise ApiError(400, f"{name} is out of range", param=name) from None
+
+
 def _type_names(types: type | tuple[type, ...]) -> str:
     names = [t.__name__ for t in (types if isinstance(types, tuple) else (types,))]
     return " or ".join({"int": "an integer", "float": "a number", "str": "a string", "bool": "a boolean",
@@ -111,15 +122,16 @@ def _sampling(body: dict[str, Any], served: ServedModel, prompt_len: int) -> tup
             "shorten the prompt or lower max_tokens",
             param="max_tokens" if prompt_len < served.max_model_len else "prompt",
         )
-    temperature = float(_get(body, "temperature", (int, float), 1.0))
-    if temperature < 0 or temperature > 2:
+    temperature = _number(body, "temperature", 1.0)
+    if not 0 <= temperature <= 2:  # NaN fails too
         raise ApiError(400, f"temperature must be in [0, 2], got {temperature}", param="temperature")
-    top_p = float(_get(body, "top_p", (int, float), 1.0))
+    top_p = _number(body, "top_p", 1.0)
     if not 0 < top_p <= 1:
         raise ApiError(400, f"top_p must be in (0, 1], got {top_p}", param="top_p")
     top_k = _get(body, "top_k", int, 0)
-    if top_k < -1:
-        raise ApiError(400, f"top_k must be -1 or 0 (disabled) or a positive integer, got {top_k}", param="top_k")
+    if not -1 <= top_k <= served.vocab_size:
+        raise ApiError(400, f"top_k must be -1 or 0 (disabled) or at most the vocabulary size "
+                            f"({served.vocab_size}), got {top_k}", param="top_k")
     seed = _get(body, "seed", int, None)
     if seed is not None and not 0 <= seed < 2**63:
         raise ApiError(400, f"seed must be in [0, 2**63), got {seed}", param="seed")
@@ -140,9 +152,13 @@ def _sampling(body: dict[str, Any], served: ServedModel, prompt_len: int) -> tup
         raise ApiError(400, f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stops)}", param="stop")
     if any(s == "" for s in stops):
         raise ApiError(400, "stop strings must not be empty", param="stop")
+    if any(len(s) > MAX_STOP_STRING_CHARS for s in stops):
+        raise ApiError(400, f"a stop string is at most {MAX_STOP_STRING_CHARS} characters", param="stop")
     stop_ids = _get(body, "stop_token_ids", list, [])
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
-        raise ApiError(400, "stop_token_ids must be a list of integers", param="stop_token_ids")
+    if len(stop_ids) > MAX_STOP_TOKEN_IDS:
+        raise ApiError(400, f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(stop_ids)}",
+                       param="stop_token_ids")
+    _check_ids(stop_ids, served, "stop_token_ids")
     ignore_eos = _get(body, "ignore_eos", bool, False)
     for name, allowed in UNSUPPORTED_FIELD_TO_NEUTRAL.items():
         if body.get(name) not in allowed:

@@ -316,6 +316,7 @@ async def read_body(content: aiohttp.StreamReader, *, max_bytes: int, what: str)
 MAX_BODY_BYTES = 64 << 20
 MAX_PROMPT_TOKENS = 4 << 20
 MAX_SALT_BYTES = 1024
+TENANT_SALT_BYTES = 16  # the router's per-API-key salt (`router.app.salt_for_key`); b"" without keys
 MAX_TEXT_CHARS = 1 << 20  # request ids, error messages, long-context option values
 MAX_NODE_MAP_LEN = 64
 _NODE_LIMITS: dict[str, int] = dict(max_bin_len=max(KEY_BYTES, MAX_SALT_BYTES), max_str_len=MAX_TEXT_CHARS,
@@ -433,6 +434,8 @@ def decode_generation(data: Any) -> GenerationMessage:
     if not isinstance(msg, dict):
         raise WireError(f"{what}: expected a map, got {type(msg).__name__}")
     salt = _field(msg, "salt", bytes, what)
+    if len(salt) not in (0, TENANT_SALT_BYTES):  # only the router's derivation; never a client's choice
+        raise WireError(f"{what}.salt: {len(salt)} bytes; a cache salt is empty or {TENANT_SALT_BYTES} bytes")
     handle, handle_error = _handle_or_error(msg, what)
     prompt = _token_ids(msg, "prompt", what)
     assert prompt is not None

@@ -32,6 +32,18 @@ def served(tiny_model_dir) -> ServedModel:
         ({"model": "tiny", "prompt": "x", "max_tokens": "9"}, 400, "max_tokens must be an integer, got str"),
         ({"model": "tiny", "prompt": "x", "logprobs": 2}, 400, "logprobs is not supported by this server"),
         ({"model": "tiny", "prompt": {"a": 1}}, 400, "prompt must be a string or a list of token ids"),
+        # issue 13: every per-request size and range is capped with a named 400 (no 500s)
+        ({"model": "tiny", "prompt": "x", "temperature": float("nan")}, 400, "temperature must be in [0, 2], got nan"),
+        ({"model": "tiny", "prompt": "x", "temperature": 10**400}, 400, "temperature is out of range"),
+        ({"model": "tiny", "prompt": "x", "top_p": float("nan")}, 400, "top_p must be in (0, 1], got nan"),
+        ({"model": "tiny", "prompt": "x", "top_k": 2**64}, 400, "top_k must be -1 or 0 (disabled) or at most the "
+                                                               "vocabulary size (258), got 18446744073709551616"),
+        ({"model": "tiny", "prompt": "x", "stop": "s" * 1025}, 400, "a stop string is at most 1024 characters"),
+        ({"model": "tiny", "prompt": "x", "stop_token_ids": list(range(65))}, 400,
+         "stop_token_ids takes at most 64 ids, got 65"),
+        ({"model": "tiny", "prompt": "x", "stop_token_ids": [2**64]}, 400,
+         "token id 18446744073709551616 at position 0 is outside the vocabulary [0, 258)"),
+        ({"model": "tiny", "prompt": "x", "seed": 2**64}, 400, "seed must be in [0, 2**63)"),
     ],
 )
 def test_completion_validation(served, body, status, message):

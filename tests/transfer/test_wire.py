@@ -148,7 +148,7 @@ def test_meta_schema_violations_name_the_field(tier, match):
         decode_meta(msgpack.packb(raw))
 
 
-GEN = GenerationMessage("r1", [1, 2, 3], SamplingParams(max_tokens=5, temperature=0.5, stop_token_ids=(7,)), b"salt",
+GEN = GenerationMessage("r1", [1, 2, 3], SamplingParams(max_tokens=5, temperature=0.5, stop_token_ids=(7,)), b"s" * 16,
                         first_token_ids=[9], handle=HANDLE, long_context={"policy": "h2o"})
 
 
@@ -183,6 +183,7 @@ def test_a_malformed_handle_in_a_request_is_reported_not_fatal():
     ({"prompt": "abc"}, "prompt: expected list"),
     ({"salt": "text"}, "salt: expected bytes"),
     ({"salt": b"x" * (MAX_SALT_BYTES + 1)}, "malformed msgpack"),
+    ({"salt": b"x" * 15}, "salt: 15 bytes; a cache salt is empty or 16 bytes"),
     ({"request_id": ""}, "request_id: length 0"),
     ({"params": {"top_k": "5"}}, r"params.top_k: has the wrong type"),
     ({"params": {"temperature": True}}, r"params.temperature: has the wrong type"),
