@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-FINGERPRINT_SAMPLE_BYTES = 1 << 20
+FINGERPRINT_CACHE = ".kvrelay-fingerprint.json"  # per weight file: size, mtime_ns, sha256
 TIED_HEAD = "lm_head.weight"
 TIED_SOURCE = "model.embed_tokens.weight"
 
@@ -141,12 +142,15 @@ def _tensor_files(model_dir: Path) -> dict[str, Path]:
 
 
 def model_fingerprint(model_dir: str | Path) -> str:
-    """Hex SHA-256 naming a model directory's weights, cheap to compute for any size.
+    """Hex SHA-256 naming a model directory's content: ``config.json`` and every byte of every weight
+    file (name, size and SHA-256 of each, in name order). Weights replaced in place get a new
+    fingerprint, so KV computed with the old ones (in any tier, on disk too) is never served again.
 
-    Covers ``config.json`` bytes and, for each safetensors file in name order: its name, size,
-    header (the 8-byte length and the JSON header), and the SHA-256 of its first and last MiB.
-    Two checkpoints differing in any config value, tensor name, shape, dtype or offset, or in the
-    bytes near either end of a file, get different fingerprints.
+    Hashing a large checkpoint takes a while (about a second per GiB), so each file's digest is cached
+    in ``FINGERPRINT_CACHE`` next to the files, keyed by name, size and modification time (nanoseconds):
+    a file rewritten in place gets a new mtime and is hashed again. (A rewrite that restores the old
+    mtime defeats the cache; delete the cache file after such surgery.) An unwritable directory is
+    hashed at every load.
 
     Raises:
         FileNotFoundError: no ``config.json`` or no weights (see `load_model`).
@@ -155,19 +159,34 @@ def model_fingerprint(model_dir: str | Path) -> str:
     config_path = model_dir / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{config_path} not found; a model directory needs a config.json")
-    h = hashlib.sha256(b"kvrelay.model.v1")
+    h = hashlib.sha256(b"kvrelay.model.v2")
     config_bytes = config_path.read_bytes()
     h.update(len(config_bytes).to_bytes(8, "little") + config_bytes)
+    cache_path = model_dir / FINGERPRINT_CACHE
+    try:
+        cache = json.loads(cache_path.read_text())
+        if not isinstance(cache, dict):
+            cache = {}
+    except (OSError, ValueError):
+        cache = {}
+    fresh: dict[str, dict[str, object]] = {}
     for path in _weight_files(model_dir):
-        size = path.stat().st_size
+        st = path.stat()
+        entry = cache.get(path.name)
+        if not (isinstance(entry, dict) and entry.get("size") == st.st_size and entry.get("mtime_ns") == st.st_mtime_ns
+                and isinstance(entry.get("sha256"), str)):
+            with path.open("rb") as f:
+                entry = {"size": st.st_size, "mtime_ns": st.st_mtime_ns,
+                         "sha256": hashlib.file_digest(f, "sha256").hexdigest()}
+        fresh[path.name] = entry
         name = path.name.encode()
-        h.update(len(name).to_bytes(8, "little") + name + size.to_bytes(8, "little"))
-        with path.open("rb") as f:
-            header_len_bytes = f.read(8)
-            header_len = int.from_bytes(header_len_bytes, "little")
-            h.update(header_len_bytes + f.read(header_len))
-            f.seek(0)
-            h.update(hashlib.sha256(f.read(FINGERPRINT_SAMPLE_BYTES)).digest())
-            f.seek(max(0, size - FINGERPRINT_SAMPLE_BYTES))
-            h.update(hashlib.sha256(f.read()).digest())
+        h.update(len(name).to_bytes(8, "little") + name + st.st_size.to_bytes(8, "little")
+                 + bytes.fromhex(str(entry["sha256"])))
+    if fresh != cache:
+        try:
+            tmp = cache_path.with_name(cache_path.name + f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(fresh, indent=1, sort_keys=True))
+            tmp.replace(cache_path)
+        except OSError:
+            pass  # read-only model directory: hash again next time
     return h.hexdigest()

@@ -148,3 +148,32 @@ def test_fingerprint_covers_config_and_weights(tiny_dir: Path, tmp_path: Path) -
     tensors = load_file(str(edited_weights / "model.safetensors"))
     _rewrite_weights(edited_weights, {"lm_head.weight": tensors["lm_head.weight"] + 1e-3})
     assert model_fingerprint(edited_weights) != base
+
+
+def test_fingerprint_covers_every_weight_byte_and_caches_by_size_and_mtime(tiny_dir: Path, tmp_path: Path) -> None:
+    """Issue 13: weights changed in place (one byte in the middle of the file, size unchanged) get a new
+    fingerprint; the digest is cached next to the files and redone when the file's mtime moves."""
+    import os
+
+    from model.loader import FINGERPRINT_CACHE
+
+    model = _copy(tiny_dir, tmp_path / "m")
+    (model / FINGERPRINT_CACHE).unlink(missing_ok=True)
+    base = model_fingerprint(model)
+    cache = json.loads((model / FINGERPRINT_CACHE).read_text())
+    weights = model / "model.safetensors"
+    assert cache["model.safetensors"]["size"] == weights.stat().st_size
+    assert model_fingerprint(model) == base  # from the cache
+    data = bytearray(weights.read_bytes())
+    middle = len(data) // 2
+    data[middle] ^= 0xFF
+    st = weights.stat()
+    weights.write_bytes(bytes(data))
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    changed = model_fingerprint(model)
+    assert changed != base
+    assert json.loads((model / FINGERPRINT_CACHE).read_text())["model.safetensors"]["mtime_ns"] == \
+        st.st_mtime_ns + 1_000_000
+    data[middle] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    assert model_fingerprint(model) == base  # the same bytes again: the same name
