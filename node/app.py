@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 MAX_EVENT_WAIT_S = 30.0
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+ADMITTED_PATHS = frozenset({"/prefill", "/generate"})  # counted against max_pending_requests
 # Functions whose maps join the node's /health answer (e.g. the prefill node's lease counts).
 HEALTH_EXTRAS: web.AppKey[list[Callable[[], dict[str, Any]]]] = web.AppKey("health_extras", list)
 
@@ -110,12 +111,13 @@ class EngineNode:
         self.metrics = metrics or NodeMetrics(config.role)
         self.events = KvEventLog()
         self.engine.pool.add_listener(self.events)
+        self.num_admitted = 0  # generation requests between arrival and their last byte (event loop only)
         self._hit_tokens_seen = 0
         self._computed_seen = 0
         self._long_context_seen: dict[str, int] = {}
 
     def make_app(self, *, client_max_size: int) -> web.Application:
-        app = web.Application(middlewares=[token_middleware(self.config.internal_token)],
+        app = web.Application(middlewares=[token_middleware(self.config.internal_token), self._admission],
                               client_max_size=client_max_size)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
@@ -125,6 +127,22 @@ class EngineNode:
         app.on_cleanup.append(self._stop)
         return app
 
+    @web.middleware
+    async def _admission(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """A hard bound on generation requests in the node: counted on the event loop from arrival to
+        the last byte (not from the engine's per-step snapshot), so a burst cannot overshoot it."""
+        if request.method != "POST" or request.path not in ADMITTED_PATHS:
+            return await handler(request)
+        if self.num_admitted >= self.config.max_pending_requests:
+            self.metrics.request_done("overloaded")
+            return msgpack_response({"error": f"{self.config.role} node is at capacity "
+                                              f"({self.num_admitted} requests); retry later"}, status=429)
+        self.num_admitted += 1
+        try:
+            return await handler(request)
+        finally:
+            self.num_admitted -= 1
+
     async def _start(self, app: web.Application) -> None:
         self.worker.start()
 
@@ -132,7 +150,7 @@ class EngineNode:
         await self.worker.stop()
 
     async def read_request(self, request: web.Request) -> GenerationMessage | web.Response:
-        """The request's message, or the response refusing it: 400 malformed, 429 at capacity, 503 when
+        """The request's message, or the response refusing it: 400 malformed, 503 when
         the engine loop is not running."""
         if not self.worker.alive:
             self.metrics.request_done("error")
@@ -143,9 +161,6 @@ class EngineNode:
         except WireError as exc:
             self.metrics.request_done("bad_request")
             return msgpack_response({"error": str(exc)}, status=400)
-        if self.worker.num_running + self.worker.num_waiting >= self.config.max_pending_requests:
-            self.metrics.request_done("overloaded")
-            return msgpack_response({"error": f"{self.config.role} node is at capacity; retry later"}, status=429)
         return msg
 
     def block_keys_of(self, msg: GenerationMessage) -> list[BlockKey] | None:
