@@ -106,3 +106,34 @@ async def hammer(url: str, model: str, *, clients: int, seed: int = 0, disconnec
             for i, (stream, r) in enumerate(plans))))
     report.wall_s = time.perf_counter() - t0
     return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``kvrelay bench load``: start a deployment (``kvrelay up``, the tiny model by default), warm it,
+    send ``--clients`` completions at once, print what came back and how long it took."""
+    import argparse
+    from pathlib import Path
+
+    from benchmarks.common import emit
+    from benchmarks.deployment import Deployment
+
+    p = argparse.ArgumentParser(prog="kvrelay bench load", description="many clients at once against kvrelay up")
+    p.add_argument("--model", default=".models/tiny", help="model directory (`kvrelay tiny-model .models/tiny`)")
+    p.add_argument("--prefill", type=int, default=1, help="prefill nodes")
+    p.add_argument("--decode", type=int, default=1, help="decode nodes")
+    p.add_argument("--clients", type=int, default=1000)
+    p.add_argument("--seed", type=int, default=2)
+    p.add_argument("--out", default=None, help="also write the JSON here")
+    a = p.parse_args(argv)
+    if not (Path(a.model) / "config.json").is_file():
+        p.error(f"--model {a.model} is not a model directory; `kvrelay tiny-model {a.model}` writes one")
+    overrides = {"model": {"dtype": "float32"}, "engine": {"max_num_seqs": 32, "max_num_batched_tokens": 512},
+                 "prefill": {"ports": [0] * a.prefill}, "decode": {"ports": [0] * a.decode}}
+    with Deployment(a.model, overrides=overrides) as d:
+        warm = asyncio.run(hammer(d.url, d.model_name, clients=40, seed=1))
+        report = asyncio.run(hammer(d.url, d.model_name, clients=a.clients, seed=a.seed))
+    emit({"benchmark": "load", "prefill": a.prefill, "decode": a.decode, "clients": a.clients,
+          "warmup_statuses": warm.statuses, "statuses": report.statuses, **report.figures(),
+          "short_completions": sum(1 for x in report.answers
+                                   if x.status == 200 and not x.disconnected and x.tokens != x.wanted)}, a.out)
+    return 0

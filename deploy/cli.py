@@ -127,7 +127,8 @@ def _cmd_role(args: argparse.Namespace) -> int:
     return run_role(config, args.command, args.index, cpus=cpus, cpu_pool=pool, cpu_lock_dir=args.cpu_lock_dir)
 
 
-BENCH_NAMES = ("bandwidth", "decode", "dtype", "kernel", "long-context", "memory", "serve", "tiers", "transfer")
+BENCH_NAMES = ("bandwidth", "decode", "dtype", "kernel", "load", "long-context", "memory", "serve", "tiers",
+               "transfer")
 
 
 def _bench_main(name: str) -> Callable[[list[str]], int]:
@@ -141,6 +142,8 @@ def _bench_main(name: str) -> Callable[[list[str]], int]:
         from benchmarks.dtype_bench import main
     elif name == "kernel":
         from benchmarks.kernel_bench import main
+    elif name == "load":
+        from benchmarks.load import main
     elif name == "long-context":
         from benchmarks.long_context_bench import main
     elif name == "memory":

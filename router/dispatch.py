@@ -6,13 +6,18 @@
 No prefill node (aggregated deployment, or all prefill nodes down): the decode node prefills the
 request itself. A prefill node that fails is taken out and the next one is tried; a decode node that
 fails before its first frame is taken out and the next one is tried; one that fails mid-stream ends
-the request with 503 (its tokens so far were already sent).
+the request with 503 (its tokens so far were already sent). A node that answers 429 (full) is not
+taken out: the next one is tried; when every decode node is full the request waits up to
+`DECODE_FULL_WAIT_S` for a slot, then gets 429. A KV handle that no decode node took is released on
+its prefill node at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -32,6 +37,7 @@ from transfer.wire import (
 )
 
 log = logging.getLogger(__name__)
+DECODE_FULL_WAIT_S = 5.0  # how long a prefilled request waits for a decode slot before its 429
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,8 +158,18 @@ class Dispatcher:
         n = req.params.n
         tried: set[str] = set()
         full: NodeRefused | None = None
+        wait_until = time.monotonic() + DECODE_FULL_WAIT_S
+        pause = 0.02
         while True:
             node = self.nodes.pick_decode(keys, exclude=tried)
+            if node is None and full is not None and time.monotonic() < wait_until:
+                # Every decode node is full. The prompt is prefilled (its first token may already be
+                # with the client): wait a little for a slot rather than waste it.
+                await asyncio.sleep(pause * (0.5 + random.random()))
+                pause = min(pause * 2, 0.5)
+                tried.clear()
+                full = None
+                continue
             if node is None:
                 fate.append("unread")
                 if full is not None:
