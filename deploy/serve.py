@@ -156,7 +156,8 @@ def run_role(config: Any, role: str, index: int = 0, *, cpus: list[int] | None =
     def loop_thread() -> None:
         try:
             # Nodes answer the router's event polls: no access log for those.
-            asyncio.run(_serve(app, host, port, name=f"{role}-{index}", access_log=False, stop=stop))
+            asyncio.run(_serve(app, host, port, name=f"{role}-{index}", access_log=False, stop=stop,
+                               drain_timeout_s=config.internal.drain_timeout_s))
         except BaseException as exc:  # noqa: BLE001 - re-raised on the main thread
             failures.append(exc)
 
@@ -192,8 +193,10 @@ class _Stop:
         await event.wait()
 
 
-async def _serve(app: web.Application, host: str, port: int, *, name: str, access_log: bool, stop: _Stop) -> None:
-    """Serve ``app`` until ``stop``; its cleanup (which stops an engine node's worker) runs however this ends."""
+async def _serve(app: web.Application, host: str, port: int, *, name: str, access_log: bool, stop: _Stop,
+                 drain_timeout_s: float = 0.0) -> None:
+    """Serve ``app`` until ``stop``, drain it (an engine node: `node.app.EngineNode.drain`), then run its
+    cleanup (which stops an engine node's worker); the cleanup runs however this ends."""
     runner = web.AppRunner(app, handler_cancellation=True, access_log=log if access_log else None)
     await runner.setup()
     try:
@@ -206,5 +209,10 @@ async def _serve(app: web.Application, host: str, port: int, *, name: str, acces
                 loop.add_signal_handler(sig, stop.set)
         await stop.wait()
         log.info("%s stopping", name)
+        from node.app_keys import DRAIN  # torch-free
+
+        drain = app.get(DRAIN)
+        if drain is not None:
+            await drain(drain_timeout_s)
     finally:
         await runner.cleanup()

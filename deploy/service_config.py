@@ -3,7 +3,7 @@
 
     model:    {path, name, dtype (auto | float32 | bfloat16 | float16), device}
     engine:   {max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching}
-    internal: {bind, token, token_env}
+    internal: {bind, token, token_env, drain_timeout_s}
     prefill:  {ports: [8100, ...], lease_ttl_s}
     decode:   {ports: [8200, ...], on_transfer_failure, max_pending_requests, transfer_timeout_s}
     router:   {host, port, api_keys, api_keys_env, max_body_bytes, request_timeout_s, max_n, load_weight_tokens,
@@ -44,6 +44,7 @@ class EngineSection:
 class InternalSection:
     bind: str = "127.0.0.1"
     token: str | None = None
+    drain_timeout_s: float = 30.0  # on SIGTERM: how long admitted requests may take to finish
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,6 +192,7 @@ def parse_services(root: Section, *, base_dir: Path, env: Mapping[str, str] | No
     bind = i.take("bind", string, "127.0.0.1")
     token = (i.take("token", string, None) or _env(i.take("token_env", string, None), env)
              or env.get(TOKEN_ENV) or None)
+    drain_timeout_s = i.take("drain_timeout_s", positive_float, 30.0)
     i.done()
     p = root.section("prefill")
     prefill = PrefillSection(p.take("ports", port_list, ()), p.take("lease_ttl_s", positive_float, 30.0))
@@ -219,8 +221,8 @@ def parse_services(root: Section, *, base_dir: Path, env: Mapping[str, str] | No
                            r.take("max_connections_per_node", positive_int, 1024),
                            r.take("connect_timeout_s", positive_float, 5.0))
     r.done()
-    return {"model": model, "engine": engine, "internal": InternalSection(bind, token), "prefill": prefill,
-            "decode": decode, "router": router}
+    return {"model": model, "engine": engine, "internal": InternalSection(bind, token, drain_timeout_s),
+            "prefill": prefill, "decode": decode, "router": router}
 
 
 def _long_context(s: Section) -> LongContextConfig:

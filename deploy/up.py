@@ -27,7 +27,7 @@ from typing import Any
 from deploy.cpu_budget import available_cpus, format_cpus, split_cpus
 from deploy.service_config import TOKEN_ENV
 
-GRACE_S = 10.0
+GRACE_S = 10.0  # beyond internal.drain_timeout_s, before SIGKILL
 RESTART_BACKOFF_S = 2.0
 REPORT_EVERY_S = 30.0
 
@@ -68,11 +68,12 @@ def _waiting_for(health: dict[str, Any] | None) -> str:
     return "waiting for " + ", ".join(down) if down else f"router status {health.get('status')!r}"
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
+def _stop(procs: list[subprocess.Popen], grace_s: float = GRACE_S) -> None:
+    """SIGTERM every process, SIGKILL what is left after ``grace_s`` (their drain time plus margin)."""
     for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + GRACE_S
+    deadline = time.monotonic() + grace_s
     for p in procs:
         try:
             p.wait(max(0.1, deadline - time.monotonic()))
@@ -159,7 +160,7 @@ def up(config: Any, config_path: Path, *, overrides: list[str], startup_timeout_
             time.sleep(0.2)
         return 0
     finally:
-        _stop(procs)
+        _stop(procs, GRACE_S + config.internal.drain_timeout_s)
         if lock_dir is not None:
             shutil.rmtree(lock_dir, ignore_errors=True)
         for s, h in old.items():

@@ -27,6 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from engine.worker import EngineWorker
 from kvstore.block_key import BlockKey
 from kvstore.kv_events import KvEventLog
+from node.app_keys import DRAIN, HEALTH_EXTRAS
 from transfer.config import TOKEN_HEADER
 from transfer.wire import GenerationMessage, WireError, decode_generation, pack
 
@@ -35,8 +36,7 @@ OPEN_PATHS = frozenset({"/health", "/metrics"})
 MAX_EVENT_WAIT_S = 30.0
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 ADMITTED_PATHS = frozenset({"/prefill", "/generate"})  # counted against max_pending_requests
-# Functions whose maps join the node's /health answer (e.g. the prefill node's lease counts).
-HEALTH_EXTRAS: web.AppKey[list[Callable[[], dict[str, Any]]]] = web.AppKey("health_extras", list)
+
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +112,7 @@ class EngineNode:
         self.events = KvEventLog()
         self.engine.pool.add_listener(self.events)
         self.num_admitted = 0  # generation requests between arrival and their last byte (event loop only)
+        self.draining = False  # set on a planned stop: new generation requests get 503
         self._hit_tokens_seen = 0
         self._computed_seen = 0
         self._long_context_seen: dict[str, int] = {}
@@ -125,7 +126,24 @@ class EngineNode:
         app.router.add_get("/kv/events", self.kv_events)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
+        app[DRAIN] = self.drain
         return app
+
+    async def drain(self, timeout_s: float) -> None:
+        """A planned stop: refuse new generation requests (503), give the admitted ones up to
+        ``timeout_s`` to finish (those still running after it are cut off when the server closes: the
+        router ends their streams with an error event), then write the device and host tiers' keyed
+        blocks to disk (`TieredStore.persist`) so a restart finds them there."""
+        self.draining = True
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while self.num_admitted and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        if self.num_admitted:
+            log.warning("%s: %d requests still running after the %.0f s drain; cutting them off",
+                        self.config.name, self.num_admitted, timeout_s)
+        if self.worker.alive:
+            written = await self.worker.call(lambda engine: engine.store.persist(), timeout_s=max(timeout_s, 60.0))
+            log.info("%s: %d KV blocks written to disk before stopping", self.config.name, written)
 
     @web.middleware
     async def _admission(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -133,6 +151,10 @@ class EngineNode:
         the last byte (not from the engine's per-step snapshot), so a burst cannot overshoot it."""
         if request.method != "POST" or request.path not in ADMITTED_PATHS:
             return await handler(request)
+        if self.draining:
+            self.metrics.request_done("overloaded")
+            return msgpack_response({"error": f"{self.config.role} node is shutting down; retry elsewhere"},
+                                    status=503)
         if self.num_admitted >= self.config.max_pending_requests:
             self.metrics.request_done("overloaded")
             return msgpack_response({"error": f"{self.config.role} node is at capacity "

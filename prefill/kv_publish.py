@@ -12,7 +12,7 @@ from aiohttp import web
 from engine.engine import LLMEngine
 from engine.worker import EngineWorker
 from kvstore.block_key import BlockKey
-from node.app import HEALTH_EXTRAS
+from node.app_keys import HEALTH_EXTRAS
 from transfer.config import TransferConfig
 from transfer.handle import KvHandle
 from transfer.lease import LeaseTable, TierBlock

@@ -139,3 +139,33 @@ def test_the_internal_plane_fails_closed(tiny_model_dir, tmp_path):
             assert err.value.code == 401
         code, body = post(c.url, {"model": "tiny", "prompt": "hi", "max_tokens": 3, "ignore_eos": True})
         assert code == 200 and body["usage"]["completion_tokens"] == 3
+
+
+def test_sigterm_drains_in_flight_requests_and_persists_kv_for_the_restart(tiny_model_dir, tmp_path):
+    """Issue 13, test 4: SIGTERM mid-stream lets the request finish (drain), writes the node's device
+    and host blocks to disk, and the restarted node (``kvrelay up`` restarts it) finds the prompt on disk."""
+    prompt = "a prompt long enough to fill several KV blocks of sixteen tokens each, twice over at least."
+    long = {"model": "tiny", "prompt": prompt, "max_tokens": 600, "temperature": 0, "ignore_eos": True}
+    with Cluster(tiny_model_dir, overrides={"prefill": {"ports": []}, "internal": {"drain_timeout_s": 60}}) as c:
+        decode = c.decode_urls[0]
+        old_pid = c.node_pid(decode)
+        with ThreadPoolExecutor(1) as pool:
+            running = pool.submit(post, c.url, long)
+            wait_for(lambda: get_json(decode + "/health")["running"] == 1, what="the request running")
+            os.kill(old_pid, signal.SIGTERM)
+            code, body = running.result(timeout=120)
+        assert code == 200 and body["usage"]["completion_tokens"] == 600  # drained: finished, not cut off
+
+        def restarted() -> bool:
+            try:
+                return c.node_pid(decode) != old_pid and get_json(c.url + "/health")["nodes"]["decode-0"]["healthy"]
+            except (OSError, KeyError):
+                return False
+
+        wait_for(restarted, timeout_s=120, what="the decode node restarted")
+        assert "KV blocks written to disk before stopping" in "".join(c.log)
+        before = metrics(decode).get("kvrelay_engine_prefix_hit_tokens_total", 0.0)
+        code, body = post(c.url, {**long, "max_tokens": 4})
+        assert code == 200
+        # A fresh process: every prefix hit comes from the disk tier the drain wrote.
+        assert metrics(decode)["kvrelay_engine_prefix_hit_tokens_total"] - before >= 16
