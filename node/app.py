@@ -38,7 +38,6 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 ADMITTED_PATHS = frozenset({"/prefill", "/generate"})  # counted against max_pending_requests
 
 
-
 @dataclass(frozen=True, slots=True)
 class NodeConfig:
     """Identity and limits of one engine node.
