@@ -20,8 +20,8 @@ import aiohttp
 
 @dataclass(frozen=True, slots=True)
 class Answer:
-    """One client's outcome. ``tokens``: completion tokens received (usage, or streamed chunks' count
-    of the tiny model's one-token-per-chunk stream); ``wanted``: ``max_tokens`` it asked for."""
+    """One client's outcome. ``tokens``: completion tokens the server reported (``usage``; for a
+    client that hung up, the chunks it read); ``wanted``: ``max_tokens`` it asked for."""
 
     status: int
     stream: bool
@@ -62,7 +62,7 @@ async def _one(session: aiohttp.ClientSession, url: str, model: str, rng: random
                disconnect: bool) -> Answer:
     wanted = rng.randrange(4, 33)
     body = {"model": model, "prompt": _prompt(rng), "max_tokens": wanted, "temperature": 0, "ignore_eos": True,
-            "stream": stream}
+            "stream": stream, **({"stream_options": {"include_usage": True}} if stream else {})}
     t0 = time.perf_counter()
     try:
         async with session.post(url + "/v1/completions", json=body) as resp:
@@ -82,6 +82,9 @@ async def _one(session: aiohttp.ClientSession, url: str, model: str, rng: random
                 if "error" in chunk:
                     error = str(chunk["error"])[:300]
                     break
+                if chunk.get("usage"):  # the last chunk: the server's count
+                    tokens = chunk["usage"]["completion_tokens"]
+                    continue
                 tokens += 1
                 if disconnect:
                     resp.close()  # hang up mid-stream

@@ -160,6 +160,9 @@ class Dispatcher:
         full: NodeRefused | None = None
         wait_until = time.monotonic() + DECODE_FULL_WAIT_S
         pause = 0.02
+        body = encode_generation(GenerationMessage(  # the same for every node tried
+            req.request_id, req.prompt_token_ids, req.params, salt, first_token_ids=first, handle=handle,
+            long_context=req.long_context))
         while True:
             node = self.nodes.pick_decode(keys, exclude=tried)
             if node is None and full is not None and time.monotonic() < wait_until:
@@ -176,9 +179,6 @@ class Dispatcher:
                     raise ApiError(429, full.message)
                 raise ApiError(503, "no decode node is available; retry later")
             tried.add(node.name)
-            body = encode_generation(GenerationMessage(
-                req.request_id, req.prompt_token_ids, req.params, salt, first_token_ids=first, handle=handle,
-                long_context=req.long_context))
             started = False
             fate.append("sent")  # from here the node may be reading the handle's blocks
             node.in_flight += 1
