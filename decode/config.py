@@ -13,9 +13,12 @@ class DecodeConfig:
 
     on_transfer_failure: str = "recompute"
     transfer_timeout_s: float = 10.0
-    # The prefill nodes (their URLs) a handle may name as its owner; empty: any (tests of one node).
-    allowed_owners: tuple[str, ...] = ()
+    # The prefill nodes (their URLs, no trailing slash) a handle may name as its owner; None: any (tests
+    # of one node); empty: none (a deployment without prefill nodes recomputes every prompt).
+    allowed_owners: frozenset[str] | None = None
 
     def __post_init__(self) -> None:
+        if self.allowed_owners is not None:
+            object.__setattr__(self, "allowed_owners", frozenset(u.rstrip("/") for u in self.allowed_owners))
         if self.on_transfer_failure not in FAILURE_POLICIES:
             raise ValueError(f"on_transfer_failure must be one of {FAILURE_POLICIES}, got {self.on_transfer_failure!r}")

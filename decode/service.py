@@ -56,7 +56,7 @@ class DecodeService(EngineNode):
         handle = msg.handle
         assert handle is not None
         allowed = self.decode_config.allowed_owners
-        if allowed and handle.owner_url.rstrip("/") not in {u.rstrip("/") for u in allowed}:
+        if allowed is not None and handle.owner_url.rstrip("/") not in allowed:
             raise TransferError("foreign_owner", f"the KV handle names {handle.owner_url[:100]!r}, "
                                                  "which is not a prefill node of this deployment")
         n = len(handle.keys)
@@ -154,8 +154,8 @@ class DecodeService(EngineNode):
         except EngineFailure as exc:
             self.metrics.request_done("error")
             if not resp.prepared:
-                return msgpack_response({"error": str(exc)}, status=500)
-            await resp.write(encode_error_frame(str(exc), 500))
+                return msgpack_response({"error": str(exc)}, status=exc.status)
+            await resp.write(encode_error_frame(str(exc), exc.status))
             return resp
         finally:
             if not done:

@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # engine nodes import these where they are built: the router 
 
 log = logging.getLogger(__name__)
 ROLES = ("router", "prefill", "decode")
+ENGINE_DIED_EXIT = 3  # a node's exit code when its engine loop died (`kvrelay up` restarts it)
 
 
 def node_url(host: str, port: int) -> str:
@@ -29,6 +30,15 @@ def node_url(host: str, port: int) -> str:
 def _reachable(bind: str) -> str:
     """An address to reach a node listening on ``bind`` from this machine."""
     return "127.0.0.1" if bind in ("0.0.0.0", "") else bind
+
+
+def node_urls(config: Any, role: str) -> tuple[str, ...]:
+    """The URLs the router reaches ``role``'s nodes at: ``router.<role>_urls``, else this machine's
+    ``<role>.ports``. Decode nodes accept KV handles only from these prefill URLs (the router writes the
+    URL it reached the prefill node at into each handle it forwards)."""
+    given = config.router.prefill_urls if role == "prefill" else config.router.decode_urls
+    ports = config.prefill.ports if role == "prefill" else config.decode.ports
+    return given or tuple(node_url(_reachable(config.internal.bind), p) for p in ports)
 
 
 def build_engine(config: Any, *, node_name: str, registry: CollectorRegistry) -> LLMEngine:
@@ -70,8 +80,7 @@ def build_app(config: Any, role: str, index: int, *,
         r = config.router
         router = Router(RouterConfig(
             model_name=config.model.name, model_dir=config.model.path,
-            prefill_urls=r.prefill_urls or tuple(node_url(_reachable(internal.bind), p) for p in config.prefill.ports),
-            decode_urls=r.decode_urls or tuple(node_url(_reachable(internal.bind), p) for p in config.decode.ports),
+            prefill_urls=node_urls(config, "prefill"), decode_urls=node_urls(config, "decode"),
             host=r.host, port=r.port, api_keys=r.api_keys, max_body_bytes=r.max_body_bytes,
             request_timeout_s=r.request_timeout_s, max_n=r.max_n, internal_token=internal.token,
             load_weight_tokens=r.load_weight_tokens, long_context=config.decode.long_context,
@@ -113,10 +122,8 @@ def build_app(config: Any, role: str, index: int, *,
     from decode.service import DecodeService
 
     reader = DecodeTransfer(worker, transfer_config)
-    r = config.router
-    owners = (*r.prefill_urls, *(node_url(advertised_host(internal.bind), p) for p in config.prefill.ports))
     service = DecodeService(node, DecodeConfig(config.decode.on_transfer_failure, config.decode.transfer_timeout_s,
-                                               allowed_owners=owners),
+                                               allowed_owners=frozenset(node_urls(config, "prefill"))),
                             worker, pull=reader.pull, metrics=metrics)
     app = service.make_app()
     reader.install(app)
@@ -163,7 +170,14 @@ def run_role(config: Any, role: str, index: int = 0, *, cpus: list[int] | None =
 
     thread = threading.Thread(target=loop_thread, name="event-loop")
     thread.start()
-    worker_host.serve(keep_waiting=thread.is_alive)  # returns when the server stops the engine
+    try:
+        worker_host.serve(keep_waiting=thread.is_alive)  # returns when the server stops the engine
+    except BaseException:  # noqa: BLE001 - the engine loop died (it failed its requests and logged why)
+        # Stop serving and exit non-zero, so that `kvrelay up` (or the pod's restart policy) starts a
+        # fresh node rather than keeping one that can only answer 503.
+        stop.set()
+        thread.join()
+        return ENGINE_DIED_EXIT
     thread.join()
     if failures:
         raise failures[0]

@@ -30,7 +30,13 @@ FinishHook = Callable[[LLMEngine, str], None]
 
 
 class EngineFailure(RuntimeError):
-    """The engine raised while stepping; every in-flight request ends with this error."""
+    """The request cannot go on: the engine raised while stepping, its loop died, or the node cut the
+    request off while stopping. ``status`` is the HTTP status a node answers with (500: the engine
+    failed; 503: the node is going away, so another node may serve a retry)."""
+
+    def __init__(self, message: str, *, status: int = 500) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass(eq=False)
@@ -74,6 +80,15 @@ class _Submit:
     on_finish: FinishHook | None
     long_context: LongContextConfig | None = None
     block_keys: list[BlockKey] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Command:
+    """Work for the worker thread. ``refuse(exc)`` is called instead of ``run()`` when the loop is gone
+    (any thread may call it), so that nobody waits on a command that will never run."""
+
+    run: Callable[[], None]
+    refuse: Callable[[BaseException], None] | None = None
 
 
 class StepCores(Protocol):
@@ -130,7 +145,7 @@ class EngineWorker:
         self._after_step = after_step
         self._host = host
         self._stopped = threading.Event()  # set when the loop has returned
-        self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # touched on the worker thread only
         self._finish_hooks: dict[str, FinishHook] = {}
         self._unfinished: dict[str, int] = {}  # samples of each request still to finish
@@ -158,7 +173,7 @@ class EngineWorker:
 
     async def stop(self) -> None:
         """Stop the loop, then close the engine (commits queued disk writes)."""
-        self._commands.put(None)
+        self._commands.put(None)  # not `_put`: a stop is never refused
         if self._thread is not None or self._host is not None:
             await asyncio.to_thread(self._stopped.wait, 10.0)
         await asyncio.to_thread(self.engine.close)
@@ -184,12 +199,25 @@ class EngineWorker:
         cmd = _Submit(stream, list(prompt), params, salt, None if first_token_ids is None else list(first_token_ids),
                       list(pinned_block_ids), on_finish, long_context,
                       None if block_keys is None else list(block_keys))
-        self._commands.put(lambda: self._do_submit(cmd))
+        assert self._loop is not None, "EngineWorker.start() was not called"
+        loop = self._loop
+        self._put(_Command(lambda: self._do_submit(cmd),
+                           lambda exc: loop.call_soon_threadsafe(stream._queue.put_nowait, exc)))
         return stream
 
     def abort(self, request_id: str) -> None:
         """End a request now (client gone); its blocks go back to the pool. Unknown ids are ignored."""
-        self._commands.put(lambda: self._do_abort(request_id))
+        self._put(_Command(lambda: self._do_abort(request_id)))
+
+    async def cut_off(self, message: str) -> int:
+        """End every request in the engine now with ``EngineFailure(message, status=503)`` (a stopping
+        node whose drain ran out of time); their blocks go back to the pool. Returns how many."""
+        def fail(engine: LLMEngine) -> int:
+            n = len(self._streams)
+            self._fail_all(EngineFailure(message, status=503))
+            return n
+
+        return await self.call(fail)
 
     async def call(self, fn: Callable[[LLMEngine], T], *, timeout_s: float = 30.0) -> T:
         """Run ``fn(engine)`` on the worker thread between steps and return its result (or raise its error).
@@ -200,18 +228,37 @@ class EngineWorker:
         assert self._loop is not None, "EngineWorker.start() was not called"
         fut: asyncio.Future[T] = self._loop.create_future()
 
+        loop = self._loop
+
         def run() -> None:
             if fut.done():  # the caller stopped waiting (timeout, cancellation): do not act for nobody
                 return
             try:
                 result: Any = fn(self.engine)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                self._loop.call_soon_threadsafe(_set_exception, fut, exc)
+                loop.call_soon_threadsafe(_set_exception, fut, exc)
             else:
-                self._loop.call_soon_threadsafe(_set_result, fut, result)
+                loop.call_soon_threadsafe(_set_result, fut, result)
 
-        self._commands.put(run)
+        self._put(_Command(run, lambda exc: loop.call_soon_threadsafe(_set_exception, fut, exc)))
         return await asyncio.wait_for(fut, timeout_s)
+
+    def _put(self, cmd: _Command) -> None:
+        """Queue ``cmd``; once the loop is gone, refuse it instead. The dying loop refuses what was queued
+        before it stopped and this refuses what came after, so every command is run or refused once."""
+        self._commands.put(cmd)
+        if self._stopped.is_set():
+            self._refuse_queued()
+
+    def _refuse_queued(self) -> None:
+        exc = EngineFailure(f"the engine is not running ({self.failure or 'stopped'})", status=503)
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd is not None and cmd.refuse is not None:
+                cmd.refuse(exc)
 
     # --------------------------------------------------------- worker thread
     def _emit(self, stream: RequestStream, item: StepOutput | BaseException) -> None:
@@ -262,9 +309,9 @@ class EngineWorker:
                     return
         self._emit(stream, out)
 
-    def _drain(self, *, wait: bool) -> list[Callable[[], None] | None]:
+    def _drain(self, *, wait: bool) -> list[_Command | None]:
         """Every queued command; waits up to 0.5 s for the first one when ``wait``."""
-        cmds: list[Callable[[], None] | None] = []
+        cmds: list[_Command | None] = []
         try:
             cmds.append(self._commands.get(timeout=0.5) if wait else self._commands.get_nowait())
             while True:
@@ -273,19 +320,24 @@ class EngineWorker:
             return cmds
 
     def _run(self) -> None:
+        """The loop. If it dies, every request in it ends with `EngineFailure` and every queued or later
+        command is refused, then the error propagates (a node's process exits: `deploy.serve.run_role`)."""
         try:
             self._loop_until_stopped()
         except BaseException as exc:
             self.failure = f"the engine loop died: {type(exc).__name__}: {exc}"
             log.critical("%s", self.failure, exc_info=True)
+            self._fail_all(EngineFailure(self.failure))
+            self._flush()
             raise
         finally:
             self._stopped.set()
+            self._refuse_queued()
 
     @property
     def alive(self) -> bool:
         """Started, and its loop has neither died nor been stopped."""
-        return (self._loop is not None) and not self._stopped.is_set()
+        return (self._loop is not None) and self.failure is None and not self._stopped.is_set()
 
     def _loop_until_stopped(self) -> None:
         while True:
@@ -297,7 +349,7 @@ class EngineWorker:
                     self._flush()
                     return
                 try:
-                    cmd()
+                    cmd.run()
                 except Exception:  # noqa: BLE001 - a failed command must not stop the loop serving the rest
                     log.exception("engine command failed")
             if self.engine.has_unfinished():

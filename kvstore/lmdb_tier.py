@@ -235,6 +235,15 @@ class LmdbTier:
     def stats(self) -> TierStats:
         return TierStats(self.name, self.index.sizes()[0], self.capacity_blocks, self.spec.block_bytes)
 
+    def num_open_read_txns(self) -> int:
+        """Read transactions open in this environment now, in any process (LMDB's reader table; slots
+        of idle threads hold none). Nonzero at rest means a leaked transaction. Any thread."""
+        try:
+            rows = self._opened.env.readers().splitlines()[1:]  # after the "pid thread txnid" header
+        except lmdb.Error:  # the environment is being reopened after corruption: no transactions in it
+            return 0
+        return sum(1 for row in rows if row.split()[-1] != "-")
+
     def disk_stats(self) -> DiskStats:
         data = self.path / "data.mdb"
         num, used, pending = self.index.sizes()

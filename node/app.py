@@ -27,7 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from engine.worker import EngineWorker
 from kvstore.block_key import BlockKey
 from kvstore.kv_events import KvEventLog
-from node.app_keys import DRAIN, HEALTH_EXTRAS
+from node.app_keys import DRAIN, DRAINABLES, HEALTH_EXTRAS, Drainable
 from transfer.config import TOKEN_HEADER
 from transfer.wire import GenerationMessage, WireError, decode_generation, pack
 
@@ -36,6 +36,7 @@ OPEN_PATHS = frozenset({"/health", "/metrics"})
 MAX_EVENT_WAIT_S = 30.0
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 ADMITTED_PATHS = frozenset({"/prefill", "/generate"})  # counted against max_pending_requests
+CUT_OFF_GRACE_S = 5.0  # after a drain cuts requests off: time for their handlers to send the error frames
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +113,7 @@ class EngineNode:
         self.engine.pool.add_listener(self.events)
         self.num_admitted = 0  # generation requests between arrival and their last byte (event loop only)
         self.draining = False  # set on a planned stop: new generation requests get 503
+        self.drainables: list[Drainable] = []  # what `drain` also waits for (services add theirs: DRAINABLES)
         self._hit_tokens_seen = 0
         self._computed_seen = 0
         self._long_context_seen: dict[str, int] = {}
@@ -126,23 +128,41 @@ class EngineNode:
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         app[DRAIN] = self.drain
+        app[DRAINABLES] = self.drainables
         return app
 
     async def drain(self, timeout_s: float) -> None:
-        """A planned stop: refuse new generation requests (503), give the admitted ones up to
-        ``timeout_s`` to finish (those still running after it are cut off when the server closes: the
-        router ends their streams with an error event), then write the device and host tiers' keyed
-        blocks to disk (`TieredStore.persist`) so a restart finds them there."""
+        """A planned stop, within ``timeout_s``: refuse new generation requests (503); wait for the admitted
+        ones and for the app's `DRAINABLES` (a prefill node's leases still being read); cut off what is
+        still running after that (its stream ends with a 503 error frame, which the router relays as an
+        error event); end the drainables (release the leases); then write the device and host tiers'
+        keyed blocks to disk (`TieredStore.persist`) so that a restart finds them there."""
         self.draining = True
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        while self.num_admitted and asyncio.get_running_loop().time() < deadline:
+        drainables = self.drainables
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+
+        def busy() -> bool:  # with a dead engine loop there is nothing to wait for but the handlers
+            return self.num_admitted > 0 or (self.worker.alive and any(d.pending() for d in drainables))
+
+        while busy() and loop.time() < deadline:
             await asyncio.sleep(0.05)
-        if self.num_admitted:
-            log.warning("%s: %d requests still running after the %.0f s drain; cutting them off",
-                        self.config.name, self.num_admitted, timeout_s)
-        if self.worker.alive:
-            written = await self.worker.call(lambda engine: engine.store.persist(), timeout_s=max(timeout_s, 60.0))
-            log.info("%s: %d KV blocks written to disk before stopping", self.config.name, written)
+        if self.num_admitted and self.worker.alive:
+            cut = await self.worker.cut_off(f"{self.config.name} is shutting down: the request was cut off "
+                                            f"after the {timeout_s:g} s drain")
+            log.warning("%s: %d requests still running after the %g s drain; cut off", self.config.name, cut,
+                        timeout_s)
+            until = loop.time() + CUT_OFF_GRACE_S  # for their handlers to send the error frames
+            while self.num_admitted and loop.time() < until:
+                await asyncio.sleep(0.02)
+        if not self.worker.alive:
+            return  # the pools died with the loop: nothing to release or persist
+        for drainable in drainables:
+            ended = await drainable.end()
+            if ended:
+                log.info("%s: ended %d outstanding %s at stop", self.config.name, ended, type(drainable).__name__)
+        written = await self.worker.call(lambda engine: engine.store.persist(), timeout_s=max(timeout_s, 60.0))
+        log.info("%s: %d KV blocks written to disk before stopping", self.config.name, written)
 
     @web.middleware
     async def _admission(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -209,6 +229,7 @@ class EngineNode:
             "free_blocks": self.worker.num_free_blocks, "in_use_blocks": self.worker.num_in_use_blocks,
             "total_blocks": self.engine.pool.num_blocks,
             "host_reserved_blocks": self.engine.store.host.num_reserved if self.engine.store.host else 0,
+            "disk_read_txns": self.engine.store.disk.num_open_read_txns() if self.engine.store.disk else 0,
             "long_context": dataclasses.asdict(self.engine.policies.stats),
         })
 

@@ -4,7 +4,7 @@ them in the router process too)."""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
@@ -12,3 +12,18 @@ from aiohttp import web
 HEALTH_EXTRAS: web.AppKey[list[Callable[[], dict[str, Any]]]] = web.AppKey("health_extras", list)
 # ``await app[DRAIN](timeout_s)`` before the app's cleanup on a planned stop (`deploy.serve`).
 DRAIN: web.AppKey[Callable[[float], Awaitable[None]]] = web.AppKey("drain", object)
+
+
+class Drainable(Protocol):
+    """Work a stopping node lets finish before it stops, beyond its admitted requests (the prefill
+    node's KV leases, which decode nodes may still be reading)."""
+
+    def pending(self) -> int:
+        """How much is still outstanding (0: nothing to wait for)."""
+
+    async def end(self) -> int:
+        """End what is still outstanding when the drain's time is up; returns how much that was."""
+
+
+# What `node.app.EngineNode.drain` waits for and then ends (see `Drainable`).
+DRAINABLES: web.AppKey[list[Drainable]] = web.AppKey("drainables", list)

@@ -12,7 +12,7 @@ from aiohttp import web
 from engine.engine import LLMEngine
 from engine.worker import EngineWorker
 from kvstore.block_key import BlockKey
-from node.app_keys import HEALTH_EXTRAS
+from node.app_keys import DRAINABLES, HEALTH_EXTRAS
 from transfer.config import TransferConfig
 from transfer.handle import KvHandle
 from transfer.lease import LeaseTable, TierBlock
@@ -46,7 +46,16 @@ class PrefillTransfer:
     def install(self, app: web.Application) -> None:
         add_transfer_routes(app, self.owner)
         app.setdefault(HEALTH_EXTRAS, []).append(self._health)
+        app.setdefault(DRAINABLES, []).append(self)
         app.on_cleanup.append(self._close)
+
+    def pending(self) -> int:
+        """Leases outstanding: a stopping node waits for decode nodes to finish reading them."""
+        return self.owner.leases.num_leases
+
+    async def end(self) -> int:
+        """Release every lease left (the node is stopping); returns how many there were."""
+        return await self.owner.release_all()
 
     def _health(self) -> dict[str, int]:
         return {"leases": self.owner.leases.num_leases, "leased_blocks": self.owner.leases.num_pinned_blocks}

@@ -90,7 +90,7 @@ class PrefillService(EngineNode):
             return msgpack_response({"error": str(exc)}, status=400)
         except EngineFailure as exc:
             self.metrics.request_done("error")
-            return msgpack_response({"error": str(exc)}, status=500)
+            return msgpack_response({"error": str(exc)}, status=exc.status)
         finally:
             if not done:
                 self.worker.abort(rid)

@@ -92,6 +92,11 @@ class KvOwner:
     async def release(self, lease_id: str) -> bool:
         return await self._pool_call(lambda: self.leases.release(lease_id))
 
+    async def release_all(self) -> int:
+        """Release every lease (the node is stopping); returns how many there were. A reader still
+        reading gets an error and recomputes (or, after a read, finds the lease gone: harmless)."""
+        return await self._pool_call(self.leases.release_all)
+
     async def drain_notifications(self) -> int:
         """Apply the notifications received so far; returns how many leases they released.
 

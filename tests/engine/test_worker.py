@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from engine.engine import EngineConfig, LLMEngine, RequestError
-from engine.worker import CallerThreadHost, EngineWorker
+from engine.worker import CallerThreadHost, EngineFailure, EngineWorker
 from model.loader import load_model
 from model.sampling import SamplingParams
 
@@ -144,3 +144,65 @@ def test_the_worker_brackets_every_step_with_its_cores_and_lends_them_when_idle(
     calls = [c for i, c in enumerate(cores.calls) if c != "idle" or cores.calls[i - 1 : i] != ["idle"]]
     # idle before the request, then one before/after pair per step (prefill + 2 decodes), then idle again
     assert calls == ["idle", "before", "after", "before", "after", "before", "after", "idle"]
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the crash, on purpose
+def test_a_dying_loop_fails_its_requests_and_refuses_everything_after(tiny_model_dir):
+    """Issue 13: nothing waits forever on a dead engine loop: the requests in it end with the reason,
+    and a request or call queued afterwards is refused at once with 503."""
+    loaded = load_model(tiny_model_dir)
+
+    async def main() -> None:
+        engine = LLMEngine(loaded, EngineConfig(num_blocks=64))
+        steps = 0
+        real_step = engine.step
+
+        def step():
+            nonlocal steps
+            steps += 1
+            if steps == 5:
+                raise SystemExit("simulated crash")  # not an Exception: the step guard lets it through
+            return real_step()
+
+        engine.step = step
+        worker = EngineWorker(engine)
+        worker.start()
+        stream = worker.submit("r1", [5, 6, 7], SamplingParams(max_tokens=500, ignore_eos=True))
+        got: list[int] = []
+        with pytest.raises(EngineFailure) as err:
+            async for out in stream:
+                got.extend(out.new_token_ids)
+        assert str(err.value) == "the engine loop died: SystemExit: simulated crash" and err.value.status == 500
+        assert len(got) == 4  # one token per step before the fifth
+        assert not worker.alive
+        with pytest.raises(EngineFailure) as err:
+            await _collect(worker.submit("r2", [5, 6, 7], SamplingParams(max_tokens=2)))
+        assert err.value.status == 503
+        assert str(err.value) == "the engine is not running (the engine loop died: SystemExit: simulated crash)"
+        with pytest.raises(EngineFailure, match="the engine is not running"):
+            await worker.call(lambda e: 1, timeout_s=5.0)
+
+    asyncio.run(main())
+
+
+def test_cut_off_ends_running_requests_with_503_and_frees_their_blocks(tiny_model_dir):
+    loaded = load_model(tiny_model_dir)
+
+    async def main() -> None:
+        worker = EngineWorker(LLMEngine(loaded, EngineConfig(num_blocks=64)))
+        worker.start()
+        streams = [worker.submit(f"r{i}", [5, 6, 7 + i], SamplingParams(max_tokens=2000, ignore_eos=True))
+                   for i in range(2)]
+        first = [await anext(aiter(s)) for s in streams]
+        assert all(len(out.new_token_ids) == 1 for out in first)
+        assert await worker.cut_off("node-0 is shutting down") == 2
+        for s in streams:
+            with pytest.raises(EngineFailure) as err:
+                await _collect(s)
+            assert str(err.value) == "node-0 is shutting down" and err.value.status == 503
+        in_use = await worker.call(lambda e: (e.check_integrity(), e.pool.stats().num_in_use)[1])
+        assert in_use == 0
+        assert await _collect(worker.submit("after", [5, 6], SamplingParams(max_tokens=3, ignore_eos=True))) != {}
+        await worker.stop()
+
+    asyncio.run(main())

@@ -188,3 +188,19 @@ def test_an_io_error_on_read_is_a_miss_that_keeps_the_entry(make_disk, monkeypat
 def test_a_block_larger_than_the_map_is_refused_at_start(make_disk):
     with pytest.raises(ValueError, match="cannot hold one"):
         make_disk(capacity_bytes=64 * PAGE)
+
+
+def test_open_read_transactions_are_counted_and_reads_leave_none_open(make_disk):
+    keys = chain(3)
+    tier = make_disk()
+    for i, key in enumerate(keys):
+        assert tier.put(key, block_value(i))
+    tier.flush()
+    assert tier.num_open_read_txns() == 0
+    assert all(read(tier, k) is not None for k in keys)
+    assert tier.num_open_read_txns() == 0  # the tier's own reads closed their transactions
+    txn = tier._opened.env.begin()  # a leaked one is seen
+    assert tier.num_open_read_txns() == 1
+    txn.abort()
+    assert tier.num_open_read_txns() == 0
+    tier.close()

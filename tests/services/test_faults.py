@@ -169,3 +169,43 @@ def test_sigterm_drains_in_flight_requests_and_persists_kv_for_the_restart(tiny_
         assert code == 200
         # A fresh process: every prefix hit comes from the disk tier the drain wrote.
         assert metrics(decode)["kvrelay_engine_prefix_hit_tokens_total"] - before >= 16
+
+
+def test_a_drain_that_runs_out_of_time_cuts_streams_off_with_an_error_and_releases_leases(tiny_model_dir):
+    """Issue 13, test 4, the other half: what is still running when ``drain_timeout_s`` is up ends with
+    an error event and ``[DONE]`` (not a broken connection), and a stopping prefill node releases the
+    leases nobody read before it writes its blocks to disk."""
+    from model.sampling_params import SamplingParams
+    from transfer.config import TOKEN_HEADER
+    from transfer.wire import GenerationMessage, decode_prefill_reply, encode_generation
+
+    with Cluster(tiny_model_dir, overrides={"internal": {"drain_timeout_s": 1}}) as c:
+        decode, prefill = c.decode_urls[0], c.prefill_urls[0]
+        body = json.dumps({"model": "tiny", "prompt": "cut me off", "max_tokens": 2000, "temperature": 0,
+                           "ignore_eos": True, "stream": True}).encode()
+        req = urllib.request.Request(c.url + "/v1/completions", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            first = resp.readline()
+            assert first.startswith(b"data: {")
+            os.kill(c.node_pid(decode), signal.SIGTERM)
+            events = [e.strip().removeprefix(b"data: ") for e in resp.read().split(b"\n\n") if e.strip()]
+        assert events[-1] == b"[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == 503
+        assert error["message"] == "decode-0 is shutting down: the request was cut off after the 1 s drain"
+        assert all("choices" in json.loads(e) for e in events[:-2])  # tokens, then the error, then [DONE]
+
+        # A lease no decode node reads: the drain waits its 1 s for a reader, then releases it.
+        msg = GenerationMessage("direct", list(range(1, 40)), SamplingParams(max_tokens=2), b"")
+        req = urllib.request.Request(prefill + "/prefill", data=encode_generation(msg), method="POST",
+                                     headers={TOKEN_HEADER: c.token, "Content-Type": "application/msgpack"})
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            assert decode_prefill_reply(resp.read()).handle is not None
+        assert get_json(prefill + "/health")["leases"] == 1
+        os.kill(c.node_pid(prefill), signal.SIGTERM)
+        wait_for(lambda: any("prefill-0: ended 1 outstanding PrefillTransfer at stop" in line for line in c.log),
+                 what="the lease released at stop")
+        ended = next(i for i, line in enumerate(c.log) if "ended 1 outstanding PrefillTransfer" in line)
+        assert any("prefill-0: " in line and "KV blocks written to disk" in line for line in c.log[ended:])
+

@@ -23,12 +23,12 @@ def _fds(pid: int) -> int:
 
 def _state(c: Cluster) -> dict[str, Any]:
     """What must return to its baseline after the load: per node, blocks in use, queued work, leases,
-    host slots; per process, open file descriptors (router included)."""
+    host slots, open LMDB read transactions; per process, open file descriptors (router included)."""
     out: dict[str, Any] = {}
     for url in c.prefill_urls + c.decode_urls:
         h = get_json(url + "/health")
         out[url] = (h["in_use_blocks"], h["running"], h["waiting"], h["host_reserved_blocks"],
-                    h.get("leases", 0), h.get("leased_blocks", 0))
+                    h.get("leases", 0), h.get("leased_blocks", 0), h["disk_read_txns"])
         out[url + " fds"] = _fds(h["pid"])
     router = get_json(c.url + "/health")
     out["router fds"] = _fds(router["pid"])
