@@ -90,12 +90,20 @@ class Deployment:
                  base_config: Path = DEFAULT_CONFIG, env: dict[str, str] | None = None,
                  up_args: list[str] | None = None) -> None:
         self.config: dict[str, Any] = merge(yaml.safe_load(base_config.read_text()), overrides or {})
-        num_prefill = len(self.config.get("prefill", {}).get("ports", []))
-        num_decode = len(self.config.get("decode", {}).get("ports", [8200]))
-        ports = free_ports(1 + num_prefill + num_decode)
+
+        def wanted(role: str, default: list[int]) -> list[int]:
+            """Free ports (0) for ``role``'s nodes, except those ``overrides`` names (configs may refer to them)."""
+            ports = list(self.config.get(role, {}).get("ports", default))
+            return ports if "ports" in ((overrides or {}).get(role) or {}) else [0] * len(ports)
+
+        prefill_ports, decode_ports = wanted("prefill", []), wanted("decode", [0])
+        num_prefill = len(prefill_ports)
+        ports = free_ports(1 + num_prefill + len(decode_ports))
         self.config["model"] = {**self.config.get("model", {}), "path": str(Path(model_dir).resolve())}
-        self.config.setdefault("prefill", {})["ports"] = ports[1 : 1 + num_prefill]
-        self.config.setdefault("decode", {})["ports"] = ports[1 + num_prefill :]
+        self.config.setdefault("prefill", {})["ports"] = [
+            p or free for p, free in zip(prefill_ports, ports[1 : 1 + num_prefill], strict=True)]
+        self.config.setdefault("decode", {})["ports"] = [
+            p or free for p, free in zip(decode_ports, ports[1 + num_prefill :], strict=True)]
         self.config.setdefault("router", {})["port"] = ports[0]
         self._tmp = tempfile.TemporaryDirectory(prefix="kvrelay-bench-")
         disk = (self.config.get("kvstore") or {}).get("disk")

@@ -15,6 +15,7 @@ its prefill node at once.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import random
 import time
@@ -130,7 +131,9 @@ class Dispatcher:
         if prefilled is not None:
             pre, owner = prefilled
             first = pre.first_token_ids
-            handle = pre.handle
+            # The owner's URL as this router reached it (configured, so decode nodes accept it), not
+            # the name the prefill node gave itself (another name for the same node, e.g. its FQDN).
+            handle = None if pre.handle is None else dataclasses.replace(pre.handle, owner_url=owner.url)
         # What became of the handle, in order: "sent" (a decode node got it and may be reading it: its
         # done/abort notification, or the lease's TTL, ends the lease), "unread" (refused before
         # reading, or no decode node left), "maybe" (a node failed while it may have been reading).

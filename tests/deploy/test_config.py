@@ -2,6 +2,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import yaml
 
 from deploy.config import DEFAULT_CONFIG, ConfigError, load_config, nvml_free_bytes
 from kvstore.block_spec import BlockSpec
@@ -151,3 +152,15 @@ def test_dtypes_default_to_auto_weights_and_kv_following_them(tmp_path):
     assert (config.model.dtype, config.kvstore.dtype) == ("float32", "bfloat16")
     with pytest.raises(ConfigError, match="model.dtype: 'fp8' is not one of \\['auto'"):
         load_config(write(tmp_path, "model: {path: m, dtype: fp8}\nkvstore: {device: {bytes: 1GiB}}\n"))
+
+
+def test_k8s_manifest_config_loads_and_gives_nodes_their_drain(tmp_path):
+    """The ConfigMap's config is valid, and every engine node's pod waits past its drain before SIGKILL."""
+    docs = list(yaml.safe_load_all((DEFAULT_CONFIG.parent.parent / "k8s" / "kvrelay.yaml").read_text()))
+    [config_map] = [d for d in docs if d["kind"] == "ConfigMap"]
+    config = load_config(write(tmp_path, config_map["data"]["kvrelay.yaml"]), gpu_free_bytes=lambda: 80 << 30)
+    assert config.internal.bind == "0.0.0.0" and config.internal.drain_timeout_s == 30
+    graces = {d["metadata"]["name"]: d["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+              for d in docs if d["kind"] == "StatefulSet"}
+    assert sorted(graces) == ["kvrelay-decode", "kvrelay-prefill"]
+    assert all(g >= config.internal.drain_timeout_s + 60 for g in graces.values()), graces

@@ -189,3 +189,36 @@ def test_forged_handles_are_refused_and_nothing_is_stored(tiny_model_dir):
         code, body = post(c.url, {"model": "tiny", "prompt": b, "max_tokens": 6, "temperature": 0})
         assert code == 200 and body["usage"]["completion_tokens"] == len(want_b)
         assert body["choices"][0]["text"] == load_tokenizer(tiny_model_dir).decode(want_b)
+
+
+def test_decode_accepts_the_prefill_node_by_the_url_the_router_reaches_it_at(tiny_model_dir):
+    """Issue 13: the name a prefill node gives itself (on k8s its FQDN; here 127.0.0.1) may differ from
+    the router's URL for it (a Service name; here ``localhost``). The router writes the URL it reached
+    the node at into the handle, so the decode node, which trusts exactly the router's prefill URLs,
+    pulls the KV instead of refusing it as foreign; the node's own name is still refused."""
+    from benchmarks.deployment import free_ports
+    from transfer.wire import params_to_wire
+
+    loaded = load_model(tiny_model_dir)
+    prompt = list(range(5, 75))
+    engine = LLMEngine(loaded, EngineConfig(num_blocks=64))
+    [[want]] = engine.generate([prompt], SamplingParams(max_tokens=6))
+    [port] = free_ports(1)
+    with Cluster(tiny_model_dir, overrides={"prefill": {"ports": [port]},
+                                            "router": {"prefill_urls": [f"http://localhost:{port}"]}}) as c:
+        assert c.prefill_urls == [f"http://localhost:{port}"]
+        decode = c.decode_urls[0]
+        code, body = post(c.url, {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0})
+        assert code == 200 and body["usage"]["completion_tokens"] == len(want)
+        assert body["choices"][0]["text"] == load_tokenizer(tiny_model_dir).decode(want)
+        assert transfer(decode) == (4 * engine.spec.block_bytes, 0.0)  # the prompt's 4 full blocks, pulled
+
+        params = params_to_wire(SamplingParams(max_tokens=6))
+        status, [pre] = _internal_post(c.prefill_urls[0], "/prefill", {"request_id": "own-name", "prompt": prompt,
+                                                                       "params": params, "salt": b""})
+        assert status == 200 and pre["handle"]["owner_url"] == f"http://127.0.0.1:{port}"
+        status, frames = _internal_post(decode, "/generate", {
+            "request_id": "own-name", "prompt": prompt, "params": params, "salt": b"",
+            "first_token_ids": pre["first_token_ids"], "handle": pre["handle"]})
+        assert status == 200 and pre["first_token_ids"] + [t for f in frames for t in f["tokens"]] == want
+        assert failure_reasons(decode) == {"foreign_owner": 1.0}
