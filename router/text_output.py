@@ -5,6 +5,56 @@ from __future__ import annotations
 from model.tokenizer import StreamDecoder, Tokenizer
 
 
+class StopScanner:
+    """Finds the first stop string in text fed piece by piece, in time linear in the text: one KMP
+    automaton per stop string, so nothing is ever rescanned however long the output or the stop strings
+    (`feed` costs O(len(text) · len(stops)) amortized; construction O(total stop length))."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self._stops = stops
+        self._fail = [_failure_table(s) for s in stops]
+        self._state = [0] * len(stops)  # per stop: the longest prefix of it that the text ends with
+        self._fed = 0
+
+    def feed(self, text: str) -> int:
+        """Scan ``text`` (what follows everything fed so far); the index, counted from the start of all
+        the text fed, where the first stop string to complete begins, or -1."""
+        if not self._stops:
+            self._fed += len(text)
+            return -1
+        stops, fail, state = self._stops, self._fail, self._state
+        for ch in text:
+            self._fed += 1
+            for i, stop in enumerate(stops):
+                k = state[i]
+                while k and stop[k] != ch:
+                    k = fail[i][k - 1]
+                if stop[k] == ch:
+                    k += 1
+                if k == len(stop):
+                    return self._fed - k
+                state[i] = k
+        return -1
+
+    @property
+    def partial(self) -> int:
+        """Length of the longest suffix of the text fed that is a proper prefix of a stop string."""
+        return max(self._state, default=0)
+
+
+def _failure_table(pattern: str) -> list[int]:
+    """KMP: ``table[i]`` is the length of the longest proper prefix of ``pattern[:i+1]`` that is also its suffix."""
+    table = [0] * len(pattern)
+    k = 0
+    for i in range(1, len(pattern)):
+        while k and pattern[i] != pattern[k]:
+            k = table[k - 1]
+        if pattern[i] == pattern[k]:
+            k += 1
+        table[i] = k
+    return table
+
+
 class SampleText:
     """Incremental detokenizer that cuts the text at the first stop string.
 
@@ -14,7 +64,7 @@ class SampleText:
 
     def __init__(self, tokenizer: Tokenizer | None, stops: tuple[str, ...]) -> None:
         self._decoder = StreamDecoder(tokenizer) if tokenizer is not None else None
-        self._stops = stops
+        self._scanner = StopScanner(stops)
         self._text = ""
         self._emitted = 0
         self.stopped = False
@@ -27,31 +77,23 @@ class SampleText:
         self.num_tokens += len(token_ids)
         if self._decoder is None:
             return ""
-        self._text += self._decoder.push(token_ids)
-        cut = min((i for i in (self._text.find(s, max(0, self._emitted - len(s) + 1)) for s in self._stops)
-                   if i >= 0), default=-1)
+        return self._add(self._decoder.push(token_ids))
+
+    def flush(self) -> str:
+        """The held-back text, once the sample has finished without a stop string (the decoder's last
+        bytes may still complete one)."""
+        if self.stopped:
+            return ""
+        out = self._add(self._decoder.flush()) if self._decoder is not None else ""
+        return out if self.stopped else out + self._take(len(self._text))
+
+    def _add(self, delta: str) -> str:
+        self._text += delta
+        cut = self._scanner.feed(delta)
         if cut >= 0:
             self.stopped = True
             return self._take(cut)
-        return self._take(max(self._emitted, len(self._text) - self._partial_stop_len()))
-
-    def _partial_stop_len(self) -> int:
-        """Length of the longest text suffix that is a proper prefix of a stop string."""
-        longest = 0
-        for stop in self._stops:
-            for k in range(min(len(stop) - 1, len(self._text)), longest, -1):
-                if self._text.endswith(stop[:k]):
-                    longest = k
-                    break
-        return longest
-
-    def flush(self) -> str:
-        """The held-back text, once the sample has finished without a stop string."""
-        if self.stopped:
-            return ""
-        if self._decoder is not None:
-            self._text += self._decoder.flush()
-        return self._take(len(self._text))
+        return self._take(len(self._text) - self._scanner.partial)
 
     def _take(self, end: int) -> str:
         out = self._text[self._emitted : end]

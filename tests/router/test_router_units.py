@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as hs
 
 from model.tokenizer import load_tokenizer
 from router.kv_index import KvIndex
 from router.nodes import NodeSet
 from router.openai_api import ApiError, ServedModel, parse_chat, parse_completion
-from router.text_output import SampleText
+from router.text_output import SampleText, StopScanner
 
 
 @pytest.fixture(scope="module")
@@ -122,3 +124,35 @@ def test_up_says_which_nodes_it_waits_for():
         "prefill-0": {"healthy": False, "last_error": ""},
         "prefill-1": {"healthy": True, "last_error": ""}}}
     assert _waiting_for(health) == "waiting for decode-0 (NodeUnavailable: timed out), prefill-0 (not answered yet)"
+
+
+def _first_stop(text: str, stops: tuple[str, ...]) -> int:
+    """Reference: where the stop string that completes first (earliest end; ties: first listed) begins."""
+    best_end, start = None, -1
+    for s in stops:
+        i = text.find(s)
+        if i >= 0 and (best_end is None or i + len(s) < best_end):
+            best_end, start = i + len(s), i
+    return start
+
+
+def _partial(text: str, stops: tuple[str, ...]) -> int:
+    """Reference: the longest suffix of ``text`` that is a proper prefix of a stop string."""
+    return max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+
+
+@given(hs.lists(hs.text("ab", min_size=1, max_size=6), min_size=1, max_size=3).map(tuple),
+       hs.lists(hs.text("abc", max_size=5), max_size=8))
+@settings(max_examples=400, deadline=None)
+def test_stop_scanner_matches_a_brute_force_search(stops, pieces):
+    """The streaming KMP scanner finds what searching the whole text again after every piece finds."""
+    scanner = StopScanner(stops)
+    text = ""
+    for piece in pieces:
+        found = scanner.feed(piece)
+        text += piece
+        if found >= 0:
+            assert found == _first_stop(text, stops)
+            return
+        assert _first_stop(text, stops) == -1
+        assert scanner.partial == _partial(text, stops)
