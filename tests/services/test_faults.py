@@ -209,3 +209,49 @@ def test_a_drain_that_runs_out_of_time_cuts_streams_off_with_an_error_and_releas
         ended = next(i for i, line in enumerate(c.log) if "ended 1 outstanding PrefillTransfer" in line)
         assert any("prefill-0: " in line and "KV blocks written to disk" in line for line in c.log[ended:])
 
+
+def test_weights_replaced_in_place_never_get_the_old_weights_disk_kv(tmp_path):
+    """Issue 13, test 4: KV on disk belongs to the weights that computed it. A node restarted on
+    weights replaced at the same path (same file names and sizes) finds none of the old blocks and
+    answers with the new weights' tokens."""
+    from engine.engine import EngineConfig, LLMEngine
+    from model.loader import load_model
+    from model.sampling import SamplingParams
+    from model.tiny import write_tiny_model
+    from model.tokenizer import load_tokenizer
+
+    model = write_tiny_model(tmp_path / "model", seed=0)
+    prompt = list(range(7, 77))  # 4 full blocks
+
+    def reference() -> list[int]:
+        [[tokens]] = LLMEngine(load_model(model), EngineConfig(num_blocks=64)).generate(
+            [prompt], SamplingParams(max_tokens=6, ignore_eos=True))
+        return tokens
+
+    old = reference()
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    with Cluster(model, overrides={"prefill": {"ports": []}, "internal": {"drain_timeout_s": 10}}) as c:
+        decode = c.decode_urls[0]
+        code, got = post(c.url, body)
+        assert code == 200 and got["choices"][0]["text"] == load_tokenizer(model).decode(old)
+        # New weights, same names and sizes, moved over the old files (as a deploy would).
+        staged = write_tiny_model(tmp_path / "staged", seed=1)
+        for f in staged.iterdir():
+            os.replace(f, model / f.name)
+        new = reference()
+        assert new != old
+        old_pid = c.node_pid(decode)
+        os.kill(old_pid, signal.SIGTERM)  # the drain writes the old weights' blocks to disk
+
+        def restarted() -> bool:
+            try:
+                return c.node_pid(decode) != old_pid and get_json(c.url + "/health")["nodes"]["decode-0"]["healthy"]
+            except (OSError, KeyError):
+                return False
+
+        wait_for(restarted, timeout_s=120, what="the decode node restarted")
+        written = [line for line in c.log if "decode-0: " in line and "KV blocks written to disk" in line]
+        assert written and "decode-0: 0 KV blocks" not in written[-1]
+        code, got = post(c.url, body)
+        assert code == 200 and got["choices"][0]["text"] == load_tokenizer(model).decode(new)
+        assert metrics(decode).get("kvrelay_engine_prefix_hit_tokens_total", 0.0) == 0.0  # nothing old reused
