@@ -12,9 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
+
+NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")  # an agent name and a path component
 
 # Before torch is imported: torch's CPU allocator then backs allocations of 2 MiB and more with
 # transparent huge pages (madvise; this kernel's THP mode here is "madvise", so nothing gets them
@@ -124,7 +128,13 @@ def _cmd_role(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"kvrelay {args.command}: refusing to start: {problem}", file=sys.stderr)
         return 2
-    return run_role(config, args.command, args.index, cpus=cpus, cpu_pool=pool, cpu_lock_dir=args.cpu_lock_dir)
+    name = args.name or socket.gethostname()
+    if not NODE_NAME.fullmatch(name):
+        print(f"kvrelay {args.command}: --name {name!r} is not a node name (letters, digits, '.', '_', '-'; "
+              "at most 63, starting with a letter or digit)", file=sys.stderr)
+        return 2
+    return run_role(config, args.command, args.index, name=name, cpus=cpus, cpu_pool=pool,
+                    cpu_lock_dir=args.cpu_lock_dir)
 
 
 BENCH_NAMES = ("bandwidth", "decode", "dtype", "kernel", "load", "long-context", "memory", "serve", "tiers",
@@ -211,6 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(role, help=f"run one {role} process (for separate deployments)")
         p.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
         p.add_argument("--index", type=int, default=0, help=f"which of the configured {role} ports to serve")
+        p.add_argument("--name", default=None,
+                       help="this node's identity: its NIXL agent name, disk tier subdirectory and log prefix; "
+                            "unique per deployment (default: the host name, so a StatefulSet pod is itself)")
         p.add_argument("--model", default=None, help="override model.path")
         p.add_argument("--port", type=int, default=None, help="override router.port")
         p.add_argument("--cpus", default=None, help="CPUs this node may use, e.g. 0-3 (default: all it may run on)")

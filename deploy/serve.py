@@ -62,10 +62,11 @@ def build_engine(config: Any, *, node_name: str, registry: CollectorRegistry) ->
     ), spec=spec, store_config=store_config, registry=registry)
 
 
-def build_app(config: Any, role: str, index: int, *,
+def build_app(config: Any, role: str, index: int, *, name: str | None = None,
               worker_host: CallerThreadHost | None = None,
               cores: CoreLending | None = None) -> tuple[web.Application, str, int]:
-    """The aiohttp app of ``role`` number ``index`` and the (host, port) it listens on. An engine node's
+    """The aiohttp app of ``role`` number ``index`` and the (host, port) it listens on. ``name`` is the
+    node's identity (NIXL agent name, disk tier subdirectory, logs; default ``<role>-<index>``). An engine node's
     loop runs on ``worker_host``'s thread when given, else on a thread of its own.
 
     Raises:
@@ -95,7 +96,7 @@ def build_app(config: Any, role: str, index: int, *,
     if not 0 <= index < len(ports):
         raise ValueError(f"{role}.ports has {len(ports)} entries; --index {index} is out of range")
     port = ports[index]
-    name = f"{role}-{index}"
+    name = name or f"{role}-{index}"
     metrics = NodeMetrics(role)
     engine = build_engine(config, node_name=name, registry=metrics.registry)
     node = NodeConfig(role=role, name=name, model_name=config.model.name, host=internal.bind, port=port,
@@ -130,7 +131,7 @@ def build_app(config: Any, role: str, index: int, *,
     return app, internal.bind, port
 
 
-def run_role(config: Any, role: str, index: int = 0, *, cpus: list[int] | None = None,
+def run_role(config: Any, role: str, index: int = 0, *, name: str | None = None, cpus: list[int] | None = None,
              cpu_pool: list[int] | None = None, cpu_lock_dir: str | None = None) -> int:
     """Serve until SIGTERM/SIGINT; returns the exit code.
 
@@ -138,23 +139,24 @@ def run_role(config: Any, role: str, index: int = 0, *, cpus: list[int] | None =
     them (`deploy.cpu_budget`), and runs its engine on this (the main) thread and its event loop on
     another (see `engine.worker.CallerThreadHost` for why).
     """
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role}-{index} %(levelname)s %(name)s: %(message)s")
+    name = name or f"{role}-{index}"
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
     if role == "router":
         app, host, port = build_app(config, role, index)
-        asyncio.run(_serve(app, host, port, name=f"{role}-{index}", access_log=True, stop=_Stop()))
+        asyncio.run(_serve(app, host, port, name=name, access_log=True, stop=_Stop()))
         return 0
     cores: CoreLending | None = None
     if cpu_pool is not None and cpu_lock_dir is not None and cpus is not None:
         apply_cpus(cpu_pool, threads=len(cpus))
         cores = CoreLending(cpu_lock_dir, cpus, cpu_pool)
-        log.info("%s-%d owns CPUs %s and borrows idle ones of %s", role, index, format_cpus(cpus),
+        log.info("%s owns CPUs %s and borrows idle ones of %s", name, format_cpus(cpus),
                  format_cpus(cpu_pool))
     else:
-        log.info("%s-%d runs on CPUs %s", role, index, format_cpus(apply_cpus(cpus)))
+        log.info("%s runs on CPUs %s", name, format_cpus(apply_cpus(cpus)))
     from engine.worker import CallerThreadHost
 
     worker_host = CallerThreadHost()
-    app, host, port = build_app(config, role, index, worker_host=worker_host, cores=cores)
+    app, host, port = build_app(config, role, index, name=name, worker_host=worker_host, cores=cores)
     stop = _Stop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop.set())
@@ -163,7 +165,7 @@ def run_role(config: Any, role: str, index: int = 0, *, cpus: list[int] | None =
     def loop_thread() -> None:
         try:
             # Nodes answer the router's event polls: no access log for those.
-            asyncio.run(_serve(app, host, port, name=f"{role}-{index}", access_log=False, stop=stop,
+            asyncio.run(_serve(app, host, port, name=name, access_log=False, stop=stop,
                                drain_timeout_s=config.internal.drain_timeout_s))
         except BaseException as exc:  # noqa: BLE001 - re-raised on the main thread
             failures.append(exc)

@@ -34,7 +34,8 @@ REPORT_EVERY_S = 30.0
 
 def _role_cmd(role: str, config_path: Path, index: int, overrides: list[str], cpus: list[int] | None,
               lending: tuple[list[int], str] | None = None) -> list[str]:
-    cmd = [sys.executable, "-m", "deploy.cli", role, "--config", str(config_path), "--index", str(index), *overrides]
+    cmd = [sys.executable, "-m", "deploy.cli", role, "--config", str(config_path), "--index", str(index),
+           "--name", f"{role}-{index}", *overrides]
     if cpus is None:
         return cmd
     cmd += ["--cpus", format_cpus(cpus)]

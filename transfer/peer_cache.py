@@ -6,6 +6,7 @@
       ├─ cached link for handle.owner_url with handle's agent name and incarnation? ──▶ it
       └─ else GET {owner_url}/kv/meta (bounded, token header) → AgentMeta
              ├─ version or fingerprint differs ──▶ PeerMismatchError (names both)
+             ├─ its name is ours, or a live node at another URL has it ──▶ PeerMismatchError (names both)
              ├─ new agent or incarnation: drop the old NIXL peer, load the new one (no stale addresses)
              └─ handle's incarnation is not the one serving now ──▶ TransferError("peer_gone")
 
@@ -26,7 +27,7 @@ import aiohttp
 from transfer.config import TOKEN_HEADER, TransferConfig
 from transfer.errors import PeerMismatchError, TransferError
 from transfer.handle import KvHandle
-from transfer.metadata import PROTOCOL_VERSION, check_compatible
+from transfer.metadata import PROTOCOL_VERSION, AgentMeta, check_compatible
 from transfer.nixl_agent import KvAgent, PeerLink
 from transfer.wire import (
     MAX_META_BYTES,
@@ -118,10 +119,14 @@ class PeerCache:
         except aiohttp.ClientError as exc:
             raise TransferError("handshake", f"GET {meta_url} failed: {type(exc).__name__}: {exc}") from None
         check_compatible(self._agent.spec.fingerprint, meta, url=url)
+        if meta.agent_name == self._agent.name:
+            raise PeerMismatchError(f"the node at {url} is named {meta.agent_name!r}, as is this node; "
+                                    "give every node its own --name")
         for known in self._url_to_link.values():
             if known.active and known.meta == meta:  # same process (a stale handle, or a second URL)
                 self._url_to_link[url] = known
                 return known
+        await self._check_name_unique(url, meta, timeout_s)
         old = self._url_to_link.pop(url, None)
         if old is not None and old.active and old.name != meta.agent_name:
             await self._agent.remove_peer(old)
@@ -134,6 +139,28 @@ class PeerCache:
         log.info("handshake with %s: agent %r incarnation %s, tiers %s", url, meta.agent_name, meta.incarnation,
                  [t.name for t in meta.tiers])
         return link
+
+    async def _check_name_unique(self, url: str, meta: AgentMeta, timeout_s: float) -> None:
+        """Refuse ``meta`` if a live node at another URL already goes by its name (two nodes started with
+        one ``--name``: their NIXL peers would keep replacing each other). A node that restarted at a new
+        address (a pod's new IP) no longer answers with that name at the old one, and passes.
+
+        Raises:
+            PeerMismatchError: naming both URLs.
+        """
+        for other_url, other in list(self._url_to_link.items()):
+            if other_url == url or other.name != meta.agent_name or not other.active:
+                continue
+            try:
+                async with self._session.get(other_url + "/kv/meta", headers=self._headers,
+                                             timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                    body = await read_body(resp.content, max_bytes=MAX_META_BYTES, what=f"GET {other_url}/kv/meta")
+                still = resp.status == 200 and decode_meta(body).agent_name == meta.agent_name
+            except (aiohttp.ClientError, asyncio.TimeoutError, WireError):
+                still = False
+            if still:
+                raise PeerMismatchError(f"two nodes are named {meta.agent_name!r}: the one at {other_url} and "
+                                        f"the one at {url}; give every node its own --name")
 
     async def forget(self, link: PeerLink) -> None:
         """Drop a peer whose connection broke: remove it from the agent (its in-flight READs then end with

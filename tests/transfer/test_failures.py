@@ -185,3 +185,35 @@ def test_fingerprint_mismatch_is_refused_naming_both_fingerprints(start_owner):
             assert r.peers.cached(owner.url) is None
 
     run(body())
+
+
+def test_two_owners_with_one_name_refuse_to_pair_until_one_is_gone(start_owner):
+    """Issue 14: two live nodes started with one ``--name`` (their NIXL peers would keep replacing each
+    other, cancelling READs) are refused by name, naming both URLs; once the first is gone, the second
+    is a node that moved (a pod's new address) and pairs. A peer named like the reader itself is refused."""
+    first = start_owner("owner-twin")
+    second = start_owner("owner-twin")
+
+    async def body():
+        async with open_reader() as r:
+            a = await r.puller.pull(await in_thread(lambda: first.offer(tokens(21, 3))), deadline_s=20)
+            r.pool.release(a.block_ids)
+            handle = await in_thread(lambda: second.offer(tokens(22, 3)))
+            free_before = r.pool.num_free_blocks
+            with pytest.raises(PeerMismatchError) as err:
+                await r.puller.pull(handle, deadline_s=10)
+            assert str(err.value) == (f"two nodes are named 'owner-twin': the one at {first.url} and the one at "
+                                      f"{second.url}; give every node its own --name")
+            assert r.pool.num_free_blocks == free_before and r.peers.cached(first.url) is not None
+            await in_thread(first.stop)
+            moved = await r.puller.pull(await in_thread(lambda: second.offer(tokens(23, 3))), deadline_s=20)
+            r.assert_holds(moved.block_ids, keys_of(tokens(23, 3)))
+            r.pool.release(moved.block_ids)
+            assert r.peers.cached(first.url) is None
+
+        async with open_reader() as r:
+            r.agent.name = "owner-twin"  # this reader calls itself what the owner does
+            with pytest.raises(PeerMismatchError, match="the node at .* is named 'owner-twin', as is this node"):
+                await r.puller.pull(await in_thread(lambda: second.offer(tokens(24, 3))), deadline_s=10)
+
+    run(body())
