@@ -200,7 +200,7 @@ class Router:
                     log.warning("node %s: %s; taken out for %.0f s", node.name, exc, cfg.node_retry_s)
                 elif not node.seen and node.failures + 1 in UNSEEN_WARN_AFTER:
                     log.warning("node %s has not answered yet (%d tries): %s", node.name, node.failures + 1, exc)
-                self.nodes.mark_down(node, f"{type(exc).__name__}: {exc}")
+                self.nodes.mark_unreachable(node, f"{type(exc).__name__}: {exc}")
             await asyncio.sleep(cfg.event_poll_interval_s)
 
     def _apply_events(self, node: Node, batch: Any) -> None:

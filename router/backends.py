@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
 
 import aiohttp
 
-from router.nodes import Node
+from router.nodes import Node, NodeLost
 from transfer.config import TOKEN_HEADER
 from transfer.wire import WireError, decode_release_reply, encode_lease_request, new_unpacker, unpack
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 CONTROL_CONNECTIONS_PER_NODE = 4  # an event long poll and a few /info or lease calls at a time
 
 
@@ -109,12 +111,23 @@ class Backends:
             return False
 
     async def post(self, node: Node, path: str, body: bytes) -> bytes:
-        """POST an encoded message (`transfer.wire`); the answer's bytes, for the caller to decode."""
+        """POST an encoded message (`transfer.wire`); the answer's bytes, for the caller to decode.
+
+        Raises:
+            NodeUnavailable: no answer, a broken connection, a 5xx, or the node was found unreachable
+                (`Node.lost`) while this waited.
+            NodeRefused: a 4xx.
+        """
         try:
-            async with self.session.post(node.url + path, data=body) as resp:
+            resp = await _unless_lost(node, self.session.post(node.url + path, data=body))
+            node.readers.add(resp.content)
+            try:
                 await self._check(node, resp)
                 return await resp.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:
+            finally:
+                node.readers.discard(resp.content)
+                resp.release()
+        except (aiohttp.ClientError, TimeoutError, NodeLost) as exc:
             raise NodeUnavailable(f"{node.name}: POST {path} failed: {exc!r}") from None
 
     async def stream(self, node: Node, path: str, body: bytes) -> AsyncIterator[Any]:
@@ -126,7 +139,9 @@ class Backends:
             NodeRefused: the node refused the request.
         """
         try:
-            async with self.session.post(node.url + path, data=body) as resp:
+            resp = await _unless_lost(node, self.session.post(node.url + path, data=body))
+            node.readers.add(resp.content)
+            try:
                 await self._check(node, resp)
                 unpacker = new_unpacker()
                 async for chunk in resp.content.iter_any():
@@ -135,5 +150,25 @@ class Backends:
                         yield frame
                 if resp.content.exception() is not None:
                     raise NodeUnavailable(f"{node.name}: stream broke: {resp.content.exception()!r}")
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            finally:
+                node.readers.discard(resp.content)
+                resp.release()
+        except (aiohttp.ClientError, TimeoutError, ValueError, NodeLost) as exc:
             raise NodeUnavailable(f"{node.name}: stream from {path} failed: {exc!r}") from None
+
+
+async def _unless_lost(node: Node, aw: Awaitable[T]) -> T:
+    """``await aw`` (a request until its answer begins), unless the health poll finds ``node``
+    unreachable first (`Node.lost`): then cancel it and raise NodeUnavailable."""
+    lost = node.lost
+    work = asyncio.ensure_future(aw)
+    watch = asyncio.ensure_future(lost.wait())
+    try:
+        await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+    if not work.done() or work.cancelled():
+        raise NodeUnavailable(f"{node.name} became unreachable while serving this request ({node.last_error})")
+    return work.result()

@@ -10,17 +10,24 @@ the prompt tokens it already holds (its own prefix cache saves a pull):
 
     cost(node) = in_flight(node) · load_weight_tokens - cached_prefix_tokens(node)
 
-A node that fails a call is taken out for ``retry_after_s`` and then tried again.
+A node that fails a call is taken out for ``retry_after_s`` and then tried again. A node the health
+poll cannot reach is also cut off from the requests in flight to it (`Node.lost`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from kvstore.block_key import BlockKey
 from router.kv_index import KvIndex
+
+
+class NodeLost(Exception):
+    """Raised into the reads of answers from a node that the health poll found unreachable."""
 
 
 @dataclass(slots=True)
@@ -35,6 +42,12 @@ class Node:
     seen: bool = False  # answered at least once; until then it is polled at every round
     last_error: str = ""  # why the last call failed; cleared when it answers
     times_down: int = 0  # how often it was taken out after it had answered (never reset)
+    # Set when the health poll finds the node unreachable, and at once replaced by a fresh one: the
+    # requests waiting on it then give up (`router.backends.Backends`) instead of waiting out their read
+    # timeout on a host that is gone (it sends no reset); later requests wait on the fresh one.
+    lost: asyncio.Event = field(default_factory=asyncio.Event)
+    # Answers being read from the node now (aiohttp stream readers); `NodeSet.mark_unreachable` ends them.
+    readers: set[Any] = field(default_factory=set)
 
     def healthy(self, now: float) -> bool:
         return now >= self.down_until
@@ -62,6 +75,15 @@ class NodeSet:
         node.last_error = error
         node.down_until = time.monotonic() + self.retry_after_s
         self.index.drop_node(node.name)
+
+    def mark_unreachable(self, node: Node, error: str) -> None:
+        """The health poll could not reach ``node``: take it out and end the requests waiting on it
+        (those still waiting for an answer see `Node.lost`; reads of answers raise `NodeLost`)."""
+        self.mark_down(node, error)
+        node.lost.set()
+        node.lost = asyncio.Event()
+        for reader in list(node.readers):
+            reader.set_exception(NodeLost(f"{node.name} became unreachable: {error}"))
 
     def mark_up(self, node: Node) -> None:
         node.seen = True
