@@ -16,6 +16,8 @@ class DecodeConfig:
     # The prefill nodes (their URLs, no trailing slash) a handle may name as its owner; None: any (tests
     # of one node); empty: none (a deployment without prefill nodes recomputes every prompt).
     allowed_owners: frozenset[str] | None = None
+    # host:port names whose addresses are prefill nodes too (the router's prefill_dns); with allowed_owners
+    owner_dns: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.allowed_owners is not None:

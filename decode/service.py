@@ -20,11 +20,13 @@ from engine.engine import RequestError
 from engine.worker import EngineFailure, EngineWorker
 from kvstore.block_key import BlockKey
 from node.app import EngineNode, NodeConfig, NodeMetrics, msgpack_response
+from transfer.discovery import NodeAddresses
 from transfer.errors import TransferError
 from transfer.puller import PullResult
 from transfer.wire import DecodeFrame, GenerationMessage, encode_error_frame, encode_frame
 
 log = logging.getLogger(__name__)
+OWNER_DNS_REFRESH_S = 1.0  # least time between two lookups of the prefill DNS names for an unknown owner
 
 # ``pull(handle: KvHandle, request_id, deadline_s=) -> PullResult`` (its block ids carry one reference each);
 # raises `TransferError` on failure.
@@ -44,21 +46,31 @@ class DecodeService(EngineNode):
         super().__init__(node, worker, metrics=metrics)
         self.decode_config = config
         self._pull = pull
+        self._owners = None if config.allowed_owners is None else NodeAddresses(config.allowed_owners,
+                                                                                 config.owner_dns)
+        self._owners_resolved_at = -OWNER_DNS_REFRESH_S
 
     def make_app(self, *, client_max_size: int = 64 * 1024 * 1024) -> web.Application:
         app = super().make_app(client_max_size=client_max_size)
         app.router.add_post("/generate", self.generate)
         return app
 
-    def _check_handle(self, msg: GenerationMessage, keys: list[BlockKey] | None) -> None:
+    async def _check_handle(self, msg: GenerationMessage, keys: list[BlockKey] | None) -> None:
         """A handle may only name the blocks of this request's own prompt and salt (keys this node
-        computed), held by a prefill node of this deployment. Raises TransferError before any contact."""
+        computed), held by a prefill node of this deployment (a configured URL, or an address of the
+        prefill DNS names, resolved again at most every OWNER_DNS_REFRESH_S when an owner is not among
+        them: a new pod). Raises TransferError before any contact."""
         handle = msg.handle
         assert handle is not None
-        allowed = self.decode_config.allowed_owners
-        if allowed is not None and handle.owner_url.rstrip("/") not in allowed:
-            raise TransferError("foreign_owner", f"the KV handle names {handle.owner_url[:100]!r}, "
-                                                 "which is not a prefill node of this deployment")
+        owners, url = self._owners, handle.owner_url.rstrip("/")
+        if owners is not None and url not in owners.urls:
+            now = asyncio.get_running_loop().time()
+            if owners.dynamic and now - self._owners_resolved_at >= OWNER_DNS_REFRESH_S:
+                self._owners_resolved_at = now
+                await owners.refresh()
+            if url not in owners.urls:
+                raise TransferError("foreign_owner", f"the KV handle names {handle.owner_url[:100]!r}, "
+                                                     "which is not a prefill node of this deployment")
         n = len(handle.keys)
         if keys is None or n > len(keys) or list(handle.keys) != keys[:n] or \
                 handle.num_tokens != n * self.engine.spec.block_size_tokens:
@@ -83,7 +95,7 @@ class DecodeService(EngineNode):
             if msg.handle_error is not None:
                 raise TransferError("bad_handle", f"the KV handle is malformed: {msg.handle_error}")
             assert msg.handle is not None  # no handle_error, so there is a handle
-            self._check_handle(msg, keys)
+            await self._check_handle(msg, keys)
             task = asyncio.ensure_future(self._pull(msg.handle, request_id, deadline_s=deadline_s))
             try:
                 result = await asyncio.shield(task)

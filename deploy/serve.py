@@ -33,12 +33,16 @@ def _reachable(bind: str) -> str:
 
 
 def node_urls(config: Any, role: str) -> tuple[str, ...]:
-    """The URLs the router reaches ``role``'s nodes at: ``router.<role>_urls``, else this machine's
-    ``<role>.ports``. Decode nodes accept KV handles only from these prefill URLs (the router writes the
-    URL it reached the prefill node at into each handle it forwards)."""
-    given = config.router.prefill_urls if role == "prefill" else config.router.decode_urls
+    """The fixed URLs the router reaches ``role``'s nodes at: ``router.<role>_urls``, else (with no
+    ``router.<role>_dns`` either) this machine's ``<role>.ports``. Decode nodes accept KV handles only
+    from these prefill URLs and the addresses of ``router.prefill_dns`` (the router writes the URL it
+    reached the prefill node at into each handle it forwards)."""
+    r = config.router
+    given, dns = (r.prefill_urls, r.prefill_dns) if role == "prefill" else (r.decode_urls, r.decode_dns)
+    if given or dns:
+        return given
     ports = config.prefill.ports if role == "prefill" else config.decode.ports
-    return given or tuple(node_url(_reachable(config.internal.bind), p) for p in ports)
+    return tuple(node_url(_reachable(config.internal.bind), p) for p in ports)
 
 
 def build_engine(config: Any, *, node_name: str, registry: CollectorRegistry) -> LLMEngine:
@@ -86,7 +90,8 @@ def build_app(config: Any, role: str, index: int, *, name: str | None = None,
             request_timeout_s=r.request_timeout_s, max_n=r.max_n, internal_token=internal.token,
             load_weight_tokens=r.load_weight_tokens, long_context=config.decode.long_context,
             max_concurrent_requests=r.max_concurrent_requests, max_connections_per_node=r.max_connections_per_node,
-            connect_timeout_s=r.connect_timeout_s,
+            connect_timeout_s=r.connect_timeout_s, prefill_dns=r.prefill_dns, decode_dns=r.decode_dns,
+            dns_interval_s=r.dns_interval_s,
         ))
         return router.make_app(), r.host, r.port
     from engine.worker import EngineWorker
@@ -97,7 +102,7 @@ def build_app(config: Any, role: str, index: int, *, name: str | None = None,
         raise ValueError(f"{role}.ports has {len(ports)} entries; --index {index} is out of range")
     port = ports[index]
     name = name or f"{role}-{index}"
-    metrics = NodeMetrics(role)
+    metrics = NodeMetrics(role, node=name)
     engine = build_engine(config, node_name=name, registry=metrics.registry)
     node = NodeConfig(role=role, name=name, model_name=config.model.name, host=internal.bind, port=port,
                       max_pending_requests=config.decode.max_pending_requests, internal_token=internal.token,
@@ -124,7 +129,8 @@ def build_app(config: Any, role: str, index: int, *, name: str | None = None,
 
     reader = DecodeTransfer(worker, transfer_config)
     service = DecodeService(node, DecodeConfig(config.decode.on_transfer_failure, config.decode.transfer_timeout_s,
-                                               allowed_owners=frozenset(node_urls(config, "prefill"))),
+                                               allowed_owners=frozenset(node_urls(config, "prefill")),
+                                               owner_dns=config.router.prefill_dns),
                             worker, pull=reader.pull, metrics=metrics)
     app = service.make_app()
     reader.install(app)

@@ -4,15 +4,17 @@
     model:    {path, name, dtype (auto | float32 | bfloat16 | float16), device}
     engine:   {max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching}
     internal: {bind, token, token_env, drain_timeout_s}
-    prefill:  {ports: [8100, ...], lease_ttl_s}
-    decode:   {ports: [8200, ...], on_transfer_failure, max_pending_requests, transfer_timeout_s}
+    prefill:  {ports: [8100, ...], lease_ttl_s, devices: [0, ...]}      (devices: CUDA devices per node, for up)
+    decode:   {ports: [8200, ...], on_transfer_failure, max_pending_requests, transfer_timeout_s, devices}
     router:   {host, port, api_keys, api_keys_env, max_body_bytes, request_timeout_s, max_n, load_weight_tokens,
-               max_concurrent_requests, max_connections_per_node, connect_timeout_s, prefill_urls, decode_urls}
+               max_concurrent_requests, max_connections_per_node, connect_timeout_s, prefill_urls, decode_urls,
+               prefill_dns, decode_dns, dns_interval_s}
 """
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +24,7 @@ from decode.config import FAILURE_POLICIES
 from deploy.sizes import ConfigError, parse_size
 from engine.long_context import OVERRIDABLE, POLICIES, LongContextConfig
 from model.dtype_names import AUTO, DTYPE_CHOICES
+from transfer.discovery import parse_dns_name
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +54,7 @@ class InternalSection:
 class PrefillSection:
     ports: tuple[int, ...] = (8100,)
     lease_ttl_s: float = 30.0
+    devices: tuple[str, ...] = ()  # per node, `kvrelay up` sets CUDA_VISIBLE_DEVICES to it; empty: inherited
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +64,7 @@ class DecodeSection:
     max_pending_requests: int = 256
     transfer_timeout_s: float = 10.0
     long_context: LongContextConfig = LongContextConfig()
+    devices: tuple[str, ...] = ()  # as PrefillSection.devices
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,11 +76,14 @@ class RouterSection:
     request_timeout_s: float = 300.0
     max_n: int = 4
     load_weight_tokens: int = 64
-    prefill_urls: tuple[str, ...] = ()  # empty: http://{internal.bind}:{port} for each prefill port
+    prefill_urls: tuple[str, ...] = ()  # empty (and no prefill_dns): http://{internal.bind}:{port} per prefill port
     decode_urls: tuple[str, ...] = ()
     max_concurrent_requests: int = 1024
     max_connections_per_node: int = 1024
     connect_timeout_s: float = 5.0
+    prefill_dns: tuple[str, ...] = ()  # host:port names (k8s headless Services): every address is a node
+    decode_dns: tuple[str, ...] = ()
+    dns_interval_s: float = 10.0
 
 
 class Section:
@@ -195,7 +203,9 @@ def parse_services(root: Section, *, base_dir: Path, env: Mapping[str, str] | No
     drain_timeout_s = i.take("drain_timeout_s", positive_float, 30.0)
     i.done()
     p = root.section("prefill")
-    prefill = PrefillSection(p.take("ports", port_list, ()), p.take("lease_ttl_s", positive_float, 30.0))
+    prefill_ports = p.take("ports", port_list, ())
+    prefill = PrefillSection(prefill_ports, p.take("lease_ttl_s", positive_float, 30.0),
+                             _devices(p, len(prefill_ports)))
     p.done()
     d = root.section("decode")
     decode_ports = d.take("ports", port_list, (8200,))
@@ -205,7 +215,7 @@ def parse_services(root: Section, *, base_dir: Path, env: Mapping[str, str] | No
                            d.take("on_transfer_failure", one_of(FAILURE_POLICIES), "recompute"),
                            d.take("max_pending_requests", positive_int, 256),
                            d.take("transfer_timeout_s", positive_float, 10.0),
-                           _long_context(d.section("long_context")))
+                           _long_context(d.section("long_context")), _devices(d, len(decode_ports)))
     d.done()
     r = root.section("router")
     keys = r.take("api_keys", _string_list, ())
@@ -219,7 +229,9 @@ def parse_services(root: Section, *, base_dir: Path, env: Mapping[str, str] | No
                            r.take("prefill_urls", _url_list, ()), r.take("decode_urls", _url_list, ()),
                            r.take("max_concurrent_requests", positive_int, 1024),
                            r.take("max_connections_per_node", positive_int, 1024),
-                           r.take("connect_timeout_s", positive_float, 5.0))
+                           r.take("connect_timeout_s", positive_float, 5.0),
+                           r.take("prefill_dns", _dns_list, ()), r.take("decode_dns", _dns_list, ()),
+                           r.take("dns_interval_s", positive_float, 10.0))
     r.done()
     return {"model": model, "engine": engine, "internal": InternalSection(bind, token, drain_timeout_s),
             "prefill": prefill, "decode": decode, "router": router}
@@ -254,6 +266,28 @@ def _url_list(v: Any) -> tuple[str, ...]:
     if not isinstance(v, list) or not all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in v):
         raise ValueError("is not a list of http:// URLs")
     return tuple(u.rstrip("/") for u in v)
+
+
+def _devices(s: Section, num_nodes: int) -> tuple[str, ...]:
+    """``<role>.devices``: one entry per node (its CUDA device index, or several as "0,1"), or none."""
+    def check(v: Any) -> tuple[str, ...]:
+        if not isinstance(v, list) or not all(
+                isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                or isinstance(d, str) and re.fullmatch(r"\d+(,\d+)*", d) for d in v):
+            raise ValueError('is not a list of CUDA device indices (one per node; e.g. [0, 1] or ["0,1", "2,3"])')
+        if len(v) != num_nodes:
+            raise ValueError(f"has {len(v)} entries for {num_nodes} nodes (ports); give one per node")
+        return tuple(str(d) for d in v)
+
+    return s.take("devices", check, ())
+
+
+def _dns_list(v: Any) -> tuple[str, ...]:
+    if not isinstance(v, list) or not all(isinstance(n, str) for n in v):
+        raise ValueError("is not a list of host:port names")
+    for name in v:
+        parse_dns_name(name)
+    return tuple(v)
 
 
 def _port(v: Any) -> int:

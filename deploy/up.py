@@ -44,6 +44,16 @@ def _role_cmd(role: str, config_path: Path, index: int, overrides: list[str], cp
     return cmd
 
 
+def node_env(env: dict[str, str], config: Any, role: str, index: int) -> dict[str, str]:
+    """The environment of node ``index`` of ``role``: ``env``, with CUDA_VISIBLE_DEVICES set to the
+    node's entry of ``<role>.devices`` when the config assigns devices (else inherited: every node of
+    this machine sees every device)."""
+    devices = config.prefill.devices if role == "prefill" else config.decode.devices if role == "decode" else ()
+    if not devices:
+        return env
+    return {**env, "CUDA_VISIBLE_DEVICES": devices[index]}
+
+
 def _router_health(url: str) -> dict[str, Any] | None:
     """The router's ``/health`` body (also when it answers 503), or None when it does not answer."""
     try:
@@ -122,7 +132,7 @@ def up(config: Any, config_path: Path, *, overrides: list[str], startup_timeout_
     try:
         for role, index in plan:
             procs.append(subprocess.Popen(_role_cmd(role, config_path, index, overrides, shares[len(procs)], lending),
-                                          env=env))
+                                          env=node_env(env, config, role, index)))
         url = f"http://{config.router.host}:{config.router.port}"
         deadline = time.monotonic() + startup_timeout_s
         next_report = time.monotonic() + REPORT_EVERY_S
@@ -143,7 +153,7 @@ def up(config: Any, config_path: Path, *, overrides: list[str], startup_timeout_
                 elif now >= restart_at[k]:
                     del restart_at[k]
                     procs[k] = subprocess.Popen(_role_cmd(role, config_path, index, overrides, shares[k], lending),
-                                                env=env)
+                                                env=node_env(env, config, role, index))
             if not ready:
                 health = _router_health(url)
                 all_up = health is not None and all(n["healthy"] for n in health.get("nodes", {}).values())

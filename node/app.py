@@ -32,7 +32,7 @@ from transfer.config import TOKEN_HEADER
 from transfer.wire import GenerationMessage, WireError, decode_generation, pack
 
 log = logging.getLogger(__name__)
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 MAX_EVENT_WAIT_S = 30.0
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 ADMITTED_PATHS = frozenset({"/prefill", "/generate"})  # counted against max_pending_requests
@@ -64,9 +64,12 @@ class NodeConfig:
 class NodeMetrics:
     """Prometheus metrics of one node, in its own registry (no process globals)."""
 
-    def __init__(self, role: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, role: str, registry: CollectorRegistry | None = None, *, node: str = "") -> None:
         self.registry = registry or CollectorRegistry()
         self.role = role
+        # Which node this is (its --name) and its role, for dashboards that scrape many nodes: always 1.
+        Gauge("kvrelay_node_info", "This node's name and role", ["node", "role"],
+              registry=self.registry).labels(node or role, role).set(1)
         self.requests = Counter("kvrelay_requests", "Requests by outcome", ["role", "status"], registry=self.registry)
         self.running = Gauge("kvrelay_running_requests", "Requests in the engine", ["role"], registry=self.registry)
         self.transfer_bytes = Counter("kvrelay_kv_transfer_bytes", "KV bytes pulled from peers",
@@ -108,7 +111,7 @@ class EngineNode:
         self.config = config
         self.worker = worker
         self.engine = worker.engine
-        self.metrics = metrics or NodeMetrics(config.role)
+        self.metrics = metrics or NodeMetrics(config.role, node=config.name)
         self.events = KvEventLog()
         self.engine.pool.add_listener(self.events)
         self.num_admitted = 0  # generation requests between arrival and their last byte (event loop only)
@@ -122,6 +125,7 @@ class EngineNode:
         app = web.Application(middlewares=[token_middleware(self.config.internal_token), self._admission],
                               client_max_size=client_max_size)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/ready", self.ready)
         app.router.add_get("/metrics", self.prometheus)
         app.router.add_get("/info", self.info)
         app.router.add_get("/kv/events", self.kv_events)
@@ -232,6 +236,16 @@ class EngineNode:
             "disk_read_txns": self.engine.store.disk.num_open_read_txns() if self.engine.store.disk else 0,
             "long_context": dataclasses.asdict(self.engine.policies.stats),
         })
+
+    async def ready(self, request: web.Request) -> web.Response:
+        """Readiness (a k8s probe, a load balancer): 200 while the node takes new requests; 503 while it
+        drains or once its engine loop is down. `health` stays 200 during a drain (liveness: the
+        process is fine, only leaving)."""
+        if not self.worker.alive:
+            return web.json_response({"ready": False, "why": "engine_down"}, status=503)
+        if self.draining:
+            return web.json_response({"ready": False, "why": "draining"}, status=503)
+        return web.json_response({"ready": True})
 
     async def prometheus(self, request: web.Request) -> web.Response:
         self.metrics.running.labels(self.config.role).set(self.worker.num_running + self.worker.num_waiting)

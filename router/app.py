@@ -37,6 +37,7 @@ from router.openai_api import (
     usage_chunk,
 )
 from router.text_output import SampleText
+from transfer.discovery import NodeAddresses, Resolver, getaddrinfo_resolver, parse_dns_name
 from transfer.wire import TENANT_SALT_BYTES
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,10 @@ class RouterConfig:
     model_dir: str
     prefill_urls: tuple[str, ...] = ()
     decode_urls: tuple[str, ...] = ()
+    # host:port names whose every address is a node (a k8s headless Service), re-resolved every dns_interval_s
+    prefill_dns: tuple[str, ...] = ()
+    decode_dns: tuple[str, ...] = ()
+    dns_interval_s: float = 10.0
     host: str = "127.0.0.1"
     port: int = 8000
     api_keys: tuple[str, ...] = ()
@@ -76,15 +81,17 @@ class RouterConfig:
         for url in (*self.prefill_urls, *self.decode_urls):
             if not isinstance(url, str) or not url.startswith(("http://", "https://")):
                 raise ValueError(f"node URLs must start with http:// or https://, got {url!r}")
-        if not self.decode_urls and self.prefill_urls:
-            raise ValueError("prefill nodes need at least one decode node (decode_urls is empty)")
+        for name in (*self.prefill_dns, *self.decode_dns):
+            parse_dns_name(name)
+        if not (self.decode_urls or self.decode_dns) and (self.prefill_urls or self.prefill_dns):
+            raise ValueError("prefill nodes need at least one decode node (decode_urls and decode_dns are empty)")
         require_int("port", self.port, minimum=0, maximum=65535)
         require_int("max_body_bytes", self.max_body_bytes)
         require_int("max_n", self.max_n)
         require_int("load_weight_tokens", self.load_weight_tokens, minimum=0)
         require_int("max_concurrent_requests", self.max_concurrent_requests)
         require_int("max_connections_per_node", self.max_connections_per_node)
-        for name in ("request_timeout_s", "node_retry_s", "startup_timeout_s", "connect_timeout_s"):
+        for name in ("request_timeout_s", "node_retry_s", "startup_timeout_s", "connect_timeout_s", "dns_interval_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
         if not self.event_poll_interval_s >= 0:
@@ -112,7 +119,9 @@ def salt_for_key(api_key: str | None) -> bytes:
 
 
 class Router:
-    def __init__(self, config: RouterConfig) -> None:
+    """``resolver``: how DNS names become addresses (`transfer.discovery`; tests pass their own)."""
+
+    def __init__(self, config: RouterConfig, *, resolver: Resolver = getaddrinfo_resolver) -> None:
         self.config = config
         self.metrics = RouterMetrics()
         self.backends = Backends(internal_token=config.internal_token, timeout_s=config.request_timeout_s,
@@ -122,7 +131,10 @@ class Router:
         self.nodes: NodeSet | None = None
         self.dispatcher: Dispatcher | None = None
         self.served: ServedModel | None = None
-        self._poller: asyncio.Task | None = None
+        self._addresses = {"prefill": NodeAddresses(config.prefill_urls, config.prefill_dns, resolver=resolver),
+                           "decode": NodeAddresses(config.decode_urls, config.decode_dns, resolver=resolver)}
+        self._pollers: dict[str, asyncio.Task] = {}  # node URL -> its event poller
+        self._discovery: asyncio.Task | None = None
 
     # ------------------------------------------------------------ lifecycle
     def make_app(self) -> web.Application:
@@ -139,26 +151,33 @@ class Router:
     async def _start(self, app: web.Application) -> None:
         await self.backends.start()
         cfg = self.config
-        probe = NodeSet(cfg.prefill_urls, cfg.decode_urls, block_size_tokens=1)
-        info = await self._cluster_info(probe.all)
+        info = await self._cluster_info()
         self.nodes = NodeSet(cfg.prefill_urls, cfg.decode_urls, block_size_tokens=info.block_size_tokens,
                              load_weight_tokens=cfg.load_weight_tokens, retry_after_s=cfg.node_retry_s)
         self.dispatcher = Dispatcher(self.nodes, self.backends, info)
         self.served = ServedModel(cfg.model_name, info.vocab_size, info.max_model_len, cfg.max_n,
                                   load_tokenizer(cfg.model_dir))
-        self._poller = asyncio.create_task(self._poll_events())
+        for node in self.nodes.all:
+            self._start_poller(node)
+        if any(a.dynamic for a in self._addresses.values()):
+            self._discovery = asyncio.create_task(self._discover())
 
     async def _stop(self, app: web.Application) -> None:
-        if self._poller is not None:
-            self._poller.cancel()
+        for task in (*self._pollers.values(), self._discovery):
+            if task is not None:
+                task.cancel()
         await self.backends.close()
 
-    async def _cluster_info(self, nodes: list[Node]) -> ClusterInfo:
-        """Model and block layout from the first node that answers ``/info``."""
-        if not nodes:
+    async def _cluster_info(self) -> ClusterInfo:
+        """Model and block layout from the first node that answers ``/info`` (resolving the DNS names
+        again while none does)."""
+        if not any(a.urls or a.dynamic for a in self._addresses.values()):
             raise RuntimeError("router: no prefill or decode nodes configured")
         deadline = time.monotonic() + self.config.startup_timeout_s
         while True:
+            for addresses in self._addresses.values():
+                await addresses.refresh()
+            nodes = [Node("probe", url, "probe") for a in self._addresses.values() for url in sorted(a.urls)]
             for node in nodes:
                 try:
                     info = await self.backends.get_msgpack(node, "/info")
@@ -174,10 +193,42 @@ class Router:
                 raise RuntimeError(f"router: no node answered /info within {self.config.startup_timeout_s} s")
             await asyncio.sleep(0.2)
 
-    async def _poll_events(self) -> None:
-        """Keep the KV index current from every node's events; detect dead and revived nodes (one loop a node)."""
+    def _start_poller(self, node: Node) -> None:
+        self._pollers[node.url] = asyncio.create_task(self._poll_node(node))
+
+    async def _discover(self) -> None:
+        """Follow the DNS names: a new address joins once it answers ``/info`` (under the name it gives
+        itself); an address that vanished leaves. Every ``dns_interval_s``."""
         assert self.nodes is not None
-        await asyncio.gather(*(self._poll_node(node) for node in self.nodes.all))
+        while True:
+            for role, addresses in self._addresses.items():
+                try:
+                    await self._discover_role(role, addresses)
+                except Exception:  # noqa: BLE001 - keep following the names
+                    log.exception("discovering %s nodes failed", role)
+            await asyncio.sleep(self.config.dns_interval_s)
+
+    async def _discover_role(self, role: str, addresses: NodeAddresses) -> None:
+        assert self.nodes is not None
+        _, removed = await addresses.refresh()
+        nodes = self.nodes.prefill if role == "prefill" else self.nodes.decode
+        for node in [n for n in nodes if n.url in removed]:
+            log.info("%s node %s at %s left (its %d requests in flight go on)", role, node.name, node.url,
+                     node.in_flight)
+            self.nodes.remove(node)  # its poller stops once nothing is in flight there
+        known = {n.url for n in nodes}
+        for url in sorted(addresses.urls - known):
+            try:
+                info = await self.backends.get_msgpack(Node("new", url, role), "/info")
+            except NodeUnavailable:
+                continue  # not up yet: the next round asks again
+            if info.get("role") != role or info.get("model") != self.config.model_name:
+                log.warning("%s answers as a %s node of %r, not a %s node of %r; ignored", url, info.get("role"),
+                            info.get("model"), role, self.config.model_name)
+                continue
+            node = self.nodes.add(role, url, str(info["node"]))  # replaces the same name at an old address
+            log.info("%s node %s joined at %s", role, node.name, url)
+            self._start_poller(node)
 
     async def _poll_node(self, node: Node) -> None:
         """Long-poll one node's ``/kv/events``: it answers at once when it has news, else after
@@ -185,6 +236,10 @@ class Router:
         assert self.nodes is not None
         cfg = self.config
         while True:
+            if not self.nodes.has(node) and node.in_flight == 0:  # it left the cluster, and nothing waits on it
+                if self._pollers.get(node.url) is asyncio.current_task():
+                    del self._pollers[node.url]
+                return
             now = time.monotonic()
             if node.seen and not node.healthy(now):
                 await asyncio.sleep(max(node.down_until - now, cfg.event_poll_interval_s))  # taken out: retry later

@@ -69,6 +69,28 @@ class NodeSet:
     def all(self) -> list[Node]:
         return self.prefill + self.decode
 
+    def add(self, role: str, url: str, name: str) -> Node:
+        """A node found by discovery. A node of that role already named ``name`` at another URL (a pod
+        restarted at a new address) is replaced."""
+        nodes = self.prefill if role == "prefill" else self.decode
+        for old in [n for n in nodes if n.name == name]:
+            self.remove(old)
+        node = Node(name, url.rstrip("/"), role)
+        nodes.append(node)
+        return node
+
+    def remove(self, node: Node) -> None:
+        """A node that left (discovery no longer finds it: a pod that is draining, or gone): no new
+        requests. Those in flight go on (a draining pod finishes them); if it is gone, its health poll
+        finds out and ends them (`mark_unreachable`)."""
+        nodes = self.prefill if node.role == "prefill" else self.decode
+        if any(n is node for n in nodes):
+            nodes.remove(node)
+            self.index.drop_node(node.name)
+
+    def has(self, node: Node) -> bool:
+        return any(n is node for n in self.all)
+
     def mark_down(self, node: Node, error: str = "") -> None:
         node.failures += 1
         node.times_down += node.seen

@@ -93,3 +93,13 @@ def test_every_bench_name_resolves_to_its_main() -> None:
         "serve": "benchmarks.serve_bench", "tiers": "benchmarks.tier_bench", "transfer": "benchmarks.transfer_bench"}
     with pytest.raises(ValueError, match="unknown benchmark 'nope'"):
         _bench_main("nope")
+
+
+def test_a_node_name_that_cannot_be_an_agent_name_or_a_directory_is_refused(tmp_path: Path, tiny_model_dir: Path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"model: {{path: {tiny_model_dir}}}\nkvstore: {{device: {{bytes: 8MiB}}}}\n")
+    for bad in ("../etc", "a b", ".hidden", "x" * 64):
+        done = subprocess.run([sys.executable, "-m", "deploy.cli", "decode", "--config", str(cfg), f"--name={bad}"],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2
+        assert f"kvrelay decode: --name {bad!r} is not a node name" in done.stderr

@@ -2,7 +2,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import yaml
 
 from deploy.config import DEFAULT_CONFIG, ConfigError, load_config, nvml_free_bytes
 from kvstore.block_spec import BlockSpec
@@ -154,13 +153,31 @@ def test_dtypes_default_to_auto_weights_and_kv_following_them(tmp_path):
         load_config(write(tmp_path, "model: {path: m, dtype: fp8}\nkvstore: {device: {bytes: 1GiB}}\n"))
 
 
-def test_k8s_manifest_config_loads_and_gives_nodes_their_drain(tmp_path):
-    """The ConfigMap's config is valid, and every engine node's pod waits past its drain before SIGKILL."""
-    docs = list(yaml.safe_load_all((DEFAULT_CONFIG.parent.parent / "k8s" / "kvrelay.yaml").read_text()))
-    [config_map] = [d for d in docs if d["kind"] == "ConfigMap"]
-    config = load_config(write(tmp_path, config_map["data"]["kvrelay.yaml"]), gpu_free_bytes=lambda: 80 << 30)
-    assert config.internal.bind == "0.0.0.0" and config.internal.drain_timeout_s == 30
-    graces = {d["metadata"]["name"]: d["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
-              for d in docs if d["kind"] == "StatefulSet"}
-    assert sorted(graces) == ["kvrelay-decode", "kvrelay-prefill"]
-    assert all(g >= config.internal.drain_timeout_s + 60 for g in graces.values()), graces
+
+def test_devices_per_node_become_each_node_s_cuda_visible_devices(tmp_path):
+    """Issue 14: `kvrelay up` gives each node the CUDA devices its role's ``devices`` assigns it."""
+    from deploy.up import node_env
+
+    path = write(tmp_path, "model: {path: m}\nkvstore: {device: {bytes: 1GiB}}\n"
+                           "prefill: {ports: [8100, 8101], devices: [0, 1]}\n"
+                           "decode: {ports: [8200], devices: ['2,3']}\n")
+    config = load_config(path)
+    env = {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "0,1,2,3"}
+    assert [node_env(env, config, "prefill", i)["CUDA_VISIBLE_DEVICES"] for i in range(2)] == ["0", "1"]
+    assert node_env(env, config, "decode", 0) == {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "2,3"}
+    assert node_env(env, config, "router", 0) is env  # the router computes nothing on a GPU
+    plain = load_config(write(tmp_path, "model: {path: m}\nkvstore: {device: {bytes: 1GiB}}\n"))
+    assert node_env(env, plain, "decode", 0) is env  # no devices assigned: inherited
+
+
+@pytest.mark.parametrize(("section", "message"), [
+    ("prefill: {ports: [8100, 8101], devices: [0]}", "prefill.devices: [0] has 1 entries for 2 nodes (ports)"),
+    ("decode: {ports: [8200], devices: [-1]}", "decode.devices: [-1] is not a list of CUDA device indices"),
+    ("decode: {ports: [8200], devices: ['gpu0']}", "decode.devices: ['gpu0'] is not a list of CUDA device indices"),
+    ("router: {prefill_dns: [kvrelay-prefill]}", "router.prefill_dns: ['kvrelay-prefill'] 'kvrelay-prefill' is not "
+                                                 "host:port"),
+])
+def test_bad_devices_and_dns_names_are_named(tmp_path, section, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, f"model: {{path: m}}\nkvstore: {{device: {{bytes: 1GiB}}}}\n{section}\n"))
+    assert str(err.value).startswith(message), str(err.value)

@@ -1,5 +1,5 @@
 """Issue 14: kvrelay across hosts. Router, 2 prefill and 2 decode nodes each on a host of its own (a
-network namespace with its own address on a bridge, `tests.multihost.netns`), NIXL forced onto UCX's
+network namespace with its own address on a bridge, `benchmarks.netns`), NIXL forced onto UCX's
 TCP transport (no shared memory, no loopback), the internal token on. The test process is a client on
 the same network.
 
@@ -22,11 +22,11 @@ from typing import Any
 import pytest
 import yaml
 
+from benchmarks.netns import Hosts, netns_problem
 from engine.engine import EngineConfig, LLMEngine
 from model.loader import load_model
 from model.sampling import SamplingParams
 from model.tokenizer import load_tokenizer
-from tests.multihost.netns import Hosts, netns_problem
 
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "multihost-test-token"
@@ -172,6 +172,7 @@ def test_every_node_listens_on_its_own_host_only(cluster):
     for name, url in {**cluster.prefill, **cluster.decode}.items():
         info = get_json(url + "/health")
         assert info["node"] == name  # --name is the node's identity
+        assert metrics(url)[f'kvrelay_node_info{{node="{name}",role="{name.split("-")[0]}"}}'] == 1.0
     for name in ("prefill-0", "decode-0"):
         assert f"Initialized NIXL agent: {name}" in cluster.log(name)
 
@@ -265,7 +266,9 @@ def test_a_decode_host_cut_off_mid_transfer_fails_the_pull_in_bounded_time_and_r
     assert result["body"]["choices"][0]["text"] == reference(prompt, 4)
     _, reasons = transfer(cluster.decode[target])
     new = {k: v - after[1].get(k, 0.0) for k, v in reasons.items() if v - after[1].get(k, 0.0)}
-    assert new in ({"timeout": 1.0}, {"read_error": 1.0}), new
+    # One failed pull, for a reason that says the link went: the READ's deadline, a UCX error, or the
+    # lease renewal finding the owner unreachable (a host whose link is down answers that at once).
+    assert new in ({"timeout": 1.0}, {"read_error": 1.0}, {"peer_gone": 1.0}), new
     assert f"KV pull failed ({next(iter(new))})" in cluster.log(target)
     assert elapsed < 30, elapsed
     wait_for(cluster.ready, 60, "decode-1 back at the router")

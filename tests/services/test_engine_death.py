@@ -35,6 +35,8 @@ def test_a_dead_engine_loop_makes_health_503_and_refuses_requests(tiny_model_dir
         async with TestClient(TestServer(service.make_app(client_max_size=1 << 20))) as client:
             resp = await client.get("/health")
             assert resp.status == 200 and (await resp.json())["status"] == "ok"
+            resp = await client.get("/ready")
+            assert resp.status == 200 and await resp.json() == {"ready": True}
 
             def die() -> None:
                 raise SystemExit("simulated crash")  # not an Exception: the loop's guards let it through
@@ -48,6 +50,8 @@ def test_a_dead_engine_loop_makes_health_503_and_refuses_requests(tiny_model_dir
             body = await resp.json()
             assert resp.status == 503 and body["status"] == "engine_down"
             assert body["error"] == "the engine loop died: SystemExit: simulated crash"
+            resp = await client.get("/ready")
+            assert resp.status == 503 and await resp.json() == {"ready": False, "why": "engine_down"}
             msg = GenerationMessage("r1", [1, 2, 3], SamplingParams(max_tokens=2), b"")
             resp = await client.post("/prefill", data=encode_generation(msg))
             assert resp.status == 503 and b"engine is not running" in await resp.read()

@@ -141,6 +141,14 @@ def test_the_internal_plane_fails_closed(tiny_model_dir, tmp_path):
         assert code == 200 and body["usage"]["completion_tokens"] == 3
 
 
+def _status(url: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
 def test_sigterm_drains_in_flight_requests_and_persists_kv_for_the_restart(tiny_model_dir, tmp_path):
     """Issue 13, test 4: SIGTERM mid-stream lets the request finish (drain), writes the node's device
     and host blocks to disk, and the restarted node (``kvrelay up`` restarts it) finds the prompt on disk."""
@@ -153,6 +161,10 @@ def test_sigterm_drains_in_flight_requests_and_persists_kv_for_the_restart(tiny_
             running = pool.submit(post, c.url, long)
             wait_for(lambda: get_json(decode + "/health")["running"] == 1, what="the request running")
             os.kill(old_pid, signal.SIGTERM)
+            # Draining: not ready (probes and load balancers stop sending), still alive.
+            wait_for(lambda: _status(decode + "/ready") == (503, {"ready": False, "why": "draining"}),
+                     what="the node not ready while it drains")
+            assert _status(decode + "/health")[0] == 200
             code, body = running.result(timeout=120)
         assert code == 200 and body["usage"]["completion_tokens"] == 600  # drained: finished, not cut off
 

@@ -1,4 +1,4 @@
-"""A private test network of "hosts": one Linux network namespace per host, each with one veth
+"""A private network of "hosts" for tests and benchmarks: one Linux network namespace per host, each with one veth
 (``eth0``) on a bridge that lives in a namespace of its own, addresses in a private subnet. The test
 process joins the network too (a veth in its own namespace, ``client_addr``), so it talks to the hosts
 directly. Everything is removed on exit, processes first.
@@ -54,7 +54,7 @@ class Hosts:
         self._addr = {name: f"{SUBNET}.{10 + i}" for i, name in enumerate(names)}
         self._switch_if = {name: f"{tag}s{i}" for i, name in enumerate(names)}  # each host's port on the bridge
         self.client_addr = f"{SUBNET}.2"
-        self._client_if = f"{tag}c"
+        self.client_if = f"{tag}c"  # this process's interface on the network
         self._log_dir = log_dir
         self._procs: list[tuple[str, subprocess.Popen]] = []
         self._logs: list[IO[Any]] = []
@@ -82,11 +82,11 @@ class Hosts:
             _ip("link", "set", "lo", "up", ns=ns)
             self._plug(f"{self._tag}h{i}", self._switch_if[name], ns, self._addr[name])
         # The test process's own end: a veth in this namespace (the one route into the subnet).
-        _ip("link", "add", self._client_if, "type", "veth", "peer", "name", f"{self._tag}sc")
+        _ip("link", "add", self.client_if, "type", "veth", "peer", "name", f"{self._tag}sc")
         _ip("link", "set", f"{self._tag}sc", "netns", self._switch)
         _ip("link", "set", f"{self._tag}sc", "master", "br0", "up", ns=self._switch)
-        _ip("addr", "add", f"{self.client_addr}/24", "dev", self._client_if)
-        _ip("link", "set", self._client_if, "up")
+        _ip("addr", "add", f"{self.client_addr}/24", "dev", self.client_if)
+        _ip("link", "set", self.client_if, "up")
 
     def _plug(self, host_if: str, switch_if: str, ns: str, addr: str) -> None:
         _ip("link", "add", host_if, "type", "veth", "peer", "name", switch_if)
@@ -97,12 +97,13 @@ class Hosts:
         _ip("addr", "add", f"{addr}/24", "dev", "eth0", ns=ns)
         _ip("link", "set", "eth0", "up", ns=ns)
 
-    def popen(self, name: str, argv: Sequence[str], *, env: dict[str, str], log_name: str) -> subprocess.Popen:
+    def popen(self, name: str, argv: Sequence[str], *, env: dict[str, str], log_name: str,
+              pass_fds: Sequence[int] = ()) -> subprocess.Popen:
         """Start ``argv`` inside host ``name``; its output goes to ``log_dir/log_name``."""
         log = open(self._log_dir / log_name, "w")  # noqa: SIM115 - closed in _destroy
         self._logs.append(log)
         proc = subprocess.Popen(["ip", "netns", "exec", self._ns[name], *argv], env=env, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+                                stderr=subprocess.STDOUT, start_new_session=True, pass_fds=tuple(pass_fds))
         self._procs.append((name, proc))
         return proc
 
@@ -137,6 +138,6 @@ class Hosts:
                 proc.wait(timeout=10)
         for log in self._logs:
             log.close()
-        subprocess.run(["ip", "link", "del", self._client_if], capture_output=True, timeout=30)
+        subprocess.run(["ip", "link", "del", self.client_if], capture_output=True, timeout=30)
         for ns in (*self._ns.values(), self._switch):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
