@@ -181,6 +181,7 @@ def test_a_dying_loop_fails_its_requests_and_refuses_everything_after(tiny_model
         assert str(err.value) == "the engine is not running (the engine loop died: SystemExit: simulated crash)"
         with pytest.raises(EngineFailure, match="the engine is not running"):
             await worker.call(lambda e: 1, timeout_s=5.0)
+        await asyncio.to_thread(worker._thread.join, 10)  # its crash is reported here, where it is expected
 
     asyncio.run(main())
 
