@@ -318,7 +318,10 @@ class LLMEngine:
         rows = torch.tensor([row for _, row in pairs], dtype=torch.int64, device=result.logits.device)
         gens = [None if s.params.greedy else
                 token_generator(s.seed, s.index, s.num_output_tokens, self._device) for s, _ in pairs]
-        tokens = sample(result.logits.index_select(0, rows), [s.params for s, _ in pairs], gens)
+        histories = [(s.token_ids[:s.num_prompt_tokens], s.output_token_ids) if s.params.adjusts_logits else None
+                     for s, _ in pairs]
+        tokens = sample(result.logits.index_select(0, rows), [s.params for s, _ in pairs], gens, histories,
+                        self.eos_token_ids)
         for (seq, _), tok in zip(pairs, tokens):
             outputs.append(self._append_token(seq, tok))
         for req_id in {o.request_id for o in outputs if o.finished}:

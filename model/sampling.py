@@ -1,14 +1,15 @@
-"""The sampler: greedy, temperature, top-k, top-p, per-request seed (parameters: `model.sampling_params`)."""
+"""The sampler: min_tokens, logit bias, penalties, then greedy or temperature, min-p, top-k, top-p, with a
+per-request seed (parameters: `model.sampling_params`)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 
 from model.sampling_params import SamplingParams
 
-__all__ = ["SamplingParams", "sample", "sample_one", "token_generator"]
+__all__ = ["History", "SamplingParams", "adjust_logits", "sample", "sample_one", "token_generator"]
 
 
 def token_generator(seed: int, index: int, position: int, device: torch.device) -> torch.Generator:
@@ -27,8 +28,36 @@ def token_generator(seed: int, index: int, position: int, device: torch.device) 
     return gen
 
 
+History = tuple[Sequence[int], Sequence[int]]  # (prompt token ids, output token ids) of one sample
+
+
+def adjust_logits(row: torch.Tensor, params: SamplingParams, history: History,
+                  eos_token_ids: Collection[int]) -> None:
+    """Apply ``params``' min_tokens, logit_bias and penalties to one float32 row ``[vocab]`` in place
+    (the order and meaning are `SamplingParams`')."""
+    prompt, output = history
+    vocab = row.shape[-1]
+    if len(output) < params.min_tokens:
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        banned = [t for t in stops if 0 <= t < vocab]
+        if banned:
+            row[banned] = float("-inf")
+    if params.logit_bias:
+        pairs = [(t, b) for t, b in params.logit_bias if 0 <= t < vocab]
+        if pairs:
+            ids = torch.tensor([t for t, _ in pairs], device=row.device)
+            row.index_add_(0, ids, torch.tensor([b for _, b in pairs], dtype=row.dtype, device=row.device))
+    if params.repetition_penalty != 1.0 and (prompt or output):
+        seen = torch.unique(torch.tensor([*prompt, *output], device=row.device))
+        values = row[seen]
+        row[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
+    if (params.frequency_penalty or params.presence_penalty) and output:
+        counts = torch.bincount(torch.tensor(list(output), device=row.device), minlength=vocab)[:vocab].to(row.dtype)
+        row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(row.dtype)
+
+
 def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """Pick one token from float32 ``logits`` ``[vocab]``.
+    """Pick one token from float32 ``logits`` ``[vocab]`` (already adjusted: `adjust_logits`).
 
     Each row is sampled on its own (not batched) so that a token never depends on which other
     requests share the step.
@@ -36,6 +65,9 @@ def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
     if params.greedy:
         return int(torch.argmax(logits).item())
     scores = logits.float() / params.temperature
+    if params.min_p > 0.0:
+        probs = torch.softmax(scores, dim=-1)
+        scores = scores.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
     if params.top_k and params.top_k < scores.shape[-1]:
         kth = torch.topk(scores, params.top_k).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -51,9 +83,22 @@ def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
 
 
 def sample(
-    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
+    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
+    histories: Sequence[History | None] | None = None, eos_token_ids: Collection[int] = (),
 ) -> list[int]:
-    """One token per row of ``logits`` ``[N, vocab]`` with that row's params and generator."""
+    """One token per row of ``logits`` ``[N, vocab]`` with that row's params and generator.
+
+    ``histories[i]`` is needed for each row whose params adjust the logits (`SamplingParams.adjusts_logits`);
+    ``eos_token_ids`` are the stop tokens ``min_tokens`` holds back (with ``stop_token_ids``).
+    """
+    adjusted = [i for i, p in enumerate(params) if p.adjusts_logits]
+    if adjusted:
+        assert histories is not None, "a row adjusts its logits: pass histories"
+        logits = logits.float().clone()
+        for i in adjusted:
+            history = histories[i]
+            assert history is not None
+            adjust_logits(logits[i], params[i], history, eos_token_ids)
     greedy_rows = [i for i, p in enumerate(params) if p.greedy]
     out = [0] * len(params)
     if greedy_rows:

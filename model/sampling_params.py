@@ -9,8 +9,16 @@ from dataclasses import dataclass, field
 class SamplingParams:
     """How one request picks tokens and when it stops.
 
-    ``temperature == 0`` is greedy. ``top_k == 0`` and ``top_p == 1`` disable those filters.
-    ``seed`` makes sampling reproducible per request (independent of the batch it runs in).
+    ``temperature == 0`` is greedy. ``top_k == 0``, ``top_p == 1`` and ``min_p == 0`` disable those
+    filters. ``seed`` makes sampling reproducible per request (independent of the batch it runs in).
+
+    Before sampling (greedy too), in this order (as vLLM applies them): until ``min_tokens`` outputs
+    exist, the stop tokens (EOS unless ``ignore_eos``, and ``stop_token_ids``) cannot be picked;
+    ``logit_bias`` (token id, bias) pairs are added to the logits; ``repetition_penalty`` divides the
+    positive logits and multiplies the negative ones of every token in the prompt or the output (HF,
+    vLLM); ``frequency_penalty`` times its count in the output and ``presence_penalty`` once if it
+    occurs there are subtracted (OpenAI). Then temperature, ``min_p`` (drop tokens below ``min_p`` times
+    the top token's probability), top-k, top-p.
 
     Raises:
         ValueError: naming the parameter and the allowed range.
@@ -24,6 +32,12 @@ class SamplingParams:
     n: int = 1
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)  # (token id, bias), ids distinct
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -38,7 +52,26 @@ class SamplingParams:
             raise ValueError(f"n must be a positive integer, got {self.n!r}")
         if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
             raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
+                             f"got {self.min_tokens!r}")
+        ids = [t for t, _ in self.logit_bias]
+        if len(set(ids)) != len(ids) or not all(-100.0 <= b <= 100.0 for _, b in self.logit_bias):
+            raise ValueError("logit_bias must map distinct token ids to biases in [-100, 100]")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether anything changes the logits before sampling (then the sampler needs the history)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.min_tokens or self.logit_bias)

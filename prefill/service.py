@@ -76,8 +76,8 @@ class PrefillService(EngineNode):
 
         first: list[int | None] = [None] * params.n
         num_cached = 0
-        stream = self.worker.submit(rid, prompt, dataclasses.replace(params, max_tokens=1), salt=salt,
-                                    on_finish=on_finish, block_keys=keys)
+        first_only = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+        stream = self.worker.submit(rid, prompt, first_only, salt=salt, on_finish=on_finish, block_keys=keys)
         done = False
         try:
             async for out in stream:

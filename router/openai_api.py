@@ -19,9 +19,11 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_STOP_STRINGS = 4
 # Fields this server does not implement, with the values that mean "not used" and are accepted.
 UNSUPPORTED_FIELD_TO_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False), "top_logprobs": (None, 0), "logit_bias": (None, {}), "tools": (None, []),
-    "functions": (None, []), "suffix": (None, ""), "best_of": (None, 1), "echo": (None, False),
+    "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []), "tool_choice": (None, "none"),
+    "functions": (None, []), "function_call": (None, "none"), "suffix": (None, ""), "best_of": (None, 1),
+    "echo": (None, False), "response_format": (None, {"type": "text"}),
 }
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
 
 
 class ApiError(Exception):
@@ -162,12 +164,50 @@ def _sampling(body: dict[str, Any], served: ServedModel, prompt_len: int) -> tup
     ignore_eos = _get(body, "ignore_eos", bool, False)
     for name, allowed in UNSUPPORTED_FIELD_TO_NEUTRAL.items():
         if body.get(name) not in allowed:
-            raise ApiError(400, f"{name} is not supported by this server", param=name)
+            raise ApiError(400, f"{name} is not supported by this server (only {allowed[-1]!r} is accepted)",
+                           param=name)
+    penalties = {}
+    for name, low, high, neutral in (("presence_penalty", -2.0, 2.0, 0.0), ("frequency_penalty", -2.0, 2.0, 0.0),
+                                     ("repetition_penalty", 0.0, 2.0, 1.0), ("min_p", 0.0, 1.0, 0.0)):
+        value = _number(body, name, neutral)
+        lower_ok = value > low if name == "repetition_penalty" else value >= low
+        if not (lower_ok and value <= high):  # NaN fails too
+            bounds = f"({low:g}, {high:g}]" if name == "repetition_penalty" else f"[{low:g}, {high:g}]"
+            raise ApiError(400, f"{name} must be in {bounds}, got {value}", param=name)
+        penalties[name] = value
+    min_tokens = _get(body, "min_tokens", int, 0)
+    if not 0 <= min_tokens <= max_tokens:
+        raise ApiError(400, f"min_tokens must be in [0, max_tokens={max_tokens}], got {min_tokens}",
+                       param="min_tokens")
     params = SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=max(top_k, 0), seed=seed, n=n,
-        stop_token_ids=tuple(stop_ids), ignore_eos=ignore_eos,
+        stop_token_ids=tuple(stop_ids), ignore_eos=ignore_eos, min_tokens=min_tokens,
+        logit_bias=_logit_bias(body, served), **penalties,
     )
     return params, stops
+
+
+def _logit_bias(body: dict[str, Any], served: ServedModel) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias``: ``{"token id": bias in [-100, 100]}`` (keys are strings in JSON)."""
+    raw = _get(body, "logit_bias", dict, {})
+    if len(raw) > MAX_LOGIT_BIAS:
+        raise ApiError(400, f"logit_bias takes at most {MAX_LOGIT_BIAS} entries, got {len(raw)}", param="logit_bias")
+    pairs = []
+    for key, bias in raw.items():
+        try:
+            tok = int(key)
+        except ValueError:
+            raise ApiError(400, f"logit_bias: {str(key)[:40]!r} is not a token id", param="logit_bias") from None
+        if not 0 <= tok < served.vocab_size:
+            raise ApiError(400, f"logit_bias: token id {tok} is outside the vocabulary [0, {served.vocab_size})",
+                           param="logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise ApiError(400, f"logit_bias[{key!r}] must be a number in [-100, 100], got {bias!r}",
+                           param="logit_bias")
+        pairs.append((tok, float(bias)))
+    if len({t for t, _ in pairs}) != len(pairs):
+        raise ApiError(400, "logit_bias names a token id twice", param="logit_bias")
+    return tuple(pairs)
 
 
 def _check_model(body: dict[str, Any], served: ServedModel) -> None:
@@ -235,8 +275,10 @@ def parse_chat(body: Any, served: ServedModel) -> GenerationRequest:
         if isinstance(content, list):  # content parts: only text is supported
             parts = []
             for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ApiError(400, f"messages[{i}].content: only text parts are supported", param="messages")
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text" or not isinstance(part.get("text"), str):
+                    raise ApiError(400, f"messages[{i}].content: {str(kind)[:40]!r} parts are not supported; this "
+                                        "server takes text parts only", param="messages")
                 parts.append(part["text"])
             content = "".join(parts)
         if not isinstance(content, str):

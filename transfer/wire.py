@@ -319,6 +319,7 @@ MAX_SALT_BYTES = 1024
 TENANT_SALT_BYTES = 16  # the router's per-API-key salt (`router.app.salt_for_key`); b"" without keys
 MAX_TEXT_CHARS = 1 << 20  # request ids, error messages, long-context option values
 MAX_NODE_MAP_LEN = 64
+MAX_LOGIT_BIAS = 300  # (token id, bias) pairs in one request's params, as OpenAI allows
 _NODE_LIMITS: dict[str, int] = dict(max_bin_len=max(KEY_BYTES, MAX_SALT_BYTES), max_str_len=MAX_TEXT_CHARS,
                                     max_array_len=MAX_PROMPT_TOKENS, max_map_len=MAX_NODE_MAP_LEN, max_ext_len=0)
 
@@ -361,7 +362,18 @@ def _token_ids(msg: dict[str, Any], name: str, what: str, *, optional: bool = Fa
 def params_to_wire(params: SamplingParams) -> dict[str, Any]:
     out = dataclasses.asdict(params)
     out["stop_token_ids"] = list(params.stop_token_ids)
+    out["logit_bias"] = [[t, b] for t, b in params.logit_bias]
     return out
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _bias_pairs(v: Any) -> bool:
+    return isinstance(v, list) and len(v) <= MAX_LOGIT_BIAS and all(
+        isinstance(p, list) and len(p) == 2 and isinstance(p[0], int) and not isinstance(p[0], bool)
+        and _number(p[1]) for p in v)
 
 
 _PARAM_FIELDS: dict[str, Callable[[Any], bool]] = {
@@ -370,6 +382,8 @@ _PARAM_FIELDS: dict[str, Callable[[Any], bool]] = {
     "seed": lambda v: v is None or isinstance(v, int), "n": lambda v: isinstance(v, int),
     "stop_token_ids": lambda v: isinstance(v, list) and all(isinstance(t, int) for t in v),
     "ignore_eos": lambda v: isinstance(v, bool),
+    "presence_penalty": _number, "frequency_penalty": _number, "repetition_penalty": _number, "min_p": _number,
+    "min_tokens": lambda v: isinstance(v, int), "logit_bias": _bias_pairs,
 }
 
 
@@ -385,6 +399,11 @@ def params_from_wire(value: Any, what: str = "params") -> SamplingParams:
             kwargs[name] = value[name]
     if "stop_token_ids" in kwargs:
         kwargs["stop_token_ids"] = tuple(kwargs["stop_token_ids"])
+    if "logit_bias" in kwargs:
+        kwargs["logit_bias"] = tuple((t, float(b)) for t, b in kwargs["logit_bias"])
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
+        if name in kwargs:
+            kwargs[name] = float(kwargs[name])
     try:
         return SamplingParams(**kwargs)
     except ValueError as exc:

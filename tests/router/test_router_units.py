@@ -46,6 +46,24 @@ def served(tiny_model_dir) -> ServedModel:
         ({"model": "tiny", "prompt": "x", "stop_token_ids": [2**64]}, 400,
          "token id 18446744073709551616 at position 0 is outside the vocabulary [0, 258)"),
         ({"model": "tiny", "prompt": "x", "seed": 2**64}, 400, "seed must be in [0, 2**63)"),
+        # issue 15: unsupported features are refused by name, never ignored; new knobs have named ranges
+        ({"model": "tiny", "prompt": "x", "response_format": {"type": "json_object"}}, 400,
+         "response_format is not supported by this server (only {'type': 'text'} is accepted)"),
+        ({"model": "tiny", "prompt": "x", "tools": [{"type": "function"}]}, 400, "tools is not supported"),
+        ({"model": "tiny", "prompt": "x", "tool_choice": "auto"}, 400, "tool_choice is not supported"),
+        ({"model": "tiny", "prompt": "x", "presence_penalty": 2.5}, 400,
+         "presence_penalty must be in [-2, 2], got 2.5"),
+        ({"model": "tiny", "prompt": "x", "frequency_penalty": float("nan")}, 400,
+         "frequency_penalty must be in [-2, 2], got nan"),
+        ({"model": "tiny", "prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty must be in (0, 2], got 0"),
+        ({"model": "tiny", "prompt": "x", "min_p": 1.5}, 400, "min_p must be in [0, 1], got 1.5"),
+        ({"model": "tiny", "prompt": "x", "max_tokens": 4, "min_tokens": 5}, 400,
+         "min_tokens must be in [0, max_tokens=4], got 5"),
+        ({"model": "tiny", "prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias: 'abc' is not a token id"),
+        ({"model": "tiny", "prompt": "x", "logit_bias": {"300": 1}}, 400,
+         "logit_bias: token id 300 is outside the vocabulary [0, 258)"),
+        ({"model": "tiny", "prompt": "x", "logit_bias": {"5": 101}}, 400,
+         "logit_bias['5'] must be a number in [-100, 100], got 101"),
     ],
 )
 def test_completion_validation(served, body, status, message):
@@ -156,3 +174,11 @@ def test_stop_scanner_matches_a_brute_force_search(stops, pieces):
             return
         assert _first_stop(text, stops) == -1
         assert scanner.partial == _partial(text, stops)
+
+
+def test_chat_image_parts_are_refused_by_name(served):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}
+    with pytest.raises(ApiError, match="messages\\[0\\].content: 'image_url' parts are not supported; this server "
+                                       "takes text parts only"):
+        parse_chat(body, served)

@@ -134,3 +134,20 @@ def test_bad_yaml_fails_at_start_naming_the_key(tmp_path, tiny_model_dir):
     run = subprocess.run([sys.executable, "-m", "deploy.cli", "up", "--config", str(bad)], capture_output=True,
                          text=True, timeout=60)
     assert run.returncode == 2 and "router.prot: unknown key" in run.stderr
+
+
+def test_penalties_min_tokens_and_logit_bias_reach_the_engines(client, tiny_model_dir):
+    """Issue 15: the sampling knobs vLLM users send go through router, prefill and decode (the first
+    token is sampled on the prefill node, the rest on the decode node) and give the engine's tokens."""
+    tok = load_tokenizer(tiny_model_dir)
+    ids = tok.encode("abcabcabc abcabc")
+    params = SamplingParams(max_tokens=16, presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.2,
+                            min_tokens=4, logit_bias=((ord("q") + 2, 3.0),))
+    engine = LLMEngine(load_model(tiny_model_dir), EngineConfig(num_blocks=256))
+    [[want]] = engine.generate([ids], params)
+    [[plain]] = engine.generate([ids], SamplingParams(max_tokens=16))
+    assert want != plain
+    out = client.completions.create(
+        model="tiny", prompt=ids, max_tokens=16, temperature=0, presence_penalty=1.5, frequency_penalty=0.5,
+        logit_bias={str(ord("q") + 2): 3}, extra_body={"repetition_penalty": 1.2, "min_tokens": 4})
+    assert out.choices[0].text == tok.decode(want) and out.usage.completion_tokens == len(want)

@@ -148,8 +148,10 @@ def test_meta_schema_violations_name_the_field(tier, match):
         decode_meta(msgpack.packb(raw))
 
 
-GEN = GenerationMessage("r1", [1, 2, 3], SamplingParams(max_tokens=5, temperature=0.5, stop_token_ids=(7,)), b"s" * 16,
-                        first_token_ids=[9], handle=HANDLE, long_context={"policy": "h2o"})
+GEN = GenerationMessage("r1", [1, 2, 3], SamplingParams(
+    max_tokens=5, temperature=0.5, stop_token_ids=(7,), presence_penalty=0.5, frequency_penalty=-1.0,
+    repetition_penalty=1.25, min_p=0.1, min_tokens=2, logit_bias=((4, -100.0), (9, 2.5))), b"s" * 16,
+    first_token_ids=[9], handle=HANDLE, long_context={"policy": "h2o"})
 
 
 def gen_wire(**changes):
@@ -188,6 +190,11 @@ def test_a_malformed_handle_in_a_request_is_reported_not_fatal():
     ({"params": {"top_k": "5"}}, r"params.top_k: has the wrong type"),
     ({"params": {"temperature": True}}, r"params.temperature: has the wrong type"),
     ({"params": {"max_tokens": 0}}, r"generation request.params: max_tokens"),
+    ({"params": {"logit_bias": [[1, "x"]]}}, r"params.logit_bias: has the wrong type"),
+    ({"params": {"logit_bias": [[1, 2.0]] * 301}}, r"params.logit_bias: has the wrong type"),
+    ({"params": {"logit_bias": [[1, 2.0], [1, 3.0]]}}, r"params: logit_bias must map distinct token ids"),
+    ({"params": {"min_p": True}}, r"params.min_p: has the wrong type"),
+    ({"params": {"max_tokens": 3, "min_tokens": 4}}, r"params: min_tokens must be an integer in \[0, max_tokens=3\]"),
     ({"first_token_ids": [True]}, "first_token_ids: must be a list of token ids"),
     ({"long_context": [1]}, "long_context: expected dict"),
 ])
