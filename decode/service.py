@@ -155,7 +155,7 @@ class DecodeService(EngineNode):
                 if not resp.prepared:
                     await resp.prepare(request)
                 await resp.write(encode_frame(DecodeFrame(out.index, out.new_token_ids, out.finished,
-                                                          out.finish_reason)))
+                                                          out.finish_reason, out.logprobs)))
             done = True
         except RequestError as exc:
             self.metrics.request_done("bad_request")

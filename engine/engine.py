@@ -29,7 +29,7 @@ from kvstore.checks import require_int
 from kvstore.tiered_store import TieredStore, TieredStoreConfig
 from model.attention import BACKEND_NAME_TO_CLASS, default_backend_name, make_backend
 from model.loader import LoadedModel
-from model.sampling import SamplingParams, sample, token_generator
+from model.sampling import SamplingParams, TokenLogprobs, sample, token_generator
 
 
 class RequestError(ValueError):
@@ -71,6 +71,7 @@ class StepOutput:
     finished: bool
     finish_reason: str | None = None
     num_cached_prompt_tokens: int = 0  # prompt tokens this sample reused from the prefix cache
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked for them
 
 
 @dataclass(slots=True)
@@ -320,10 +321,10 @@ class LLMEngine:
                 token_generator(s.seed, s.index, s.num_output_tokens, self._device) for s, _ in pairs]
         histories = [(s.token_ids[:s.num_prompt_tokens], s.output_token_ids) if s.params.adjusts_logits else None
                      for s, _ in pairs]
-        tokens = sample(result.logits.index_select(0, rows), [s.params for s, _ in pairs], gens, histories,
-                        self.eos_token_ids)
-        for (seq, _), tok in zip(pairs, tokens):
-            outputs.append(self._append_token(seq, tok))
+        tokens, logprobs = sample(result.logits.index_select(0, rows), [s.params for s, _ in pairs], gens,
+                                  histories, self.eos_token_ids)
+        for (seq, _), tok, lp in zip(pairs, tokens, logprobs, strict=True):
+            outputs.append(self._append_token(seq, tok, lp))
         for req_id in {o.request_id for o in outputs if o.finished}:
             self._forget_if_done(req_id)
         self.policies.after_step(self.scheduler.running)
@@ -390,13 +391,14 @@ class LLMEngine:
             return "length"
         return None
 
-    def _append_token(self, seq: Sequence, tok: int) -> StepOutput:
+    def _append_token(self, seq: Sequence, tok: int, logprobs: TokenLogprobs | None = None) -> StepOutput:
         seq.token_ids.append(tok)
         self.stats.generated_tokens += 1
         reason = self._finish_reason(seq, tok)
         if reason is not None:
             self.scheduler.finish(seq, reason)
-        return StepOutput(seq.request_id, seq.index, [tok], reason is not None, reason, seq.num_cached_prompt_tokens)
+        return StepOutput(seq.request_id, seq.index, [tok], reason is not None, reason, seq.num_cached_prompt_tokens,
+                          None if logprobs is None else [logprobs])
 
     def _forget_if_done(self, request_id: str) -> None:
         req = self._requests.get(request_id)

@@ -7,9 +7,10 @@ from collections.abc import Collection, Sequence
 
 import torch
 
-from model.sampling_params import SamplingParams
+from model.sampling_params import SamplingParams, TokenLogprobs
 
-__all__ = ["History", "SamplingParams", "adjust_logits", "sample", "sample_one", "token_generator"]
+__all__ = ["History", "SamplingParams", "TokenLogprobs", "adjust_logits", "sample", "sample_one", "sampling_scores",
+           "token_generator", "token_logprobs"]
 
 
 def token_generator(seed: int, index: int, position: int, device: torch.device) -> torch.Generator:
@@ -56,15 +57,13 @@ def adjust_logits(row: torch.Tensor, params: SamplingParams, history: History,
         row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(row.dtype)
 
 
-def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """Pick one token from float32 ``logits`` ``[vocab]`` (already adjusted: `adjust_logits`).
-
-    Each row is sampled on its own (not batched) so that a token never depends on which other
-    requests share the step.
-    """
+def sampling_scores(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The scores a token is drawn from, ``[vocab]`` float32: the (adjusted) logits over the temperature,
+    with the tokens min_p, top-k and top-p leave out at -inf. Greedy: the logits as they are."""
+    scores = logits.float()
     if params.greedy:
-        return int(torch.argmax(logits).item())
-    scores = logits.float() / params.temperature
+        return scores
+    scores = scores / params.temperature
     if params.min_p > 0.0:
         probs = torch.softmax(scores, dim=-1)
         scores = scores.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
@@ -78,15 +77,35 @@ def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
         drop = (cum - probs) >= params.top_p  # keep the smallest set reaching top_p; the top token always stays
         sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
         scores = torch.full_like(scores, float("-inf")).scatter(0, order, sorted_scores)
-    probs = torch.softmax(scores, dim=-1)
+    return scores
+
+
+def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """Pick one token from float32 ``logits`` ``[vocab]`` (already adjusted: `adjust_logits`).
+
+    Each row is sampled on its own (not batched) so that a token never depends on which other
+    requests share the step.
+    """
+    if params.greedy:
+        return int(torch.argmax(logits).item())
+    probs = torch.softmax(sampling_scores(logits, params), dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def token_logprobs(logits: torch.Tensor, params: SamplingParams, token: int) -> TokenLogprobs:
+    logp = torch.log_softmax(sampling_scores(logits, params), dim=-1)
+    k = min(params.logprobs or 0, logp.shape[-1])
+    top = torch.topk(logp, k) if k else None
+    pairs = tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top is not None else ()
+    return TokenLogprobs(float(logp[token]), pairs)
 
 
 def sample(
     logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
     histories: Sequence[History | None] | None = None, eos_token_ids: Collection[int] = (),
-) -> list[int]:
-    """One token per row of ``logits`` ``[N, vocab]`` with that row's params and generator.
+) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """One token per row of ``logits`` ``[N, vocab]`` with that row's params and generator, and its
+    `TokenLogprobs` for the rows whose params ask for logprobs (else None).
 
     ``histories[i]`` is needed for each row whose params adjust the logits (`SamplingParams.adjusts_logits`);
     ``eos_token_ids`` are the stop tokens ``min_tokens`` holds back (with ``stop_token_ids``).
@@ -108,4 +127,5 @@ def sample(
     for i, p in enumerate(params):
         if not p.greedy:
             out[i] = sample_one(logits[i], p, generators[i])
-    return out
+    logprobs = [None if p.logprobs is None else token_logprobs(logits[i], p, out[i]) for i, p in enumerate(params)]
+    return out, logprobs

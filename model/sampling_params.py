@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_LOGPROBS = 20  # top alternatives per token (as OpenAI's top_logprobs and vLLM's default)
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -38,6 +40,7 @@ class SamplingParams:
     min_p: float = 0.0
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)  # (token id, bias), ids distinct
+    logprobs: int | None = None  # return each token's logprob and this many top alternatives (None: none)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -62,6 +65,8 @@ class SamplingParams:
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
                              f"got {self.min_tokens!r}")
+        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         ids = [t for t, _ in self.logit_bias]
         if len(set(ids)) != len(ids) or not all(-100.0 <= b <= 100.0 for _, b in self.logit_bias):
             raise ValueError("logit_bias must map distinct token ids to biases in [-100, 100]")
@@ -75,3 +80,13 @@ class SamplingParams:
         """Whether anything changes the logits before sampling (then the sampler needs the history)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
                     or self.min_tokens or self.logit_bias)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """The log-probability of a picked token and the ``top`` most likely tokens, best first, from the
+    distribution it was drawn from (`model.sampling.sampling_scores`: after penalties and temperature,
+    filters applied; greedy: of the adjusted logits)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...]

@@ -21,6 +21,7 @@ from aiohttp import web
 from engine.engine import LLMEngine, RequestError
 from engine.worker import EngineFailure, EngineWorker
 from kvstore.block_key import BlockKey
+from model.sampling_params import TokenLogprobs
 from node.app import EngineNode, NodeConfig, NodeMetrics, msgpack_response
 from transfer.handle import KvHandle
 from transfer.wire import PrefillReply, encode_prefill_reply
@@ -75,6 +76,7 @@ class PrefillService(EngineNode):
                 published["handle"] = self._publish(engine, keys)
 
         first: list[int | None] = [None] * params.n
+        first_logprobs: list[TokenLogprobs | None] = [None] * params.n
         num_cached = 0
         first_only = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
         stream = self.worker.submit(rid, prompt, first_only, salt=salt, on_finish=on_finish, block_keys=keys)
@@ -83,6 +85,8 @@ class PrefillService(EngineNode):
             async for out in stream:
                 if out.new_token_ids:
                     first[out.index] = out.new_token_ids[0]
+                    if out.logprobs:
+                        first_logprobs[out.index] = out.logprobs[0]
                 num_cached = max(num_cached, out.num_cached_prompt_tokens)
             done = True
         except RequestError as exc:
@@ -109,5 +113,7 @@ class PrefillService(EngineNode):
         self.metrics.request_done("ok")
         log.info("request %s: prefilled %d tokens (%d from cache), first tokens %s, handle %s", rid, len(prompt),
                  num_cached, tokens, "leased" if handle is not None else "none")
-        reply = PrefillReply(tokens, reasons, handle, num_cached)  # msgpack only here, at the HTTP edge
+        logprobs = None if params.logprobs is None else [lp for lp in first_logprobs if lp is not None]
+        reply = PrefillReply(tokens, reasons, handle, num_cached,  # msgpack only here, at the HTTP edge
+                             first_logprobs=logprobs if logprobs is None or len(logprobs) == len(tokens) else None)
         return web.Response(body=encode_prefill_reply(reply), content_type="application/msgpack")

@@ -22,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from engine.long_context import LongContextConfig
 from kvstore.checks import require_int
+from model.sampling_params import TokenLogprobs
 from model.tokenizer import load_tokenizer
 from router.backends import Backends, NodeUnavailable
 from router.dispatch import ClusterInfo, Dispatcher, SampleDelta
@@ -31,6 +32,7 @@ from router.openai_api import (
     GenerationRequest,
     ServedModel,
     full_response,
+    logprobs_body,
     parse_chat,
     parse_completion,
     stream_chunk,
@@ -347,6 +349,8 @@ class Router:
         texts = [SampleText(self.served.tokenizer, req.stop) for _ in range(req.params.n)]
         parts: list[list[str]] = [[] for _ in range(req.params.n)]
         reasons: list[str | None] = [None] * req.params.n
+        token_ids: list[list[int]] = [[] for _ in range(req.params.n)]
+        logprobs: list[list[TokenLogprobs]] = [[] for _ in range(req.params.n)]
         timer = _Timer()
         gen = self.dispatcher.run(req, salt)
         try:
@@ -354,6 +358,8 @@ class Router:
                 timer.tokens(len(delta.token_ids))
                 if reasons[delta.index] is not None:
                     continue
+                token_ids[delta.index].extend(delta.token_ids)
+                logprobs[delta.index].extend(delta.logprobs or ())
                 t = texts[delta.index]
                 parts[delta.index].append(t.push(delta.token_ids))
                 if t.stopped:
@@ -369,14 +375,17 @@ class Router:
             await gen.aclose()
         timer.observe(self.metrics)
         self.metrics.requests.labels("router", "200").inc()
-        return web.json_response(full_response(req, self.served.name, ["".join(p) for p in parts], reasons,
-                                               sum(t.num_tokens for t in texts)))
+        tok = self.served.tokenizer
+        return web.json_response(full_response(
+            req, self.served.name, ["".join(p) for p in parts], reasons, sum(t.num_tokens for t in texts),
+            [logprobs_body(req, tok, ids, lps) for ids, lps in zip(token_ids, logprobs, strict=True)]))
 
     async def _stream(self, request: web.Request, req: GenerationRequest, salt: bytes) -> web.StreamResponse:
         assert self.dispatcher is not None and self.served is not None
         name = self.served.name
         texts = [SampleText(self.served.tokenizer, req.stop) for _ in range(req.params.n)]
         reasons: list[str | None] = [None] * req.params.n
+        offsets = [0] * req.params.n  # completions' text_offset of each choice's next token
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         timer = _Timer()
         gen = self.dispatcher.run(req, salt)
@@ -396,7 +405,10 @@ class Router:
                     text += t.flush()
                     reasons[i] = delta.reason
                 first = t.num_tokens == len(delta.token_ids)
-                await _sse(resp, stream_chunk(req, name, i, text, reasons[i], first=first))
+                lp = logprobs_body(req, self.served.tokenizer, delta.token_ids, delta.logprobs, offsets[i])
+                if lp is not None and req.kind == "completion" and lp["tokens"]:
+                    offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+                await _sse(resp, stream_chunk(req, name, i, text, reasons[i], first=first, logprobs=lp))
                 if all(r is not None for r in reasons):
                     break
         except ApiError as exc:

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from kvstore.block_key import block_keys
+from model.sampling_params import TokenLogprobs
 from router.backends import Backends, NodeRefused, NodeUnavailable
 from router.nodes import Node, NodeSet
 from router.openai_api import ApiError, GenerationRequest
@@ -47,6 +48,7 @@ class SampleDelta:
     token_ids: list[int]
     finished: bool
     reason: str | None
+    logprobs: list[TokenLogprobs] | None = None  # one per token, when the request asked
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +144,8 @@ class Dispatcher:
             if prefilled is not None:
                 for i, (tok, reason) in enumerate(zip(first or [], pre.finish_reasons, strict=True)):
                     finished[i] = reason is not None
-                    yield SampleDelta(i, [tok], finished[i], reason)
+                    yield SampleDelta(i, [tok], finished[i], reason,
+                                      None if pre.first_logprobs is None else [pre.first_logprobs[i]])
                 if all(finished):
                     return  # the prefill node released the lease itself
             async for delta in self._decode(req, salt, keys, first, handle, finished, fate):
@@ -201,7 +204,7 @@ class Dispatcher:
                     if finished[i]:
                         continue
                     finished[i] = frame.finished
-                    yield SampleDelta(i, frame.tokens, finished[i], frame.reason)
+                    yield SampleDelta(i, frame.tokens, finished[i], frame.reason, frame.logprobs)
                 if not all(finished):
                     raise NodeUnavailable(f"{node.name} ended the stream before every sample finished")
                 return

@@ -11,7 +11,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from model.sampling_params import SamplingParams
+from model.sampling_params import MAX_LOGPROBS, SamplingParams, TokenLogprobs
 from model.tokenizer import Tokenizer
 
 MAX_STOP_STRING_CHARS = 1024  # each; matched against the text at every token
@@ -19,7 +19,7 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_STOP_STRINGS = 4
 # Fields this server does not implement, with the values that mean "not used" and are accepted.
 UNSUPPORTED_FIELD_TO_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []), "tool_choice": (None, "none"),
+    "tools": (None, []), "tool_choice": (None, "none"),
     "functions": (None, []), "function_call": (None, "none"), "suffix": (None, ""), "best_of": (None, 1),
     "echo": (None, False), "response_format": (None, {"type": "text"}),
 }
@@ -110,7 +110,24 @@ def _type_names(types: type | tuple[type, ...]) -> str:
                         "list": "a list", "dict": "an object"}.get(n, n) for n in names)
 
 
-def _sampling(body: dict[str, Any], served: ServedModel, prompt_len: int) -> tuple[SamplingParams, tuple[str, ...]]:
+def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
+    """How many top alternatives to return with each token's logprob; None: no logprobs. Completions
+    take ``logprobs: N``; chat takes ``logprobs: true`` with ``top_logprobs: N``."""
+    if chat:
+        wanted = _get(body, "logprobs", bool, False)
+        top = _get(body, "top_logprobs", int, None)
+        if top is not None and not wanted:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        count, name = (top or 0) if wanted else None, "top_logprobs"
+    else:
+        count, name = _get(body, "logprobs", int, None), "logprobs"
+    if count is not None and not 0 <= count <= MAX_LOGPROBS:
+        raise ApiError(400, f"{name} must be in [0, {MAX_LOGPROBS}], got {count}", param=name)
+    return count
+
+
+def _sampling(body: dict[str, Any], served: ServedModel, prompt_len: int, *,
+              chat: bool = False) -> tuple[SamplingParams, tuple[str, ...]]:
     max_tokens = _get(body, "max_tokens", int, None)
     if max_tokens is None:
         max_tokens = _get(body, "max_completion_tokens", int, 16)
@@ -182,7 +199,7 @@ def _sampling(body: dict[str, Any], served: ServedModel, prompt_len: int) -> tup
     params = SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=max(top_k, 0), seed=seed, n=n,
         stop_token_ids=tuple(stop_ids), ignore_eos=ignore_eos, min_tokens=min_tokens,
-        logit_bias=_logit_bias(body, served), **penalties,
+        logit_bias=_logit_bias(body, served), logprobs=_logprobs(body, chat), **penalties,
     )
     return params, stops
 
@@ -292,7 +309,7 @@ def parse_chat(body: Any, served: ServedModel) -> GenerationRequest:
     except Exception as exc:  # noqa: BLE001 - template errors are the client's messages' fault
         raise ApiError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
     ids = tok.encode(text, add_special_tokens=False)
-    params, stops = _sampling(body, served, len(ids))
+    params, stops = _sampling(body, served, len(ids), chat=True)
     stream, include_usage = _stream_options(body)
     return GenerationRequest(f"chatcmpl-{uuid.uuid4().hex}", "chat", ids, params, stops, stream, include_usage,
                              int(time.time()), _kvrelay_extension(body))
@@ -304,30 +321,56 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def full_response(req: GenerationRequest, model: str, texts: list[str], reasons: list[str | None],
-                  completion_tokens: int) -> dict[str, Any]:
+def logprobs_body(req: GenerationRequest, tokenizer: Tokenizer | None, token_ids: list[int],
+                  logprobs: list[TokenLogprobs] | None, text_offset: int = 0) -> dict[str, Any] | None:
+    """The ``logprobs`` of a choice (or of a stream chunk) for ``token_ids``, in OpenAI's shape: chat
+    ``{"content": [{token, logprob, bytes, top_logprobs}]}``, completions ``{tokens, token_logprobs,
+    top_logprobs, text_offset}`` (offsets from ``text_offset``). None when the request asked for none."""
+    if req.params.logprobs is None or logprobs is None:
+        return None
+
+    def text(tok: int) -> str:
+        return tokenizer.decode([tok], skip_special_tokens=False) if tokenizer is not None else f"token_id:{tok}"
+
     if req.kind == "chat":
-        choices = [{"index": i, "message": {"role": "assistant", "content": t}, "finish_reason": r, "logprobs": None}
-                   for i, (t, r) in enumerate(zip(texts, reasons))]
+        return {"content": [{
+            "token": text(tok), "logprob": lp.logprob, "bytes": list(text(tok).encode()),
+            "top_logprobs": [{"token": text(t), "logprob": v, "bytes": list(text(t).encode())} for t, v in lp.top],
+        } for tok, lp in zip(token_ids, logprobs, strict=True)]}
+    tokens = [text(tok) for tok in token_ids]
+    offsets = []
+    for t in tokens:
+        offsets.append(text_offset)
+        text_offset += len(t)
+    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [{text(t): v for t, v in lp.top} for lp in logprobs], "text_offset": offsets}
+
+
+def full_response(req: GenerationRequest, model: str, texts: list[str], reasons: list[str | None],
+                  completion_tokens: int, logprobs: list[dict[str, Any] | None] | None = None) -> dict[str, Any]:
+    lps = logprobs or [None] * len(texts)
+    if req.kind == "chat":
+        choices = [{"index": i, "message": {"role": "assistant", "content": t}, "finish_reason": r, "logprobs": lp}
+                   for i, (t, r, lp) in enumerate(zip(texts, reasons, lps))]
         obj = "chat.completion"
     else:
-        choices = [{"index": i, "text": t, "finish_reason": r, "logprobs": None}
-                   for i, (t, r) in enumerate(zip(texts, reasons))]
+        choices = [{"index": i, "text": t, "finish_reason": r, "logprobs": lp}
+                   for i, (t, r, lp) in enumerate(zip(texts, reasons, lps))]
         obj = "text_completion"
     return {"id": req.request_id, "object": obj, "created": req.created, "model": model, "choices": choices,
             "usage": usage(len(req.prompt_token_ids), completion_tokens)}
 
 
 def stream_chunk(req: GenerationRequest, model: str, index: int, text: str | None, reason: str | None,
-                 *, first: bool = False) -> dict[str, Any]:
+                 *, first: bool = False, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     if req.kind == "chat":
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if text:
             delta["content"] = text
-        choice = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": None}
+        choice = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": index, "text": text or "", "finish_reason": reason, "logprobs": None}
+        choice = {"index": index, "text": text or "", "finish_reason": reason, "logprobs": logprobs}
         obj = "text_completion"
     return {"id": req.request_id, "object": obj, "created": req.created, "model": model, "choices": [choice]}
 

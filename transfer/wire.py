@@ -43,7 +43,7 @@ import aiohttp
 import msgpack
 
 from kvstore.block_key import BlockKey
-from model.sampling_params import SamplingParams
+from model.sampling_params import MAX_LOGPROBS, SamplingParams, TokenLogprobs
 from transfer.handle import KvHandle
 from transfer.lease import TierBlock
 from transfer.metadata import PROTOCOL_VERSION, AgentMeta, TierRegion
@@ -366,14 +366,14 @@ def params_to_wire(params: SamplingParams) -> dict[str, Any]:
     return out
 
 
-def _number(v: Any) -> bool:
+def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _bias_pairs(v: Any) -> bool:
     return isinstance(v, list) and len(v) <= MAX_LOGIT_BIAS and all(
         isinstance(p, list) and len(p) == 2 and isinstance(p[0], int) and not isinstance(p[0], bool)
-        and _number(p[1]) for p in v)
+        and _is_number(p[1]) for p in v)
 
 
 _PARAM_FIELDS: dict[str, Callable[[Any], bool]] = {
@@ -382,8 +382,9 @@ _PARAM_FIELDS: dict[str, Callable[[Any], bool]] = {
     "seed": lambda v: v is None or isinstance(v, int), "n": lambda v: isinstance(v, int),
     "stop_token_ids": lambda v: isinstance(v, list) and all(isinstance(t, int) for t in v),
     "ignore_eos": lambda v: isinstance(v, bool),
-    "presence_penalty": _number, "frequency_penalty": _number, "repetition_penalty": _number, "min_p": _number,
-    "min_tokens": lambda v: isinstance(v, int), "logit_bias": _bias_pairs,
+    "presence_penalty": _is_number, "frequency_penalty": _is_number, "repetition_penalty": _is_number,
+    "min_p": _is_number, "min_tokens": lambda v: isinstance(v, int), "logit_bias": _bias_pairs,
+    "logprobs": lambda v: v is None or isinstance(v, int),
 }
 
 
@@ -477,13 +478,37 @@ class PrefillReply:
     handle: KvHandle | None
     num_cached_tokens: int
     handle_error: str | None = None
+    first_logprobs: list[TokenLogprobs] | None = None  # one per first token, when the request asked
 
 
 def encode_prefill_reply(reply: PrefillReply) -> bytes:
     return _pack({
         "first_token_ids": reply.first_token_ids, "finish_reasons": reply.finish_reasons,
         "handle": handle_to_wire(reply.handle) if reply.handle else None, "num_cached_tokens": reply.num_cached_tokens,
+        "logprobs": _logprobs_to_wire(reply.first_logprobs),
     })
+
+
+def _logprobs_to_wire(logprobs: list[TokenLogprobs] | None) -> list[Any] | None:
+    return None if logprobs is None else [[lp.logprob, [[t, v] for t, v in lp.top]] for lp in logprobs]
+
+
+def _logprobs_from_wire(msg: dict[str, Any], count: int, what: str) -> list[TokenLogprobs] | None:
+    """``logprobs``: nil, or one ``[logprob, [[token id, logprob], ...]]`` per token (``count`` of them)."""
+    raw = msg.get("logprobs")
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or len(raw) != count:
+        raise WireError(f"{what}.logprobs: expected one entry per token")
+    out = []
+    for entry in raw:
+        if not (isinstance(entry, list) and len(entry) == 2 and _is_number(entry[0]) and isinstance(entry[1], list)
+                and len(entry[1]) <= MAX_LOGPROBS and all(
+                    isinstance(p, list) and len(p) == 2 and isinstance(p[0], int) and not isinstance(p[0], bool)
+                    and _is_number(p[1]) for p in entry[1])):
+            raise WireError(f"{what}.logprobs: expected [logprob, [[token id, logprob], ...]] per token")
+        out.append(TokenLogprobs(float(entry[0]), tuple((t, float(v)) for t, v in entry[1])))
+    return out
 
 
 def decode_prefill_reply(data: Any) -> PrefillReply:
@@ -498,7 +523,8 @@ def decode_prefill_reply(data: Any) -> PrefillReply:
     if len(reasons) != len(first) or not all(r is None or isinstance(r, str) for r in reasons):
         raise WireError(f"{what}.finish_reasons: expected one reason (or nil) per first token")
     handle, handle_error = _handle_or_error(msg, what)
-    return PrefillReply(first, reasons, handle, _int(msg, "num_cached_tokens", what, 0, 1 << 40), handle_error)
+    return PrefillReply(first, reasons, handle, _int(msg, "num_cached_tokens", what, 0, 1 << 40), handle_error,
+                        _logprobs_from_wire(msg, len(first), what))
 
 
 @dataclass(frozen=True, slots=True)
@@ -509,10 +535,12 @@ class DecodeFrame:
     tokens: list[int]
     finished: bool
     reason: str | None
+    logprobs: list[TokenLogprobs] | None = None  # one per token, when the request asked
 
 
 def encode_frame(frame: DecodeFrame) -> bytes:
-    return _pack({"index": frame.index, "tokens": frame.tokens, "finished": frame.finished, "reason": frame.reason})
+    return _pack({"index": frame.index, "tokens": frame.tokens, "finished": frame.finished, "reason": frame.reason,
+                  "logprobs": _logprobs_to_wire(frame.logprobs)})
 
 
 def encode_error_frame(message: str, status: int) -> bytes:
@@ -540,4 +568,5 @@ def decode_frame(obj: Any) -> DecodeFrame:
     tokens = _token_ids(obj, "tokens", what)
     assert tokens is not None
     reason = _opt(obj, "reason", str, what)
-    return DecodeFrame(_int(obj, "index", what, 0, 1 << 16), tokens, _field(obj, "finished", bool, what), reason)
+    return DecodeFrame(_int(obj, "index", what, 0, 1 << 16), tokens, _field(obj, "finished", bool, what), reason,
+                       _logprobs_from_wire(obj, len(tokens), what))

@@ -32,7 +32,8 @@ def served(tiny_model_dir) -> ServedModel:
         ({"model": "tiny", "prompt": []}, 400, "prompt is empty"),
         ({"model": "tiny", "prompt": [1] * 120, "max_tokens": 9}, 400, "context window is 128 tokens"),
         ({"model": "tiny", "prompt": "x", "max_tokens": "9"}, 400, "max_tokens must be an integer, got str"),
-        ({"model": "tiny", "prompt": "x", "logprobs": 2}, 400, "logprobs is not supported by this server"),
+        ({"model": "tiny", "prompt": "x", "logprobs": 21}, 400, "logprobs must be in [0, 20], got 21"),
+        ({"model": "tiny", "prompt": "x", "echo": True}, 400, "echo is not supported by this server"),
         ({"model": "tiny", "prompt": {"a": 1}}, 400, "prompt must be a string or a list of token ids"),
         # issue 13: every per-request size and range is capped with a named 400 (no 500s)
         ({"model": "tiny", "prompt": "x", "temperature": float("nan")}, 400, "temperature must be in [0, 2], got nan"),
@@ -182,3 +183,15 @@ def test_chat_image_parts_are_refused_by_name(served):
     with pytest.raises(ApiError, match="messages\\[0\\].content: 'image_url' parts are not supported; this server "
                                        "takes text parts only"):
         parse_chat(body, served)
+
+
+def test_chat_logprobs_take_a_flag_and_a_count(served):
+    msgs = [{"role": "user", "content": "hi"}]
+    with_top = {"model": "tiny", "messages": msgs, "logprobs": True, "top_logprobs": 3}
+    assert parse_chat(with_top, served).params.logprobs == 3
+    assert parse_chat({"model": "tiny", "messages": msgs, "logprobs": True}, served).params.logprobs == 0
+    assert parse_chat({"model": "tiny", "messages": msgs}, served).params.logprobs is None
+    with pytest.raises(ApiError, match="top_logprobs needs logprobs: true"):
+        parse_chat({"model": "tiny", "messages": msgs, "top_logprobs": 2}, served)
+    with pytest.raises(ApiError, match="top_logprobs must be in \\[0, 20\\], got 21"):
+        parse_chat({"model": "tiny", "messages": msgs, "logprobs": True, "top_logprobs": 21}, served)

@@ -151,3 +151,37 @@ def test_penalties_min_tokens_and_logit_bias_reach_the_engines(client, tiny_mode
         model="tiny", prompt=ids, max_tokens=16, temperature=0, presence_penalty=1.5, frequency_penalty=0.5,
         logit_bias={str(ord("q") + 2): 3}, extra_body={"repetition_penalty": 1.2, "min_tokens": 4})
     assert out.choices[0].text == tok.decode(want) and out.usage.completion_tokens == len(want)
+
+
+def test_logprobs_through_prefill_and_decode_equal_the_engine_s(client, tiny_model_dir):
+    """Issue 15: the first token's logprobs come from the prefill node, the rest from the decode node;
+    completions (plain and streamed) and chat carry them in OpenAI's shapes."""
+    from tests.model.test_logprobs import run_with_logprobs
+
+    tok = load_tokenizer(tiny_model_dir)
+    ids = tok.encode("logprobs, please")
+    engine = LLMEngine(load_model(tiny_model_dir), EngineConfig(num_blocks=256))
+    want_ids, want = run_with_logprobs(engine, ids, SamplingParams(max_tokens=8, logprobs=3, ignore_eos=True))
+
+    out = client.completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=0, logprobs=3,
+                                    extra_body={"ignore_eos": True})
+    lp = out.choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx([w.logprob for w in want], abs=1e-4)
+    assert lp.tokens == [tok.decode([t], skip_special_tokens=False) for t in want_ids]
+    # A dict per token, keyed by text (OpenAI's shape: tokens with the same text share a key).
+    text = {t: tok.decode([t], skip_special_tokens=False) for w in want for t, _ in w.top}
+    assert lp.top_logprobs == [pytest.approx({text[t]: v for t, v in w.top}, abs=1e-4) for w in want]
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(8)]
+
+    chunks = list(client.completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=0, logprobs=3,
+                                            stream=True, extra_body={"ignore_eos": True}))
+    streamed = [v for c in chunks if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed == pytest.approx([w.logprob for w in want], abs=1e-4)
+
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(len(c.top_logprobs) == 2 for c in content)
+    assert all(c.top_logprobs[0].logprob == pytest.approx(c.logprob, abs=1e-6) for c in content)  # greedy: the top
+    plain = client.completions.create(model="tiny", prompt=ids, max_tokens=2, temperature=0)
+    assert plain.choices[0].logprobs is None
