@@ -191,7 +191,8 @@ def test_a_drain_that_runs_out_of_time_cuts_streams_off_with_an_error_and_releas
     from transfer.config import TOKEN_HEADER
     from transfer.wire import GenerationMessage, decode_prefill_reply, encode_generation
 
-    with Cluster(tiny_model_dir, overrides={"internal": {"drain_timeout_s": 1}}) as c:
+    # A short drain: the 2,000-token stream cannot finish within it (a decode step here takes ~1-2 ms).
+    with Cluster(tiny_model_dir, overrides={"internal": {"drain_timeout_s": 0.2}}) as c:
         decode, prefill = c.decode_urls[0], c.prefill_urls[0]
         body = json.dumps({"model": "tiny", "prompt": "cut me off", "max_tokens": 2000, "temperature": 0,
                            "ignore_eos": True, "stream": True}).encode()
@@ -205,10 +206,10 @@ def test_a_drain_that_runs_out_of_time_cuts_streams_off_with_an_error_and_releas
         assert events[-1] == b"[DONE]"
         error = json.loads(events[-2])["error"]
         assert error["code"] == 503
-        assert error["message"] == "decode-0 is shutting down: the request was cut off after the 1 s drain"
+        assert error["message"] == "decode-0 is shutting down: the request was cut off after the 0.2 s drain"
         assert all("choices" in json.loads(e) for e in events[:-2])  # tokens, then the error, then [DONE]
 
-        # A lease no decode node reads: the drain waits its 1 s for a reader, then releases it.
+        # A lease no decode node reads: the drain waits its 0.2 s for a reader, then releases it.
         msg = GenerationMessage("direct", list(range(1, 40)), SamplingParams(max_tokens=2), b"")
         req = urllib.request.Request(prefill + "/prefill", data=encode_generation(msg), method="POST",
                                      headers={TOKEN_HEADER: c.token, "Content-Type": "application/msgpack"})
