@@ -1,6 +1,7 @@
 """The router: the client-facing OpenAI-compatible API.
 
     POST /v1/completions, /v1/chat/completions   (stream: SSE ending with ``data: [DONE]``)
+    POST /tokenize, /detokenize
     GET  /v1/models, /health, /metrics
 """
 
@@ -15,7 +16,7 @@ import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -34,7 +35,9 @@ from router.openai_api import (
     full_response,
     logprobs_body,
     parse_chat,
-    parse_completion,
+    parse_completions,
+    parse_detokenize,
+    parse_tokenize,
     stream_chunk,
     usage_chunk,
 )
@@ -43,6 +46,7 @@ from transfer.discovery import NodeAddresses, Resolver, getaddrinfo_resolver, pa
 from transfer.wire import TENANT_SALT_BYTES
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 # A node that has never answered is polled every round; say so at these failure counts (not at every try).
 UNSEEN_WARN_AFTER = frozenset({50, 300, 1200})
 EVENT_ANSWER_TIMEOUT_S = 5.0  # beyond the long-poll wait: a node slower than this is taken out
@@ -144,6 +148,8 @@ class Router:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
         app.on_startup.append(self._start)
@@ -304,7 +310,7 @@ class Router:
 
     # ------------------------------------------------------------- handlers
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._handle(request, parse_completion)
+        return await self._handle(request, parse_completions)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._handle(request, parse_chat)
@@ -321,14 +327,15 @@ class Router:
                 assert self.served is not None
                 body = await self._body(request)
                 # Tokenizing and templating can take a while for a long prompt: off the event loop.
-                req: GenerationRequest = await asyncio.get_running_loop().run_in_executor(
-                    None, parse, body, self.served)
-                self._check_long_context(req)
+                parsed = await asyncio.get_running_loop().run_in_executor(None, parse, body, self.served)
+                reqs: list[GenerationRequest] = parsed if isinstance(parsed, list) else [parsed]
+                for req in reqs:
+                    self._check_long_context(req)
             except ApiError as exc:
                 return self._error(exc)
-            if req.stream:
-                return await self._stream(request, req, salt)
-            return await self._complete(req, salt)
+            if reqs[0].stream:
+                return await self._stream(request, reqs, salt)
+            return await self._complete(reqs, salt)
         finally:
             self.num_admitted -= 1
             self.metrics.running.labels("router").dec()
@@ -344,29 +351,67 @@ class Router:
         except ValueError as exc:
             raise ApiError(400, f"kvrelay.{exc}", param="kvrelay.long_context") from None
 
-    async def _complete(self, req: GenerationRequest, salt: bytes) -> web.Response:
-        assert self.dispatcher is not None and self.served is not None
-        texts = [SampleText(self.served.tokenizer, req.stop) for _ in range(req.params.n)]
-        parts: list[list[str]] = [[] for _ in range(req.params.n)]
-        reasons: list[str | None] = [None] * req.params.n
-        token_ids: list[list[int]] = [[] for _ in range(req.params.n)]
-        logprobs: list[list[TokenLogprobs]] = [[] for _ in range(req.params.n)]
-        timer = _Timer()
-        gen = self.dispatcher.run(req, salt)
+    async def _run_all(self, reqs: list[GenerationRequest], salt: bytes) -> AsyncIterator[tuple[int, SampleDelta]]:
+        """``(choice index, delta)`` from every request at once (several prompts in one request: the
+        choices of prompt k follow those of the prompts before it). Closing this ends them all."""
+        assert self.dispatcher is not None
+        starts = [sum(r.params.n for r in reqs[:k]) for k in range(len(reqs))]
+        if len(reqs) == 1:
+            async for delta in self.dispatcher.run(reqs[0], salt):
+                yield delta.index, delta
+            return
+        queue: asyncio.Queue[tuple[int, SampleDelta | Exception | None]] = asyncio.Queue()
+
+        async def pump(k: int, req: GenerationRequest) -> None:
+            assert self.dispatcher is not None
+            try:
+                async for delta in self.dispatcher.run(req, salt):
+                    queue.put_nowait((k, delta))
+            except Exception as exc:  # noqa: BLE001 - handed to the consumer
+                queue.put_nowait((k, exc))
+            finally:
+                queue.put_nowait((k, None))
+
+        tasks = [asyncio.create_task(pump(k, req)) for k, req in enumerate(reqs)]
         try:
-            async for delta in _with_deadline(gen, self.config.request_timeout_s):
+            running = len(tasks)
+            while running:
+                k, item = await queue.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield starts[k] + item.index, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _complete(self, reqs: list[GenerationRequest], salt: bytes) -> web.Response:
+        assert self.served is not None
+        req, choices = reqs[0], [r for r in reqs for _ in range(r.params.n)]
+        texts = [SampleText(self.served.tokenizer, r.stop) for r in choices]
+        parts: list[list[str]] = [[r.echo_text] if r.echo_text else [] for r in choices]
+        reasons: list[str | None] = [None] * len(choices)
+        token_ids: list[list[int]] = [[] for _ in choices]
+        logprobs: list[list[TokenLogprobs]] = [[] for _ in choices]
+        timer = _Timer()
+        gen = self._run_all(reqs, salt)
+        try:
+            async for i, delta in _with_deadline(gen, self.config.request_timeout_s):
                 timer.tokens(len(delta.token_ids))
-                if reasons[delta.index] is not None:
+                if reasons[i] is not None:
                     continue
-                token_ids[delta.index].extend(delta.token_ids)
-                logprobs[delta.index].extend(delta.logprobs or ())
-                t = texts[delta.index]
-                parts[delta.index].append(t.push(delta.token_ids))
+                token_ids[i].extend(delta.token_ids)
+                logprobs[i].extend(delta.logprobs or ())
+                t = texts[i]
+                parts[i].append(t.push(delta.token_ids))
                 if t.stopped:
-                    reasons[delta.index] = "stop"
+                    reasons[i] = "stop"
                 elif delta.finished:
-                    parts[delta.index].append(t.flush())
-                    reasons[delta.index] = delta.reason
+                    parts[i].append(t.flush())
+                    reasons[i] = delta.reason
                 if all(r is not None for r in reasons):
                     break
         except ApiError as exc:
@@ -378,23 +423,25 @@ class Router:
         tok = self.served.tokenizer
         return web.json_response(full_response(
             req, self.served.name, ["".join(p) for p in parts], reasons, sum(t.num_tokens for t in texts),
-            [logprobs_body(req, tok, ids, lps) for ids, lps in zip(token_ids, logprobs, strict=True)]))
+            [logprobs_body(req, tok, ids, lps) for ids, lps in zip(token_ids, logprobs, strict=True)],
+            prompt_tokens=sum(len(r.prompt_token_ids) for r in reqs)))
 
-    async def _stream(self, request: web.Request, req: GenerationRequest, salt: bytes) -> web.StreamResponse:
-        assert self.dispatcher is not None and self.served is not None
+    async def _stream(self, request: web.Request, reqs: list[GenerationRequest],
+                      salt: bytes) -> web.StreamResponse:
+        assert self.served is not None
         name = self.served.name
-        texts = [SampleText(self.served.tokenizer, req.stop) for _ in range(req.params.n)]
-        reasons: list[str | None] = [None] * req.params.n
-        offsets = [0] * req.params.n  # completions' text_offset of each choice's next token
+        req, choices = reqs[0], [r for r in reqs for _ in range(r.params.n)]
+        texts = [SampleText(self.served.tokenizer, r.stop) for r in choices]
+        reasons: list[str | None] = [None] * len(choices)
+        offsets = [0] * len(choices)  # completions' text_offset of each choice's next token
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         timer = _Timer()
-        gen = self.dispatcher.run(req, salt)
+        gen = self._run_all(reqs, salt)
         try:
-            async for delta in _with_deadline(gen, self.config.request_timeout_s):
+            async for i, delta in _with_deadline(gen, self.config.request_timeout_s):
                 if not resp.prepared:
                     await resp.prepare(request)
                 timer.tokens(len(delta.token_ids))
-                i = delta.index
                 if reasons[i] is not None:
                     continue
                 t = texts[i]
@@ -405,6 +452,8 @@ class Router:
                     text += t.flush()
                     reasons[i] = delta.reason
                 first = t.num_tokens == len(delta.token_ids)
+                if first and choices[i].echo_text:
+                    text = choices[i].echo_text + text
                 lp = logprobs_body(req, self.served.tokenizer, delta.token_ids, delta.logprobs, offsets[i])
                 if lp is not None and req.kind == "completion" and lp["tokens"]:
                     offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
@@ -424,11 +473,34 @@ class Router:
         finally:
             await gen.aclose()  # closes the decode stream: the decode node aborts the request
         if req.include_usage:
-            await _sse(resp, usage_chunk(req, name, sum(t.num_tokens for t in texts)))
+            await _sse(resp, usage_chunk(req, name, sum(t.num_tokens for t in texts),
+                                         sum(len(r.prompt_token_ids) for r in reqs)))
         await resp.write(b"data: [DONE]\n\n")
         timer.observe(self.metrics)
         self.metrics.requests.labels("router", "200").inc()
         return resp
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """``POST /tokenize`` (as vLLM): ``{"model", "prompt"}`` or ``{"model", "messages"}`` →
+        ``{"tokens", "count", "max_model_len"}``."""
+        try:
+            self._auth(request)
+            assert self.served is not None
+            body = await self._body(request)
+            ids = await asyncio.get_running_loop().run_in_executor(None, parse_tokenize, body, self.served)
+        except ApiError as exc:
+            return self._error(exc)
+        return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": self.served.max_model_len})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """``POST /detokenize`` (as vLLM): ``{"model", "tokens"}`` → ``{"prompt"}``."""
+        try:
+            self._auth(request)
+            assert self.served is not None
+            text = parse_detokenize(await self._body(request), self.served)
+        except ApiError as exc:
+            return self._error(exc)
+        return web.json_response({"prompt": text})
 
     async def models(self, request: web.Request) -> web.Response:
         try:
@@ -481,7 +553,7 @@ class _Timer:
             metrics.tpot.observe((self.last - self.first) / (self.count - 1))
 
 
-async def _with_deadline(gen: AsyncIterator[SampleDelta], timeout_s: float) -> AsyncIterator[SampleDelta]:
+async def _with_deadline(gen: AsyncIterator[T], timeout_s: float) -> AsyncIterator[T]:
     """Items of ``gen`` until it ends; ApiError(504) once ``timeout_s`` have passed in all."""
     deadline = time.monotonic() + timeout_s
     while True:

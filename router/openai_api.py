@@ -21,9 +21,10 @@ MAX_STOP_STRINGS = 4
 UNSUPPORTED_FIELD_TO_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "tools": (None, []), "tool_choice": (None, "none"),
     "functions": (None, []), "function_call": (None, "none"), "suffix": (None, ""), "best_of": (None, 1),
-    "echo": (None, False), "response_format": (None, {"type": "text"}),
+    "response_format": (None, {"type": "text"}),
 }
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
+MAX_PROMPTS = 64  # prompts in one /v1/completions request
 
 
 class ApiError(Exception):
@@ -64,6 +65,7 @@ class GenerationRequest:
     include_usage: bool
     created: int
     long_context: dict[str, Any] | None = None  # ``kvrelay.long_context``: overrides of decode.long_context
+    echo_text: str | None = None  # completions' ``echo``: the prompt's text, put before each choice's text
 
 
 def _kvrelay_extension(body: dict[str, Any]) -> dict[str, Any] | None:
@@ -251,33 +253,96 @@ def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
     return stream, include_usage
 
 
-def parse_completion(body: Any, served: ServedModel) -> GenerationRequest:
-    """``POST /v1/completions``: prompt as text or token ids (one prompt per request)."""
+def parse_completions(body: Any, served: ServedModel) -> list[GenerationRequest]:
+    """``POST /v1/completions``: one prompt (text or token ids) or a list of them, each its own request
+    (its choices come after the previous prompt's: ``index = prompt number · n + sample``)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     _check_model(body, served)
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        if served.tokenizer is None:
-            raise ApiError(400, "this model has no tokenizer; send the prompt as token ids", param="prompt")
-        ids = served.tokenizer.encode(prompt)
-    elif isinstance(prompt, list):
-        ids = _check_ids(prompt, served, "prompt")
-    else:
-        raise ApiError(400, "prompt must be a string or a list of token ids (one prompt per request)",
-                       param="prompt")
-    if not ids:
+    if prompt == []:
         raise ApiError(400, "prompt is empty", param="prompt")
-    params, stops = _sampling(body, served, len(ids))
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and not isinstance(prompt[0], (str, list))):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt:
+        prompts = prompt
+    else:
+        raise ApiError(400, "prompt must be a string, a list of token ids, or a list of several of either",
+                       param="prompt")
+    if len(prompts) > MAX_PROMPTS:
+        raise ApiError(400, f"prompt takes at most {MAX_PROMPTS} prompts per request, got {len(prompts)}",
+                       param="prompt")
+    echo = _get(body, "echo", bool, False)
     stream, include_usage = _stream_options(body)
-    return GenerationRequest(f"cmpl-{uuid.uuid4().hex}", "completion", ids, params, stops, stream, include_usage,
-                             int(time.time()), _kvrelay_extension(body))
+    created, extension = int(time.time()), _kvrelay_extension(body)
+    out = []
+    for k, one in enumerate(prompts):
+        where = "prompt" if len(prompts) == 1 else f"prompt[{k}]"
+        if isinstance(one, str):
+            if served.tokenizer is None:
+                raise ApiError(400, "this model has no tokenizer; send the prompt as token ids", param="prompt")
+            ids = served.tokenizer.encode(one)
+        elif isinstance(one, list):
+            ids = _check_ids(one, served, where)
+        else:
+            raise ApiError(400, f"{where} must be a string or a list of token ids", param="prompt")
+        if not ids:
+            raise ApiError(400, f"{where} is empty", param="prompt")
+        params, stops = _sampling(body, served, len(ids))
+        if echo and params.logprobs is not None:
+            raise ApiError(400, "echo with logprobs needs the prompt's logprobs, which this server does not "
+                                "compute; drop one of them", param="echo")
+        echo_text = None
+        if echo:
+            echo_text = one if isinstance(one, str) else (
+                served.tokenizer.decode(ids) if served.tokenizer is not None else "")
+        out.append(GenerationRequest(f"cmpl-{uuid.uuid4().hex}", "completion", ids, params, stops, stream,
+                                     include_usage, created, extension, echo_text))
+    return out
 
 
-def parse_chat(body: Any, served: ServedModel) -> GenerationRequest:
-    """``POST /v1/chat/completions``: messages rendered with the model's chat template."""
+def parse_completion(body: Any, served: ServedModel) -> GenerationRequest:
+    """`parse_completions` for a body with one prompt. Raises ApiError for several."""
+    reqs = parse_completions(body, served)
+    if len(reqs) != 1:
+        raise ApiError(400, f"expected one prompt, got {len(reqs)}", param="prompt")
+    return reqs[0]
+
+
+def parse_tokenize(body: Any, served: ServedModel) -> list[int]:
+    """``POST /tokenize``: ``{"model", "prompt": text}`` or ``{"model", "messages": [...]}`` (rendered with
+    the chat template, as /v1/chat/completions would) → token ids."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    _check_model(body, served)
+    tok = served.tokenizer
+    if tok is None:
+        raise ApiError(400, "this model has no tokenizer", param="prompt")
+    if "messages" in body:
+        return parse_chat({"model": body["model"], "messages": body["messages"], "max_tokens": 1},
+                          served, check_length=False).prompt_token_ids
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        raise ApiError(400, "prompt must be a string (or send messages)", param="prompt")
+    return tok.encode(prompt, add_special_tokens=_get(body, "add_special_tokens", bool, True))
+
+
+def parse_detokenize(body: Any, served: ServedModel) -> str:
+    """``POST /detokenize``: ``{"model", "tokens": [ids]}`` → text."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    _check_model(body, served)
+    if served.tokenizer is None:
+        raise ApiError(400, "this model has no tokenizer", param="tokens")
+    ids = _get(body, "tokens", list, None)
+    if ids is None:
+        raise ApiError(400, "tokens is required (a list of token ids)", param="tokens")
+    return served.tokenizer.decode(_check_ids(ids, served, "tokens"))
+
+
+def parse_chat(body: Any, served: ServedModel, *, check_length: bool = True) -> GenerationRequest:
+    """``POST /v1/chat/completions``: messages rendered with the model's chat template.
+    ``check_length=False``: only render and tokenize (``/tokenize``), whatever the context window."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     _check_model(body, served)
@@ -309,7 +374,7 @@ def parse_chat(body: Any, served: ServedModel) -> GenerationRequest:
     except Exception as exc:  # noqa: BLE001 - template errors are the client's messages' fault
         raise ApiError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
     ids = tok.encode(text, add_special_tokens=False)
-    params, stops = _sampling(body, served, len(ids), chat=True)
+    params, stops = _sampling(body, served, len(ids) if check_length else 0, chat=True)
     stream, include_usage = _stream_options(body)
     return GenerationRequest(f"chatcmpl-{uuid.uuid4().hex}", "chat", ids, params, stops, stream, include_usage,
                              int(time.time()), _kvrelay_extension(body))
@@ -347,7 +412,9 @@ def logprobs_body(req: GenerationRequest, tokenizer: Tokenizer | None, token_ids
 
 
 def full_response(req: GenerationRequest, model: str, texts: list[str], reasons: list[str | None],
-                  completion_tokens: int, logprobs: list[dict[str, Any] | None] | None = None) -> dict[str, Any]:
+                  completion_tokens: int, logprobs: list[dict[str, Any] | None] | None = None,
+                  prompt_tokens: int | None = None) -> dict[str, Any]:
+    """``prompt_tokens``: of every prompt answered (several prompts in one request); default ``req``'s."""
     lps = logprobs or [None] * len(texts)
     if req.kind == "chat":
         choices = [{"index": i, "message": {"role": "assistant", "content": t}, "finish_reason": r, "logprobs": lp}
@@ -358,7 +425,7 @@ def full_response(req: GenerationRequest, model: str, texts: list[str], reasons:
                    for i, (t, r, lp) in enumerate(zip(texts, reasons, lps))]
         obj = "text_completion"
     return {"id": req.request_id, "object": obj, "created": req.created, "model": model, "choices": choices,
-            "usage": usage(len(req.prompt_token_ids), completion_tokens)}
+            "usage": usage(len(req.prompt_token_ids) if prompt_tokens is None else prompt_tokens, completion_tokens)}
 
 
 def stream_chunk(req: GenerationRequest, model: str, index: int, text: str | None, reason: str | None,
@@ -375,7 +442,8 @@ def stream_chunk(req: GenerationRequest, model: str, index: int, text: str | Non
     return {"id": req.request_id, "object": obj, "created": req.created, "model": model, "choices": [choice]}
 
 
-def usage_chunk(req: GenerationRequest, model: str, completion_tokens: int) -> dict[str, Any]:
+def usage_chunk(req: GenerationRequest, model: str, completion_tokens: int,
+                prompt_tokens: int | None = None) -> dict[str, Any]:
     obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
     return {"id": req.request_id, "object": obj, "created": req.created, "model": model, "choices": [],
-            "usage": usage(len(req.prompt_token_ids), completion_tokens)}
+            "usage": usage(len(req.prompt_token_ids) if prompt_tokens is None else prompt_tokens, completion_tokens)}

@@ -33,8 +33,14 @@ def served(tiny_model_dir) -> ServedModel:
         ({"model": "tiny", "prompt": [1] * 120, "max_tokens": 9}, 400, "context window is 128 tokens"),
         ({"model": "tiny", "prompt": "x", "max_tokens": "9"}, 400, "max_tokens must be an integer, got str"),
         ({"model": "tiny", "prompt": "x", "logprobs": 21}, 400, "logprobs must be in [0, 20], got 21"),
-        ({"model": "tiny", "prompt": "x", "echo": True}, 400, "echo is not supported by this server"),
-        ({"model": "tiny", "prompt": {"a": 1}}, 400, "prompt must be a string or a list of token ids"),
+        ({"model": "tiny", "prompt": "x", "echo": True, "logprobs": 1}, 400,
+         "echo with logprobs needs the prompt's logprobs, which this server does not compute"),
+        ({"model": "tiny", "prompt": ["ok", [1, 900]]}, 400, "token id 900 at position 1 is outside the vocabulary"),
+        ({"model": "tiny", "prompt": ["ok", []]}, 400, "prompt[1] is empty"),
+        ({"model": "tiny", "prompt": ["ok", 5]}, 400, "prompt[1] must be a string or a list of token ids"),
+        ({"model": "tiny", "prompt": ["p"] * 65}, 400, "prompt takes at most 64 prompts per request, got 65"),
+        ({"model": "tiny", "prompt": {"a": 1}}, 400,
+         "prompt must be a string, a list of token ids, or a list of several of either"),
         # issue 13: every per-request size and range is capped with a named 400 (no 500s)
         ({"model": "tiny", "prompt": "x", "temperature": float("nan")}, 400, "temperature must be in [0, 2], got nan"),
         ({"model": "tiny", "prompt": "x", "temperature": 10**400}, 400, "temperature is out of range"),
@@ -195,3 +201,24 @@ def test_chat_logprobs_take_a_flag_and_a_count(served):
         parse_chat({"model": "tiny", "messages": msgs, "top_logprobs": 2}, served)
     with pytest.raises(ApiError, match="top_logprobs must be in \\[0, 20\\], got 21"):
         parse_chat({"model": "tiny", "messages": msgs, "logprobs": True, "top_logprobs": 21}, served)
+
+
+def test_several_prompts_make_one_request_each_and_echo_keeps_the_prompt_text(served):
+    from router.openai_api import parse_completions, parse_detokenize, parse_tokenize
+
+    tok = served.tokenizer
+    reqs = parse_completions({"model": "tiny", "prompt": ["ab", "cd", "ef"], "n": 2, "max_tokens": 3}, served)
+    assert [r.prompt_token_ids for r in reqs] == [tok.encode(p) for p in ("ab", "cd", "ef")]
+    assert len({r.request_id for r in reqs}) == 3 and {r.params.n for r in reqs} == {2}
+    ids = parse_completions({"model": "tiny", "prompt": [[5, 6], [7]], "echo": True}, served)
+    assert [r.prompt_token_ids for r in ids] == [[5, 6], [7]]
+    assert [r.echo_text for r in ids] == [tok.decode([5, 6]), tok.decode([7])]
+    assert parse_completions({"model": "tiny", "prompt": "hi", "echo": True}, served)[0].echo_text == "hi"
+    assert parse_tokenize({"model": "tiny", "prompt": "hello"}, served) == tok.encode("hello")
+    msgs = [{"role": "user", "content": "hey"}]
+    assert parse_tokenize({"model": "tiny", "messages": msgs}, served) == \
+        parse_chat({"model": "tiny", "messages": msgs}, served).prompt_token_ids
+    assert parse_detokenize({"model": "tiny", "tokens": tok.encode("round trip", add_special_tokens=False)},
+                            served) == "round trip"
+    with pytest.raises(ApiError, match="tokens is required"):
+        parse_detokenize({"model": "tiny"}, served)

@@ -185,3 +185,38 @@ def test_logprobs_through_prefill_and_decode_equal_the_engine_s(client, tiny_mod
     assert all(c.top_logprobs[0].logprob == pytest.approx(c.logprob, abs=1e-6) for c in content)  # greedy: the top
     plain = client.completions.create(model="tiny", prompt=ids, max_tokens=2, temperature=0)
     assert plain.choices[0].logprobs is None
+
+
+def test_several_prompts_in_one_request_equal_one_request_each(client, tiny_model_dir):
+    """Issue 15: a list of prompts gives each prompt its own choices (index = prompt · n + sample), the
+    same as asking one by one; streamed too; usage counts every prompt."""
+    prompts = ["first prompt", "the second one", "and a third"]
+    one_by_one = [client.completions.create(model="tiny", prompt=p, max_tokens=6, temperature=1.0, seed=4, n=2)
+                  for p in prompts]
+    together = client.completions.create(model="tiny", prompt=prompts, max_tokens=6, temperature=1.0, seed=4, n=2)
+    assert [c.index for c in together.choices] == list(range(6))
+    assert [c.text for c in together.choices] == [c.text for r in one_by_one for c in r.choices]
+    assert together.usage.prompt_tokens == sum(r.usage.prompt_tokens for r in one_by_one)
+    assert together.usage.completion_tokens == sum(r.usage.completion_tokens for r in one_by_one)
+    texts: dict[int, str] = {}
+    for chunk in client.completions.create(model="tiny", prompt=prompts, max_tokens=6, temperature=1.0, seed=4, n=2,
+                                           stream=True):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert [texts[i] for i in range(6)] == [c.text for c in together.choices]
+
+
+def test_echo_tokenize_and_detokenize(cluster, client, tiny_model_dir):
+    tok = load_tokenizer(tiny_model_dir)
+    plain = client.completions.create(model="tiny", prompt="echo me", max_tokens=5, temperature=0)
+    echoed = client.completions.create(model="tiny", prompt="echo me", max_tokens=5, temperature=0, echo=True)
+    assert echoed.choices[0].text == "echo me" + plain.choices[0].text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="tiny", prompt="echo me", max_tokens=5, temperature=0, echo=True, stream=True) if c.choices)
+    assert streamed == echoed.choices[0].text
+    code, body = post(cluster, "/tokenize", json.dumps({"model": "tiny", "prompt": "count these"}).encode())
+    assert code == 200 and body["tokens"] == tok.encode("count these") and body["count"] == len(body["tokens"])
+    code, body = post(cluster, "/detokenize", json.dumps({"model": "tiny", "tokens": body["tokens"]}).encode())
+    assert code == 200 and body["prompt"] == tok.decode(tok.encode("count these"))
+    code, body = post(cluster, "/tokenize", json.dumps({"model": "tiny", "prompt": "x"}).encode(), key=None)
+    assert code == 401
