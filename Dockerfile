@@ -16,6 +16,7 @@ RUN useradd --create-home --uid 10001 kvrelay
 
 WORKDIR /opt/kvrelay
 COPY pyproject.toml README.md ./
+COPY kvrelay/ kvrelay/
 COPY kernels/ kernels/
 COPY model/ model/
 COPY kvstore/ kvstore/

@@ -8,8 +8,8 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("benchmarks", "decode", "deploy", "engine", "kernels", "kvstore", "model", "node", "prefill", "router",
-            "transfer")
+PACKAGES = ("benchmarks", "decode", "deploy", "engine", "kernels", "kvrelay", "kvstore", "model", "node", "prefill",
+            "router", "transfer")
 
 
 def _modules() -> dict[str, Path]:

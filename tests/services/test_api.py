@@ -220,3 +220,17 @@ def test_echo_tokenize_and_detokenize(cluster, client, tiny_model_dir):
     assert code == 200 and body["prompt"] == tok.decode(tok.encode("count these"))
     code, body = post(cluster, "/tokenize", json.dumps({"model": "tiny", "prompt": "x"}).encode(), key=None)
     assert code == 401
+
+
+def test_the_offline_llm_gives_the_server_s_tokens_for_the_same_seed(client, tiny_model_dir):
+    from kvrelay import LLM
+
+    llm = LLM(model=tiny_model_dir, dtype="float32", kv_cache_memory="8MiB")
+    try:
+        [offline] = llm.generate("same seed, same words", SamplingParams(max_tokens=12, temperature=1.0, seed=21, n=2),
+                                 use_tqdm=False)
+    finally:
+        llm.close()
+    served = client.completions.create(model="tiny", prompt="same seed, same words", max_tokens=12, temperature=1.0,
+                                       seed=21, n=2)
+    assert [c.text for c in served.choices] == [o.text for o in offline.outputs]

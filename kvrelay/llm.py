@@ -1,0 +1,179 @@
+"""`LLM`: kvrelay in one process, no network, the way vLLM's offline API reads.
+
+    from kvrelay import LLM, SamplingParams
+
+    llm = LLM(model=".models/smollm2-135m-instruct")
+    for out in llm.generate(["Hello, my name is", "The capital of France is"], SamplingParams(max_tokens=16)):
+        print(out.prompt, out.outputs[0].text)
+
+The engine is the one the servers run (`engine.engine.LLMEngine`), sized the same way: KV memory in
+bytes (``kv_cache_memory``) or, on CUDA, a fraction of the free GPU memory (``gpu_memory_utilization``),
+never a block count. Generation with the same seed gives the same tokens as the server.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from model.sampling_params import SamplingParams, TokenLogprobs
+
+Prompt = str | Sequence[int]
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionOutput:
+    """One sample: its text, token ids, per-token logprobs (when asked for) and why it ended."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[TokenLogprobs] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """One prompt's result: ``outputs`` holds ``n`` samples, by index."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+
+
+class LLM:
+    """A model and its engine in this process.
+
+    Args:
+        model: a Hugging Face model directory (`kvrelay model pull`, `kvrelay tiny-model`).
+        dtype: ``auto`` (bfloat16 on CUDA and on CPUs with AMX / AVX512-BF16, else float32), ``float32``,
+            ``bfloat16``, ``float16``.
+        device: ``cpu`` or ``cuda``.
+        block_size: tokens per KV block.
+        kv_cache_memory: KV bytes on the device (an int, or a size such as ``"2GiB"``); default 1 GiB on
+            CPU. On CUDA, ``gpu_memory_utilization`` (a fraction of the free memory) instead, default 0.85.
+        max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching: as the server's
+            ``engine`` section.
+
+    Raises:
+        deploy.sizes.ConfigError: a bad value, naming it (as the server's config does).
+    """
+
+    def __init__(self, model: str | Path, *, dtype: str = "auto", device: str = "cpu", block_size: int = 16,
+                 kv_cache_memory: int | str | None = None, gpu_memory_utilization: float | None = None,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
+                 enable_prefix_caching: bool = True) -> None:
+        from prometheus_client import CollectorRegistry
+
+        from deploy.config import parse_config
+        from deploy.serve import build_engine
+        from model.tokenizer import load_tokenizer
+
+        if kv_cache_memory is not None and gpu_memory_utilization is not None:
+            from deploy.sizes import ConfigError
+
+            raise ConfigError("give kv_cache_memory or gpu_memory_utilization, not both")
+        if kv_cache_memory is None and gpu_memory_utilization is None:
+            if device == "cuda":
+                gpu_memory_utilization = 0.85
+            else:
+                kv_cache_memory = "1GiB"
+        kv_device: dict[str, Any] = ({"fraction_of_free": gpu_memory_utilization} if gpu_memory_utilization is not None
+                                     else {"bytes": kv_cache_memory})
+        engine = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
+                  "enable_prefix_caching": enable_prefix_caching}
+        if max_model_len is not None:
+            engine["max_model_len"] = max_model_len
+        self.config = parse_config({
+            "model": {"path": str(model), "dtype": dtype, "device": device},
+            "kvstore": {"block_size_tokens": block_size, "device": kv_device},
+            "engine": engine,
+        }, base_dir=Path.cwd())
+        self.engine = build_engine(self.config, node_name="offline", registry=CollectorRegistry())
+        self.tokenizer = load_tokenizer(self.config.model.path)
+        self._ids = itertools.count()
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams]
+                 | None = None, *, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Complete every prompt (text, or token ids) in one batch; results in prompt order.
+
+        ``sampling_params``: one for all, or one per prompt (default: ``SamplingParams()``, greedy, 16
+        tokens). A request's seed gives the same tokens as the server with that seed.
+
+        Raises:
+            engine.engine.RequestError: a prompt the engine refuses (empty, too long, ...), naming it.
+            ValueError: as many params as prompts were not given.
+        """
+        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompt_list = list(prompts)  # type: ignore[arg-type]
+        params_list = (list(sampling_params) if isinstance(sampling_params, Sequence)
+                       else [sampling_params or SamplingParams()] * len(prompt_list))
+        if len(params_list) != len(prompt_list):
+            raise ValueError(f"got {len(params_list)} sampling params for {len(prompt_list)} prompts")
+        token_lists = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt_list]
+        return self._run(prompt_list, token_lists, params_list, use_tqdm)
+
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Chat completions: each conversation (a list of ``{"role", "content"}``, or a list of them)
+        rendered with the model's chat template, then generated as `generate` does."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if self.tokenizer.chat_template is None:
+            raise ValueError(f"{self.config.model.path} has no chat template; use generate()")
+        texts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
+        token_lists = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        params_list = (list(sampling_params) if isinstance(sampling_params, Sequence)
+                       else [sampling_params or SamplingParams()] * len(texts))
+        return self._run(texts, token_lists, params_list, use_tqdm)
+
+    def _run(self, prompts: list[Any], token_lists: list[list[int]], params_list: list[SamplingParams],
+             use_tqdm: bool) -> list[RequestOutput]:
+        from tqdm import tqdm
+
+        ids = [f"llm-{next(self._ids)}" for _ in token_lists]
+        tokens: dict[str, list[list[int]]] = {}
+        logprobs: dict[str, list[list[TokenLogprobs]]] = {}
+        reasons: dict[str, list[str | None]] = {}
+        added: list[str] = []
+        try:
+            for rid, ids_, p in zip(ids, token_lists, params_list, strict=True):
+                self.engine.add_request(rid, ids_, p)
+                added.append(rid)
+                tokens[rid] = [[] for _ in range(p.n)]
+                logprobs[rid] = [[] for _ in range(p.n)]
+                reasons[rid] = [None] * p.n
+            with tqdm(total=len(ids), desc="generating", unit="prompt", disable=not use_tqdm) as bar:
+                unfinished = {rid: p.n for rid, p in zip(ids, params_list, strict=True)}
+                while self.engine.has_unfinished():
+                    for out in self.engine.step():
+                        if out.request_id not in unfinished:
+                            continue
+                        tokens[out.request_id][out.index].extend(out.new_token_ids)
+                        logprobs[out.request_id][out.index].extend(out.logprobs or ())
+                        if out.finished:
+                            reasons[out.request_id][out.index] = out.finish_reason
+                            unfinished[out.request_id] -= 1
+                            if unfinished[out.request_id] == 0:
+                                bar.update(1)
+        finally:
+            for rid in added:
+                if self.engine.is_active(rid):
+                    self.engine.abort_request(rid)
+        results = []
+        for rid, prompt, ids_, p in zip(ids, prompts, token_lists, params_list, strict=True):
+            outputs = [CompletionOutput(i, self.tokenizer.decode(tokens[rid][i]), tokens[rid][i], reasons[rid][i],
+                                        logprobs[rid][i] if p.logprobs is not None else None) for i in range(p.n)]
+            results.append(RequestOutput(prompt if isinstance(prompt, str) else None, ids_, outputs))
+        return results
+
+    def close(self) -> None:
+        """Close the engine (commits queued disk writes)."""
+        self.engine.close()
+
+
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]

@@ -1,0 +1,60 @@
+"""Issue 15: ``from kvrelay import LLM, SamplingParams`` — vLLM's offline API over the server's engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from deploy.sizes import ConfigError
+from engine.engine import EngineConfig, LLMEngine, RequestError
+from kvrelay import LLM, SamplingParams
+from model.loader import load_model
+from model.tokenizer import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    llm = LLM(model=tiny_model_dir, dtype="float32", kv_cache_memory="8MiB", max_num_seqs=8)
+    yield llm
+    llm.close()
+
+
+def test_generate_text_and_ids_in_prompt_order_equal_the_engine(llm, tiny_model_dir):
+    tok = load_tokenizer(tiny_model_dir)
+    prompts = ["Hello, my name is", "The capital of France is", [5, 6, 7, 8]]
+    params = [SamplingParams(max_tokens=8), SamplingParams(max_tokens=5, temperature=1.0, seed=3, n=2),
+              SamplingParams(max_tokens=4, logprobs=2)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    engine = LLMEngine(load_model(tiny_model_dir, dtype="float32"), EngineConfig(num_blocks=64))
+    want = engine.generate([tok.encode(prompts[0]), tok.encode(prompts[1]), [5, 6, 7, 8]], params)
+    assert [o.prompt for o in outs] == ["Hello, my name is", "The capital of France is", None]
+    assert outs[2].prompt_token_ids == [5, 6, 7, 8]
+    assert [[c.token_ids for c in o.outputs] for o in outs] == want
+    assert [[c.text for c in o.outputs] for o in outs] == [[tok.decode(ids) for ids in w] for w in want]
+    assert [c.index for c in outs[1].outputs] == [0, 1]
+    assert outs[0].outputs[0].finish_reason in ("length", "stop") and outs[0].outputs[0].logprobs is None
+    assert len(outs[2].outputs[0].logprobs) == len(outs[2].outputs[0].token_ids)
+    assert all(len(lp.top) == 2 for lp in outs[2].outputs[0].logprobs)
+    [one] = llm.generate("a single prompt", SamplingParams(max_tokens=3), use_tqdm=False)
+    assert one.prompt == "a single prompt" and len(one.outputs[0].token_ids) <= 3
+
+
+def test_chat_renders_the_template(llm, tiny_model_dir):
+    tok = load_tokenizer(tiny_model_dir)
+    messages = [{"role": "user", "content": "hi there"}]
+    [out] = llm.chat(messages, SamplingParams(max_tokens=4), use_tqdm=False)
+    ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True), add_special_tokens=False)
+    assert out.prompt_token_ids == ids
+    [again] = llm.generate([ids], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert out.outputs[0].token_ids == again.outputs[0].token_ids
+
+
+def test_bad_input_is_named_and_the_engine_is_left_clean(llm, tiny_model_dir):
+    with pytest.raises(RequestError, match="prompt is empty"):
+        llm.generate([[5, 6], []], use_tqdm=False)
+    assert not llm.engine.has_unfinished()  # the good prompt added before the bad one was taken back
+    with pytest.raises(ValueError, match="got 1 sampling params for 2 prompts"):
+        llm.generate(["a", "b"], [SamplingParams()], use_tqdm=False)
+    with pytest.raises(ConfigError, match="kvstore.device.bytes"):
+        LLM(model=tiny_model_dir, kv_cache_memory="lots")
+    with pytest.raises(ConfigError, match="not both"):
+        LLM(model=tiny_model_dir, kv_cache_memory="8MiB", gpu_memory_utilization=0.5)
