@@ -17,6 +17,7 @@ import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")  # an agent name and a path component
 
@@ -103,6 +104,77 @@ def _cmd_up(args: argparse.Namespace) -> int:
               "`kvrelay tiny-model DIR` a small random one", file=sys.stderr)
         return 2
     return up(config, args.config, overrides=_overrides(args), lend_cpus=not args.no_cpu_lending)
+
+
+def serve_config(args: argparse.Namespace, *, free_port: int) -> dict[str, Any]:
+    """The YAML mapping `kvrelay serve` runs: ``--config`` (default: the local config) with the flags
+    over it, one decode node on ``free_port`` (loopback; it computes the prompts itself) and no
+    prefill node."""
+    import yaml
+
+    from deploy.config import DEFAULT_CONFIG
+
+    data: dict[str, Any] = yaml.safe_load(Path(args.config or DEFAULT_CONFIG).read_text()) or {}
+
+    def section(name: str) -> dict[str, Any]:
+        value = data.get(name)
+        data[name] = dict(value) if isinstance(value, dict) else {}
+        return data[name]
+
+    model, kv, engine, router = section("model"), section("kvstore"), section("engine"), section("router")
+    model["path"] = args.model_dir
+    for key, value in (("dtype", args.dtype), ("device", args.device), ("name", args.served_model_name)):
+        if value is not None:
+            model[key] = value
+    if args.block_size is not None:
+        kv["block_size_tokens"] = args.block_size
+    if args.gpu_memory_utilization is not None and args.kv_cache_memory is not None:
+        raise SystemExit("kvrelay serve: give --gpu-memory-utilization or --kv-cache-memory, not both")
+    if args.gpu_memory_utilization is not None:
+        kv["device"] = {"fraction_of_free": args.gpu_memory_utilization}
+    if args.kv_cache_memory is not None:
+        kv["device"] = {"bytes": args.kv_cache_memory}
+    for key in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching"):
+        if getattr(args, key) is not None:
+            engine[key] = getattr(args, key)
+    for key in ("host", "port"):
+        if getattr(args, key) is not None:
+            router[key] = getattr(args, key)
+    if args.api_key is not None:
+        router["api_keys"] = [args.api_key]
+    for key in ("prefill_urls", "decode_urls", "prefill_dns", "decode_dns"):  # the one node is this machine's
+        router.pop(key, None)
+    section("prefill")["ports"] = []
+    section("decode")["ports"] = [free_port]
+    return data
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import tempfile
+
+    import yaml
+
+    from deploy.config import load_config
+    from deploy.sizes import ConfigError
+    from deploy.up import up
+
+    with socket.socket() as s:  # the decode node's internal port: any free one on loopback
+        s.bind(("127.0.0.1", 0))
+        free_port = s.getsockname()[1]
+    data = serve_config(args, free_port=free_port)
+    text = yaml.safe_dump(data, sort_keys=False)
+    path = Path(tempfile.mkdtemp(prefix="kvrelay-serve-")) / "kvrelay.yaml"
+    path.write_text(text)
+    try:
+        config = load_config(path)
+    except ConfigError as exc:
+        print(f"kvrelay serve: {exc}", file=sys.stderr)
+        return 2
+    if not (Path(config.model.path) / "config.json").is_file():
+        print(f"kvrelay serve: {config.model.path} is not a model directory (no config.json)", file=sys.stderr)
+        return 2
+    print("kvrelay serve: effective config (" + str(path) + "):\n" + text, flush=True)
+    return up(config, path, overrides=[], lend_cpus=False)
 
 
 def _cmd_role(args: argparse.Namespace) -> int:
@@ -217,6 +289,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-cpu-lending", action="store_true",
                    help="keep each node on its own CPUs even while it has nothing to compute")
     p.set_defaults(func=_cmd_up)
+    p = sub.add_parser("serve", help="one engine node and the router on this machine, with vLLM's flag names "
+                                     "(flags override --config)")
+    p.add_argument("model_dir", help="a Hugging Face model directory")
+    p.add_argument("--config", type=Path, default=None, help="base YAML (default: deploy/configs/local.yaml)")
+    p.add_argument("--host", default=None, help="router.host")
+    p.add_argument("--port", type=int, default=None, help="router.port")
+    p.add_argument("--served-model-name", default=None, help="model.name: what clients pass as model")
+    p.add_argument("--api-key", default=None, help="router.api_keys: the one key clients must send")
+    p.add_argument("--dtype", default=None, choices=DTYPE_CHOICES, help="model.dtype")
+    p.add_argument("--device", default=None, help="model.device: cpu or cuda")
+    p.add_argument("--block-size", type=int, default=None, help="kvstore.block_size_tokens")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="kvstore.device.fraction_of_free (CUDA): the share of free GPU memory for KV")
+    p.add_argument("--kv-cache-memory", default=None, help='kvstore.device.bytes, e.g. "4GiB"')
+    p.add_argument("--max-num-seqs", type=int, default=None, help="engine.max_num_seqs")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="engine.max_num_batched_tokens")
+    p.add_argument("--max-model-len", type=int, default=None, help="engine.max_model_len")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="engine.enable_prefix_caching")
+    p.set_defaults(func=_cmd_serve)
     for role in ("router", "prefill", "decode"):
         p = sub.add_parser(role, help=f"run one {role} process (for separate deployments)")
         p.add_argument("--config", type=Path, default=DEFAULT_CONFIG)

@@ -10,6 +10,7 @@ Used directly by ``kvrelay generate`` and as the compute core of the prefill and
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -30,6 +31,8 @@ from kvstore.tiered_store import TieredStore, TieredStoreConfig
 from model.attention import BACKEND_NAME_TO_CLASS, default_backend_name, make_backend
 from model.loader import LoadedModel
 from model.sampling import SamplingParams, TokenLogprobs, sample, token_generator
+
+log = logging.getLogger(__name__)
 
 
 class RequestError(ValueError):
@@ -80,6 +83,7 @@ class EngineStats:
 
     computed_prefill_tokens: int = 0
     generated_tokens: int = 0
+    prompt_tokens: int = 0  # of the requests added (once per request, whatever n)
     preemptions: int = 0
     steps: int = 0
 
@@ -254,6 +258,7 @@ class LLMEngine:
             for seq in req.seqs:
                 seq.block_keys = list(block_keys)  # the prompt's full blocks are the same in prompt + [first]
         self._requests[request_id] = req
+        self.stats.prompt_tokens += len(prompt)
         req.seqs[-1].pinned_block_ids = list(pinned_block_ids)
         for seq in req.seqs:
             seq.long_context = policy if policy.active else None
@@ -304,6 +309,9 @@ class LLMEngine:
         outputs, self._pending_outputs = self._pending_outputs, []
         sched: ScheduledStep = self.scheduler.schedule()
         self.stats.preemptions += len(sched.preempted)
+        for seq in sched.preempted:
+            log.info("preempted %s (sample %d, %d tokens): the KV pool is full; it will be recomputed",
+                     seq.request_id, seq.index, len(seq.token_ids))
         if sched.empty:
             if self.scheduler.running or self.scheduler.waiting:
                 outputs.extend(self._unstick())
@@ -341,7 +349,10 @@ class LLMEngine:
         """
         sch = self.scheduler
         if sch.running and (sch.waiting or len(sch.running) > 1):
-            sch.preempt(sch.running[-1])
+            victim = sch.running[-1]
+            log.info("preempted %s (sample %d, %d tokens) so that waiting work can start", victim.request_id,
+                     victim.index, len(victim.token_ids))
+            sch.preempt(victim)
             self.stats.preemptions += 1
             return []
         if not sch.running and sch.release_waiting_holds():

@@ -78,6 +78,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by arrival
         self.running: list[Sequence] = []  # sorted by arrival
         self.num_prefix_hit_tokens = 0  # tokens whose KV came from the prefix cache at admission
+        self.num_prefix_query_tokens = 0  # tokens looked up in the prefix cache at admission
 
     # ---------------------------------------------------------------- admission
     def add(self, seq: Sequence) -> None:
@@ -109,6 +110,7 @@ class Scheduler:
             return
         bs = self.spec.block_size_tokens
         keys = self.keys_of(seq)[: (len(seq.token_ids) - 1) // bs]
+        self.num_prefix_query_tokens += len(seq.token_ids)
         hit = self.store.load(keys, self.store.match_prefix(keys))  # acquired; lower tiers promoted
         if seq.num_output_tokens == 0:
             self.store.record_prompt(len(seq.token_ids), len(hit) * bs)

@@ -71,7 +71,25 @@ class NodeMetrics:
         Gauge("kvrelay_node_info", "This node's name and role", ["node", "role"],
               registry=self.registry).labels(node or role, role).set(1)
         self.requests = Counter("kvrelay_requests", "Requests by outcome", ["role", "status"], registry=self.registry)
-        self.running = Gauge("kvrelay_running_requests", "Requests in the engine", ["role"], registry=self.registry)
+        self.running = Gauge("kvrelay_running_requests", "Samples the engine is running (not those waiting)",
+                             ["role"], registry=self.registry)
+        self.waiting = Gauge("kvrelay_waiting_requests", "Samples waiting to be scheduled", ["role"],
+                             registry=self.registry)
+        # vLLM's names, beside ours, so that its dashboards work (same meaning; counts are of samples).
+        r = self.registry
+        self.vllm_running = Gauge("vllm:num_requests_running", "Samples in the running batch", registry=r)
+        self.vllm_waiting = Gauge("vllm:num_requests_waiting", "Samples waiting to be scheduled", registry=r)
+        self.vllm_kv_usage = Gauge("vllm:kv_cache_usage_perc", "Share of the device KV blocks in use (0-1)",
+                                   registry=r)
+        self.vllm_counters = {
+            "preemptions": Counter("vllm:num_preemptions", "Preemptions (a sample's KV dropped, to be recomputed)",
+                                   registry=r),
+            "prefix_queries": Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      registry=r),
+            "prefix_hits": Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=r),
+            "prompt_tokens": Counter("vllm:prompt_tokens", "Prompt tokens of the requests received", registry=r),
+            "generation_tokens": Counter("vllm:generation_tokens", "Tokens generated", registry=r),
+        }
         self.transfer_bytes = Counter("kvrelay_kv_transfer_bytes", "KV bytes pulled from peers",
                                       registry=self.registry)
         self.transfer_seconds = Histogram("kvrelay_kv_transfer_seconds", "Time to pull a request's KV",
@@ -117,8 +135,7 @@ class EngineNode:
         self.num_admitted = 0  # generation requests between arrival and their last byte (event loop only)
         self.draining = False  # set on a planned stop: new generation requests get 503
         self.drainables: list[Drainable] = []  # what `drain` also waits for (services add theirs: DRAINABLES)
-        self._hit_tokens_seen = 0
-        self._computed_seen = 0
+        self._seen: dict[str, int] = {}  # engine counters as of the last scrape (`prometheus`)
         self._long_context_seen: dict[str, int] = {}
 
     def make_app(self, *, client_max_size: int) -> web.Application:
@@ -248,12 +265,23 @@ class EngineNode:
         return web.json_response({"ready": True})
 
     async def prometheus(self, request: web.Request) -> web.Response:
-        self.metrics.running.labels(self.config.role).set(self.worker.num_running + self.worker.num_waiting)
-        hit = self.engine.scheduler.num_prefix_hit_tokens
-        computed = self.engine.stats.computed_prefill_tokens
-        self.metrics.prefix_hit_tokens.inc(hit - self._hit_tokens_seen)
-        self.metrics.computed_tokens.inc(computed - self._computed_seen)
-        self._hit_tokens_seen, self._computed_seen = hit, computed
+        m, engine, role = self.metrics, self.engine, self.config.role
+        m.running.labels(role).set(self.worker.num_running)
+        m.waiting.labels(role).set(self.worker.num_waiting)
+        m.vllm_running.set(self.worker.num_running)
+        m.vllm_waiting.set(self.worker.num_waiting)
+        m.vllm_kv_usage.set(self.worker.num_in_use_blocks / max(1, engine.pool.num_blocks))
+        stats, sched = engine.stats, engine.scheduler
+        now = {  # counters since start, read from the engine thread's plain ints
+            "hit_tokens": sched.num_prefix_hit_tokens, "computed_tokens": stats.computed_prefill_tokens,
+            "preemptions": stats.preemptions, "prefix_queries": sched.num_prefix_query_tokens,
+            "prefix_hits": sched.num_prefix_hit_tokens, "prompt_tokens": stats.prompt_tokens,
+            "generation_tokens": stats.generated_tokens,
+        }
+        counters = {"hit_tokens": m.prefix_hit_tokens, "computed_tokens": m.computed_tokens, **m.vllm_counters}
+        for name, value in now.items():
+            counters[name].inc(value - self._seen.get(name, 0))
+            self._seen[name] = value
         for name, value in dataclasses.asdict(self.engine.policies.stats).items():
             counter = self.metrics.long_context.labels(name)
             counter.inc(value - self._long_context_seen.get(name, 0))

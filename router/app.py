@@ -115,6 +115,13 @@ class RouterMetrics:
         self.ttft = Histogram("kvrelay_ttft_seconds", "Time to first token", registry=self.registry, buckets=buckets)
         self.tpot = Histogram("kvrelay_tpot_seconds", "Time per output token after the first",
                               registry=self.registry, buckets=buckets)
+        # vLLM's names, beside ours (same observations), so that its dashboards work.
+        self.vllm_ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token",
+                                   registry=self.registry, buckets=buckets)
+        self.vllm_tpot = Histogram("vllm:time_per_output_token_seconds", "Time per output token after the first",
+                                   registry=self.registry, buckets=buckets)
+        self.vllm_e2e = Histogram("vllm:e2e_request_latency_seconds", "Time from arrival to the last token",
+                                  registry=self.registry, buckets=buckets + (120, 300, 600))
 
 
 def salt_for_key(api_key: str | None) -> bytes:
@@ -530,7 +537,7 @@ class Router:
 
 
 class _Timer:
-    """TTFT and TPOT of one request."""
+    """TTFT, TPOT and end-to-end latency of one request."""
 
     def __init__(self) -> None:
         self.start = time.perf_counter()
@@ -549,8 +556,12 @@ class _Timer:
         if self.first is None:
             return
         metrics.ttft.observe(self.first - self.start)
+        metrics.vllm_ttft.observe(self.first - self.start)
+        metrics.vllm_e2e.observe(self.last - self.start)
         if self.count > 1:
-            metrics.tpot.observe((self.last - self.first) / (self.count - 1))
+            tpot = (self.last - self.first) / (self.count - 1)
+            metrics.tpot.observe(tpot)
+            metrics.vllm_tpot.observe(tpot)
 
 
 async def _with_deadline(gen: AsyncIterator[T], timeout_s: float) -> AsyncIterator[T]:

@@ -103,3 +103,56 @@ def test_a_node_name_that_cannot_be_an_agent_name_or_a_directory_is_refused(tmp_
                               capture_output=True, text=True, timeout=120)
         assert done.returncode == 2
         assert f"kvrelay decode: --name {bad!r} is not a node name" in done.stderr
+
+
+def test_serve_takes_vllm_flags_over_the_yaml_and_says_what_it_runs(tmp_path: Path, tiny_model_dir: Path):
+    """Issue 15: `kvrelay serve MODEL [vLLM's flags]`: one engine node and the router; flags override the
+    YAML; the effective config is printed; a bad value is named."""
+    import json
+    import os
+    import signal
+    import time
+    import urllib.request
+
+    import yaml
+
+    from benchmarks.deployment import free_ports
+
+    base = tmp_path / "base.yaml"
+    base.write_text("kvstore: {block_size_tokens: 16, device: {bytes: 64MiB}}\nengine: {max_num_seqs: 64}\n")
+    [port] = free_ports(1)
+    bad = kvrelay("serve", str(tiny_model_dir), "--config", str(base), "--kv-cache-memory", "lots")
+    assert bad.returncode == 2 and "kvstore.device.bytes: 'lots' is not a size" in bad.stderr
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "deploy.cli", "serve", str(tiny_model_dir), "--config", str(base), "--port", str(port),
+         "--served-model-name", "foo", "--block-size", "32", "--max-num-seqs", "4", "--no-enable-prefix-caching",
+         "--kv-cache-memory", "16MiB", "--dtype", "float32"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    out: list[str] = []
+    try:
+        deadline = time.monotonic() + 180
+        while not any("kvrelay is serving" in line for line in out):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(out[-40:])
+            out.append(proc.stdout.readline())
+        text = "".join(out)
+        effective = yaml.safe_load(text.split("effective config (", 1)[1].split("):\n", 1)[1].split("\n\n")[0])
+        assert effective["kvstore"]["block_size_tokens"] == 32 and effective["kvstore"]["device"] == {"bytes": "16MiB"}
+        assert effective["engine"] == {"max_num_seqs": 4, "enable_prefix_caching": False}
+        assert effective["model"]["name"] == "foo" and effective["prefill"]["ports"] == []
+        url = f"http://127.0.0.1:{port}"
+        with urllib.request.urlopen(url + "/v1/models", timeout=10) as resp:
+            assert [m["id"] for m in json.loads(resp.read())["data"]] == ["foo"]
+        body = json.dumps({"model": "foo", "prompt": list(range(3, 90)), "max_tokens": 4, "temperature": 0}).encode()
+        for _ in range(2):  # the same prompt twice: with prefix caching off, nothing is reused
+            req = urllib.request.Request(url + "/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                assert json.loads(resp.read())["usage"]["completion_tokens"] == 4
+        decode = f"http://127.0.0.1:{effective['decode']['ports'][0]}"
+        with urllib.request.urlopen(decode + "/metrics", timeout=10) as resp:
+            metrics = resp.read().decode()
+        assert "kvrelay_engine_prefix_hit_tokens_total 0.0" in metrics
+        assert "kvrelay_engine_prefill_tokens_total 174.0" in metrics  # 87 prompt tokens, computed twice
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)

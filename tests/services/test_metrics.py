@@ -1,0 +1,43 @@
+"""Issue 15: the metrics vLLM users scrape, under vLLM's names beside ours, move as a run proceeds."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+from tests.services.cluster import Cluster, metrics
+from tests.services.test_faults import post
+
+COUNTERS = ("vllm:num_preemptions_total", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+            "vllm:prompt_tokens_total", "vllm:generation_tokens_total")
+GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+ROUTER = ("vllm:time_to_first_token_seconds_count", "vllm:time_per_output_token_seconds_count",
+          "vllm:e2e_request_latency_seconds_count")
+
+
+def test_vllm_named_metrics_move_as_a_run_proceeds(tiny_model_dir):
+    # A decode pool of 24 blocks (16 tokens each) for 6 requests of ~300 tokens: it must preempt.
+    with Cluster(tiny_model_dir, overrides={"kvstore": {"device": {"bytes": "192KiB"}}}) as c:
+        prefill, decode = c.prefill_urls[0], c.decode_urls[0]
+        before = {u: metrics(u) for u in (prefill, decode, c.url)}
+        assert all(g in before[decode] for g in GAUGES) and all(k in before[decode] for k in COUNTERS)
+        shared = list(range(3, 67))  # 4 blocks every request shares: prefix hits on the prefill node
+        body = {"model": "tiny", "max_tokens": 280, "temperature": 0, "ignore_eos": True}
+        with ThreadPoolExecutor(6) as pool:
+            results = list(pool.map(lambda i: post(c.url, {**body, "prompt": shared + [100 + i]}), range(6)))
+        assert [code for code, _ in results] == [200] * 6
+        after = {u: metrics(u) for u in (prefill, decode, c.url)}
+
+        def grew(url: str, name: str) -> float:
+            return after[url][name] - before[url].get(name, 0.0)
+
+        assert grew(prefill, "vllm:prompt_tokens_total") == 6 * 65
+        assert grew(prefill, "vllm:prefix_cache_queries_total") >= 6 * 65
+        assert grew(prefill, "vllm:prefix_cache_hits_total") >= 5 * 64  # all but the first reuse the 4 blocks
+        assert grew(decode, "vllm:generation_tokens_total") == 6 * 279  # the first of each came from prefill
+        assert grew(decode, "vllm:num_preemptions_total") > 0
+        assert all(grew(c.url, name) == 6 for name in ROUTER)
+        assert after[decode]["vllm:num_requests_running"] == 0 and after[decode]["vllm:num_requests_waiting"] == 0
+        assert 0.0 <= after[decode]["vllm:kv_cache_usage_perc"] <= 1.0
+        assert "preempted cmpl-" in "".join(c.log)  # preemptions are logged too
+        code, _ = post(c.url, {**body, "prompt": shared, "max_tokens": 2})
+        assert code == 200
