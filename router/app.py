@@ -276,6 +276,8 @@ class Router:
     def _apply_events(self, node: Node, batch: Any) -> None:
         """Fold one ``/kv/events`` answer into the index. Raises on a malformed batch."""
         assert self.nodes is not None
+        if not self.nodes.has(node):  # it left (its poller only waits for its requests): no routing by its KV
+            return
         if batch["snapshot"] is not None:
             self.nodes.index.replace(node.name, batch["snapshot"], batch["last_seq"])
         else:

@@ -141,6 +141,17 @@ def test_the_internal_plane_fails_closed(tiny_model_dir, tmp_path):
         assert code == 200 and body["usage"]["completion_tokens"] == 3
 
 
+def wait_restarted(c: Cluster, url: str, name: str, old_pid: int) -> None:
+    """Until ``kvrelay up`` has restarted node ``name`` (a new pid at ``url``) and the router has it back."""
+    def restarted() -> bool:
+        try:
+            return c.node_pid(url) != old_pid and get_json(c.url + "/health")["nodes"][name]["healthy"]
+        except (OSError, KeyError):
+            return False
+
+    wait_for(restarted, timeout_s=120, what=f"{name} restarted")
+
+
 def _status(url: str) -> tuple[int, dict]:
     try:
         with urllib.request.urlopen(url, timeout=5) as resp:
@@ -168,13 +179,7 @@ def test_sigterm_drains_in_flight_requests_and_persists_kv_for_the_restart(tiny_
             code, body = running.result(timeout=120)
         assert code == 200 and body["usage"]["completion_tokens"] == 600  # drained: finished, not cut off
 
-        def restarted() -> bool:
-            try:
-                return c.node_pid(decode) != old_pid and get_json(c.url + "/health")["nodes"]["decode-0"]["healthy"]
-            except (OSError, KeyError):
-                return False
-
-        wait_for(restarted, timeout_s=120, what="the decode node restarted")
+        wait_restarted(c, decode, "decode-0", old_pid)
         assert "KV blocks written to disk before stopping" in "".join(c.log)
         before = metrics(decode).get("kvrelay_engine_prefix_hit_tokens_total", 0.0)
         code, body = post(c.url, {**long, "max_tokens": 4})
@@ -200,7 +205,8 @@ def test_a_drain_that_runs_out_of_time_cuts_streams_off_with_an_error_and_releas
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=120) as resp:
             first = resp.readline()
-            assert first.startswith(b"data: {")
+            assert first.startswith(b"data: {")  # the prefill node's first token; now the decode node's part:
+            wait_for(lambda: get_json(decode + "/health")["running"] == 1, what="the request decoding")
             os.kill(c.node_pid(decode), signal.SIGTERM)
             events = [e.strip().removeprefix(b"data: ") for e in resp.read().split(b"\n\n") if e.strip()]
         assert events[-1] == b"[DONE]"
@@ -256,13 +262,7 @@ def test_weights_replaced_in_place_never_get_the_old_weights_disk_kv(tmp_path):
         old_pid = c.node_pid(decode)
         os.kill(old_pid, signal.SIGTERM)  # the drain writes the old weights' blocks to disk
 
-        def restarted() -> bool:
-            try:
-                return c.node_pid(decode) != old_pid and get_json(c.url + "/health")["nodes"]["decode-0"]["healthy"]
-            except (OSError, KeyError):
-                return False
-
-        wait_for(restarted, timeout_s=120, what="the decode node restarted")
+        wait_restarted(c, decode, "decode-0", old_pid)
         written = [line for line in c.log if "decode-0: " in line and "KV blocks written to disk" in line]
         assert written and "decode-0: 0 KV blocks" not in written[-1]
         code, got = post(c.url, body)
