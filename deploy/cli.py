@@ -209,8 +209,8 @@ def _cmd_role(args: argparse.Namespace) -> int:
                     cpu_lock_dir=args.cpu_lock_dir)
 
 
-BENCH_NAMES = ("bandwidth", "decode", "dtype", "kernel", "load", "long-context", "memory", "serve", "tiers",
-               "transfer")
+BENCH_NAMES = ("bandwidth", "cache-policies", "decode", "dtype", "kernel", "load", "long-context", "memory", "serve",
+               "tiers", "transfer")
 
 
 def _bench_main(name: str) -> Callable[[list[str]], int]:
@@ -218,6 +218,8 @@ def _bench_main(name: str) -> Callable[[list[str]], int]:
     libraries); explicit imports, so the dependency of this command on `benchmarks` is visible."""
     if name == "bandwidth":
         from benchmarks.bandwidth_bench import main
+    elif name == "cache-policies":
+        from benchmarks.cache_policies import main
     elif name == "decode":
         from benchmarks.decode_bench import main
     elif name == "dtype":
