@@ -15,7 +15,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,7 @@ from typing import Any
 import yaml
 
 from deploy.config import DEFAULT_CONFIG
+from deploy.ports import free_ports
 
 READY = re.compile(r"kvrelay is serving .* at (http://\S+)/v1")
 
@@ -38,17 +38,6 @@ BASELINE_TO_OVERRIDES: dict[str, dict[str, dict[str, Any]]] = {
     "disaggregated-static": {},
 }
 BASELINE_TO_UP_ARGS: dict[str, list[str]] = {"disaggregated-static": ["--no-cpu-lending"]}
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct TCP ports free on loopback right now."""
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:

@@ -155,12 +155,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     import yaml
 
     from deploy.config import load_config
+    from deploy.ports import free_ports
     from deploy.sizes import ConfigError
     from deploy.up import up
 
-    with socket.socket() as s:  # the decode node's internal port: any free one on loopback
-        s.bind(("127.0.0.1", 0))
-        free_port = s.getsockname()[1]
+    [free_port] = free_ports(1)  # the decode node's internal port: a free one on loopback
     data = serve_config(args, free_port=free_port)
     text = yaml.safe_dump(data, sort_keys=False)
     path = Path(tempfile.mkdtemp(prefix="kvrelay-serve-")) / "kvrelay.yaml"

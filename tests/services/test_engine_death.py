@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import urllib.request
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
+from deploy.ports import free_ports
 from deploy.serve import ENGINE_DIED_EXIT
 from engine.engine import EngineConfig, LLMEngine
 from engine.worker import EngineWorker, _Command
@@ -75,9 +75,7 @@ sys.exit(main(sys.argv[1:]))
 
 
 def test_a_node_whose_engine_loop_dies_fails_its_request_and_exits(tiny_model_dir, tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    [port] = free_ports(1)
     cfg = tmp_path / "prefill.yaml"
     cfg.write_text(f"model: {{path: {tiny_model_dir}, dtype: float32}}\nkvstore: {{device: {{bytes: 8MiB}}}}\n"
                    f"prefill: {{ports: [{port}]}}\n")
