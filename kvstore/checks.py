@@ -1,5 +1,5 @@
 """`require_int`: the range check the config dataclasses (`BlockSpec`, `TieredStoreConfig`,
-`engine.engine.EngineConfig`, `router.app.RouterConfig`) share. No torch: the router uses it."""
+`engine.engine.EngineConfig`, `router.config.RouterConfig`) share. No torch: the router uses it."""
 
 from __future__ import annotations
 

@@ -15,19 +15,18 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from engine.long_context import LongContextConfig
-from kvstore.checks import require_int
 from model.sampling_params import TokenLogprobs
 from model.tokenizer import load_tokenizer
-from router.backends import Backends, NodeUnavailable
-from router.dispatch import ClusterInfo, Dispatcher, SampleDelta
-from router.nodes import Node, NodeSet
+from router.backends import Backends
+from router.config import RouterConfig
+from router.dispatch import Dispatcher, SampleDelta
+from router.membership import Membership
+from router.nodes import NodeSet
 from router.openai_api import (
     ApiError,
     GenerationRequest,
@@ -42,68 +41,12 @@ from router.openai_api import (
     usage_chunk,
 )
 from router.text_output import SampleText
-from transfer.discovery import NodeAddresses, Resolver, getaddrinfo_resolver, parse_dns_name
+from transfer.discovery import Resolver, getaddrinfo_resolver
 from transfer.wire import TENANT_SALT_BYTES
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-# A node that has never answered is polled every round; say so at these failure counts (not at every try).
-UNSEEN_WARN_AFTER = frozenset({50, 300, 1200})
-EVENT_ANSWER_TIMEOUT_S = 5.0  # beyond the long-poll wait: a node slower than this is taken out
 RETRY_AFTER_S = 1  # what a 429 or 503 answer tells the client to wait, in seconds
-
-
-@dataclass(frozen=True, slots=True)
-class RouterConfig:
-    """Router settings. ``api_keys`` empty: no authentication and one shared cache salt."""
-
-    model_name: str
-    model_dir: str
-    prefill_urls: tuple[str, ...] = ()
-    decode_urls: tuple[str, ...] = ()
-    # host:port names whose every address is a node (a k8s headless Service), re-resolved every dns_interval_s
-    prefill_dns: tuple[str, ...] = ()
-    decode_dns: tuple[str, ...] = ()
-    dns_interval_s: float = 10.0
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_keys: tuple[str, ...] = ()
-    max_body_bytes: int = 1024 * 1024
-    request_timeout_s: float = 300.0
-    max_n: int = 4
-    internal_token: str | None = None
-    load_weight_tokens: int = 64
-    event_poll_interval_s: float = 0.1  # least time between two event requests to one node
-    event_wait_s: float = 2.0  # how long a node may hold an event request that has no news
-    node_retry_s: float = 5.0
-    startup_timeout_s: float = 120.0
-    max_concurrent_requests: int = 1024  # admitted at once; more get 429 with Retry-After
-    max_connections_per_node: int = 1024  # pooled request connections to each node
-    connect_timeout_s: float = 5.0  # the TCP connect to a node (not the wait for a pooled connection)
-    long_context: LongContextConfig = LongContextConfig()  # the decode nodes' default (decode.long_context)
-
-    def __post_init__(self) -> None:
-        """Raises ValueError naming the field (as in the YAML ``router`` section)."""
-        for url in (*self.prefill_urls, *self.decode_urls):
-            if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-                raise ValueError(f"node URLs must start with http:// or https://, got {url!r}")
-        for name in (*self.prefill_dns, *self.decode_dns):
-            parse_dns_name(name)
-        if not (self.decode_urls or self.decode_dns) and (self.prefill_urls or self.prefill_dns):
-            raise ValueError("prefill nodes need at least one decode node (decode_urls and decode_dns are empty)")
-        require_int("port", self.port, minimum=0, maximum=65535)
-        require_int("max_body_bytes", self.max_body_bytes)
-        require_int("max_n", self.max_n)
-        require_int("load_weight_tokens", self.load_weight_tokens, minimum=0)
-        require_int("max_concurrent_requests", self.max_concurrent_requests)
-        require_int("max_connections_per_node", self.max_connections_per_node)
-        for name in ("request_timeout_s", "node_retry_s", "startup_timeout_s", "connect_timeout_s", "dns_interval_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
-        if not self.event_poll_interval_s >= 0:
-            raise ValueError(f"event_poll_interval_s must be >= 0 seconds, got {self.event_poll_interval_s!r}")
-        if not 0 <= self.event_wait_s <= 30:  # what a node accepts as /kv/events?wait_s
-            raise ValueError(f"event_wait_s must be in [0, 30] seconds, got {self.event_wait_s!r}")
 
 
 class RouterMetrics:
@@ -144,10 +87,7 @@ class Router:
         self.nodes: NodeSet | None = None
         self.dispatcher: Dispatcher | None = None
         self.served: ServedModel | None = None
-        self._addresses = {"prefill": NodeAddresses(config.prefill_urls, config.prefill_dns, resolver=resolver),
-                           "decode": NodeAddresses(config.decode_urls, config.decode_dns, resolver=resolver)}
-        self._pollers: dict[str, asyncio.Task] = {}  # node URL -> its event poller
-        self._discovery: asyncio.Task | None = None
+        self.membership = Membership(config, self.backends, resolver=resolver)
 
     # ------------------------------------------------------------ lifecycle
     def make_app(self) -> web.Application:
@@ -166,125 +106,17 @@ class Router:
     async def _start(self, app: web.Application) -> None:
         await self.backends.start()
         cfg = self.config
-        info = await self._cluster_info()
+        info = await self.membership.cluster_info()
         self.nodes = NodeSet(cfg.prefill_urls, cfg.decode_urls, block_size_tokens=info.block_size_tokens,
                              load_weight_tokens=cfg.load_weight_tokens, retry_after_s=cfg.node_retry_s)
         self.dispatcher = Dispatcher(self.nodes, self.backends, info)
         self.served = ServedModel(cfg.model_name, info.vocab_size, info.max_model_len, cfg.max_n,
                                   load_tokenizer(cfg.model_dir))
-        for node in self.nodes.all:
-            self._start_poller(node)
-        if any(a.dynamic for a in self._addresses.values()):
-            self._discovery = asyncio.create_task(self._discover())
+        self.membership.start(self.nodes)
 
     async def _stop(self, app: web.Application) -> None:
-        for task in (*self._pollers.values(), self._discovery):
-            if task is not None:
-                task.cancel()
+        self.membership.stop()
         await self.backends.close()
-
-    async def _cluster_info(self) -> ClusterInfo:
-        """Model and block layout from the first node that answers ``/info`` (resolving the DNS names
-        again while none does)."""
-        if not any(a.urls or a.dynamic for a in self._addresses.values()):
-            raise RuntimeError("router: no prefill or decode nodes configured")
-        deadline = time.monotonic() + self.config.startup_timeout_s
-        while True:
-            for addresses in self._addresses.values():
-                await addresses.refresh()
-            nodes = [Node("probe", url, "probe") for a in self._addresses.values() for url in sorted(a.urls)]
-            for node in nodes:
-                try:
-                    info = await self.backends.get_msgpack(node, "/info")
-                except NodeUnavailable:
-                    continue
-                if info["model"] != self.config.model_name:
-                    raise RuntimeError(f"router serves model {self.config.model_name!r} but {node.url} serves "
-                                       f"{info['model']!r}")
-                return ClusterInfo(int(info["block_size_tokens"]), bytes(info["spec_fingerprint"]),
-                                   int(info["vocab_size"]), int(info["max_model_len"]),
-                                   tuple(info["eos_token_ids"]))
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"router: no node answered /info within {self.config.startup_timeout_s} s")
-            await asyncio.sleep(0.2)
-
-    def _start_poller(self, node: Node) -> None:
-        self._pollers[node.url] = asyncio.create_task(self._poll_node(node))
-
-    async def _discover(self) -> None:
-        """Follow the DNS names: a new address joins once it answers ``/info`` (under the name it gives
-        itself); an address that vanished leaves. Every ``dns_interval_s``."""
-        assert self.nodes is not None
-        while True:
-            for role, addresses in self._addresses.items():
-                try:
-                    await self._discover_role(role, addresses)
-                except Exception:  # noqa: BLE001 - keep following the names
-                    log.exception("discovering %s nodes failed", role)
-            await asyncio.sleep(self.config.dns_interval_s)
-
-    async def _discover_role(self, role: str, addresses: NodeAddresses) -> None:
-        assert self.nodes is not None
-        _, removed = await addresses.refresh()
-        nodes = self.nodes.prefill if role == "prefill" else self.nodes.decode
-        for node in [n for n in nodes if n.url in removed]:
-            log.info("%s node %s at %s left (its %d requests in flight go on)", role, node.name, node.url,
-                     node.in_flight)
-            self.nodes.remove(node)  # its poller stops once nothing is in flight there
-        known = {n.url for n in nodes}
-        for url in sorted(addresses.urls - known):
-            try:
-                info = await self.backends.get_msgpack(Node("new", url, role), "/info")
-            except NodeUnavailable:
-                continue  # not up yet: the next round asks again
-            if info.get("role") != role or info.get("model") != self.config.model_name:
-                log.warning("%s answers as a %s node of %r, not a %s node of %r; ignored", url, info.get("role"),
-                            info.get("model"), role, self.config.model_name)
-                continue
-            node = self.nodes.add(role, url, str(info["node"]))  # replaces the same name at an old address
-            log.info("%s node %s joined at %s", role, node.name, url)
-            self._start_poller(node)
-
-    async def _poll_node(self, node: Node) -> None:
-        """Long-poll one node's ``/kv/events``: it answers at once when it has news, else after
-        ``event_wait_s``; an idle cluster costs one request per node every ``event_wait_s``."""
-        assert self.nodes is not None
-        cfg = self.config
-        while True:
-            if not self.nodes.has(node) and node.in_flight == 0:  # it left the cluster, and nothing waits on it
-                if self._pollers.get(node.url) is asyncio.current_task():
-                    del self._pollers[node.url]
-                return
-            now = time.monotonic()
-            if node.seen and not node.healthy(now):
-                await asyncio.sleep(max(node.down_until - now, cfg.event_poll_interval_s))  # taken out: retry later
-                continue
-            after = self.nodes.index.node_to_last_seq.get(node.name, 0)
-            wait_s = cfg.event_wait_s if node.seen else 0.0
-            try:
-                batch = await self.backends.get_msgpack(node, f"/kv/events?after={after}&wait_s={wait_s:g}",
-                                                        timeout_s=wait_s + EVENT_ANSWER_TIMEOUT_S)
-                self._apply_events(node, batch)
-            except Exception as exc:  # noqa: BLE001 - one bad node must not stop its poller
-                if node.seen and node.healthy(now):
-                    log.warning("node %s: %s; taken out for %.0f s", node.name, exc, cfg.node_retry_s)
-                elif not node.seen and node.failures + 1 in UNSEEN_WARN_AFTER:
-                    log.warning("node %s has not answered yet (%d tries): %s", node.name, node.failures + 1, exc)
-                self.nodes.mark_unreachable(node, f"{type(exc).__name__}: {exc}")
-            await asyncio.sleep(cfg.event_poll_interval_s)
-
-    def _apply_events(self, node: Node, batch: Any) -> None:
-        """Fold one ``/kv/events`` answer into the index. Raises on a malformed batch."""
-        assert self.nodes is not None
-        if not self.nodes.has(node):  # it left (its poller only waits for its requests): no routing by its KV
-            return
-        if batch["snapshot"] is not None:
-            self.nodes.index.replace(node.name, batch["snapshot"], batch["last_seq"])
-        else:
-            stored = [e[2] for e in batch["events"] if e[1] == "stored"]
-            removed = [e[2] for e in batch["events"] if e[1] == "removed"]
-            self.nodes.index.apply(node.name, stored, removed, batch["last_seq"])
-        self.nodes.mark_up(node)
 
     # -------------------------------------------------------------- helpers
     def _auth(self, request: web.Request) -> bytes:

@@ -1,0 +1,62 @@
+"""`RouterConfig`: the router's settings (the YAML ``router`` section, resolved), checked at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.long_context import LongContextConfig
+from kvstore.checks import require_int
+from transfer.discovery import parse_dns_name
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    """Router settings. ``api_keys`` empty: no authentication and one shared cache salt."""
+
+    model_name: str
+    model_dir: str
+    prefill_urls: tuple[str, ...] = ()
+    decode_urls: tuple[str, ...] = ()
+    # host:port names whose every address is a node (a k8s headless Service), re-resolved every dns_interval_s
+    prefill_dns: tuple[str, ...] = ()
+    decode_dns: tuple[str, ...] = ()
+    dns_interval_s: float = 10.0
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: tuple[str, ...] = ()
+    max_body_bytes: int = 1024 * 1024
+    request_timeout_s: float = 300.0
+    max_n: int = 4
+    internal_token: str | None = None
+    load_weight_tokens: int = 64
+    event_poll_interval_s: float = 0.1  # least time between two event requests to one node
+    event_wait_s: float = 2.0  # how long a node may hold an event request that has no news
+    node_retry_s: float = 5.0
+    startup_timeout_s: float = 120.0
+    max_concurrent_requests: int = 1024  # admitted at once; more get 429 with Retry-After
+    max_connections_per_node: int = 1024  # pooled request connections to each node
+    connect_timeout_s: float = 5.0  # the TCP connect to a node (not the wait for a pooled connection)
+    long_context: LongContextConfig = LongContextConfig()  # the decode nodes' default (decode.long_context)
+
+    def __post_init__(self) -> None:
+        """Raises ValueError naming the field (as in the YAML ``router`` section)."""
+        for url in (*self.prefill_urls, *self.decode_urls):
+            if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+                raise ValueError(f"node URLs must start with http:// or https://, got {url!r}")
+        for name in (*self.prefill_dns, *self.decode_dns):
+            parse_dns_name(name)
+        if not (self.decode_urls or self.decode_dns) and (self.prefill_urls or self.prefill_dns):
+            raise ValueError("prefill nodes need at least one decode node (decode_urls and decode_dns are empty)")
+        require_int("port", self.port, minimum=0, maximum=65535)
+        require_int("max_body_bytes", self.max_body_bytes)
+        require_int("max_n", self.max_n)
+        require_int("load_weight_tokens", self.load_weight_tokens, minimum=0)
+        require_int("max_concurrent_requests", self.max_concurrent_requests)
+        require_int("max_connections_per_node", self.max_connections_per_node)
+        for name in ("request_timeout_s", "node_retry_s", "startup_timeout_s", "connect_timeout_s", "dns_interval_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
+        if not self.event_poll_interval_s >= 0:
+            raise ValueError(f"event_poll_interval_s must be >= 0 seconds, got {self.event_poll_interval_s!r}")
+        if not 0 <= self.event_wait_s <= 30:  # what a node accepts as /kv/events?wait_s
+            raise ValueError(f"event_wait_s must be in [0, 30] seconds, got {self.event_wait_s!r}")
