@@ -113,7 +113,8 @@ class PrefillService(EngineNode):
         self.metrics.request_done("ok")
         log.info("request %s: prefilled %d tokens (%d from cache), first tokens %s, handle %s", rid, len(prompt),
                  num_cached, tokens, "leased" if handle is not None else "none")
+        # With logprobs asked for, the engine gives every sampled token its logprobs: one per first token.
         logprobs = None if params.logprobs is None else [lp for lp in first_logprobs if lp is not None]
         reply = PrefillReply(tokens, reasons, handle, num_cached,  # msgpack only here, at the HTTP edge
-                             first_logprobs=logprobs if logprobs is None or len(logprobs) == len(tokens) else None)
+                             first_logprobs=logprobs)
         return web.Response(body=encode_prefill_reply(reply), content_type="application/msgpack")

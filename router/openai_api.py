@@ -120,9 +120,11 @@ def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
         top = _get(body, "top_logprobs", int, None)
         if top is not None and not wanted:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        count, name = (top or 0) if wanted else None, "top_logprobs"
+        name = "top_logprobs"
+        count = (top or 0) if wanted else None
     else:
-        count, name = _get(body, "logprobs", int, None), "logprobs"
+        name = "logprobs"
+        count = _get(body, "logprobs", int, None)
     if count is not None and not 0 <= count <= MAX_LOGPROBS:
         raise ApiError(400, f"{name} must be in [0, {MAX_LOGPROBS}], got {count}", param=name)
     return count
