@@ -1,6 +1,9 @@
 """``kvrelay bench cache-policies``: prefix-cache eviction policies replayed offline on a trace, against
-the unbounded cache and the offline optimum (Belady) at the same capacity. A study for issue 18: which
-online policy to put in the store; nothing here changes the store yet.
+the unbounded cache and the offline optimum (Belady) at the same capacity: the study that chose the
+store's default tier policy (``cold-tail``, `kvstore.policy`; README "Tier policy").
+
+    kvrelay bench cache-policies                                  # capacities 2733 and 8000 blocks
+    kvrelay bench cache-policies --capacities 1%,2%,5%,10%,20%,50%,100%   # of the unbounded footprint
 
 The replay uses the engine's lookup rule on a Mooncake-format trace (``hash_ids``: one id per 512-token
 block; the same id at the same position is the same prefix): a request looks up its first
@@ -11,7 +14,13 @@ Policies (all online, except Belady): ``lru``; ``leaf-lru`` (LRU among blocks wi
 radix-tree cache evicts: a parent evicted before its children makes them unreachable); ``s3fifo``
 (small probationary FIFO, main FIFO with a reuse bit, ghost keys; Yang et al., SOSP'23); ``arc``
 (Megiddo & Modha, FAST'03); ``slru`` (new blocks enter a probationary LRU segment, hits move them to a
-protected one of 80% of the capacity); ``belady`` (evicts the block next used farthest in the future).
+protected one of 80% of the capacity); ``store-lru`` and ``cold-tail`` (the store's own ordering and
+tier policies, `kvstore.policy.ShadowLru`, exactly as the store evicts with requests one at a time);
+``belady`` (evicts the block next used farthest in the future); ``admit-oracle`` (offline too: leaf-LRU
+that admits only blocks a later request will hit, so the bound of any admission rule over LRU order).
+Every row also has each policy's ratio to ``lru``. The first ``--split`` of the trace decides, the rest
+judges: ``first_*`` counts hits of the requests before the split, ``last_*`` of those after it (the cache
+warmed by everything before).
 """
 
 from __future__ import annotations
@@ -27,6 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import emit
+from benchmarks.offline_cache import belady_hits
+from kvstore.policy import ShadowLru, TailCap, parse_policy
 
 TRACE = Path(__file__).resolve().parent / "traces" / "conversation_trace.jsonl"
 BLOCK_TOKENS = 512
@@ -313,8 +324,36 @@ class Arc(Policy):
         return len(self.t1) + len(self.t2)
 
 
+class StorePolicy(Policy):
+    """The store's own ordering (`kvstore.policy.ShadowLru`: back-to-front release, evict before insert)
+    under tier policy ``policy``; with ``cold-tail`` the same `TailCap` the store runs picks ``M``."""
+
+    def __init__(self, capacity: int, policy: str = "cold-tail") -> None:
+        super().__init__(capacity)
+        self.cache = ShadowLru(capacity)
+        self.tail = TailCap(capacity) if parse_policy(policy) == "cold-tail" else None
+        self._lookup: Sequence[int] = ()
+        self._tail_blocks: int | None = None
+
+    def lookup(self, keys: Sequence[int]) -> int:
+        hit = self.cache.match(keys)
+        self._lookup = keys
+        self._tail_blocks = None
+        if self.tail is not None and self.tail.cold_from(keys, hit) is not None:
+            self._tail_blocks = self.tail.tail_blocks
+        return hit
+
+    def insert(self, keys: Sequence[int]) -> None:
+        if len(keys) <= self.capacity:
+            self.cache.request(self._lookup, keys, self._tail_blocks)
+
+    def __len__(self) -> int:
+        return len(self.cache)
+
+
 POLICIES: dict[str, Callable[[int], Policy]] = {"lru": Lru, "leaf-lru": LeafLru, "slru": Slru, "s3fifo": S3Fifo,
-                                                "arc": Arc}
+                                                "arc": Arc, "store-lru": lambda c: StorePolicy(c, "lru"),
+                                                "cold-tail": StorePolicy}
 
 
 def replay(requests: Sequence[TraceRequest], policy: Policy, *, judge_from: int = 0) -> tuple[int, int]:
@@ -330,52 +369,74 @@ def replay(requests: Sequence[TraceRequest], policy: Policy, *, judge_from: int 
     return queried, hit
 
 
+class AdmitOracleLru(LeafLru):
+    """Offline: leaf-LRU that caches a new block only if some later request will hit it (``reused``, from
+    `reused_keys`). It knows *whether* a block comes back, not *when*: the bound of any admission rule
+    over LRU order."""
+
+    def __init__(self, capacity: int, reused: set[int]) -> None:
+        super().__init__(capacity)
+        self.reused = reused
+
+    def insert(self, keys: Sequence[int]) -> None:
+        n = 0
+        for k in keys:
+            if k not in self.last and k not in self.reused:
+                break
+            n += 1
+        super().insert(keys[:n])
+
+
+def reused_keys(requests: Sequence[TraceRequest]) -> set[int]:
+    """Keys some request hits in an unbounded cache (a block looked up after it was first cached)."""
+    seen: set[int] = set()
+    out: set[int] = set()
+    for r in requests:
+        for k in r.lookup:
+            if k not in seen:
+                break
+            out.add(k)
+        seen.update(r.insert)
+    return out
+
+
 def unbounded(requests: Sequence[TraceRequest], *, judge_from: int = 0) -> tuple[int, int]:
     return replay(requests, Lru(1 << 62), judge_from=judge_from)
 
 
 def belady(requests: Sequence[TraceRequest], capacity: int, *, judge_from: int = 0) -> tuple[int, int]:
-    """The offline optimum (for single-block references): evict the block next referenced farthest away."""
-    refs: list[list[int]] = [list(r.lookup) + list(r.insert) for r in requests]
-    nxt: dict[int, list[int]] = defaultdict(list)
-    for i in range(len(requests) - 1, -1, -1):
-        for k in set(refs[i]):
-            nxt[k].append(i)
-    cached: dict[int, int] = {}  # key -> its next use (request index)
-    heap: list[tuple[int, int]] = []  # (-next use, key)
-    queried = hit = 0
-    inf = len(requests) + 1
-
-    def next_use(k: int, after: int) -> int:
-        stack = nxt[k]
-        while stack and stack[-1] <= after:
-            stack.pop()
-        return stack[-1] if stack else inf
-
-    for i, req in enumerate(requests):
-        n = 0
-        for k in req.lookup:
-            if k not in cached:
-                break
-            n += 1
-        if i >= judge_from:
-            queried += len(req.lookup)
-            hit += n
-        for k in set(req.lookup[:n]) | set(req.insert):
-            cached[k] = next_use(k, i)
-            heapq.heappush(heap, (-cached[k], k))
-        while len(cached) > capacity:
-            neg, k = heapq.heappop(heap)
-            if cached.get(k) == -neg:
-                del cached[k]
-    return queried, hit
+    """The offline optimum (`benchmarks.offline_cache.belady_hits`)."""
+    h = belady_hits([(r.lookup, r.insert) for r in requests], capacity, judge_from=judge_from)
+    return h.query_blocks, h.hit_blocks
 
 
-def run(requests_count: int, capacities: Sequence[int], split: float) -> dict[str, Any]:
+def footprint(requests: Sequence[TraceRequest]) -> int:
+    """Distinct blocks the requests cache: what an unbounded cache ends up holding."""
+    return len({k for r in requests for k in r.insert})
+
+
+def parse_capacities(text: str, requests: Sequence[TraceRequest]) -> list[int]:
+    """``"2733,8000"`` in blocks, or ``"1%,50%"`` of the footprint (at least 1 block).
+
+    Raises:
+        ValueError: an entry that is neither.
+    """
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        try:
+            out.append(max(1, round(footprint(requests) * float(part[:-1]) / 100)) if part.endswith("%")
+                       else int(part))
+        except ValueError:
+            raise ValueError(f"--capacities: {part!r} is neither blocks (e.g. 2733) nor a share (e.g. 5%)") from None
+    return out
+
+
+def run(requests_count: int, capacities: str, split: float) -> dict[str, Any]:
     reqs = load_trace(limit=requests_count)
     cut = int(len(reqs) * split)
     rows = []
-    for cap in capacities:
+    for cap in parse_capacities(capacities, reqs):
         row: dict[str, Any] = {"requests": len(reqs), "capacity_blocks": cap}
         for part, (lo, hi) in {"first": (0, cut), "last": (cut, len(reqs))}.items():
             window = reqs[:hi]
@@ -383,23 +444,30 @@ def run(requests_count: int, capacities: Sequence[int], split: float) -> dict[st
             row[f"{part}_unbounded"] = round(h / q, 4)
             q, h = belady(window, cap, judge_from=lo)
             row[f"{part}_belady"] = round(h / q, 4)
+            q, h = replay(window, AdmitOracleLru(cap, reused_keys(window)), judge_from=lo)
+            row[f"{part}_admit-oracle"] = round(h / q, 4)
             for name, make in POLICIES.items():
                 t0 = time.perf_counter()
                 q, h = replay(window, make(cap), judge_from=lo)
                 row[f"{part}_{name}"] = round(h / q, 4)
                 row[f"{part}_{name}_s"] = round(time.perf_counter() - t0, 2)
+            for name in (*POLICIES, "belady", "admit-oracle"):
+                lru = row[f"{part}_lru"]
+                row[f"{part}_{name}_vs_lru"] = round(row[f"{part}_{name}"] / lru, 3) if lru else None
         rows.append(row)
-    return {"bench": "cache-policies", "trace": TRACE.name, "split": split, "rows": rows}
+    return {"bench": "cache-policies", "trace": TRACE.name, "split": split, "footprint_blocks": footprint(reqs),
+            "rows": rows}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvrelay bench cache-policies", description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=12031)
-    p.add_argument("--capacities", default="2733,8000", help="comma-separated, in blocks")
+    p.add_argument("--capacities", default="2733,8000",
+                   help="comma-separated, in blocks or as a share of the footprint (5%%)")
     p.add_argument("--split", type=float, default=0.6, help="share of the trace that decides (the rest judges)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
-    emit(run(a.requests, [int(c) for c in a.capacities.split(",")], a.split), a.out)
+    emit(run(a.requests, a.capacities, a.split), a.out)
     return 0
 
 

@@ -96,6 +96,29 @@ def run_rates(client: ClientConfig, nodes: ServerNodes, make: MakeWorkload, args
     return runs
 
 
+def kvstore_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``kvstore`` config of every kvrelay baseline from ``--kv-policy`` (every tier),
+    ``--kv-device-bytes``, ``--kv-host-bytes`` (``0``: no host tier) and ``--kv-no-disk``; what is not
+    given keeps the deployment's config."""
+    kv: dict[str, Any] = {}
+    policy = getattr(args, "kv_policy", None)
+    sizes = {"device": getattr(args, "kv_device_bytes", None), "host": getattr(args, "kv_host_bytes", None)}
+    for tier, size in sizes.items():
+        if tier == "host" and size is not None and str(size).strip() == "0":
+            kv["host"] = None
+            continue
+        section: dict[str, Any] = {} if size is None else {"bytes": size}
+        if policy is not None:
+            section["policy"] = policy
+        if section:
+            kv[tier] = section
+    if getattr(args, "kv_no_disk", False):
+        kv["disk"] = None
+    elif policy is not None:
+        kv["disk"] = {"policy": policy}
+    return {"kvstore": kv} if kv else {}
+
+
 def run_baselines(args: argparse.Namespace, baselines: list[str], make: MakeWorkload, model_dir: str,
                   out_dir: Path, *, on_disaggregated: Callable[[Any], None] | None = None
                   ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
@@ -103,14 +126,14 @@ def run_baselines(args: argparse.Namespace, baselines: list[str], make: MakeWork
 
     ``on_disaggregated(deployment)`` runs extra measurements while the disaggregated one is up.
     """
-    from benchmarks.deployment import BASELINE_TO_OVERRIDES, BASELINE_TO_UP_ARGS, Deployment
+    from benchmarks.deployment import BASELINE_TO_OVERRIDES, BASELINE_TO_UP_ARGS, Deployment, merge
 
     unknown = [b for b in baselines if b not in ALL_BASELINES]
     if unknown:
         raise SystemExit(f"--baselines: unknown {unknown}; choose from {list(ALL_BASELINES)}")
     runs: list[dict[str, Any]] = []
     for name in (b for b in baselines if b in SERVER_BASELINES):
-        with Deployment(model_dir, overrides=BASELINE_TO_OVERRIDES[name],
+        with Deployment(model_dir, overrides=merge(BASELINE_TO_OVERRIDES[name], kvstore_overrides(args)),
                         up_args=BASELINE_TO_UP_ARGS.get(name, [])) as dep:
             bs = int(dep.config.get("kvstore", {}).get("block_size_tokens", 16))
             nodes = ServerNodes(tuple(dep.prefill_urls), tuple(dep.decode_urls), bs)

@@ -39,6 +39,7 @@ from benchmarks.serve_metrics import parse_goodput
 from benchmarks.serve_run import ServerNodes
 from benchmarks.serve_standard import run_standard
 from benchmarks.ttft_prefix import ensure_bench_model
+from kvstore.policy import POLICY_NAMES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,6 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peer-url", help="with --baselines: also measure this running OpenAI server (baseline 'peer')")
     p.add_argument("--peer-script", default=str(DEFAULT_PEER_SCRIPT),
                    help="what baseline 'vllm' runs as SCRIPT serve MODEL_DIR PORT")
+    k = p.add_argument_group("kvstore of the kvrelay baselines")
+    k.add_argument("--kv-policy", choices=POLICY_NAMES, help="every tier's policy (kvstore.<tier>.policy)")
+    k.add_argument("--kv-device-bytes", help="kvstore.device.bytes, e.g. 64MiB")
+    k.add_argument("--kv-host-bytes", help="kvstore.host.bytes, e.g. 64MiB; 0: no host tier")
+    k.add_argument("--kv-no-disk", action="store_true", help="no disk tier")
     w = p.add_argument_group("workloads")
     w.add_argument("--groups", type=int, default=4)
     w.add_argument("--prompts-per-group", type=int, default=8)

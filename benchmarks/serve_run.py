@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from benchmarks.deployment import get_text
-from benchmarks.offline_lru import ideal_hit_blocks, lru_hit_blocks
+from benchmarks.offline_cache import belady_hit_blocks, ideal_hit_blocks, lru_hit_blocks, policy_hit_blocks
 from benchmarks.serve_client import ClientConfig, LoadConfig, run_load
 from benchmarks.serve_metrics import (
     TIERS,
@@ -148,6 +148,12 @@ def run_workload(client: ClientConfig, workload: Workload, load: LoadConfig, *, 
             "ideal_hit_rate": ideal.hit_rate, "offline_lru_hit_rate": lru.hit_rate,
             "offline_lru_capacity_blocks": capacity,
             "hit_rate_vs_offline_lru": measured_rate / lru.hit_rate if lru.hit_rate else None,
+            # The offline optimum, and the store's own ordering per tier policy, one request at a time.
+            "offline_belady_hit_rate": belady_hit_blocks(replay, block_size_tokens=bs,
+                                                         capacity_blocks=capacity).hit_rate,
+            **{f"offline_store_{p.replace('-', '_')}_hit_rate": policy_hit_blocks(
+                replay, block_size_tokens=bs, capacity_blocks=capacity, policy=p).hit_rate
+               for p in ("lru", "cold-tail")},
         }
         out["kv_transfer_bytes"] = transfer_bytes_delta(
             decode_before, read_counters(nodes.decode_urls, nodes.block_size_tokens))

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from benchmarks.common import read_trace
-from benchmarks.offline_lru import CachedRequest
+from benchmarks.offline_cache import CachedRequest
 from benchmarks.serve_client import FollowUp, RequestRecord, RequestSpec
 
 TRACE_BLOCK_TOKENS = 512
@@ -54,7 +54,7 @@ class Workload:
     encode: Encode | None = field(default=None, repr=False)
 
     def cached_requests(self, records: list[RequestRecord], *, replies_cached: bool) -> list[CachedRequest]:
-        """The replay sequence for `benchmarks.offline_lru`, in send order.
+        """The replay sequence for `benchmarks.offline_cache`, in send order.
 
         ``replies_cached``: the measured node also computed the replies (it decodes), so their blocks count
         as cached when ``encode`` knows their tokens; a prefill node only ever computes prompts.

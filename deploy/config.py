@@ -9,6 +9,7 @@
       device: {bytes: 4GiB}              # or {fraction_of_free: 0.9}: of free GPU memory, through NVML
       host: {bytes: 16GiB}               # optional: no host tier when absent
       disk: {path: /var/lib/kvrelay/kv, bytes: 200GiB, admit: "seen>=2"}   # optional; admit: all | seen>=N
+      # each tier also takes policy: cold-tail (default) | lru  (kvstore/policy.py; README "Tier policy")
 
 Sizes are integers (bytes) or strings with a binary unit (``"4096"``, ``512MiB``, ``8GiB``, ``1.5TiB``).
 Relative paths resolve from the working directory. Every bad value or unknown key raises `ConfigError`
@@ -42,6 +43,7 @@ from deploy.service_config import (
 )
 from deploy.sizes import ConfigError
 from kvstore.admission import parse_admission
+from kvstore.policy import DEFAULT_POLICY, POLICY_NAMES, parse_policy
 from model.dtype_names import DTYPE_NAMES
 
 if TYPE_CHECKING:  # the store's types load torch; the router process reads this config without them
@@ -82,6 +84,7 @@ class DeviceTierConfig:
 
     size_bytes: int | None = None
     free_memory_frac: float | None = None
+    policy: str = DEFAULT_POLICY
 
     def resolve_bytes(self, gpu_free_bytes: GpuFreeBytes = nvml_free_bytes) -> int:
         """Bytes for the device pool: ``size_bytes``, or the fraction of GPU memory free now (call it
@@ -95,6 +98,7 @@ class DeviceTierConfig:
 @dataclass(frozen=True, slots=True)
 class HostTierConfig:
     size_bytes: int
+    policy: str = DEFAULT_POLICY
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +106,7 @@ class DiskTierConfig:
     path: str
     size_bytes: int
     admit: str = "all"
+    policy: str = DEFAULT_POLICY
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +153,9 @@ class KvStoreConfig:
             disk_capacity_bytes=self.disk.size_bytes if self.disk is not None else 0,
             admit=self.disk.admit if self.disk is not None else "all",
             device=device,
+            device_policy=self.device.policy,
+            host_policy=self.host.policy if self.host is not None else DEFAULT_POLICY,
+            disk_policy=self.disk.policy if self.disk is not None else DEFAULT_POLICY,
         )
 
 
@@ -179,6 +187,13 @@ def _admission(v: Any) -> str:
     return v.strip()
 
 
+def _policy(v: Any) -> str:
+    try:
+        return parse_policy(v)
+    except ValueError:
+        raise ValueError(f"is not a tier policy; use one of {', '.join(POLICY_NAMES)}") from None
+
+
 def parse_kvstore(root: Section, *, base_dir: Path, gpu_free_bytes: GpuFreeBytes = nvml_free_bytes) -> KvStoreConfig:
     """Read the ``kvstore`` section of ``root``.
 
@@ -192,7 +207,8 @@ def parse_kvstore(root: Section, *, base_dir: Path, gpu_free_bytes: GpuFreeBytes
     block_size_tokens = k.take("block_size_tokens", positive_int, 16)
     kv_dtype = k.take("dtype", one_of(DTYPE_NAMES), None)
     d = k.section("device")
-    device = DeviceTierConfig(d.take("bytes", size, None), d.take("fraction_of_free", _fraction, None))
+    device = DeviceTierConfig(d.take("bytes", size, None), d.take("fraction_of_free", _fraction, None),
+                              d.take("policy", _policy, DEFAULT_POLICY))
     d.done()
     if (device.size_bytes is None) == (device.free_memory_frac is None):
         raise ConfigError('kvstore.device: set exactly one of bytes (e.g. 8GiB) and fraction_of_free (e.g. 0.9)')
@@ -205,12 +221,13 @@ def parse_kvstore(root: Section, *, base_dir: Path, gpu_free_bytes: GpuFreeBytes
                 f'({type(exc).__name__}: {exc}); set kvstore.device.bytes instead, e.g. "8GiB"'
             ) from None
     h = k.section("host")
-    host_bytes = h.take("bytes", size, None)
+    host_bytes, host_policy = h.take("bytes", size, None), h.take("policy", _policy, DEFAULT_POLICY)
     h.done()
     s = k.section("disk")
     disk_path, disk_bytes, admit = s.take("path", string, None), s.take("bytes", size, None), s.take(
         "admit", _admission, "all"
     )
+    disk_policy = s.take("policy", _policy, DEFAULT_POLICY)
     s.done()
     disk = None
     if disk_path is not None or disk_bytes is not None:
@@ -218,10 +235,10 @@ def parse_kvstore(root: Section, *, base_dir: Path, gpu_free_bytes: GpuFreeBytes
             if value is None:
                 raise ConfigError(f"kvstore.disk.{name}: required with a disk tier; e.g. {example}")
         assert disk_path is not None and disk_bytes is not None
-        disk = DiskTierConfig(str(base_dir / Path(disk_path).expanduser()), disk_bytes, admit)
+        disk = DiskTierConfig(str(base_dir / Path(disk_path).expanduser()), disk_bytes, admit, disk_policy)
     k.done()
-    return KvStoreConfig(device, block_size_tokens, HostTierConfig(host_bytes) if host_bytes else None, disk,
-                         kv_dtype)
+    return KvStoreConfig(device, block_size_tokens, HostTierConfig(host_bytes, host_policy) if host_bytes else None,
+                         disk, kv_dtype)
 
 
 # ---------------------------------------------------------------------- nodes

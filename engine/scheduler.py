@@ -114,6 +114,7 @@ class Scheduler:
         hit = self.store.load(keys, self.store.match_prefix(keys))  # acquired; lower tiers promoted
         if seq.num_output_tokens == 0:
             self.store.record_prompt(len(seq.token_ids), len(hit) * bs)
+            seq.cold_from = self.store.cold_from(keys, len(hit))
         self.tables.assign(seq, hit)
         seq.num_keyed_blocks = len(hit)
         seq.num_computed_tokens = len(hit) * bs
@@ -252,8 +253,9 @@ class Scheduler:
         full = seq.num_computed_tokens // self.spec.block_size_tokens
         if full > seq.num_keyed_blocks:
             keys = self.keys_of(seq)
+            cold_from = seq.cold_from if seq.cold_from is not None else full
             for i in range(seq.num_keyed_blocks, full):
-                self.pool.register_key(seq.block_table[i], keys[i])
+                self.pool.register_key(seq.block_table[i], keys[i], cold=i >= cold_from)
             seq.num_keyed_blocks = full
 
     def _drop_pins(self, seq: Sequence) -> None:

@@ -11,6 +11,9 @@ A block is in exactly one state::
   releases its block table the tail block becomes the least recently used: a finished chain is
   evicted tail-first and its shared head survives longest.
 * Allocation takes plain free blocks first and evicts cached blocks only when none are left.
+* A block keyed *cold* (``register_key(..., cold=True)``, see `kvstore.policy`) is cached at the least
+  recently used end instead, tail first, when ``honour_cold``; a prefix hit (`acquire`) makes it
+  ordinary. In-use blocks are in no order at all: nothing evicts them.
 """
 
 from __future__ import annotations
@@ -57,19 +60,23 @@ class BlockPool:
         num_blocks: blocks in the pool (> 0).
         on_evict: called as ``on_evict(block_id, key)`` just before a cached block loses its key
             to be reallocated, while its bytes are still intact (the tiered store demotes here).
+        honour_cold: cache cold blocks at the least recently used end (tier policy ``cold-tail``);
+            when False they are ordered as any other, but still reported cold by `is_cold`.
     """
 
-    def __init__(self, num_blocks: int, *, on_evict: EvictHook | None = None) -> None:
+    def __init__(self, num_blocks: int, *, on_evict: EvictHook | None = None, honour_cold: bool = False) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
         self._on_evict = on_evict
+        self.honour_cold = honour_cold
         # Owned by BlockPool alone: every field below changes only inside this class.
         self._ref_counts = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._cached: OrderedDict[int, None] = OrderedDict()  # first = least recently used
         self._block_id_to_key: dict[int, BlockKey] = {}
         self._key_to_block_id: dict[BlockKey, int] = {}
+        self._cold: set[int] = set()  # keyed blocks registered cold and not hit since
         self._listeners: list[PoolListener] = []
 
     def add_listener(self, listener: PoolListener) -> None:
@@ -98,6 +105,10 @@ class BlockPool:
 
     def block_id_of(self, key: BlockKey) -> int | None:
         return self._key_to_block_id.get(key)
+
+    def is_cold(self, block_id: int) -> bool:
+        """Whether the block was keyed cold and not hit since (valid in ``on_evict`` too)."""
+        return block_id in self._cold
 
     def match_prefix(self, keys: Sequence[BlockKey]) -> list[int]:
         """Block ids of the longest leading run of ``keys`` held by this pool.
@@ -156,15 +167,18 @@ class BlockPool:
                     raise ValueError(f"block {block_id} is free; only in-use or cached blocks can be acquired")
                 del self._cached[block_id]
             self._ref_counts[block_id] += 1
+            self._cold.discard(block_id)
 
     def release(self, block_ids: Sequence[int]) -> None:
         """Drop one reference from each block, walking ``block_ids`` back to front.
 
-        A block reaching ref 0 becomes cached (most recently used) if keyed, else free.
+        A block reaching ref 0 becomes cached (most recently used) if keyed, else free; with
+        ``honour_cold``, cold blocks go to the least recently used end instead, the last one first.
 
         Raises:
             ValueError: a block's ref count is already 0 (double release).
         """
+        cold: list[int] = []
         for block_id in reversed(block_ids):
             if self._ref_counts[block_id] <= 0:
                 raise ValueError(f"block {block_id} released more often than acquired")
@@ -172,11 +186,16 @@ class BlockPool:
             if self._ref_counts[block_id] == 0:
                 if block_id in self._block_id_to_key:
                     self._cached[block_id] = None
+                    if self.honour_cold and block_id in self._cold:
+                        cold.append(block_id)
                 else:
                     self._free.append(block_id)
+        for block_id in reversed(cold):
+            self._cached.move_to_end(block_id, last=False)
 
-    def register_key(self, block_id: int, key: BlockKey) -> bool:
-        """Make an in-use, full block shareable under ``key``.
+    def register_key(self, block_id: int, key: BlockKey, *, cold: bool = False) -> bool:
+        """Make an in-use, full block shareable under ``key``; ``cold``: predicted not to be reused
+        (`kvstore.policy`), cached at the least recently used end when released.
 
         Returns False (and changes nothing) if another block already holds ``key`` — the caller's
         block stays private — or if this block already has a key.
@@ -190,6 +209,8 @@ class BlockPool:
             return False
         self._key_to_block_id[key] = block_id
         self._block_id_to_key[block_id] = key
+        if cold:
+            self._cold.add(block_id)
         for listener in self._listeners:
             listener.block_stored(block_id, key)
         return True
@@ -212,6 +233,7 @@ class BlockPool:
         del self._key_to_block_id[key]
         if self._on_evict is not None:
             self._on_evict(block_id, key)
+        self._cold.discard(block_id)
         for listener in self._listeners:
             listener.block_removed(block_id, key)
 
@@ -237,5 +259,7 @@ class BlockPool:
             assert b in self._block_id_to_key, f"cached block {b} has no key"
         assert all(c >= 0 for c in self._ref_counts), "negative ref count"
         assert len(self._key_to_block_id) == len(self._block_id_to_key), "key maps differ in size"
+        stray = self._cold - self._block_id_to_key.keys()
+        assert not stray, f"cold blocks without a key: {sorted(stray)}"
         for key, b in self._key_to_block_id.items():
             assert self._block_id_to_key.get(b) == key, f"key map and block map disagree on block {b}"

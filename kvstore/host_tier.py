@@ -45,7 +45,8 @@ class HostTier:
 
     name = "host"
 
-    def __init__(self, spec: BlockSpec, num_blocks: int, *, on_evict: HostEvictHook | None = None) -> None:
+    def __init__(self, spec: BlockSpec, num_blocks: int, *, on_evict: HostEvictHook | None = None,
+                 honour_cold: bool = False) -> None:
         if num_blocks <= 0:
             raise ValueError(f"host tier needs a positive number of blocks, got {num_blocks}")
         self.spec = spec
@@ -63,12 +64,18 @@ class HostTier:
         self._key_to_slot: OrderedDict[BlockKey, int] = OrderedDict()  # first = least recently used
         self._free_slots: deque[int] = deque(range(num_blocks))
         self._reserved: set[int] = set()  # slots lent out by `reserve`: no key, never evicted
+        self._cold: set[BlockKey] = set()  # keys put cold and not read or touched since
+        self.honour_cold = honour_cold
 
     # ----------------------------------------------------------------- queries
     def block(self, slot: int) -> Block:
         """One slot: its bytes (a row of `rows`, cheapest on CPU), or with CUDA the pinned tensor view, so
         that copies from and to the GPU stay asynchronous."""
         return self.pool[slot] if self.pinned else self.rows[slot]
+
+    def is_cold(self, key: BlockKey) -> bool:
+        """Whether ``key`` was put cold and not read or touched since (valid in ``on_evict`` too)."""
+        return key in self._cold
 
     def slot_of(self, key: BlockKey) -> int | None:
         return self._key_to_slot.get(key)
@@ -92,16 +99,19 @@ class HostTier:
         return TierStats(self.name, len(self._key_to_slot), self.num_blocks, self.spec.block_bytes)
 
     # --------------------------------------------------------------- mutations
-    def put(self, key: BlockKey, src: Block) -> bool:
+    def put(self, key: BlockKey, src: Block, *, cold: bool = False) -> bool:
         """Copy block ``src`` into a slot under ``key`` (evicting the LRU key when full). False only when
         every slot is reserved (`reserve`), so there is nothing to evict.
 
-        A key already held only moves to most recently used; nothing is copied.
+        A key already held only moves to most recently used; nothing is copied. ``cold`` (`kvstore.policy`):
+        a new key enters at the least recently used end when ``honour_cold``, and is reported by `is_cold`.
 
         Raises:
             ValueError: ``src`` has the wrong shape or dtype (or, as bytes, the wrong size).
         """
-        if self.touch(key):
+        if key in self._key_to_slot:
+            if not cold:
+                self.touch(key)
             return True
         self._check(src)
         slot = self._take_slot()
@@ -109,6 +119,10 @@ class HostTier:
             return False
         self.copy(self.block(slot), src)
         self._key_to_slot[key] = slot
+        if cold:
+            self._cold.add(key)
+            if self.honour_cold:
+                self._key_to_slot.move_to_end(key, last=False)
         return True
 
     def _take_slot(self) -> int | None:
@@ -120,6 +134,7 @@ class HostTier:
         victim, slot = self._key_to_slot.popitem(last=False)
         if self._on_evict is not None:
             self._on_evict(slot, victim)
+        self._cold.discard(victim)
         return slot
 
     def reserve(self, num: int) -> list[int] | None:
@@ -152,6 +167,7 @@ class HostTier:
             return False
         self.copy(dst, self.block(slot))
         self._key_to_slot.move_to_end(key)
+        self._cold.discard(key)
         return True
 
     def _check(self, src: Block) -> None:
@@ -168,12 +184,14 @@ class HostTier:
         if key not in self._key_to_slot:
             return False
         self._key_to_slot.move_to_end(key)
+        self._cold.discard(key)
         return True
 
     def discard(self, key: BlockKey) -> bool:
         slot = self._key_to_slot.pop(key, None)
         if slot is None:
             return False
+        self._cold.discard(key)
         self._free_slots.append(slot)
         return True
 
@@ -193,3 +211,4 @@ class HostTier:
             f"host: held {len(held)} + free {len(free)} != total {self.num_blocks}"
         )
         assert all(0 <= s < self.num_blocks for s in held + free), "host slot out of range"
+        assert self._cold <= self._key_to_slot.keys(), "a host key is cold but not held"

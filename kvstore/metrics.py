@@ -16,6 +16,7 @@ name                                           labels        meaning
 ``kvrelay_store_dropped_writes_total``                       disk writes dropped (queue full, no room)
 ``kvrelay_prompts_total``                                    prompts reported by `record_prompt`
 ``kvrelay_prefix_shorter_than_block_total``                  prompts whose shareable prefix < one block
+``kvrelay_kv_policy_tail_blocks``                            ``cold-tail``'s ``M`` now; -1: no cap (gauge)
 =============================================  ============  ===========================================
 """
 
@@ -40,6 +41,7 @@ class StoreMetrics:
     dropped_writes: Counter
     prompts: Counter
     prefix_shorter_than_block: Counter
+    tail_blocks: Gauge
 
     @classmethod
     def create(cls, registry: CollectorRegistry | None = None) -> StoreMetrics:
@@ -76,5 +78,9 @@ class StoreMetrics:
                 "kvrelay_prefix_shorter_than_block_total",
                 "Prompts whose shareable prefix is shorter than one block (they cannot hit the cache)",
                 registry=reg,
+            ),
+            tail_blocks=Gauge(
+                "kvrelay_kv_policy_tail_blocks",
+                "Blocks past a prompt's cached prefix kept hot by the cold-tail policy; -1: no cap", registry=reg,
             ),
         )

@@ -8,6 +8,11 @@
 
     demotion (on eviction, synchronous unless pre-copied):
     device ──BlockPool.on_evict──▶ host ──HostTier.on_evict──▶ disk (if admitted) ──LRU──▶ gone
+
+* Each tier's ``policy`` (`kvstore.policy`) says where a new block enters its order: ``lru``, or
+  ``cold-tail``, where blocks far past a prompt's cached prefix (`cold_from`, chosen by `TailCap`
+  racing key-only shadows of the store's total capacity) enter device and host as the next to evict
+  and are not written to disk. A block keeps its coldness as it is demoted; a hit clears it.
        └── maintain_watermark(): pre-copies the coldest cached device blocks to host, so that an
            eviction at allocation time finds them there and copies nothing
 
@@ -36,6 +41,7 @@ from kvstore.checks import require_int
 from kvstore.host_tier import HostTier
 from kvstore.lmdb_tier import DiskStats, LmdbOptions, LmdbTier
 from kvstore.metrics import StoreMetrics
+from kvstore.policy import DEFAULT_POLICY, TailCap, parse_policy
 from kvstore.tier import Tier, TierStats
 
 log = logging.getLogger(__name__)
@@ -54,6 +60,7 @@ class TieredStoreConfig:
     ``num_host_blocks == 0`` means no host tier and ``disk_path is None`` no disk tier.
     ``watermark_blocks``: free-or-pre-copied device blocks `maintain_watermark` keeps ready (default
     ``max(1, num_device_blocks // 32)`` with a host tier, else 0). ``admit``: ``"all"`` | ``"seen>=N"``.
+    ``device_policy``, ``host_policy``, ``disk_policy``: ``"lru"`` | ``"cold-tail"`` (`kvstore.policy`).
     """
 
     num_device_blocks: int
@@ -64,6 +71,9 @@ class TieredStoreConfig:
     watermark_blocks: int | None = None
     device: str = "cpu"
     disk_options: LmdbOptions = field(default_factory=LmdbOptions)
+    device_policy: str = DEFAULT_POLICY
+    host_policy: str = DEFAULT_POLICY
+    disk_policy: str = DEFAULT_POLICY
 
     def __post_init__(self) -> None:
         """Raises ValueError naming the field (``kvstore`` in YAML: device/host/disk sizes, ``admit``)."""
@@ -77,6 +87,15 @@ class TieredStoreConfig:
             raise ValueError(f"watermark_blocks must be in [0, num_device_blocks={self.num_device_blocks}], "
                              f"got {self.watermark_blocks!r}")
         parse_admission(self.admit)  # raises ValueError with the accepted spellings
+        for tier in TIER_NAMES:
+            try:
+                parse_policy(getattr(self, f"{tier}_policy"))
+            except ValueError as exc:
+                raise ValueError(f"{tier}_policy: {exc}") from None
+
+    def policy(self, tier: str) -> str:
+        """The normalized policy of ``tier`` (``device`` | ``host`` | ``disk``)."""
+        return parse_policy(getattr(self, f"{tier}_policy"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,9 +164,12 @@ class TieredStore:
         self.device_pool = device_pool
         self._device_rows = pool_rows(device_pool)  # CPU pool: cheap per-block byte views for copies
         self.metrics = StoreMetrics.create(registry)
-        self.block_pool = BlockPool(config.num_device_blocks, on_evict=self._on_device_evict)
+        self.block_pool = BlockPool(config.num_device_blocks, on_evict=self._on_device_evict,
+                                    honour_cold=config.policy("device") == "cold-tail")
         self.host = (
-            HostTier(spec, config.num_host_blocks, on_evict=self._on_host_evict) if config.num_host_blocks else None
+            HostTier(spec, config.num_host_blocks, on_evict=self._on_host_evict,
+                     honour_cold=config.policy("host") == "cold-tail")
+            if config.num_host_blocks else None
         )
         self.disk = (
             LmdbTier(spec, config.disk_path, capacity_bytes=config.disk_capacity_bytes, metrics=self.metrics,
@@ -156,6 +178,12 @@ class TieredStore:
         )
         # Lookup and promotion walk the lower tiers in this order.
         self._lower: dict[str, Tier] = {n: t for n, t in (("host", self.host), ("disk", self.disk)) if t is not None}
+        self._disk_drops_cold = self.disk is not None and config.policy("disk") == "cold-tail"
+        uses_cold = any(config.policy(t) == "cold-tail" for t in ("device", *self._lower))
+        total_blocks = (config.num_device_blocks + config.num_host_blocks
+                        + (config.disk_capacity_bytes // spec.block_bytes if self.disk is not None else 0))
+        self.tail_cap = TailCap(total_blocks) if uses_cold else None
+        self.metrics.tail_blocks.set(-1)
         default_watermark = max(1, config.num_device_blocks // 32) if self.host is not None else 0
         self.watermark_blocks = config.watermark_blocks if config.watermark_blocks is not None else default_watermark
         self._mover = BlockMover(device_pool.device)
@@ -200,6 +228,16 @@ class TieredStore:
         match = PrefixMatch(len(tiers), tuple(tiers), tuple(device_ids))
         self._count_query(len(keys), match)
         return match
+
+    def cold_from(self, keys: Sequence[BlockKey], num_hit: int) -> int | None:
+        """Once per prompt, after `load`: ``keys`` as given to `match_prefix`, ``num_hit`` blocks loaded.
+        The index of the prompt's first block to key cold (``register_key(..., cold=True)``), or None
+        when none is (no tier uses ``cold-tail``, or `TailCap` chose no cap)."""
+        if self.tail_cap is None:
+            return None
+        cold_from = self.tail_cap.cold_from(keys, num_hit)
+        self.metrics.tail_blocks.set(-1 if self.tail_cap.tail_blocks is None else self.tail_cap.tail_blocks)
+        return cold_from
 
     def _count_query(self, num_keys: int, match: PrefixMatch) -> None:
         self._queries += num_keys
@@ -276,21 +314,23 @@ class TieredStore:
     def _on_device_evict(self, block_id: int, key: BlockKey) -> None:
         """BlockPool hook: ``key`` leaves device block ``block_id`` (bytes still intact)."""
         src = self._device_block(block_id)
+        cold = self.block_pool.is_cold(block_id)
         if self.host is not None:
             slot = self.host.slot_of(key)
             if slot is not None:  # pre-copied by maintain_watermark: nothing to copy
-                self.host.touch(key)
+                if not cold:
+                    self.host.touch(key)
                 self._mover.order_after_copy_into(slot)
                 return
-            if self.host.put(key, src):
+            if self.host.put(key, src, cold=cold):
                 self._mover.copied_into(self.host.slot_of(key))  # type: ignore[arg-type]
                 self._moved(key, "device", "host")
             elif self.disk is not None:  # every host slot is reserved by long-context offloads
-                self._demote_to_disk(key, src, "device")
+                self._demote_to_disk(key, src, "device", cold)
             else:
                 self.metrics.tier_evictions.labels("device").inc()
         elif self.disk is not None:
-            self._demote_to_disk(key, src, "device")
+            self._demote_to_disk(key, src, "device", cold)
         else:
             self.metrics.tier_evictions.labels("device").inc()
 
@@ -300,15 +340,20 @@ class TieredStore:
             self.metrics.tier_evictions.labels("host").inc()
             return
         self._mover.before_cpu_read(slot)
-        self._demote_to_disk(key, self.host.block(slot), "host")  # type: ignore[union-attr]
+        self._demote_to_disk(key, self.host.block(slot), "host", self.host.is_cold(key))  # type: ignore[union-attr]
 
     def _device_block(self, block_id: int) -> Block:
         return self._device_rows[block_id] if self._device_rows is not None else self.device_pool[block_id]
 
-    def _demote_to_disk(self, key: BlockKey, src: Block, src_tier: str) -> None:
+    def _demote_to_disk(self, key: BlockKey, src: Block, src_tier: str, cold: bool) -> None:
         assert self.disk is not None
-        if self.disk.touch(key):
+        if self.disk.contains(key):
+            if not cold:
+                self.disk.touch(key)
             return  # already stored: disk keeps promoted blocks
+        if cold and self._disk_drops_cold:
+            self.metrics.tier_evictions.labels(src_tier).inc()
+            return
         if self._admission.admit(key) and self.disk.put(key, src):
             self._moved(key, src_tier, "disk")
         else:
@@ -333,7 +378,7 @@ class TieredStore:
             return 0
         with self._mover.precopy_stream():
             for block_id, key in todo:
-                if not self.host.put(key, self._device_block(block_id)):
+                if not self.host.put(key, self._device_block(block_id), cold=self.block_pool.is_cold(block_id)):
                     break  # every host slot is reserved by long-context offloads
                 self._mover.copied_into(self.host.slot_of(key))  # type: ignore[arg-type]
                 self._moved(key, "device", "host")

@@ -78,3 +78,23 @@ def test_the_trace_numbers_the_issue_quotes():
     assert round(h / q, 3) == 0.276
     q, h = replay(reqs, Arc(2733))
     assert round(h / q, 3) == 0.08
+
+
+def test_capacities_in_blocks_or_as_a_share_of_the_footprint():
+    from benchmarks.cache_policies import footprint, parse_capacities
+
+    reqs = requests_of([[0, 1, 2], [0, 1, 3], [5]])
+    assert footprint(reqs) == 5  # 0, 1, 2, 3, 5
+    assert parse_capacities("40%, 7, 1%", reqs) == [2, 7, 1]
+    with pytest.raises(ValueError, match="'big' is neither blocks"):
+        parse_capacities("big", reqs)
+
+
+def test_admission_oracle_admits_only_blocks_that_come_back():
+    from benchmarks.cache_policies import AdmitOracleLru, reused_keys
+
+    reqs = requests_of([[0, 1, 2], [0, 1, 3], [0, 7], [0, 1, 9]])
+    assert reused_keys(reqs) == {0, 1}
+    cache = AdmitOracleLru(10, reused_keys(reqs))
+    assert replay(reqs, cache) == (7, 5)  # lookups [0,1] [0,1] [0] [0,1]; hits 0 + 2 + 1 + 2
+    assert sorted(cache.last) == [0, 1]  # 2, 3, 7 and 9 never came back and were never cached

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from benchmarks import workloads
-from benchmarks.offline_lru import ideal_hit_blocks
+from benchmarks.offline_cache import ideal_hit_blocks
 from benchmarks.serve_client import RequestRecord, RequestSpec
 
 

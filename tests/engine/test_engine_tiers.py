@@ -42,3 +42,24 @@ def test_prefix_split_across_device_host_disk_matches_cold_run(tiny_model_dir, t
     assert eng.stats.computed_prefill_tokens - computed == 5  # only the tail was computed
     eng.check_integrity()
     eng.close()
+
+
+def test_engine_keys_blocks_past_the_tail_cap_cold(tiny_model_dir):
+    """With ``cold-tail`` capping new tails at 1 block, a fresh prompt's blocks after its first are keyed
+    cold: cached next to evict, tail first, and the head most recent."""
+    loaded = load_model(tiny_model_dir)
+    rng = random.Random(5)
+    prompt = [rng.randrange(258) for _ in range(6 * 16 + 5)]
+    eng = LLMEngine(loaded, EngineConfig(num_blocks=16), store_config=TieredStoreConfig(num_device_blocks=16))
+    assert eng.store.tail_cap is not None
+    eng.store.tail_cap.tail_blocks = 1
+    eng.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))
+    keys = block_keys(prompt, block_size_tokens=16, spec_fingerprint=eng.spec.fingerprint)
+    ids = [eng.pool.block_id_of(k) for k in keys]
+    order = eng.pool.coldest_cached(7)
+    # 7 keyed blocks: 6 of the prompt and one of prompt tail + output (index 6, cold, released first).
+    assert order[1:] == [ids[5], ids[4], ids[3], ids[2], ids[1], ids[0]]
+    assert order[0] not in ids
+    assert [eng.pool.is_cold(b) for b in order] == [True] * 6 + [False]
+    eng.check_integrity()
+    eng.close()

@@ -1,10 +1,10 @@
-"""`benchmarks.offline_lru` on hand-computed sequences."""
+"""`benchmarks.offline_cache` on hand-computed sequences."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.offline_lru import CachedRequest, HitCount, chained_block_keys, ideal_hit_blocks, lru_hit_blocks
+from benchmarks.offline_cache import CachedRequest, HitCount, chained_block_keys, ideal_hit_blocks, lru_hit_blocks
 
 
 def reqs(*prompts: tuple[int, ...]) -> list[CachedRequest]:
@@ -65,3 +65,36 @@ def test_capacity_zero_never_hits_and_negative_raises():
     with pytest.raises(ValueError, match="capacity_blocks"):
         lru_hit_blocks(seq, block_size_tokens=2, capacity_blocks=-1)
     assert HitCount(0, 0).hit_rate == 0.0
+
+
+def test_belady_keeps_what_is_used_next():
+    from benchmarks.offline_cache import belady_hit_blocks
+
+    seq = reqs((1, 2, 3, 4, 5), (1, 2, 3, 4, 9), (7, 7, 7), (1, 2, 3, 4, 5))
+    # At the third request k77 (never used again) is evicted, not k12 / k1234: all 4 later hits kept.
+    assert belady_hit_blocks(seq, block_size_tokens=2, capacity_blocks=2) == HitCount(7, 4)
+    assert belady_hit_blocks(seq, block_size_tokens=2, capacity_blocks=0) == HitCount(7, 0)
+
+
+def test_store_policy_replay_counts_the_partial_block_and_evicts_before_inserting():
+    from benchmarks.offline_cache import policy_hit_blocks
+
+    seq = reqs((1, 2, 3, 4, 5), (1, 2, 3, 4, 9), (7, 7, 7), (1, 2, 3, 4, 5))
+    # Capacity 3 = 2 keyed blocks + the running request's partial one. The third request needs 2 blocks
+    # with 1 free: it evicts k1234 (released before k12, so less recent); the fourth hits k12 only.
+    assert policy_hit_blocks(seq, block_size_tokens=2, capacity_blocks=3, policy="lru") == HitCount(7, 3)
+    with pytest.raises(ValueError, match="not a tier policy"):
+        policy_hit_blocks(seq, block_size_tokens=2, capacity_blocks=3, policy="fifo")
+
+
+def test_tier_split_adds_up_to_the_total():
+    from benchmarks.offline_cache import tier_hit_blocks
+
+    seq = reqs((1, 2, 3, 4, 5), (1, 2, 3, 4, 9), (7, 7, 7), (1, 2, 3, 4, 5), (7, 7, 7, 7, 1))
+    split = tier_hit_blocks(seq, block_size_tokens=2, tier_capacities=[("device", 1), ("host", 1), ("disk", 2)])
+    for name in ("lru", "belady"):
+        parts = split[name]
+        assert sum(parts[t].hit_blocks for t in ("device", "host", "disk")) == parts["total"].hit_blocks
+    assert split["lru"]["total"] == lru_hit_blocks(seq, block_size_tokens=2, capacity_blocks=4)
+    assert split["lru"]["device"] == lru_hit_blocks(seq, block_size_tokens=2, capacity_blocks=1)
+    assert split["belady"]["total"].hit_blocks >= split["lru"]["total"].hit_blocks

@@ -1,0 +1,27 @@
+"""`kvrelay bench serve`'s kvstore flags become the kvrelay baselines' ``kvstore`` overrides."""
+
+from __future__ import annotations
+
+import argparse
+
+from benchmarks.deployment import merge
+from benchmarks.serve_baselines import kvstore_overrides
+from benchmarks.serve_bench import build_parser
+
+
+def test_device_only_with_one_policy():
+    args = build_parser().parse_args(["--baselines", "aggregated", "--kv-policy", "lru", "--kv-device-bytes",
+                                      "8MiB", "--kv-host-bytes", "0", "--kv-no-disk"])
+    over = kvstore_overrides(args)
+    assert over == {"kvstore": {"device": {"bytes": "8MiB", "policy": "lru"}, "host": None, "disk": None}}
+    base = {"kvstore": {"block_size_tokens": 16, "device": {"bytes": "64MiB"}, "host": {"bytes": "128MiB"},
+                        "disk": {"path": "d", "bytes": "1GiB"}}}
+    assert merge(base, over)["kvstore"] == {"block_size_tokens": 16, "device": {"bytes": "8MiB", "policy": "lru"},
+                                            "host": None, "disk": None}
+
+
+def test_policy_alone_applies_to_every_tier_and_nothing_given_changes_nothing():
+    args = argparse.Namespace(kv_policy="cold-tail", kv_device_bytes=None, kv_host_bytes=None, kv_no_disk=False)
+    assert kvstore_overrides(args) == {"kvstore": {"device": {"policy": "cold-tail"}, "host": {"policy": "cold-tail"},
+                                                   "disk": {"policy": "cold-tail"}}}
+    assert kvstore_overrides(argparse.Namespace()) == {}
