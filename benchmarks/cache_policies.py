@@ -17,7 +17,7 @@ radix-tree cache evicts: a parent evicted before its children makes them unreach
 protected one of 80% of the capacity); ``store-lru`` and ``cold-tail`` (the store's own ordering and
 tier policies, `kvstore.policy.ShadowLru`, exactly as the store evicts with requests one at a time);
 ``belady`` (evicts the block next used farthest in the future); ``admit-oracle`` (offline too: leaf-LRU
-that admits only blocks a later request will hit, so the bound of any admission rule over LRU order).
+that admits only blocks a later request will hit: perfect knowledge of whether a block comes back).
 Every row also has each policy's ratio to ``lru``. The first ``--split`` of the trace decides, the rest
 judges: ``first_*`` counts hits of the requests before the split, ``last_*`` of those after it (the cache
 warmed by everything before).
@@ -371,8 +371,7 @@ def replay(requests: Sequence[TraceRequest], policy: Policy, *, judge_from: int 
 
 class AdmitOracleLru(LeafLru):
     """Offline: leaf-LRU that caches a new block only if some later request will hit it (``reused``, from
-    `reused_keys`). It knows *whether* a block comes back, not *when*: the bound of any admission rule
-    over LRU order."""
+    `reused_keys`). It knows *whether* a block comes back, not *when*."""
 
     def __init__(self, capacity: int, reused: set[int]) -> None:
         super().__init__(capacity)

@@ -96,6 +96,8 @@ class Deployment:
         self.config.setdefault("router", {})["port"] = ports[0]
         self._tmp = tempfile.TemporaryDirectory(prefix="kvrelay-bench-")
         disk = (self.config.get("kvstore") or {}).get("disk")
+        if disk and "path" not in disk and "bytes" not in disk:  # only overrides (a policy), no disk tier
+            self.config["kvstore"]["disk"] = disk = None
         if disk:
             self.config["kvstore"]["disk"] = {**disk, "path": str(Path(self._tmp.name) / "disk")}
         self.path = Path(self._tmp.name) / "kvrelay.yaml"

@@ -122,16 +122,17 @@ def _key_pairs(requests: Iterable[CachedRequest], block_size_tokens: int) -> lis
 
 def belady_hits(pairs: Sequence[tuple[Sequence[object], Sequence[object]]], capacity_blocks: int, *,
                 judge_from: int = 0) -> HitCount:
-    """Belady over ``(lookup, insert)`` key pairs: evict the key next referenced farthest away. Requests
-    before ``judge_from`` only warm the cache."""
-    refs = [set(lookup) | set(insert) for lookup, insert in pairs]
+    """Belady over ``(lookup, insert)`` key pairs: evict the key next referenced farthest away; among keys
+    next used at the same time, the deepest in its chain first (a parent evicted before its child would
+    leave the child unreachable). Requests before ``judge_from`` only warm the cache."""
+    refs = [list(dict.fromkeys([*lookup, *insert])) for lookup, insert in pairs]  # chain order
     uses: defaultdict[object, list[int]] = defaultdict(list)  # key -> request indices, last first
     for i in range(len(pairs) - 1, -1, -1):
         for k in refs[i]:
             uses[k].append(i)
     never = len(pairs) + 1
     cached: dict[object, int] = {}  # key -> its next use
-    heap: list[tuple[int, int, object]] = []  # (-next use, tie, key); stale entries skipped
+    heap: list[tuple[int, int, object]] = []  # (-next use, -push order, key); stale entries skipped
     queried = hits = tie = 0
     for i, (lookup, insert) in enumerate(pairs):
         n = 0
@@ -150,7 +151,7 @@ def belady_hits(pairs: Sequence[tuple[Sequence[object], Sequence[object]]], capa
             if k in cached or k in now_cached:
                 cached[k] = stack[-1] if stack else never
                 tie += 1
-                heapq.heappush(heap, (-cached[k], tie, k))
+                heapq.heappush(heap, (-cached[k], -tie, k))
         while len(cached) > capacity_blocks:
             neg, _, k = heapq.heappop(heap)
             if cached.get(k) == -neg:

@@ -108,6 +108,8 @@ def kvstore_overrides(args: argparse.Namespace) -> dict[str, Any]:
             kv["host"] = None
             continue
         section: dict[str, Any] = {} if size is None else {"bytes": size}
+        if tier == "device" and size is not None:
+            section["fraction_of_free"] = None  # bytes replace a base config's fraction
         if policy is not None:
             section["policy"] = policy
         if section:
@@ -115,7 +117,7 @@ def kvstore_overrides(args: argparse.Namespace) -> dict[str, Any]:
     if getattr(args, "kv_no_disk", False):
         kv["disk"] = None
     elif policy is not None:
-        kv["disk"] = {"policy": policy}
+        kv["disk"] = {"policy": policy}  # `Deployment` drops it when the config has no disk tier
     return {"kvstore": kv} if kv else {}
 
 

@@ -221,24 +221,29 @@ def parse_kvstore(root: Section, *, base_dir: Path, gpu_free_bytes: GpuFreeBytes
                 f'({type(exc).__name__}: {exc}); set kvstore.device.bytes instead, e.g. "8GiB"'
             ) from None
     h = k.section("host")
-    host_bytes, host_policy = h.take("bytes", size, None), h.take("policy", _policy, DEFAULT_POLICY)
+    host_bytes, host_policy = h.take("bytes", size, None), h.take("policy", _policy, None)
     h.done()
+    if host_policy is not None and not host_bytes:
+        raise ConfigError("kvstore.host.policy: there is no host tier; set kvstore.host.bytes, e.g. 16GiB")
     s = k.section("disk")
     disk_path, disk_bytes, admit = s.take("path", string, None), s.take("bytes", size, None), s.take(
         "admit", _admission, "all"
     )
-    disk_policy = s.take("policy", _policy, DEFAULT_POLICY)
+    disk_policy = s.take("policy", _policy, None)
     s.done()
+    if disk_policy is not None and disk_path is None and disk_bytes is None:
+        raise ConfigError("kvstore.disk.policy: there is no disk tier; set kvstore.disk.path and bytes")
     disk = None
     if disk_path is not None or disk_bytes is not None:
         for name, value, example in (("path", disk_path, "/var/lib/kvrelay/kv"), ("bytes", disk_bytes, "200GiB")):
             if value is None:
                 raise ConfigError(f"kvstore.disk.{name}: required with a disk tier; e.g. {example}")
         assert disk_path is not None and disk_bytes is not None
-        disk = DiskTierConfig(str(base_dir / Path(disk_path).expanduser()), disk_bytes, admit, disk_policy)
+        disk = DiskTierConfig(str(base_dir / Path(disk_path).expanduser()), disk_bytes, admit,
+                              disk_policy or DEFAULT_POLICY)
     k.done()
-    return KvStoreConfig(device, block_size_tokens, HostTierConfig(host_bytes, host_policy) if host_bytes else None,
-                         disk, kv_dtype)
+    host = HostTierConfig(host_bytes, host_policy or DEFAULT_POLICY) if host_bytes else None
+    return KvStoreConfig(device, block_size_tokens, host, disk, kv_dtype)
 
 
 # ---------------------------------------------------------------------- nodes

@@ -385,6 +385,7 @@ class LLMEngine:
                     child.num_computed_tokens = seq.num_computed_tokens
                     child.num_keyed_blocks = seq.num_keyed_blocks
                     child.cold_from = seq.cold_from
+                    child.tail_scored = seq.tail_scored
                     child.long_context = seq.long_context
                     child.num_absent_tokens = seq.num_absent_tokens
                     child.keys_stopped = seq.keys_stopped

@@ -114,7 +114,9 @@ class Scheduler:
         hit = self.store.load(keys, self.store.match_prefix(keys))  # acquired; lower tiers promoted
         if seq.num_output_tokens == 0:
             self.store.record_prompt(len(seq.token_ids), len(hit) * bs)
-            seq.cold_from = self.store.cold_from(keys, len(hit))
+            if not seq.tail_scored:  # a prompt matched again after a preemption is not replayed twice
+                seq.cold_from = self.store.cold_from(keys, len(hit))
+                seq.tail_scored = True
         self.tables.assign(seq, hit)
         seq.num_keyed_blocks = len(hit)
         seq.num_computed_tokens = len(hit) * bs
@@ -224,6 +226,7 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         """Release a running sequence's blocks (full ones stay cached) and queue it for recompute."""
         self.running.remove(seq)
+        self.pool.warm(seq.block_table)  # recomputed soon: its cold tail must not go first
         self.free_blocks(seq)
         seq.num_computed_tokens = 0
         seq.num_keyed_blocks = 0
@@ -237,6 +240,7 @@ class Scheduler:
         for seq in self.waiting:
             if seq.block_table or seq.pinned_block_ids:
                 released = True
+                self.pool.warm(seq.block_table)
                 self.free_blocks(seq)
                 self._drop_pins(seq)
                 seq.num_computed_tokens = 0

@@ -12,8 +12,9 @@ A block is in exactly one state::
   evicted tail-first and its shared head survives longest.
 * Allocation takes plain free blocks first and evicts cached blocks only when none are left.
 * A block keyed *cold* (``register_key(..., cold=True)``, see `kvstore.policy`) is cached at the least
-  recently used end instead, tail first, when ``honour_cold``; a prefix hit (`acquire`) makes it
-  ordinary. In-use blocks are in no order at all: nothing evicts them.
+  recently used end instead, tail first, when ``honour_cold``; a prefix hit (`warm`, which the store's
+  `load` calls) makes it ordinary. Other references (a lease, a fork) leave it cold. In-use blocks
+  are in no order at all: nothing evicts them.
 """
 
 from __future__ import annotations
@@ -167,7 +168,6 @@ class BlockPool:
                     raise ValueError(f"block {block_id} is free; only in-use or cached blocks can be acquired")
                 del self._cached[block_id]
             self._ref_counts[block_id] += 1
-            self._cold.discard(block_id)
 
     def release(self, block_ids: Sequence[int]) -> None:
         """Drop one reference from each block, walking ``block_ids`` back to front.
@@ -192,6 +192,10 @@ class BlockPool:
                     self._free.append(block_id)
         for block_id in reversed(cold):
             self._cached.move_to_end(block_id, last=False)
+
+    def warm(self, block_ids: Sequence[int]) -> None:
+        """These blocks were hit (or are wanted again soon): no longer cold. Unkeyed ids are ignored."""
+        self._cold.difference_update(block_ids)
 
     def register_key(self, block_id: int, key: BlockKey, *, cold: bool = False) -> bool:
         """Make an in-use, full block shareable under ``key``; ``cold``: predicted not to be reused

@@ -110,7 +110,7 @@ class HostTier:
             ValueError: ``src`` has the wrong shape or dtype (or, as bytes, the wrong size).
         """
         if key in self._key_to_slot:
-            if not cold:
+            if not (cold and self.honour_cold):
                 self.touch(key)
             return True
         self._check(src)
@@ -155,6 +155,11 @@ class HostTier:
                 raise ValueError(f"host slot {slot} is not reserved")
             self._reserved.remove(slot)
             self._free_slots.append(slot)
+
+    @property
+    def num_free_slots(self) -> int:
+        """Slots holding nothing (neither a key nor a reservation)."""
+        return len(self._free_slots)
 
     @property
     def num_reserved(self) -> int:

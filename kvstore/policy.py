@@ -3,10 +3,11 @@
 Every tier evicts its least recently used block first; a policy decides where a *new* block enters:
 
 * ``lru``: at the most recently used end, always (what vLLM, SGLang and LMCache do).
-* ``cold-tail`` (the default): a request's blocks more than ``M`` past its cached prefix are *cold*:
-  they enter at the least recently used end (the next to go, tail first) on device and host, and are
-  not written to disk. A cold block that is hit later becomes an ordinary one. ``M`` is chosen online
-  by `TailCap`.
+* ``cold-tail`` (the default): a request's blocks (prompt and output) more than ``M`` past its cached
+  prefix are *cold*: they enter at the least recently used end (the next to go, tail first) on device
+  and host, and are not written to disk when demoted. A cold block that a prefix hit finds becomes an
+  ordinary one (a lease or a fork does not count), and so do a preempted request's blocks. ``M`` is
+  chosen online by `TailCap`.
 
 Why: on the Mooncake conversation trace three blocks in four are never looked up again, and which
 will be cannot be told from the block (the study in ``benchmarks/cache_policies.py``). What can be
@@ -17,7 +18,9 @@ conversations. How many blocks (``M``) pays depends on the capacity and the traf
 one key-only LRU per candidate ``M`` (no data, ``capacity`` keys each) on the same lookups and follows
 the candidate that recently hit most (``M`` = unlimited is plain LRU, and is kept unless another
 candidate does clearly better). The chained lookup rule (a request hits the leading run of its
-blocks) is what the shadows simulate.
+blocks) is what the shadows simulate; they see prompts' lookup keys only (not output blocks) and treat
+the tiers as one LRU of their summed capacity (a cold block first in that order is what the tiers drop
+first).
 
 Pinned blocks (in use by a running request, a lease, a host reservation) are never in any eviction
 order, whatever the policy.

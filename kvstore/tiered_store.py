@@ -277,6 +277,7 @@ class TieredStore:
         block_ids: list[int | None] = [self.block_pool.block_id_of(k) for k in keys]
         held = [b for b in block_ids if b is not None]
         self.block_pool.acquire(held)
+        self.block_pool.warm(held)  # a prefix hit: no longer cold
         end = len(keys)
         for i, key in enumerate(keys):
             if block_ids[i] is not None:
@@ -318,7 +319,7 @@ class TieredStore:
         if self.host is not None:
             slot = self.host.slot_of(key)
             if slot is not None:  # pre-copied by maintain_watermark: nothing to copy
-                if not cold:
+                if not (cold and self.host.honour_cold):
                     self.host.touch(key)
                 self._mover.order_after_copy_into(slot)
                 return
@@ -348,7 +349,7 @@ class TieredStore:
     def _demote_to_disk(self, key: BlockKey, src: Block, src_tier: str, cold: bool) -> None:
         assert self.disk is not None
         if self.disk.contains(key):
-            if not cold:
+            if not (cold and self._disk_drops_cold):
                 self.disk.touch(key)
             return  # already stored: disk keeps promoted blocks
         if cold and self._disk_drops_cold:
@@ -370,10 +371,19 @@ class TieredStore:
         if want <= 0:
             return 0
         todo: list[tuple[int, BlockKey]] = []
+        # A cold block put into a full cold-tail host would be its next victim, pushed out by the next
+        # pre-copy: copy cold blocks only while free host slots last (the rest are copied, or dropped,
+        # when they are evicted).
+        cold_slots = self.host.num_free_slots if self.host.honour_cold else self.host.num_blocks
         for block_id in self.block_pool.coldest_cached(want):
             key = self.block_pool.key_of(block_id)
-            if key is not None and not self.host.contains(key):
-                todo.append((block_id, key))
+            if key is None or self.host.contains(key):
+                continue
+            if self.block_pool.is_cold(block_id):
+                if cold_slots <= 0:
+                    continue
+                cold_slots -= 1
+            todo.append((block_id, key))
         if not todo:
             return 0
         with self._mover.precopy_stream():

@@ -75,7 +75,7 @@ def test_the_trace_numbers_the_issue_quotes():
     q, h = replay(reqs, Lru(2733))
     assert round(h / q, 3) == 0.061
     q, h = belady(reqs, 2733)
-    assert round(h / q, 3) == 0.276
+    assert round(h / q, 3) == 0.281  # the issue: 0.285 (its per-block Belady breaks ties otherwise)
     q, h = replay(reqs, Arc(2733))
     assert round(h / q, 3) == 0.08
 

@@ -13,11 +13,12 @@ def test_device_only_with_one_policy():
     args = build_parser().parse_args(["--baselines", "aggregated", "--kv-policy", "lru", "--kv-device-bytes",
                                       "8MiB", "--kv-host-bytes", "0", "--kv-no-disk"])
     over = kvstore_overrides(args)
-    assert over == {"kvstore": {"device": {"bytes": "8MiB", "policy": "lru"}, "host": None, "disk": None}}
-    base = {"kvstore": {"block_size_tokens": 16, "device": {"bytes": "64MiB"}, "host": {"bytes": "128MiB"},
+    device = {"bytes": "8MiB", "fraction_of_free": None, "policy": "lru"}
+    assert over == {"kvstore": {"device": device, "host": None, "disk": None}}
+    base = {"kvstore": {"block_size_tokens": 16, "device": {"fraction_of_free": 0.9}, "host": {"bytes": "128MiB"},
                         "disk": {"path": "d", "bytes": "1GiB"}}}
-    assert merge(base, over)["kvstore"] == {"block_size_tokens": 16, "device": {"bytes": "8MiB", "policy": "lru"},
-                                            "host": None, "disk": None}
+    # bytes replace the base's fraction (None reads as absent), and the lower tiers are gone
+    assert merge(base, over)["kvstore"] == {"block_size_tokens": 16, "device": device, "host": None, "disk": None}
 
 
 def test_policy_alone_applies_to_every_tier_and_nothing_given_changes_nothing():

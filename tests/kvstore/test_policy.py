@@ -60,14 +60,20 @@ def test_pool_caches_cold_blocks_next_to_evict_tail_first():
     # Released back to front: hot blocks most recent, head last; cold ones first to go, tail first.
     assert pool.coldest_cached(6) == [ids[5], ids[4], ids[3], ids[2], ids[1], ids[0]]
     assert [pool.is_cold(b) for b in ids] == [False, False, True, True, True, True]
-    # A hit makes a cold block ordinary: acquired and released, it is the most recent.
+    # A reference that is not a hit (a lease, a fork) leaves a block cold: released, it goes first again.
+    pool.acquire([ids[2]])
+    assert pool.is_cold(ids[2])
+    pool.release([ids[2]])
+    assert pool.coldest_cached(6) == [ids[2], ids[5], ids[4], ids[3], ids[1], ids[0]]
+    # A hit (`warm`, as the store's load does) makes a cold block ordinary: released, it is the most recent.
     pool.acquire([ids[3]])
+    pool.warm([ids[3]])
     assert not pool.is_cold(ids[3])
     pool.release([ids[3]])
-    assert pool.coldest_cached(6) == [ids[5], ids[4], ids[2], ids[1], ids[0], ids[3]]
+    assert pool.coldest_cached(6) == [ids[2], ids[5], ids[4], ids[1], ids[0], ids[3]]
     # Allocation evicts in that order, after the 2 free blocks.
     got = pool.allocate(4)
-    assert got[2:] == [ids[5], ids[4]]
+    assert got[2:] == [ids[2], ids[5]]
     pool.check_integrity()
 
 
@@ -102,9 +108,10 @@ def test_pool_cold_orders_keep_integrity(ops, honour):
     """Random allocate / key (hot or cold) / hit / release: capacity holds, integrity holds, and no block
     with a reference is ever evicted."""
     pool = BlockPool(6, honour_cold=honour)
-    evicted_in_use: list[int] = []
-    pool._on_evict = lambda b, k: evicted_in_use.append(b) if pool.ref_count(b) else None  # noqa: SLF001
     held: list[list[int]] = []
+    evicted_in_use: list[int] = []
+    pool._on_evict = lambda b, k: evicted_in_use.extend(  # noqa: SLF001
+        [b] if any(b in h for h in held) else [])
     next_token = 0
     for op, n, cold in ops:
         if op <= 2 and n <= pool.num_free_blocks:
@@ -116,6 +123,8 @@ def test_pool_cold_orders_keep_integrity(ops, honour):
         elif op == 3 and pool.num_cached_blocks:
             b = pool.coldest_cached(n)[-1]
             pool.acquire([b])
+            if cold:
+                pool.warm([b])
             held.append([b])
         elif held:
             pool.release(held.pop(0))
@@ -132,6 +141,8 @@ def test_host_puts_cold_keys_next_to_evict_and_a_read_warms_them():
         assert host.put(k, block_value(i), cold=i in (1, 2))
     assert host.keys_lru_first() == [keys[2], keys[1], keys[0], keys[3]]
     assert host.is_cold(keys[1]) and not host.is_cold(keys[0])
+    assert host.put(keys[1], block_value(1), cold=True)  # held already: stays where it is, cold
+    assert host.keys_lru_first() == [keys[2], keys[1], keys[0], keys[3]]
     dst = block_value(99)
     assert host.get_into(keys[1], dst)
     assert not host.is_cold(keys[1])
@@ -189,7 +200,7 @@ def test_tail_cap_follows_the_shadow_that_hit_most():
     hits = []
     for m in (1, 3, None):
         shadow = ShadowLru(12)
-        hits.append(sum(shadow.request(k, k, m) for k in prompts))
+        hits.append(sum(shadow.request(k, k, m) for k in prompts if len(k) <= 12))  # TailCap skips larger
     assert hits[0] != hits[2]  # the script separates the candidates
     best = max(range(3), key=lambda i: hits[i])
     assert cap.tail_blocks == (1, 3, None)[best]
@@ -291,3 +302,59 @@ def test_store_cold_blocks_travel_cold_to_host_and_skip_disk(tmp_path):
     store.block_pool.release(filler)
     store.check_integrity()
     store.close()
+
+
+def test_watermark_precopies_cold_blocks_only_into_free_host_slots():
+    """A cold block pre-copied into a full cold-tail host would be pushed out by the next pre-copy:
+    cold blocks are pre-copied while free host slots last, hot ones always."""
+    def cached_store(cold_from: int) -> TieredStore:
+        store = TieredStore(SPEC, TieredStoreConfig(num_device_blocks=8, num_host_blocks=3, watermark_blocks=4))
+        assert store.host is not None
+        for i, k in enumerate(chain(2, first_token=5000)):  # 2 of 3 host slots hold ordinary keys
+            assert store.host.put(k, block_value(i))
+        ids = store.block_pool.allocate(8)
+        for i, (b, k) in enumerate(zip(ids, chain(8), strict=True)):
+            store.block_pool.register_key(b, k, cold=i >= cold_from)
+        store.block_pool.release(ids)
+        return store
+
+    store = cached_store(cold_from=2)  # the 4 coldest cached blocks (7, 6, 5, 4) are cold
+    assert store.maintain_watermark() == 1  # one free host slot: one cold block copied
+    assert store.maintain_watermark() == 0  # and no churn on the next steps
+    assert store.maintain_watermark() == 0
+    store.check_integrity()
+    hot = cached_store(cold_from=8)
+    assert hot.maintain_watermark() == 4  # ordinary blocks are copied as before, pushing host keys out
+    hot.check_integrity()
+
+
+def test_preempted_sequences_release_their_tail_warm(tiny_model_dir):
+    from engine.engine import EngineConfig, LLMEngine
+    from model.loader import load_model
+    from model.sampling import SamplingParams
+
+    eng = LLMEngine(load_model(tiny_model_dir), EngineConfig(num_blocks=16),
+                    store_config=TieredStoreConfig(num_device_blocks=16))
+    assert eng.store.tail_cap is not None
+    eng.store.tail_cap.tail_blocks = 1
+    eng.add_request("r", list(range(3, 3 + 4 * 16 + 3)), SamplingParams(max_tokens=4, ignore_eos=True))
+    eng.step()  # prefill: 4 full blocks keyed, 1..3 cold
+    [seq] = eng.scheduler.running
+    table = list(seq.block_table)
+    assert [eng.pool.is_cold(b) for b in table[:4]] == [False, True, True, True]
+    eng.scheduler.preempt(seq)
+    assert [eng.pool.is_cold(b) for b in table[:4]] == [False, False, False, False]
+    assert seq.tail_scored
+    eng.check_integrity()
+    eng.close()
+
+
+def test_yaml_policy_of_an_absent_tier_is_an_error(tmp_path):
+    raw = yaml.safe_load("model: {path: m}\nkvstore: {block_size_tokens: 4, device: {bytes: 1MiB}, "
+                         "host: {policy: lru}}")
+    with pytest.raises(ConfigError, match=r"kvstore\.host\.policy: there is no host tier; set kvstore\.host\.bytes"):
+        parse_config(raw, base_dir=tmp_path)
+    raw["kvstore"]["host"] = None
+    raw["kvstore"]["disk"] = {"policy": "lru"}
+    with pytest.raises(ConfigError, match=r"kvstore\.disk\.policy: there is no disk tier"):
+        parse_config(raw, base_dir=tmp_path)
