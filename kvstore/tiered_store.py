@@ -9,10 +9,8 @@
     demotion (on eviction, synchronous unless pre-copied):
     device ──BlockPool.on_evict──▶ host ──HostTier.on_evict──▶ disk (if admitted) ──LRU──▶ gone
 
-* Each tier's ``policy`` (`kvstore.policy`) says where a new block enters its order: ``lru``, or
-  ``cold-tail``, where blocks far past a prompt's cached prefix (`cold_from`, chosen by `TailCap`
-  racing key-only shadows of the store's total capacity) enter device and host as the next to evict
-  and are not written to disk. A block keeps its coldness as it is demoted; a hit clears it.
+* Each tier's ``policy`` (`kvstore.policy`: ``lru`` | ``cold-tail``) says where a new block enters its
+  order; cold blocks (past `cold_from`) stay cold as they are demoted, and a prefix hit warms them.
        └── maintain_watermark(): pre-copies the coldest cached device blocks to host, so that an
            eviction at allocation time finds them there and copies nothing
 
@@ -371,9 +369,8 @@ class TieredStore:
         if want <= 0:
             return 0
         todo: list[tuple[int, BlockKey]] = []
-        # A cold block put into a full cold-tail host would be its next victim, pushed out by the next
-        # pre-copy: copy cold blocks only while free host slots last (the rest are copied, or dropped,
-        # when they are evicted).
+        # A cold block put into a full cold-tail host is its next victim, pushed out by the next pre-copy:
+        # copy cold ones only into free slots (the rest are copied, or dropped, when evicted).
         cold_slots = self.host.num_free_slots if self.host.honour_cold else self.host.num_blocks
         for block_id in self.block_pool.coldest_cached(want):
             key = self.block_pool.key_of(block_id)
