@@ -15,7 +15,7 @@ radix-tree cache evicts: a parent evicted before its children makes them unreach
 (small probationary FIFO, main FIFO with a reuse bit, ghost keys; Yang et al., SOSP'23); ``arc``
 (Megiddo & Modha, FAST'03); ``slru`` (new blocks enter a probationary LRU segment, hits move them to a
 protected one of 80% of the capacity); ``store-lru`` and ``cold-tail`` (the store's own ordering and
-tier policies, `kvstore.policy.ShadowLru`, exactly as the store evicts with requests one at a time);
+tier policies, `kvstore.policy.PolicySim`, exactly as the store evicts with requests one at a time);
 ``belady`` (evicts the block next used farthest in the future); ``admit-oracle`` (offline too: leaf-LRU
 that admits only blocks a later request will hit: perfect knowledge of whether a block comes back).
 Every row also has each policy's ratio to ``lru``. The first ``--split`` of the trace decides, the rest
@@ -37,7 +37,7 @@ from typing import Any
 
 from benchmarks.common import emit
 from benchmarks.offline_cache import belady_hits
-from kvstore.policy import ShadowLru, TailCap, parse_policy
+from kvstore.policy import PolicySim
 
 TRACE = Path(__file__).resolve().parent / "traces" / "conversation_trace.jsonl"
 BLOCK_TOKENS = 512
@@ -325,30 +325,24 @@ class Arc(Policy):
 
 
 class StorePolicy(Policy):
-    """The store's own ordering (`kvstore.policy.ShadowLru`: back-to-front release, evict before insert)
-    under tier policy ``policy``; with ``cold-tail`` the same `TailCap` the store runs picks ``M``."""
+    """The store's own ordering under tier policy ``policy`` (`kvstore.policy.PolicySim`: back-to-front
+    release, evict before insert; with ``cold-tail`` the same `TailCap` the store runs picks ``M``)."""
 
     def __init__(self, capacity: int, policy: str = "cold-tail") -> None:
         super().__init__(capacity)
-        self.cache = ShadowLru(capacity)
-        self.tail = TailCap(capacity) if parse_policy(policy) == "cold-tail" else None
+        self.sim = PolicySim(capacity, policy)
         self._lookup: Sequence[int] = ()
-        self._tail_blocks: int | None = None
 
     def lookup(self, keys: Sequence[int]) -> int:
-        hit = self.cache.match(keys)
         self._lookup = keys
-        self._tail_blocks = None
-        if self.tail is not None and self.tail.cold_from(keys, hit) is not None:
-            self._tail_blocks = self.tail.tail_blocks
-        return hit
+        return self.sim.cache.match_prefix(keys)
 
     def insert(self, keys: Sequence[int]) -> None:
         if len(keys) <= self.capacity:
-            self.cache.request(self._lookup, keys, self._tail_blocks)
+            self.sim.request(self._lookup, keys)
 
     def __len__(self) -> int:
-        return len(self.cache)
+        return len(self.sim.cache)
 
 
 POLICIES: dict[str, Callable[[int], Policy]] = {"lru": Lru, "leaf-lru": LeafLru, "slru": Slru, "s3fifo": S3Fifo,

@@ -10,7 +10,7 @@ All replay the prompts in send order with the engine's rules (DESIGN §1–2):
   workload knows the reply tokens) is in the cache, most recently used.
 
 ``belady_hit_blocks`` is the offline optimum at a capacity: it evicts the block next used farthest in the
-future. ``policy_hit_blocks`` runs the store's own ordering and ``TailCap`` (`kvstore.policy.ShadowLru`)
+future. ``policy_hit_blocks`` runs the store's own ordering and ``TailCap`` (`kvstore.policy.PolicySim`)
 one request at a time: what a server with that policy and capacity gets with no concurrency.
 ``tier_hit_blocks`` splits LRU and Belady by tier: both are stack algorithms, so a tier below holding
 ``H`` blocks under ``D`` device blocks serves ``hits(D + H) - hits(D)``.
@@ -35,7 +35,7 @@ from collections import OrderedDict, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from kvstore.policy import ShadowLru, TailCap, parse_policy
+from kvstore.policy import PolicySim
 
 ROOT_KEY = b"kvrelay.bench.offline"
 
@@ -75,17 +75,13 @@ class HitCount:
 def _replay(requests: Iterable[CachedRequest], block_size_tokens: int, capacity_blocks: int | None) -> HitCount:
     cache: OrderedDict[bytes, None] = OrderedDict()
     queries = hits = 0
-    for req in requests:
-        prompt = req.prompt_token_ids
-        keys = chained_block_keys(prompt, block_size_tokens)
-        lookup = keys[: max(0, len(prompt) - 1) // block_size_tokens]
+    for lookup, computed_keys in _key_pairs(requests, block_size_tokens):
         queries += len(lookup)
         for key in lookup:
             if key not in cache:
                 break
             hits += 1
-        computed = req.computed_token_ids if req.computed_token_ids is not None else prompt
-        for key in chained_block_keys(computed, block_size_tokens):
+        for key in computed_keys:
             cache[key] = None
             cache.move_to_end(key)
             if capacity_blocks is not None and len(cache) > capacity_blocks:
@@ -173,17 +169,12 @@ def policy_hit_blocks(requests: Iterable[CachedRequest], *, block_size_tokens: i
     Raises:
         ValueError: an unknown policy.
     """
-    cache = ShadowLru(capacity_blocks)
-    tail = TailCap(capacity_blocks) if parse_policy(policy) == "cold-tail" else None
+    sim = PolicySim(capacity_blocks, policy)
     queried = hits = 0
     for lookup, keys in _key_pairs(requests, block_size_tokens):
         queried += len(lookup)
-        if len(keys) + 1 > capacity_blocks:
-            continue
-        m = None
-        if tail is not None and tail.cold_from(lookup, cache.match(lookup)) is not None:
-            m = tail.tail_blocks
-        hits += cache.request(lookup, keys, m, num_unkeyed=1)
+        if len(keys) + 1 <= capacity_blocks:
+            hits += sim.request(lookup, keys, num_unkeyed=1)
     return HitCount(queried, hits)
 
 

@@ -240,8 +240,7 @@ class Scheduler:
         for seq in self.waiting:
             if seq.block_table or seq.pinned_block_ids:
                 released = True
-                self.pool.warm(seq.block_table)
-                self.free_blocks(seq)
+                self.free_blocks(seq)  # its table holds prefix hits only: warm already
                 self._drop_pins(seq)
                 seq.num_computed_tokens = 0
                 seq.num_keyed_blocks = 0

@@ -55,8 +55,9 @@ class ShadowLru:
 
     `request` replays one request: its leading run of ``lookup`` keys found is pinned (taken out of the
     order), its blocks not found are allocated (free capacity first, then the least recently used keys
-    are evicted), then everything is released back to front: keys before ``cold_from`` at the most
-    recently used end, cold keys (``M`` past the run) at the least recently used end, tail first.
+    are evicted), then everything is released back to front: keys up to ``M`` past the run at the most
+    recently used end, the cold ones after them at the least recently used end, tail first. Set
+    ``evicted`` to a list to have every evicted key appended to it, in order.
     """
 
     def __init__(self, capacity: int) -> None:
@@ -64,16 +65,12 @@ class ShadowLru:
             raise ValueError(f"capacity must be >= 0, got {capacity}")
         self.capacity = capacity
         self.order: OrderedDict[Hashable, None] = OrderedDict()  # first = next to evict
-        self.evicted: list[Hashable] = []  # every key evicted, in order (for tests and references)
-        self.record_evictions = False
+        self.evicted: list[Hashable] | None = None
 
     def __len__(self) -> int:
         return len(self.order)
 
-    def __contains__(self, key: Hashable) -> bool:
-        return key in self.order
-
-    def match(self, lookup: Sequence[Hashable]) -> int:
+    def match_prefix(self, lookup: Sequence[Hashable]) -> int:
         """Length of the leading run of ``lookup`` held; changes nothing."""
         n = 0
         for key in lookup:
@@ -90,14 +87,14 @@ class ShadowLru:
         also needs that get no key (its partial last block); ``tail_blocks``: ``M`` (None: no cap), so
         keys from ``hits + M`` on are cold. ``len(keys) + num_unkeyed`` must not exceed the capacity.
         """
-        hit = self.match(lookup)
+        hit = self.match_prefix(lookup)
         for key in keys[:hit]:
             del self.order[key]  # pinned while the request runs
         free = self.capacity - len(self.order) - hit
         need = len(keys) - hit + num_unkeyed  # a key cached past the run is computed again, privately
         while need > free and self.order:
             victim, _ = self.order.popitem(last=False)
-            if self.record_evictions:
+            if self.evicted is not None:
                 self.evicted.append(victim)
             free += 1
         cold: list[Hashable] = []
@@ -120,9 +117,9 @@ class ShadowLru:
 class TailCap:
     """Chooses ``M``, the hot part of each new tail, by racing one `ShadowLru` per candidate.
 
-    Call `cold_from` once per prompt with its lookup keys and the hits the store gave it; it replays the
-    prompt in every shadow (capacity ``capacity_blocks``, the store's blocks in all tiers) and returns
-    the index from which the prompt's blocks are cold (None: none are). Every ``epoch`` prompts the
+    Call `observe` once per prompt with its lookup keys; it replays the prompt in every shadow (capacity
+    ``capacity_blocks``, the store's blocks in all tiers) and returns the ``M`` to apply to that prompt
+    (its blocks from ``hits + M`` on are cold; None: no cap). Every ``epoch`` prompts the
     shadows' hit counts (decayed by ``decay`` per epoch) are compared; the current ``M`` is replaced
     only by a candidate with more than ``hysteresis`` times its hits. Starts at no cap (LRU).
 
@@ -141,16 +138,15 @@ class TailCap:
         self.tail_blocks: int | None = None
         self.num_prompts = 0
 
-    def cold_from(self, lookup: Sequence[Hashable], num_hit: int) -> int | None:
-        """Replay the prompt in the shadows; the index of its first cold block under the current ``M``
-        (``num_hit + M``), or None when ``M`` is unlimited."""
+    def observe(self, lookup: Sequence[Hashable]) -> int | None:
+        """Replay the prompt in the shadows; the ``M`` now in force (None: no cap)."""
         for i, (m, shadow) in enumerate(zip(self.candidates, self.shadows, strict=True)):
             if len(lookup) <= shadow.capacity:
                 self.scores[i] += shadow.request(lookup, lookup, m)
         self.num_prompts += 1
         if self.num_prompts % self.epoch == 0:
             self._choose()
-        return None if self.tail_blocks is None else num_hit + self.tail_blocks
+        return self.tail_blocks
 
     def _choose(self) -> None:
         cur = self.candidates.index(self.tail_blocks)
@@ -158,3 +154,21 @@ class TailCap:
         if self.scores[best] > self.scores[cur] * self.hysteresis:
             self.tail_blocks = self.candidates[best]
         self.scores = [s * self.decay for s in self.scores]
+
+
+class PolicySim:
+    """The store's device order under tier policy ``policy``, offline: a `ShadowLru` of ``capacity``
+    blocks and, for ``cold-tail``, the `TailCap` the store would run (``tail_options``: its keywords).
+
+    Raises:
+        ValueError: an unknown policy.
+    """
+
+    def __init__(self, capacity: int, policy: str = DEFAULT_POLICY, **tail_options: float) -> None:
+        self.cache = ShadowLru(capacity)
+        self.tail = TailCap(capacity, **tail_options) if parse_policy(policy) == "cold-tail" else None  # type: ignore[arg-type]
+
+    def request(self, lookup: Sequence[Hashable], keys: Sequence[Hashable], *, num_unkeyed: int = 0) -> int:
+        """One request as the store runs it (`ShadowLru.request`); returns its hits."""
+        m = self.tail.observe(lookup) if self.tail is not None else None
+        return self.cache.request(lookup, keys, m, num_unkeyed=num_unkeyed)

@@ -8,11 +8,11 @@
 
     demotion (on eviction, synchronous unless pre-copied):
     device ──BlockPool.on_evict──▶ host ──HostTier.on_evict──▶ disk (if admitted) ──LRU──▶ gone
+       └── maintain_watermark(): pre-copies the coldest cached device blocks to host, so that an
+           eviction at allocation time finds them there and copies nothing
 
 * Each tier's ``policy`` (`kvstore.policy`: ``lru`` | ``cold-tail``) says where a new block enters its
   order; cold blocks (past `cold_from`) stay cold as they are demoted, and a prefix hit warms them.
-       └── maintain_watermark(): pre-copies the coldest cached device blocks to host, so that an
-           eviction at allocation time finds them there and copies nothing
 
 * The store constructs the `BlockPool` (as ``block_pool``) with its own ``on_evict`` hook; the engine
   allocates, releases and registers keys through ``store.block_pool`` and computes on ``device_pool``.
@@ -233,9 +233,9 @@ class TieredStore:
         when none is (no tier uses ``cold-tail``, or `TailCap` chose no cap)."""
         if self.tail_cap is None:
             return None
-        cold_from = self.tail_cap.cold_from(keys, num_hit)
-        self.metrics.tail_blocks.set(-1 if self.tail_cap.tail_blocks is None else self.tail_cap.tail_blocks)
-        return cold_from
+        m = self.tail_cap.observe(keys)
+        self.metrics.tail_blocks.set(-1 if m is None else m)
+        return None if m is None else num_hit + m
 
     def _count_query(self, num_keys: int, match: PrefixMatch) -> None:
         self._queries += num_keys
@@ -316,9 +316,8 @@ class TieredStore:
         cold = self.block_pool.is_cold(block_id)
         if self.host is not None:
             slot = self.host.slot_of(key)
-            if slot is not None:  # pre-copied by maintain_watermark: nothing to copy
-                if not (cold and self.host.honour_cold):
-                    self.host.touch(key)
+            if slot is not None:  # pre-copied by maintain_watermark: put copies nothing, refreshes if warm
+                self.host.put(key, src, cold=cold)
                 self._mover.order_after_copy_into(slot)
                 return
             if self.host.put(key, src, cold=cold):
@@ -346,13 +345,12 @@ class TieredStore:
 
     def _demote_to_disk(self, key: BlockKey, src: Block, src_tier: str, cold: bool) -> None:
         assert self.disk is not None
-        if self.disk.contains(key):
-            if not (cold and self._disk_drops_cold):
-                self.disk.touch(key)
-            return  # already stored: disk keeps promoted blocks
-        if cold and self._disk_drops_cold:
-            self.metrics.tier_evictions.labels(src_tier).inc()
+        if cold and self._disk_drops_cold:  # predicted not reused: neither written nor refreshed
+            if not self.disk.contains(key):
+                self.metrics.tier_evictions.labels(src_tier).inc()
             return
+        if self.disk.touch(key):
+            return  # already stored: disk keeps promoted blocks
         if self._admission.admit(key) and self.disk.put(key, src):
             self._moved(key, src_tier, "disk")
         else:

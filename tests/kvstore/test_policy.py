@@ -14,7 +14,7 @@ from deploy.config import parse_config
 from deploy.sizes import ConfigError
 from kvstore.block_pool import BlockPool, NoFreeBlocksError
 from kvstore.host_tier import HostTier
-from kvstore.policy import ShadowLru, TailCap, parse_policy
+from kvstore.policy import PolicySim, ShadowLru, TailCap, parse_policy
 from kvstore.tiered_store import TieredStore, TieredStoreConfig
 
 from .store_helpers import SPEC, block_value, chain
@@ -195,8 +195,8 @@ def test_tail_cap_follows_the_shadow_that_hit_most():
     prompts = _script(1, 60)
     cap = TailCap(12, candidates=(1, 3, None), epoch=60, decay=1.0, hysteresis=1.0)
     for keys in prompts[:-1]:
-        assert cap.cold_from(keys, 0) is None  # no cap until the first epoch ends
-    last = cap.cold_from(prompts[-1], 5)
+        assert cap.observe(keys) is None  # no cap until the first epoch ends
+    last = cap.observe(prompts[-1])
     hits = []
     for m in (1, 3, None):
         shadow = ShadowLru(12)
@@ -204,13 +204,13 @@ def test_tail_cap_follows_the_shadow_that_hit_most():
     assert hits[0] != hits[2]  # the script separates the candidates
     best = max(range(3), key=lambda i: hits[i])
     assert cap.tail_blocks == (1, 3, None)[best]
-    assert last == (None if cap.tail_blocks is None else 5 + cap.tail_blocks)
+    assert last == cap.tail_blocks  # the prompt that ends the epoch gets the new choice
 
 
 def test_tail_cap_keeps_lru_unless_another_candidate_clearly_wins():
     cap = TailCap(12, candidates=(1, None), epoch=10, hysteresis=1e9)
     for keys in _script(2, 40):
-        cap.cold_from(keys, 0)
+        assert cap.observe(keys) is None
     assert cap.tail_blocks is None
     with pytest.raises(ValueError, match="must include None"):
         TailCap(4, candidates=(1, 2))
@@ -218,7 +218,7 @@ def test_tail_cap_keeps_lru_unless_another_candidate_clearly_wins():
 
 def test_shadow_lru_scripted_order():
     s = ShadowLru(5)
-    s.record_evictions = True
+    s.evicted = []
     assert s.request(["a", "b"], ["a", "b", "c"], 1) == 0  # cold from index 1: b, c
     assert list(s.order) == ["c", "b", "a"]
     assert s.request(["a", "x"], ["a", "x", "y"], None) == 1  # a hit; x, y need 2 of the 2 free
@@ -256,16 +256,11 @@ def _drive_store(store: TieredStore, prompts: list[list[bytes]]) -> list[bytes]:
 
 
 def _simulate(policy: str, capacity: int, prompts: list[list[bytes]]) -> list[bytes]:
-    shadow = ShadowLru(capacity)
-    shadow.record_evictions = True
-    cap = TailCap(capacity, epoch=20) if policy == "cold-tail" else None
+    sim = PolicySim(capacity, policy, epoch=20)
+    sim.cache.evicted = []
     for keys in prompts:
-        lookup = keys[:-1]
-        m = None
-        if cap is not None and cap.cold_from(lookup, shadow.match(lookup)) is not None:
-            m = cap.tail_blocks
-        shadow.request(lookup, keys, m, num_unkeyed=1)
-    return shadow.evicted
+        sim.request(keys[:-1], keys, num_unkeyed=1)
+    return sim.cache.evicted
 
 
 @pytest.mark.parametrize("policy", ["lru", "cold-tail"])
