@@ -46,7 +46,7 @@ class DecodeTransfer:
         self._session = aiohttp.ClientSession()
         self._peers = PeerCache(self.agent, self._session, config=self.config)
         self._puller = Puller(self.agent, self.worker.engine.pool, self._peers, config=self.config,
-                              pool_call=worker_pool_call(self.worker))
+                              pool_call=worker_pool_call(self.worker), store=self.worker.engine.store)
 
     async def _close(self, app: web.Application) -> None:
         if self._puller is not None:

@@ -3,7 +3,7 @@
     kvrelay model pull NAME [--dir DIR] | kvrelay model list
     kvrelay tiny-model DIR [--seed S --layers N --hidden N --heads N --kv-heads N --vocab N]
     kvrelay generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3) --max-tokens N [--json]
-    kvrelay store stats|clear --config FILE
+    kvrelay store stats|clear|verify --config FILE [--node NAME]
     kvrelay bench memory|decode|kernel|tiers|transfer|serve|long-context [...]
 """
 

@@ -10,6 +10,8 @@
       host: {bytes: 16GiB}               # optional: no host tier when absent
       disk: {path: /var/lib/kvrelay/kv, bytes: 200GiB, admit: "seen>=2"}   # optional; admit: all | seen>=N
       # each tier also takes policy: cold-tail (default) | lru  (kvstore/policy.py; README "Tier policy")
+      integrity: sampled                 # off | sampled (default) | all: block digests checked where blocks land
+      integrity_sample_rate: 0.1         # with sampled: the share of landed blocks checked (kvstore/digest.py)
 
 Sizes are integers (bytes) or strings with a binary unit (``"4096"``, ``512MiB``, ``8GiB``, ``1.5TiB``).
 Relative paths resolve from the working directory. Every bad value or unknown key raises `ConfigError`
@@ -43,6 +45,7 @@ from deploy.service_config import (
 )
 from deploy.sizes import ConfigError
 from kvstore.admission import parse_admission
+from kvstore.digest import DEFAULT_INTEGRITY, DEFAULT_SAMPLE_RATE, INTEGRITY_MODES
 from kvstore.policy import DEFAULT_POLICY, POLICY_NAMES, parse_policy
 from model.dtype_names import DTYPE_NAMES
 
@@ -116,6 +119,8 @@ class KvStoreConfig:
     host: HostTierConfig | None = None
     disk: DiskTierConfig | None = None
     dtype: str | None = None  # KV dtype; None: the model's weights dtype
+    integrity: str = DEFAULT_INTEGRITY  # off | sampled | all (kvstore.digest.IntegrityPolicy)
+    integrity_sample_rate: float = DEFAULT_SAMPLE_RATE
 
     def device_num_blocks(self, block_bytes: int, gpu_free_bytes: GpuFreeBytes = nvml_free_bytes) -> int:
         """Device blocks of ``block_bytes`` that fit the device tier.
@@ -156,6 +161,7 @@ class KvStoreConfig:
             device_policy=self.device.policy,
             host_policy=self.host.policy if self.host is not None else DEFAULT_POLICY,
             disk_policy=self.disk.policy if self.disk is not None else DEFAULT_POLICY,
+            integrity=self.integrity, integrity_sample_rate=self.integrity_sample_rate,
         )
 
 
@@ -173,6 +179,14 @@ class Config:
 
 
 # -------------------------------------------------------------------- kvstore
+def _integrity(v: Any) -> str:
+    if v is False:  # YAML 1.1 reads a bare ``off`` as false
+        return "off"
+    if v not in INTEGRITY_MODES:
+        raise ValueError(f"is not one of {list(INTEGRITY_MODES)}")
+    return str(v)
+
+
 def _fraction(v: Any) -> float:
     if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v <= 1:
         raise ValueError("is not a fraction in (0, 1]")
@@ -206,6 +220,8 @@ def parse_kvstore(root: Section, *, base_dir: Path, gpu_free_bytes: GpuFreeBytes
     k = root.section("kvstore")
     block_size_tokens = k.take("block_size_tokens", positive_int, 16)
     kv_dtype = k.take("dtype", one_of(DTYPE_NAMES), None)
+    integrity = k.take("integrity", _integrity, DEFAULT_INTEGRITY)
+    sample_rate = k.take("integrity_sample_rate", _fraction, DEFAULT_SAMPLE_RATE)
     d = k.section("device")
     device = DeviceTierConfig(d.take("bytes", size, None), d.take("fraction_of_free", _fraction, None),
                               d.take("policy", _policy, DEFAULT_POLICY))
@@ -243,7 +259,7 @@ def parse_kvstore(root: Section, *, base_dir: Path, gpu_free_bytes: GpuFreeBytes
                               disk_policy or DEFAULT_POLICY)
     k.done()
     host = HostTierConfig(host_bytes, host_policy or DEFAULT_POLICY) if host_bytes else None
-    return KvStoreConfig(device, block_size_tokens, host, disk, kv_dtype)
+    return KvStoreConfig(device, block_size_tokens, host, disk, kv_dtype, integrity, sample_rate)
 
 
 # ---------------------------------------------------------------------- nodes

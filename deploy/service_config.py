@@ -4,7 +4,8 @@
     model:    {path, name, dtype (auto | float32 | bfloat16 | float16), device}
     engine:   {max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching}
     internal: {bind, token, token_env, drain_timeout_s}
-    prefill:  {ports: [8100, ...], lease_ttl_s, devices: [0, ...]}      (devices: CUDA devices per node, for up)
+    prefill:  {ports: [8100, ...], lease_ttl_s, devices: [0, ...], inject_faults: []}
+              (devices: CUDA devices per node, for up; inject_faults: tests only, transfer.config.PUBLISH_FAULTS)
     decode:   {ports: [8200, ...], on_transfer_failure, max_pending_requests, transfer_timeout_s, devices}
     router:   {host, port, api_keys, api_keys_env, max_body_bytes, request_timeout_s, max_n, load_weight_tokens,
                max_concurrent_requests, max_connections_per_node, connect_timeout_s, prefill_urls, decode_urls,
@@ -24,6 +25,7 @@ from decode.config import FAILURE_POLICIES
 from deploy.sizes import ConfigError, parse_size
 from engine.long_context import OVERRIDABLE, POLICIES, LongContextConfig
 from model.dtype_names import AUTO, DTYPE_CHOICES
+from transfer.config import PUBLISH_FAULTS
 from transfer.discovery import parse_dns_name
 
 
@@ -55,6 +57,7 @@ class PrefillSection:
     ports: tuple[int, ...] = (8100,)
     lease_ttl_s: float = 30.0
     devices: tuple[str, ...] = ()  # per node, `kvrelay up` sets CUDA_VISIBLE_DEVICES to it; empty: inherited
+    inject_faults: tuple[str, ...] = ()  # tests only: transfer.config.PUBLISH_FAULTS
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +154,12 @@ def one_of(options: tuple[str, ...]) -> Callable[[Any], str]:
     return check
 
 
+def _faults(v: Any) -> tuple[str, ...]:
+    if not isinstance(v, list) or any(f not in PUBLISH_FAULTS for f in v):
+        raise ValueError(f"is not a list of {list(PUBLISH_FAULTS)}")
+    return tuple(v)
+
+
 def port_list(v: Any) -> tuple[int, ...]:
     if not isinstance(v, list) or not all(isinstance(p, int) and not isinstance(p, bool) and 0 <= p < 65536
                                           for p in v):
@@ -205,7 +214,7 @@ def parse_services(root: Section, *, base_dir: Path, env: Mapping[str, str] | No
     p = root.section("prefill")
     prefill_ports = p.take("ports", port_list, ())
     prefill = PrefillSection(prefill_ports, p.take("lease_ttl_s", positive_float, 30.0),
-                             _devices(p, len(prefill_ports)))
+                             _devices(p, len(prefill_ports)), p.take("inject_faults", _faults, ()))
     p.done()
     d = root.section("decode")
     decode_ports = d.take("ports", port_list, (8200,))

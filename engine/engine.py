@@ -305,7 +305,8 @@ class LLMEngine:
 
     # -------------------------------------------------------------------- step
     def step(self) -> list[StepOutput]:
-        """Run one scheduled model step; return the new tokens of every sample that got one."""
+        """Run one scheduled model step; return the new tokens of every sample that got one (not those whose
+        KV failed an integrity check during the step: `_drop_corrupt`)."""
         outputs, self._pending_outputs = self._pending_outputs, []
         sched: ScheduledStep = self.scheduler.schedule()
         self.stats.preemptions += len(sched.preempted)
@@ -323,7 +324,7 @@ class LLMEngine:
             self.scheduler.commit(chunk.seq, chunk.num_tokens)
         for seq in sched.decodes:
             self.scheduler.commit(seq, 1)
-        pairs = self._expand_forks(result.seqs)
+        pairs = self._drop_corrupt(self._expand_forks(result.seqs))
         rows = torch.tensor([row for _, row in pairs], dtype=torch.int64, device=result.logits.device)
         gens = [None if s.params.greedy else
                 token_generator(s.seed, s.index, s.num_output_tokens, self._device) for s, _ in pairs]
@@ -361,6 +362,25 @@ class LLMEngine:
         sch.finish(seq, "length")
         self._forget_if_done(seq.request_id)
         return [StepOutput(seq.request_id, seq.index, [], True, "length", seq.num_cached_prompt_tokens)]
+
+    def _drop_corrupt(self, pairs: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
+        """The pairs whose sequence may sample. A sequence a policy flagged during the step
+        (``kv_corrupt``: its attention read KV that failed a digest) samples nothing — its logits row is
+        skipped, so no token is streamed or appended — and is preempted: its blocks and host slots are
+        released (`Scheduler.preempt`, which drops its policy state through ``on_free``) and its KV is
+        recomputed from its tokens when it is readmitted. Only decode rows are flagged, and those
+        never fork in the step, so every flagged sequence is in ``pairs``."""
+        kept = []
+        for seq, row in pairs:
+            if not seq.kv_corrupt:
+                kept.append((seq, row))
+                continue
+            seq.kv_corrupt = False
+            log.warning("dropped the step's token of %s (sample %d): its KV failed an integrity check; "
+                        "recomputing its %d tokens", seq.request_id, seq.index, len(seq.token_ids))
+            self.scheduler.preempt(seq)
+            self.stats.preemptions += 1
+        return kept
 
     def _expand_forks(self, seqs: list[Sequence]) -> list[tuple[Sequence, int]]:
         """Pair each sampling sequence with its logits row; split ``n > 1`` requests at their first token.

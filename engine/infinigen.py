@@ -15,16 +15,27 @@ A sequence's device blocks, once its KV outgrows the budget::
   there. Attention then runs over sink + recalled + recent rows. A staging block holds a different
   offloaded block in each layer; keys carry their rotary position, so that is exact.
 * With every offloaded block recalled, the rows are the sequence's KV in token order: full attention.
+
+Integrity (`kvstore.digest`, when ``store.integrity`` is on): an offload hashes each victim's layer slices
+on device, before the copy (`digest_slices`); each recall hashes a pick (`IntegrityPolicy.pick`) of the
+slices that landed in staging blocks and compares. A mismatch is counted (``where="recall"``), the staging
+entry is cleared, and the sequence is flagged (`Sequence.kv_corrupt`): the engine discards the token the
+step samples for it and recomputes its KV from its tokens (`engine.engine.LLMEngine.step`).
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 
 import torch
 
 from engine.policy_api import PolicyHost, Row
 from engine.sequence import Sequence
+from kvstore.block_key import BlockKey
+from kvstore.digest import digest_slices
+
+PRIVATE_BLOCK = BlockKey(bytes(32))  # offloaded blocks are private (no key): integrity failures name this one
 
 
 @dataclass(slots=True, eq=False)
@@ -36,6 +47,7 @@ class InfiniGenState:
     host_slots: list[int] = field(default_factory=list)  # offloaded blocks in token order (reserved slots)
     summaries: torch.Tensor | None = None  # [len(host_slots), L, Hkv, 2, D] float32: key min / max
     staged: list[list[int]] = field(default_factory=list)  # [layer][j]: offloaded index in staging j (-1: none)
+    slice_digests: list[list[int]] = field(default_factory=list)  # [offloaded index][layer]; empty: integrity off
 
 
 class InfiniGen:
@@ -43,6 +55,7 @@ class InfiniGen:
 
     def __init__(self, owner: PolicyHost) -> None:
         self.owner = owner
+        self._rng = random.Random()  # which recalled slices ``sampled`` integrity checks
 
     def new_state(self, seq: Sequence) -> InfiniGenState:
         cfg = seq.long_context
@@ -59,7 +72,8 @@ class InfiniGen:
 
     # ------------------------------------------------------------------ recall
     def before_decode(self, layer: int, rows: list[Row], q: torch.Tensor) -> None:
-        """Pick and recall, for every row with offloaded blocks, this layer's top blocks."""
+        """Pick and recall, for every row with offloaded blocks, this layer's top blocks; check the recalled
+        slices (`_check_recall`)."""
         owner = self.owner
         todo = [r for r in rows if r.state.host_slots]
         if not todo:
@@ -77,6 +91,7 @@ class InfiniGen:
                 picks[r.row] = sorted(part.topk(len(r.state.staging)).indices.tolist())
         src: list[int] = []
         dst: list[int] = []
+        landed: list[tuple[Row, int, int]] = []  # per copy: its row, offloaded index and staging index
         for r in todo:
             st = r.state
             chosen = picks.get(r.row, list(range(len(st.host_slots))))
@@ -84,9 +99,33 @@ class InfiniGen:
                 if st.staged[layer][j] != off:
                     src.append(st.host_slots[off])
                     dst.append(st.staging[j])
+                    landed.append((r, off, j))
                     st.staged[layer][j] = off
         owner.copy_blocks("host", src, "device", dst, layers=[layer] * len(src))
         owner.stats.recalled_layer_blocks += len(src)
+        if owner.store.integrity.enabled:
+            self._check_recall(layer, dst, landed)
+
+    def _check_recall(self, layer: int, dst: list[int], landed: list[tuple[Row, int, int]]) -> None:
+        """Compare a pick of the ``layer`` slices just copied into staging blocks ``dst`` with their digests
+        from the offload (one batched hash). A mismatch is counted (``integrity_failure("recall")``), its
+        staging entry is cleared (a later recall copies it again), and its sequence is flagged
+        (``seq.kv_corrupt``) so that the engine serves nothing computed from it."""
+        store = self.owner.store
+        picked = store.integrity.pick(len(dst), self._rng)
+        if not picked:
+            return
+        store.metrics.integrity_checks.labels("recall").inc(len(picked))
+        got = digest_slices(self.owner.kv_pool, [dst[i] for i in picked], [layer] * len(picked))
+        for i, digest in zip(picked, got, strict=True):
+            r, off, j = landed[i]
+            want = r.state.slice_digests[off][layer]
+            if digest != want:
+                r.state.staged[layer][j] = -1
+                r.seq.kv_corrupt = True
+                store.integrity_failure(
+                    "recall", PRIVATE_BLOCK, f"request {r.seq.request_id} sample {r.seq.index}, host slot "
+                    f"{r.state.host_slots[off]}, layer {layer}: digest {digest:016x}, expected {want:016x}")
 
     def positions(self, seq: Sequence, state: InfiniGenState, layer: int, num_rows: int) -> torch.Tensor:
         bs = self.owner.spec.block_size_tokens
@@ -101,7 +140,8 @@ class InfiniGen:
 
     # ----------------------------------------------------------------- offload
     def enforce(self, seq: Sequence, state: InfiniGenState) -> None:
-        """Offload the oldest recent blocks when the next token would need a block past the budget."""
+        """Offload the oldest recent blocks when the next token would need a block past the budget (with
+        integrity on, their layer slices are hashed first, from the device bytes)."""
         cfg = seq.long_context
         assert cfg is not None
         owner = self.owner
@@ -120,6 +160,8 @@ class InfiniGen:
         victims = seq.block_table[front : front + move]
         summaries = owner.backend.block_key_summaries(
             owner.kv_pool, torch.tensor(victims, dtype=torch.int64, device=owner.kv_pool.device))
+        if owner.store.integrity.enabled:
+            state.slice_digests.extend(self._slice_digests(victims))
         owner.copy_blocks("device", victims, "host", slots)  # falls back to torch; never half done
         state.host_slots.extend(slots)
         owner.tables.replace(seq, front, front + move)  # the victims leave the table (and the pool)
@@ -137,6 +179,13 @@ class InfiniGen:
         seq.keys_stopped = True
         owner.stats.offloaded_blocks += move
 
+    def _slice_digests(self, block_ids: list[int]) -> list[list[int]]:
+        """``[i][layer]``: `digest_slices` of device block ``block_ids[i]``, every layer, in one batch."""
+        num_layers = self.owner.spec.num_layers
+        flat = digest_slices(self.owner.kv_pool, [b for b in block_ids for _ in range(num_layers)],
+                             list(range(num_layers)) * len(block_ids))
+        return [flat[i : i + num_layers] for i in range(0, len(flat), num_layers)]
+
     # --------------------------------------------------------------- lifecycle
     def fork(self, state: InfiniGenState) -> InfiniGenState:
         """``n > 1`` samples split at their first token, before any offload (offloads happen after the
@@ -149,3 +198,4 @@ class InfiniGen:
             assert self.owner.store.host is not None
             self.owner.store.host.unreserve(state.host_slots)
         state.host_slots = []
+        state.slice_digests = []

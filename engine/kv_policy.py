@@ -6,9 +6,11 @@ One step, for the sequences of the step whose policy is ``h2o`` or ``infinigen``
     engine.step
       ├─ hook = policies.step_hook(scheduled)        state made; H2O: rows written this step recorded
       ├─ model forward, per layer (model.attention.paged_attention):
-      │     hook.before_decode(layer, q)             InfiniGen: score offloaded blocks, recall top-k
+      │     hook.before_decode(layer, q)             InfiniGen: score offloaded blocks, recall top-k, check
+      │                                              their digests (a mismatch flags ``seq.kv_corrupt``)
       │     attention (H2O: with per-token weights)
       │     hook.after_attention(layer)              H2O: accumulate the weights
+      ├─ flagged sequences sample nothing and are preempted for recompute (`LLMEngine._drop_corrupt`)
       └─ policies.after_step(scheduled)              over budget → H2O evicts / InfiniGen offloads
 
 State is dropped (host slots given back) when the scheduler frees a sequence's blocks (`on_free`).

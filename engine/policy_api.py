@@ -42,7 +42,8 @@ class Policy(Protocol):
         """Before the forward: ``num_tokens`` new tokens of ``seq`` get KV rows this step."""
 
     def before_decode(self, layer: int, rows: list[Row], q: torch.Tensor) -> None:
-        """Per layer, before decode attention; ``q`` ``[Nd, Hq, D]`` is the step's decode queries."""
+        """Per layer, before decode attention; ``q`` ``[Nd, Hq, D]`` is the step's decode queries. Sets
+        ``row.seq.kv_corrupt`` when KV the row will attend to failed an integrity check."""
 
     def observe(self, layer: int, state: Any, weights: torch.Tensor, num_rows: int) -> None:
         """Per layer, after attention: ``weights`` ``[Hkv, W]`` of the sequence's first ``num_rows`` rows."""

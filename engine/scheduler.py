@@ -257,8 +257,9 @@ class Scheduler:
         if full > seq.num_keyed_blocks:
             keys = self.keys_of(seq)
             cold_from = seq.cold_from if seq.cold_from is not None else full
-            for i in range(seq.num_keyed_blocks, full):
-                self.pool.register_key(seq.block_table[i], keys[i], cold=i >= cold_from)
+            new = range(seq.num_keyed_blocks, full)
+            self.pool.register_keys([seq.block_table[i] for i in new], [keys[i] for i in new],
+                                    [i >= cold_from for i in new])
             seq.num_keyed_blocks = full
 
     def _drop_pins(self, seq: Sequence) -> None:

@@ -29,7 +29,9 @@ class Sequence:
     Under a long-context policy (`engine.kv_policy`) ``block_table`` holds only the KV on device:
     ``num_absent_tokens`` tokens have no KV there (H2O evicted them, or InfiniGen moved them to
     host), so the KV length is ``num_computed_tokens - num_absent_tokens`` and the table no longer
-    follows token order (``keys_stopped``: its blocks are never keyed again).
+    follows token order (``keys_stopped``: its blocks are never keyed again). ``kv_corrupt``: a policy
+    found KV this step attends to corrupt (an InfiniGen recall failed its digest); the engine then
+    discards the token the step samples for it and preempts it, so its KV is recomputed from its tokens.
 
     The engine owns every field; `BlockPool` owns the ref counts of the blocks in ``block_table``.
     """
@@ -58,6 +60,7 @@ class Sequence:
     long_context: LongContextConfig | None = None  # the request's policy (None: full attention)
     num_absent_tokens: int = 0  # computed tokens whose KV is not in block_table (see above)
     keys_stopped: bool = False  # a policy rewrote block_table: no more of its blocks are keyed
+    kv_corrupt: bool = False  # set during a step by a policy, cleared by the engine after it (see above)
 
     @property
     def num_output_tokens(self) -> int:

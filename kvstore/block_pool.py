@@ -11,6 +11,8 @@ A block is in exactly one state::
   releases its block table the tail block becomes the least recently used: a finished chain is
   evicted tail-first and its shared head survives longest.
 * Allocation takes plain free blocks first and evicts cached blocks only when none are left.
+* A keyed block carries its digest (`kvstore.digest`): given to `register_key` when the bytes came
+  with one (a verified pull or promotion), else computed by ``digester`` from the bytes just written.
 * A block keyed *cold* (``register_key(..., cold=True)``, see `kvstore.policy`) is cached at the least
   recently used end instead, tail first, when ``honour_cold``; a prefix hit (`warm`, which the store's
   `load` calls) makes it ordinary. Other references (a lease, a fork) leave it cold. In-use blocks
@@ -27,12 +29,14 @@ from typing import Protocol
 from kvstore.block_key import BlockKey
 
 EvictHook = Callable[[int, BlockKey], None]
+# ``digester(block_ids, keys) -> digests``: the digest of each block's bytes under its key, in one batch.
+Digester = Callable[[Sequence[int], Sequence[BlockKey]], list[int]]
 
 
 class PoolListener(Protocol):
     """Told about keys entering and leaving the pool (KV events); called on the pool owner's thread."""
 
-    def block_stored(self, block_id: int, key: BlockKey) -> None: ...
+    def block_stored(self, block_id: int, key: BlockKey, digest: int | None) -> None: ...
 
     def block_removed(self, block_id: int, key: BlockKey) -> None: ...
 
@@ -63,14 +67,18 @@ class BlockPool:
             to be reallocated, while its bytes are still intact (the tiered store demotes here).
         honour_cold: cache cold blocks at the least recently used end (tier policy ``cold-tail``);
             when False they are ordered as any other, but still reported cold by `is_cold`.
+        digester: computes the digests of blocks keyed without one; None: such blocks carry none
+            (``kvstore.integrity: off``, or a pool with no bytes behind it).
     """
 
-    def __init__(self, num_blocks: int, *, on_evict: EvictHook | None = None, honour_cold: bool = False) -> None:
+    def __init__(self, num_blocks: int, *, on_evict: EvictHook | None = None, honour_cold: bool = False,
+                 digester: Digester | None = None) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
         self._on_evict = on_evict
         self.honour_cold = honour_cold
+        self.digester = digester
         # Owned by BlockPool alone: every field below changes only inside this class.
         self._ref_counts = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
@@ -78,6 +86,7 @@ class BlockPool:
         self._block_id_to_key: dict[int, BlockKey] = {}
         self._key_to_block_id: dict[BlockKey, int] = {}
         self._cold: set[int] = set()  # keyed blocks registered cold and not hit since
+        self._block_id_to_digest: dict[int, int] = {}
         self._listeners: list[PoolListener] = []
 
     def add_listener(self, listener: PoolListener) -> None:
@@ -106,6 +115,10 @@ class BlockPool:
 
     def block_id_of(self, key: BlockKey) -> int | None:
         return self._key_to_block_id.get(key)
+
+    def digest_of(self, block_id: int) -> int | None:
+        """The digest a keyed block carries (None: unkeyed, or keyed with no digester)."""
+        return self._block_id_to_digest.get(block_id)
 
     def is_cold(self, block_id: int) -> bool:
         """Whether the block was keyed cold and not hit since (valid in ``on_evict`` too)."""
@@ -197,9 +210,22 @@ class BlockPool:
         """These blocks were hit (or are wanted again soon): no longer cold. Unkeyed ids are ignored."""
         self._cold.difference_update(block_ids)
 
-    def register_key(self, block_id: int, key: BlockKey, *, cold: bool = False) -> bool:
+    def register_keys(self, block_ids: Sequence[int], keys: Sequence[BlockKey], cold: Sequence[bool]) -> list[bool]:
+        """`register_key` for each block, with the digests of those that get their key computed in one
+        ``digester`` call. Returns what each `register_key` returned."""
+        todo = [i for i, (b, k) in enumerate(zip(block_ids, keys, strict=True))
+                if k not in self._key_to_block_id and b not in self._block_id_to_key]
+        digests: list[int | None] = [None] * len(block_ids)
+        if self.digester is not None and todo:
+            for i, d in zip(todo, self.digester([block_ids[i] for i in todo], [keys[i] for i in todo]), strict=True):
+                digests[i] = d
+        return [self.register_key(b, k, cold=c, digest=d)
+                for b, k, c, d in zip(block_ids, keys, cold, digests, strict=True)]
+
+    def register_key(self, block_id: int, key: BlockKey, *, cold: bool = False, digest: int | None = None) -> bool:
         """Make an in-use, full block shareable under ``key``; ``cold``: predicted not to be reused
-        (`kvstore.policy`), cached at the least recently used end when released.
+        (`kvstore.policy`), cached at the least recently used end when released. ``digest``: the digest
+        the bytes arrived with (already checked); None computes it with ``digester``, if there is one.
 
         Returns False (and changes nothing) if another block already holds ``key`` — the caller's
         block stays private — or if this block already has a key.
@@ -211,12 +237,16 @@ class BlockPool:
             raise ValueError(f"block {block_id} is not in use; only in-use blocks can be keyed")
         if key in self._key_to_block_id or block_id in self._block_id_to_key:
             return False
+        if digest is None and self.digester is not None:
+            digest = self.digester([block_id], [key])[0]
         self._key_to_block_id[key] = block_id
         self._block_id_to_key[block_id] = key
+        if digest is not None:
+            self._block_id_to_digest[block_id] = digest
         if cold:
             self._cold.add(block_id)
         for listener in self._listeners:
-            listener.block_stored(block_id, key)
+            listener.block_stored(block_id, key, digest)
         return True
 
     def evict_cached(self, block_ids: Sequence[int]) -> None:
@@ -238,6 +268,7 @@ class BlockPool:
         if self._on_evict is not None:
             self._on_evict(block_id, key)
         self._cold.discard(block_id)
+        self._block_id_to_digest.pop(block_id, None)
         for listener in self._listeners:
             listener.block_removed(block_id, key)
 
@@ -265,5 +296,7 @@ class BlockPool:
         assert len(self._key_to_block_id) == len(self._block_id_to_key), "key maps differ in size"
         stray = self._cold - self._block_id_to_key.keys()
         assert not stray, f"cold blocks without a key: {sorted(stray)}"
+        stray = self._block_id_to_digest.keys() - self._block_id_to_key.keys()
+        assert not stray, f"digests of blocks without a key: {sorted(stray)}"
         for key, b in self._key_to_block_id.items():
             assert self._block_id_to_key.get(b) == key, f"key map and block map disagree on block {b}"

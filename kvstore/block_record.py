@@ -27,6 +27,12 @@ confined to one 64-bit word of a page (every single-bit flip), zeroed, garbage, 
 truncated pages, but not changes that keep every page's 64-bit sum (e.g. two opposite flips of one bit
 position in one page, or two words swapped within a page). ``crc32`` and ``blake2b`` stay available;
 the algorithm id is in each header, so records written with any known algorithm stay readable.
+
+``xxh3`` (≈ 25 GB/s; what a store with ``kvstore.integrity`` on writes): the first 8 bytes are the
+block's digest (`kvstore.digest`: xxh3-64 of the payload seeded by the key), the last 8 an xxh3-64 of
+the header. The digest is the one the block carried since it was keyed (`RecordCodec.seal`), so a
+block whose bytes changed before it was demoted fails here instead of being laundered into a valid
+record; `record_digest` reads it back.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+import xxhash
 
 from kvstore.block_spec import BlockSpec
 
@@ -73,11 +80,25 @@ def _pagesum(head: memoryview, payload: memoryview) -> bytes:
     return h.digest()
 
 
+_KEY_OFFSET = 56  # where the block key starts in the header
+
+
+def _xxh3_parts(head: memoryview, digest: int) -> bytes:
+    return digest.to_bytes(8, "little") + xxhash.xxh3_64_intdigest(head).to_bytes(8, "little")
+
+
+def _xxh3(head: memoryview, payload: memoryview) -> bytes:
+    seed = int.from_bytes(head[_KEY_OFFSET : _KEY_OFFSET + 8], "little")  # == kvstore.digest.seed_of(key)
+    return _xxh3_parts(head, xxhash.xxh3_64_intdigest(payload, seed=seed))
+
+
 CHECKSUM_ID_TO_ALGO: dict[int, tuple[str, Checksum]] = {
     1: ("crc32", _crc32),
     2: ("blake2b", _blake2b),
     3: ("pagesum", _pagesum),
+    4: ("xxh3", _xxh3),
 }
+XXH3_ID = 4
 CHECKSUM_NAME_TO_ID: dict[str, int] = {name: i for i, (name, _) in CHECKSUM_ID_TO_ALGO.items()}
 
 
@@ -132,11 +153,25 @@ class RecordCodec:
     def payload_view(self, record: bytearray | memoryview) -> memoryview:
         return memoryview(record)[HEADER_BYTES : HEADER_BYTES + self.spec.block_bytes]
 
-    def seal(self, record: bytearray) -> None:
-        """Write the checksum of a record whose header and payload are final. Mutates ``record``."""
+    def seal(self, record: bytearray, digest: int | None = None) -> None:
+        """Write the checksum of a record whose header and payload are final. Mutates ``record``.
+
+        ``digest``: with the ``xxh3`` algorithm, the block's known digest, written instead of one
+        computed from the payload (which is then not read).
+        """
         view = memoryview(record)
+        if digest is not None and self.checksum == "xxh3":
+            view[CHECKSUM_OFFSET : CHECKSUM_OFFSET + CHECKSUM_BYTES] = _xxh3_parts(view[:CHECKSUM_OFFSET], digest)
+            return
         algo = CHECKSUM_ID_TO_ALGO[CHECKSUM_NAME_TO_ID[self.checksum]][1]
         view[CHECKSUM_OFFSET : CHECKSUM_OFFSET + CHECKSUM_BYTES] = algo(view[:CHECKSUM_OFFSET], self.payload_view(view))
+
+    @staticmethod
+    def record_digest(header: bytearray | memoryview) -> int | None:
+        """The block digest an ``xxh3`` record's header carries (None for the other algorithms)."""
+        if header[10] != XXH3_ID:
+            return None
+        return int.from_bytes(header[CHECKSUM_OFFSET : CHECKSUM_OFFSET + 8], "little")
 
     def problem(self, key: bytes, value: memoryview) -> str | None:
         """Why ``value`` (read under ``key``) is not a valid record of this spec, or None if it is."""

@@ -30,6 +30,7 @@ class Entry:
     disk_bytes: int
     seq: int
     record: bytearray | None = None
+    digest: int | None = None  # the block's digest, once known (given to put, or read from its record)
 
 
 class DiskIndex:
@@ -80,6 +81,10 @@ class DiskIndex:
         """A copy of the index and the used bytes (for integrity checks)."""
         with self.lock:
             return {bytes(k): e for k, e in self._key_to_entry.items()}, self._used_bytes
+
+    def get(self, key: BlockKey) -> Entry | None:
+        """``key``'s entry without touching it."""
+        return self._key_to_entry.get(key)
 
     # --------------------------------------------------------------- mutations
     def touch(self, key: BlockKey) -> Entry | None:

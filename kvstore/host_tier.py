@@ -65,6 +65,7 @@ class HostTier:
         self._free_slots: deque[int] = deque(range(num_blocks))
         self._reserved: set[int] = set()  # slots lent out by `reserve`: no key, never evicted
         self._cold: set[BlockKey] = set()  # keys put cold and not read or touched since
+        self._key_to_digest: dict[BlockKey, int] = {}  # the digest each block came with (`kvstore.digest`)
         self.honour_cold = honour_cold
 
     # ----------------------------------------------------------------- queries
@@ -76,6 +77,10 @@ class HostTier:
     def is_cold(self, key: BlockKey) -> bool:
         """Whether ``key`` was put cold and not read or touched since (valid in ``on_evict`` too)."""
         return key in self._cold
+
+    def digest_of(self, key: BlockKey) -> int | None:
+        """The digest ``key``'s block was put with (None: put without one, or not held)."""
+        return self._key_to_digest.get(key)
 
     def slot_of(self, key: BlockKey) -> int | None:
         return self._key_to_slot.get(key)
@@ -99,12 +104,13 @@ class HostTier:
         return TierStats(self.name, len(self._key_to_slot), self.num_blocks, self.spec.block_bytes)
 
     # --------------------------------------------------------------- mutations
-    def put(self, key: BlockKey, src: Block, *, cold: bool = False) -> bool:
+    def put(self, key: BlockKey, src: Block, *, cold: bool = False, digest: int | None = None) -> bool:
         """Copy block ``src`` into a slot under ``key`` (evicting the LRU key when full). False only when
         every slot is reserved (`reserve`), so there is nothing to evict.
 
         A key already held only moves to most recently used; nothing is copied. ``cold`` (`kvstore.policy`):
         a new key enters at the least recently used end when ``honour_cold``, and is reported by `is_cold`.
+        ``digest``: the block's digest, kept for checks when it is read back (`digest_of`).
 
         Raises:
             ValueError: ``src`` has the wrong shape or dtype (or, as bytes, the wrong size).
@@ -119,6 +125,8 @@ class HostTier:
             return False
         self.copy(self.block(slot), src)
         self._key_to_slot[key] = slot
+        if digest is not None:
+            self._key_to_digest[key] = digest
         if cold:
             self._cold.add(key)
             if self.honour_cold:
@@ -135,6 +143,7 @@ class HostTier:
         if self._on_evict is not None:
             self._on_evict(slot, victim)
         self._cold.discard(victim)
+        self._key_to_digest.pop(victim, None)
         return slot
 
     def reserve(self, num: int) -> list[int] | None:
@@ -197,6 +206,7 @@ class HostTier:
         if slot is None:
             return False
         self._cold.discard(key)
+        self._key_to_digest.pop(key, None)
         self._free_slots.append(slot)
         return True
 
@@ -217,3 +227,4 @@ class HostTier:
         )
         assert all(0 <= s < self.num_blocks for s in held + free), "host slot out of range"
         assert self._cold <= self._key_to_slot.keys(), "a host key is cold but not held"
+        assert self._key_to_digest.keys() <= self._key_to_slot.keys(), "a host key has a digest but is not held"

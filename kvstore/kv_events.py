@@ -24,6 +24,7 @@ class KvEvent:
     seq: int
     kind: str  # STORED | REMOVED
     key: BlockKey
+    digest: int | None = None  # STORED: the block's digest (`kvstore.digest`); None when integrity is off
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,10 +50,10 @@ class KvEventLog:
         self._seq = 0
         self._waiters: list[Callable[[], None]] = []  # one-shot, see notify_after
 
-    def _add(self, kind: str, key: BlockKey) -> None:
+    def _add(self, kind: str, key: BlockKey, digest: int | None = None) -> None:
         with self._lock:
             self._seq += 1
-            self._events.append(KvEvent(self._seq, kind, key))
+            self._events.append(KvEvent(self._seq, kind, key, digest))
             if kind == STORED:
                 self._keys.add(key)
             else:
@@ -79,8 +80,8 @@ class KvEventLog:
             if notify in self._waiters:
                 self._waiters.remove(notify)
 
-    def block_stored(self, block_id: int, key: BlockKey) -> None:
-        self._add(STORED, key)
+    def block_stored(self, block_id: int, key: BlockKey, digest: int | None = None) -> None:
+        self._add(STORED, key, digest)
 
     def block_removed(self, block_id: int, key: BlockKey) -> None:
         self._add(REMOVED, key)

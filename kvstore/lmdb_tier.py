@@ -25,7 +25,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,10 +55,12 @@ from kvstore.lmdb_writer import Delete, LmdbWriter, Put
 from kvstore.metrics import StoreMetrics
 from kvstore.tier import TierStats
 
-__all__ = ["DiskStats", "LmdbOptions", "LmdbTier"]  # LmdbOptions lives in lmdb_env (the writer uses it too)
+# LmdbOptions lives in lmdb_env (the writer uses it too)
+__all__ = ["BadRecord", "DiskStats", "LmdbOptions", "LmdbTier", "VerifyReport"]
 log = logging.getLogger(__name__)
 DEFAULT_OPTIONS = LmdbOptions()
 MAP_SLACK_FRAC = 0.1  # how far past disk.bytes `grow_map` may take the map, to let evictions through
+VERIFY_TXN_BYTES = 64 << 20  # values one `verify` read transaction checks: bounds how long it pins a snapshot
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +93,36 @@ class _Counts:
     evicted: int = 0
     map_full: int = 0
     moved_aside: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class BadRecord:
+    """A stored record that `LmdbTier.verify` found bad, and why (a `RecordCodec.problem` text)."""
+
+    key: BlockKey
+    problem: str
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyReport:
+    """What `LmdbTier.verify` found: records checked and the bytes of their values, the bad ones in key
+    order, how many of those it deleted, and the seconds it took (flush included)."""
+
+    num_checked: int
+    checked_bytes: int
+    bad: tuple[BadRecord, ...]
+    num_deleted: int
+    elapsed_s: float
+
+
+@dataclass(slots=True)
+class _VerifyPass:
+    """Progress of one `LmdbTier.verify` across its read transactions."""
+
+    after: bytes | None = None  # the last key checked; the next transaction resumes past it
+    num_checked: int = 0
+    checked_bytes: int = 0
+    bad: list[BadRecord] = field(default_factory=list)
 
 
 def read_value(value: memoryview, header: bytearray, payload: np.ndarray) -> None:
@@ -129,6 +162,7 @@ class LmdbTier:
         self._needs_reset = threading.Event()
         self._closed = False
         self._reset_reason = "LMDB reported corruption"
+        self.on_corrupt: Callable[[BlockKey, str], None] | None = None  # told of every bad record deleted
         self._staging = (
             torch.empty(spec.block_bytes, dtype=torch.uint8, pin_memory=True) if torch.cuda.is_available() else None
         )
@@ -256,8 +290,14 @@ class LmdbTier:
         )
 
     # --------------------------------------------------------------- mutations
-    def put(self, key: BlockKey, src: Block) -> bool:
-        """Queue ``src`` (``spec.block_shape``, any device) for writing under ``key``.
+    def digest_of(self, key: BlockKey) -> int | None:
+        """The digest of ``key``'s block when known: given to `put`, or read from its record by `get_into`."""
+        entry = self.index.get(key)
+        return entry.digest if entry is not None else None
+
+    def put(self, key: BlockKey, src: Block, *, digest: int | None = None) -> bool:
+        """Queue ``src`` (``spec.block_shape``, any device) for writing under ``key``. ``digest``: the
+        block's digest, which an ``xxh3`` record stores as its checksum (see `kvstore.block_record`).
 
         The block is readable at once. Returns False (nothing queued, counted as dropped) when the
         write queue is full or the block cannot fit; True otherwise (also when the key is already held,
@@ -268,7 +308,7 @@ class LmdbTier:
             return True
         record = self._codec.new_record(key)
         copy_block(np.frombuffer(record, dtype=np.uint8, count=self.spec.block_bytes, offset=HEADER_BYTES), src)
-        entry = Entry(self._record_disk_bytes, 0, record)
+        entry = Entry(self._record_disk_bytes, 0, record, digest)
         victims = None
         if self._writer.pending_put_bytes + entry.disk_bytes <= self.options.max_pending_bytes:
             victims = self.index.add(key, entry, high_bytes=self._high_bytes, low_bytes=self._low_bytes)
@@ -294,8 +334,9 @@ class LmdbTier:
         """Copy the block under ``key`` into the contiguous tensor ``dst`` (any device).
 
         True only if the record's header matches this spec and key and its checksum holds. A bad record
-        is deleted and counted (`kvrelay_store_corrupt_total`); an I/O error keeps the entry. Either is
-        a miss (False) and ``dst`` may hold anything.
+        is deleted and counted (`kvrelay_store_corrupt_total`, and ``on_corrupt(key, problem)`` when set);
+        an I/O error keeps the entry. Either is a miss (False) and ``dst`` may hold anything. A read
+        ``xxh3`` record makes its digest known (`digest_of`).
         """
         self._reset_if_needed()
         entry = self.index.touch(key)
@@ -308,7 +349,7 @@ class LmdbTier:
             self._finish_copy(dst, landing)
             return True
         try:
-            return self._read_committed(key, dst)
+            return self._read_committed(key, dst, entry)
         except CORRUPTION_ERRORS as exc:
             self._on_bad_record(key, f"LMDB reports corruption: {exc}")
             self._reset_reason = f"LMDB reported corruption: {exc}"
@@ -319,7 +360,7 @@ class LmdbTier:
                         self.path, key.hex()[:16], exc)
             return False
 
-    def _read_committed(self, key: BlockKey, dst: Block) -> bool:
+    def _read_committed(self, key: BlockKey, dst: Block, entry: Entry) -> bool:
         o = self._opened
         header = bytearray(HEADER_BYTES)
         landing = self._landing(dst)
@@ -341,6 +382,7 @@ class LmdbTier:
             if problem is not None:
                 self._on_bad_record(key, problem)
                 return False
+        entry.digest = self._codec.record_digest(header)
         self._finish_copy(dst, landing)
         return True
 
@@ -361,6 +403,8 @@ class LmdbTier:
         log.warning("disk tier %s: block %s is corrupt (%s); deleted", self.path, key.hex()[:16], problem)
         self._count("corrupt")
         self.discard(key)
+        if self.on_corrupt is not None:
+            self.on_corrupt(key, problem)
 
     def add_counters(self, deltas: Mapping[str, int]) -> None:
         """Add to the lifetime counters persisted in the ``meta`` sub-database (with the next batch)."""
@@ -480,6 +524,75 @@ class LmdbTier:
         assert used == sum(e.disk_bytes for e in index.values()), "disk used bytes do not add up"
         for k, value_len in on_disk.items():
             assert index[k].disk_bytes == entry_bytes(value_len, o.page_bytes), f"size of {k.hex()[:16]}"
+
+    def verify(self, *, delete: bool = True, on_bad: Callable[[BlockKey, str], None] | None = None) -> VerifyReport:
+        """Flush, then check the header and checksum (`RecordCodec.problem`) of every committed record.
+
+        Records are read in key order, in read transactions of about ``VERIFY_TXN_BYTES`` of values
+        each, so no snapshot stays pinned (and `map_lock` held) for the whole pass. Each bad record is
+        logged and given to ``on_bad(key, problem)``; with ``delete`` it is also deleted and counted as
+        a bad read's is (``kvrelay_store_corrupt_total``, ``disk.corrupt``), without ``on_corrupt``, which
+        is told of bad reads. ``delete=False`` changes and counts nothing. A record re-put meanwhile
+        (queued again, so indexed as pending) is left to its new write.
+
+        Raises:
+            TimeoutError: the flush did not finish (see `flush`); nothing was checked.
+            one of CORRUPTION_ERRORS: LMDB reports the environment corrupt; as after such a read, the
+                tier moves it aside at its next call. Records deleted before stay deleted.
+            lmdb.Error / OSError: an I/O error; nothing more is checked or deleted.
+        """
+        start = time.monotonic()
+        self.flush()
+        progress = _VerifyPass()
+        num_deleted = 0
+        more = True
+        while more:
+            num_bad_before = len(progress.bad)
+            try:
+                more = self._verify_some(progress)
+            except CORRUPTION_ERRORS as exc:
+                self._reset_reason = f"LMDB reported corruption: {exc}"
+                self._needs_reset.set()
+                raise
+            for bad in progress.bad[num_bad_before:]:  # deleted outside the read transaction, by the writer
+                deleted = delete and self._discard_committed(bad.key)
+                log.warning("disk tier %s: block %s is corrupt (%s)%s", self.path, bad.key.hex()[:16], bad.problem,
+                            "; deleted" if deleted else "")
+                if deleted:
+                    num_deleted += 1
+                    self._count("corrupt")
+                if on_bad is not None:
+                    on_bad(bad.key, bad.problem)
+        return VerifyReport(progress.num_checked, progress.checked_bytes, tuple(progress.bad), num_deleted,
+                            time.monotonic() - start)
+
+    def _verify_some(self, progress: _VerifyPass) -> bool:
+        """Check records past ``progress.after`` in one read transaction until ``VERIFY_TXN_BYTES`` of
+        values are checked; adds to ``progress``. True while records remain."""
+        with self._read_txn() as txn:
+            cursor = txn.cursor(db=self._opened.blocks)
+            found = cursor.first() if progress.after is None else cursor.set_range(progress.after)
+            if found and progress.after is not None and bytes(cursor.key()) == progress.after:
+                found = cursor.next()
+            checked_bytes = 0
+            while found:
+                if checked_bytes >= VERIFY_TXN_BYTES:
+                    return True
+                key, value = BlockKey(bytes(cursor.key())), cursor.value()
+                problem = self._codec.problem(key, value)
+                if problem is not None:
+                    progress.bad.append(BadRecord(key, problem))
+                checked_bytes += len(value)
+                progress.num_checked += 1
+                progress.checked_bytes += len(value)
+                progress.after = key
+                found = cursor.next()
+        return False
+
+    def _discard_committed(self, key: BlockKey) -> bool:
+        """Delete ``key`` if its indexed entry is the committed record (not one queued again since)."""
+        entry = self.index.get(key)
+        return entry is not None and entry.record is None and self.discard(key)
 
     def read_counters(self) -> dict[str, int]:
         """Lifetime counters from the ``meta`` sub-database (committed ones)."""

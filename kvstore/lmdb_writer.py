@@ -217,7 +217,7 @@ class LmdbWriter:
             return
         for op in puts:
             assert op.entry.record is not None
-            self._codec.seal(op.entry.record)
+            self._codec.seal(op.entry.record, op.entry.digest)
         try:
             try:
                 self._write(puts, deletes, touched, deltas)

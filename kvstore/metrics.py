@@ -17,6 +17,8 @@ name                                           labels        meaning
 ``kvrelay_prompts_total``                                    prompts reported by `record_prompt`
 ``kvrelay_prefix_shorter_than_block_total``                  prompts whose shareable prefix < one block
 ``kvrelay_kv_policy_tail_blocks``                            ``cold-tail``'s ``M`` now; -1: no cap (gauge)
+``kvrelay_kv_integrity_checks_total``          where         blocks whose landed bytes were hashed
+``kvrelay_kv_integrity_failures_total``        where         blocks that failed their digest (dropped)
 =============================================  ============  ===========================================
 """
 
@@ -42,6 +44,8 @@ class StoreMetrics:
     prompts: Counter
     prefix_shorter_than_block: Counter
     tail_blocks: Gauge
+    integrity_checks: Counter
+    integrity_failures: Counter
 
     @classmethod
     def create(cls, registry: CollectorRegistry | None = None) -> StoreMetrics:
@@ -82,5 +86,13 @@ class StoreMetrics:
             tail_blocks=Gauge(
                 "kvrelay_kv_policy_tail_blocks",
                 "Blocks past a prompt's cached prefix kept hot by the cold-tail policy; -1: no cap", registry=reg,
+            ),
+            integrity_checks=Counter(
+                "kvrelay_kv_integrity_checks_total", "KV blocks whose landed bytes were checked against their "
+                "digest, by where they landed (nixl_read, host, disk, recall, verify)", ["where"], registry=reg,
+            ),
+            integrity_failures=Counter(
+                "kvrelay_kv_integrity_failures_total", "KV blocks whose bytes did not match their digest where "
+                "they landed (dropped and recomputed, never served)", ["where"], registry=reg,
             ),
         )

@@ -38,11 +38,14 @@ class Tier(Protocol):
     Blocks are tensors of ``BlockSpec.block_shape`` and the spec's dtype, or a CPU block's bytes as a
     uint8 numpy row (`block_mover.Block`); the bytes stored under a key never change (a key names them).
 
-    * ``put(key, src)`` stores a copy of ``src`` (any device) under ``key``, or refreshes its LRU
-      position if the key is already held (copying nothing). It may evict least-recently-used keys to
-      make room. Returns whether the key is held (or queued to be) afterwards.
-    * ``get_into(key, dst)`` copies the block into ``dst`` and refreshes its LRU position. True only
-      when every byte is the one put; False is a miss and says nothing about ``dst``.
+    * ``put(key, src, digest=None)`` stores a copy of ``src`` (any device) under ``key``, with the
+      block's digest (`kvstore.digest`) when known, or refreshes its LRU position if the key is already
+      held (copying nothing). It may evict least-recently-used keys to make room. Returns whether the
+      key is held (or queued to be) afterwards.
+    * ``get_into(key, dst)`` copies the block into ``dst`` and refreshes its LRU position. False is a
+      miss and says nothing about ``dst``. The host tier copies what its memory holds; the disk tier
+      checks its record checksum (the digest, with integrity on) and returns True only when it holds.
+    * ``digest_of(key)``: the block's digest, None when not known (the caller checks `get_into`'s bytes).
     * ``contains``, ``match_prefix`` (length of the leading run of ``keys`` held) change nothing.
     * ``touch(key)`` refreshes the LRU position; False if the key is not held.
     * ``discard(key)`` forgets the key; False if it was not held.
@@ -51,9 +54,11 @@ class Tier(Protocol):
 
     name: str
 
-    def put(self, key: BlockKey, src: Block) -> bool: ...
+    def put(self, key: BlockKey, src: Block, *, digest: int | None = None) -> bool: ...
 
     def get_into(self, key: BlockKey, dst: Block) -> bool: ...
+
+    def digest_of(self, key: BlockKey) -> int | None: ...
 
     def contains(self, key: BlockKey) -> bool: ...
 

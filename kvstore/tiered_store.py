@@ -13,6 +13,10 @@
 
 * Each tier's ``policy`` (`kvstore.policy`: ``lru`` | ``cold-tail``) says where a new block enters its
   order; cold blocks (past `cold_from`) stay cold as they are demoted, and a prefix hit warms them.
+* ``integrity`` (`kvstore.digest`): a block's digest, computed when it is keyed, goes with it to every
+  tier (the disk record's checksum is the digest). A promotion checks the bytes that landed on device
+  against it (host) or the record against it (disk); a mismatch is a miss: the block is dropped from
+  the tier it came from, counted in ``kvrelay_kv_integrity_failures_total{where}``, and recomputed.
 
 * The store constructs the `BlockPool` (as ``block_pool``) with its own ``on_evict`` hook; the engine
   allocates, releases and registers keys through ``store.block_pool`` and computes on ``device_pool``.
@@ -23,7 +27,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -36,6 +42,7 @@ from kvstore.block_mover import Block, BlockMover, pool_rows
 from kvstore.block_pool import BlockPool, PoolStats
 from kvstore.block_spec import BlockSpec
 from kvstore.checks import require_int
+from kvstore.digest import DEFAULT_INTEGRITY, DEFAULT_SAMPLE_RATE, IntegrityPolicy, digest_keyed
 from kvstore.host_tier import HostTier
 from kvstore.lmdb_tier import DiskStats, LmdbOptions, LmdbTier
 from kvstore.metrics import StoreMetrics
@@ -59,6 +66,8 @@ class TieredStoreConfig:
     ``watermark_blocks``: free-or-pre-copied device blocks `maintain_watermark` keeps ready (default
     ``max(1, num_device_blocks // 32)`` with a host tier, else 0). ``admit``: ``"all"`` | ``"seen>=N"``.
     ``device_policy``, ``host_policy``, ``disk_policy``: ``"lru"`` | ``"cold-tail"`` (`kvstore.policy`).
+    ``integrity``: ``"off"`` | ``"sampled"`` | ``"all"``, ``integrity_sample_rate`` for ``sampled``
+    (`kvstore.digest.IntegrityPolicy`).
     """
 
     num_device_blocks: int
@@ -72,6 +81,8 @@ class TieredStoreConfig:
     device_policy: str = DEFAULT_POLICY
     host_policy: str = DEFAULT_POLICY
     disk_policy: str = DEFAULT_POLICY
+    integrity: str = DEFAULT_INTEGRITY
+    integrity_sample_rate: float = DEFAULT_SAMPLE_RATE
 
     def __post_init__(self) -> None:
         """Raises ValueError naming the field (``kvstore`` in YAML: device/host/disk sizes, ``admit``)."""
@@ -85,6 +96,7 @@ class TieredStoreConfig:
             raise ValueError(f"watermark_blocks must be in [0, num_device_blocks={self.num_device_blocks}], "
                              f"got {self.watermark_blocks!r}")
         parse_admission(self.admit)  # raises ValueError with the accepted spellings
+        IntegrityPolicy(self.integrity, self.integrity_sample_rate)  # raises ValueError naming the value
         for tier in TIER_NAMES:
             try:
                 parse_policy(getattr(self, f"{tier}_policy"))
@@ -162,18 +174,25 @@ class TieredStore:
         self.device_pool = device_pool
         self._device_rows = pool_rows(device_pool)  # CPU pool: cheap per-block byte views for copies
         self.metrics = StoreMetrics.create(registry)
+        self.integrity = IntegrityPolicy(config.integrity, config.integrity_sample_rate)
+        self._rng = random.Random()  # which blocks ``sampled`` checks
         self.block_pool = BlockPool(config.num_device_blocks, on_evict=self._on_device_evict,
-                                    honour_cold=config.policy("device") == "cold-tail")
+                                    honour_cold=config.policy("device") == "cold-tail",
+                                    digester=self.digest_device_blocks if self.integrity.enabled else None)
         self.host = (
             HostTier(spec, config.num_host_blocks, on_evict=self._on_host_evict,
                      honour_cold=config.policy("host") == "cold-tail")
             if config.num_host_blocks else None
         )
+        disk_options = (dataclasses.replace(config.disk_options, checksum="xxh3") if self.integrity.enabled
+                        else config.disk_options)  # an xxh3 record's checksum is the block digest
         self.disk = (
             LmdbTier(spec, config.disk_path, capacity_bytes=config.disk_capacity_bytes, metrics=self.metrics,
-                     options=config.disk_options)
+                     options=disk_options)
             if config.disk_path is not None else None
         )
+        if self.disk is not None:
+            self.disk.on_corrupt = lambda key, problem: self.integrity_failure("disk", key, problem)
         # Lookup and promotion walk the lower tiers in this order.
         self._lower: dict[str, Tier] = {n: t for n, t in (("host", self.host), ("disk", self.disk)) if t is not None}
         self._disk_drops_cold = self.disk is not None and config.policy("disk") == "cold-tail"
@@ -293,42 +312,78 @@ class TieredStore:
         return [b for b in block_ids[:end] if b is not None]
 
     def _promote(self, key: BlockKey, block_id: int) -> bool:
-        """Copy ``key``'s block from the highest lower tier holding it into device block ``block_id``."""
+        """Copy ``key``'s block from the highest lower tier holding it into device block ``block_id``.
+
+        With integrity on, the landed bytes are checked against the digest the block came with (host:
+        the device block is hashed; disk: `LmdbTier.get_into` checks the record, whose checksum is the
+        digest); a mismatch drops the block from that tier and counts it (`integrity_failure`).
+        """
         dst = self._device_block(block_id)
         for name, tier in self._lower.items():
             if not tier.contains(key):
                 continue
             if name == "host":
                 self._mover.order_after_copy_into(self.host.slot_of(key))  # type: ignore[union-attr,arg-type]
-            if tier.get_into(key, dst):
-                if not TIER_KEEPS_PROMOTED[name]:
+            want = tier.digest_of(key)
+            if not tier.get_into(key, dst):
+                continue  # disk: a bad record was dropped and counted (on_corrupt)
+            digest = want if want is not None else tier.digest_of(key)  # disk: known once its record was read
+            if name == "disk" and digest is not None:
+                self.metrics.integrity_checks.labels("disk").inc()
+            if name == "host" and want is not None and self.integrity.pick(1, self._rng):
+                self.metrics.integrity_checks.labels("host").inc()
+                got = self.digest_device_blocks([block_id], [key])[0]
+                if got != want:
                     tier.discard(key)
-                registered = self.block_pool.register_key(block_id, key)
-                assert registered, "a promoted key was already on device"
-                self._moved(key, name, "device")
-                return True
+                    self.integrity_failure("host", key, f"digest {got:016x}, expected {want:016x}")
+                    continue  # a lower tier may hold a good copy
+            if digest is None and self.integrity.enabled:  # put without one (integrity was off, an old record)
+                digest = self.digest_device_blocks([block_id], [key])[0]
+            if not TIER_KEEPS_PROMOTED[name]:
+                tier.discard(key)
+            registered = self.block_pool.register_key(block_id, key, digest=digest)
+            assert registered, "a promoted key was already on device"
+            self._moved(key, name, "device")
+            return True
         return False
+
+    # --------------------------------------------------------------- integrity
+    def digest_device_blocks(self, block_ids: Sequence[int], keys: Sequence[BlockKey]) -> list[int]:
+        """The digests of device blocks ``block_ids`` under ``keys`` (one batch; one launch on CUDA)."""
+        return digest_keyed(self.device_pool, block_ids, keys)
+
+    def integrity_checked(self, where: str, num_blocks: int) -> None:
+        """Count ``num_blocks`` blocks checked against their digests at ``where``."""
+        self.metrics.integrity_checks.labels(where).inc(num_blocks)
+
+    def integrity_failure(self, where: str, key: BlockKey, detail: str, num_blocks: int = 1) -> None:
+        """Count and log a block whose bytes did not match its digest where it landed (``where``: one of
+        `kvstore.digest.INTEGRITY_WHERE`). The caller has dropped it; its tokens are recomputed."""
+        self.metrics.integrity_failures.labels(where).inc(num_blocks)
+        log.error("KV integrity: block %s failed its check at %s (%s); dropped, its tokens are recomputed",
+                  key.hex(), where, detail)
 
     # ---------------------------------------------------------------- demotion
     def _on_device_evict(self, block_id: int, key: BlockKey) -> None:
         """BlockPool hook: ``key`` leaves device block ``block_id`` (bytes still intact)."""
         src = self._device_block(block_id)
         cold = self.block_pool.is_cold(block_id)
+        digest = self.block_pool.digest_of(block_id)
         if self.host is not None:
             slot = self.host.slot_of(key)
             if slot is not None:  # pre-copied by maintain_watermark: put copies nothing, refreshes if warm
                 self.host.put(key, src, cold=cold)
                 self._mover.order_after_copy_into(slot)
                 return
-            if self.host.put(key, src, cold=cold):
+            if self.host.put(key, src, cold=cold, digest=digest):
                 self._mover.copied_into(self.host.slot_of(key))  # type: ignore[arg-type]
                 self._moved(key, "device", "host")
             elif self.disk is not None:  # every host slot is reserved by long-context offloads
-                self._demote_to_disk(key, src, "device", cold)
+                self._demote_to_disk(key, src, "device", cold, digest)
             else:
                 self.metrics.tier_evictions.labels("device").inc()
         elif self.disk is not None:
-            self._demote_to_disk(key, src, "device", cold)
+            self._demote_to_disk(key, src, "device", cold, digest)
         else:
             self.metrics.tier_evictions.labels("device").inc()
 
@@ -338,12 +393,14 @@ class TieredStore:
             self.metrics.tier_evictions.labels("host").inc()
             return
         self._mover.before_cpu_read(slot)
-        self._demote_to_disk(key, self.host.block(slot), "host", self.host.is_cold(key))  # type: ignore[union-attr]
+        host = self.host
+        assert host is not None
+        self._demote_to_disk(key, host.block(slot), "host", host.is_cold(key), host.digest_of(key))
 
     def _device_block(self, block_id: int) -> Block:
         return self._device_rows[block_id] if self._device_rows is not None else self.device_pool[block_id]
 
-    def _demote_to_disk(self, key: BlockKey, src: Block, src_tier: str, cold: bool) -> None:
+    def _demote_to_disk(self, key: BlockKey, src: Block, src_tier: str, cold: bool, digest: int | None) -> None:
         assert self.disk is not None
         if cold and self._disk_drops_cold:  # predicted not reused: neither written nor refreshed
             if not self.disk.contains(key):
@@ -351,7 +408,7 @@ class TieredStore:
             return
         if self.disk.touch(key):
             return  # already stored: disk keeps promoted blocks
-        if self._admission.admit(key) and self.disk.put(key, src):
+        if self._admission.admit(key) and self.disk.put(key, src, digest=digest):
             self._moved(key, src_tier, "disk")
         else:
             self.metrics.tier_evictions.labels(src_tier).inc()
@@ -383,7 +440,8 @@ class TieredStore:
             return 0
         with self._mover.precopy_stream():
             for block_id, key in todo:
-                if not self.host.put(key, self._device_block(block_id), cold=self.block_pool.is_cold(block_id)):
+                if not self.host.put(key, self._device_block(block_id), cold=self.block_pool.is_cold(block_id),
+                                     digest=self.block_pool.digest_of(block_id)):
                     break  # every host slot is reserved by long-context offloads
                 self._mover.copied_into(self.host.slot_of(key))  # type: ignore[arg-type]
                 self._moved(key, "device", "host")
@@ -443,24 +501,24 @@ class TieredStore:
         if self.disk is None:
             return 0
         written = 0
-        sources: list[tuple[BlockKey, Block]] = []
+        sources: list[tuple[BlockKey, Block, int | None]] = []
         for block_id in range(self.block_pool.num_blocks):
             key = self.block_pool.key_of(block_id)
             if key is not None:
-                sources.append((key, self._device_block(block_id)))
+                sources.append((key, self._device_block(block_id), self.block_pool.digest_of(block_id)))
         if self.host is not None:
             for key in self.host.keys_lru_first():
                 slot = self.host.slot_of(key)
                 self._mover.before_cpu_read(slot)  # type: ignore[arg-type]
-                sources.append((key, self.host.block(slot)))  # type: ignore[arg-type]
+                sources.append((key, self.host.block(slot), self.host.digest_of(key)))  # type: ignore[arg-type]
         if self._mover.is_cuda:
             torch.cuda.synchronize()
-        for key, src in sources:
+        for key, src, digest in sources:
             if self.disk.contains(key):
                 continue
-            if not self.disk.put(key, src):  # queue full: let the writer catch up once
+            if not self.disk.put(key, src, digest=digest):  # queue full: let the writer catch up once
                 self.disk.flush()
-                if not self.disk.put(key, src):
+                if not self.disk.put(key, src, digest=digest):
                     continue
             written += 1
         self.disk.flush()

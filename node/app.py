@@ -311,7 +311,7 @@ class EngineNode:
         batch = self.events.since(after)
         return msgpack_response({
             "node": self.config.name, "last_seq": batch.last_seq,
-            "events": None if batch.events is None else [[e.seq, e.kind, e.key] for e in batch.events],
+            "events": None if batch.events is None else [[e.seq, e.kind, e.key, e.digest] for e in batch.events],
             "snapshot": batch.snapshot,
         })
 

@@ -7,6 +7,7 @@ decode node will pull from; the owner serves ``/kv/meta``, renewals and the done
 
 from __future__ import annotations
 
+import torch
 from aiohttp import web
 
 from engine.engine import LLMEngine
@@ -29,6 +30,7 @@ class PrefillTransfer:
         self.agent = make_agent(engine, config.agent_name)
         self.owner = KvOwner(self.agent, LeaseTable({"device": engine.pool}), owner_url=owner_url, config=config,
                              pool_call=worker_pool_call(worker))
+        self.faults = config.inject_faults
 
     def publish(self, engine: LLMEngine, keys: list[BlockKey]) -> KvHandle | None:
         """On the engine thread, right after the prompt finished: lease the leading blocks of ``keys`` (the
@@ -37,8 +39,24 @@ class PrefillTransfer:
         block_ids = engine.pool.match_prefix(keys)
         if not block_ids:
             return None
-        return self.owner.offer(keys[: len(block_ids)], [TierBlock("device", b) for b in block_ids],
-                                num_tokens=len(block_ids) * spec.block_size_tokens)
+        digests = [engine.pool.digest_of(b) for b in block_ids]
+        handle = self.owner.offer(keys[: len(block_ids)], [TierBlock("device", b) for b in block_ids],
+                                  num_tokens=len(block_ids) * spec.block_size_tokens,
+                                  digests=[] if None in digests else digests)  # type: ignore[arg-type]
+        if self.faults:
+            self._inject(engine, handle)
+        return handle
+
+    def _inject(self, engine: LLMEngine, handle: KvHandle) -> None:
+        """Tests only (`transfer.config.PUBLISH_FAULTS`): damage the blocks just offered, which the reader
+        must catch by their digests. The handle and the lease are left as they are."""
+        pool = engine.kv_pool
+        rows = pool.view(pool.shape[0], -1).view(torch.uint8)
+        ids = [b.block_id for b in handle.blocks]
+        if "corrupt_published_block" in self.faults:  # the top exponent bit of one value (little endian)
+            rows[ids[-1], rows.shape[1] // 2 + pool.element_size() - 1] ^= 0x40
+        if "overwrite_leased_blocks" in self.faults:
+            rows[ids] = torch.randint(0, 256, (len(ids), rows.shape[1]), dtype=torch.uint8, device=rows.device)
 
     async def release(self, handle: KvHandle) -> None:
         await self.owner.release(handle.lease_id)

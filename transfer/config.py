@@ -9,6 +9,13 @@ from dataclasses import dataclass
 TOKEN_HEADER = "X-Kvrelay-Token"
 
 
+# Test-only faults an owner injects into the blocks it has just offered (YAML ``prefill.inject_faults``), to
+# prove that readers check what they read: ``corrupt_published_block`` flips one byte of the last block;
+# ``overwrite_leased_blocks`` writes other KV over every leased block, as if the lease had quietly ended
+# and the slots were reused.
+PUBLISH_FAULTS = ("corrupt_published_block", "overwrite_leased_blocks")
+
+
 @dataclass(frozen=True, slots=True)
 class TransferConfig:
     """Settings of the NIXL agent, the owner's leases and the reader's waits.
@@ -23,6 +30,7 @@ class TransferConfig:
             endpoints open (bind them to loopback or a private address then).
         reap_interval_s: how often the owner unpins expired leases.
         notif_poll_interval_s: how often the owner drains NIXL notifications.
+        inject_faults: `PUBLISH_FAULTS` to inject (tests only).
         max_quarantined_blocks: blocks a reader may hold back for abandoned reads before `pull`
             refuses new work (see `Puller`).
     """
@@ -36,6 +44,7 @@ class TransferConfig:
     reap_interval_s: float = 0.5
     notif_poll_interval_s: float = 0.005
     max_quarantined_blocks: int = 1 << 20
+    inject_faults: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.agent_name or len(self.agent_name) > 128:
@@ -47,3 +56,6 @@ class TransferConfig:
                 raise ValueError(f"transfer.{name} must be a positive number of seconds, got {value!r}")
         if self.max_quarantined_blocks < 0:
             raise ValueError(f"transfer.max_quarantined_blocks must be >= 0, got {self.max_quarantined_blocks}")
+        for fault in self.inject_faults:
+            if fault not in PUBLISH_FAULTS:
+                raise ValueError(f"prefill.inject_faults: {fault!r} is not one of {list(PUBLISH_FAULTS)}")

@@ -58,8 +58,10 @@ class KvOwner:
         self._wake: asyncio.Event | None = None  # set (from any thread) when a lease is granted; see `run`
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    def offer(self, keys: Sequence[BlockKey], blocks: Sequence[TierBlock], *, num_tokens: int) -> KvHandle:
-        """Pin ``blocks`` (``blocks[i]`` holds ``keys[i]``) under a new lease and describe them to a reader.
+    def offer(self, keys: Sequence[BlockKey], blocks: Sequence[TierBlock], *, num_tokens: int,
+              digests: Sequence[int] = ()) -> KvHandle:
+        """Pin ``blocks`` (``blocks[i]`` holds ``keys[i]``, whose digest is ``digests[i]``; none when integrity
+        is off) under a new lease and describe them to a reader.
 
         Call where the pools live (it mutates them). The blocks must be full, keyed and in use or cached.
 
@@ -69,6 +71,8 @@ class KvOwner:
         """
         if not keys or len(keys) != len(blocks):
             raise ValueError(f"offer needs one block per key, got {len(keys)} keys and {len(blocks)} blocks")
+        if len(digests) not in (0, len(keys)):
+            raise ValueError(f"offer needs no digest or one per key, got {len(digests)} for {len(keys)} keys")
         if num_tokens != len(keys) * self.agent.spec.block_size_tokens:
             raise ValueError(f"{len(keys)} full blocks hold {len(keys) * self.agent.spec.block_size_tokens} tokens, "
                              f"not {num_tokens}")
@@ -82,7 +86,7 @@ class KvOwner:
         return KvHandle(
             owner_agent=self.agent.name, owner_incarnation=self.agent.incarnation, owner_url=self.owner_url,
             keys=tuple(keys), blocks=tuple(TierBlock(t, b) for t, b in blocks), num_tokens=num_tokens,
-            lease_id=lease_id, lease_ttl_s=self.config.lease_ttl_s,
+            lease_id=lease_id, lease_ttl_s=self.config.lease_ttl_s, digests=tuple(digests),
         )
 
     async def renew(self, lease_id: str) -> float | None:

@@ -11,7 +11,14 @@
       5 poll from asyncio (200 µs → 5 ms backoff) until every READ is DONE, one is ERR, or the deadline
       6 confirm the lease was held when the READ completed (a renew sent before completion that
         returned ttl covers it), so the bytes are the ones the owner pinned
-      7 release the READs and notify "done" (the owner unpins), key the new blocks → PullResult
+      7 release the READs and notify "done" (the owner unpins); check the read blocks against the
+        handle's digests (`kvstore.digest`); key the blocks before the first mismatch → PullResult
+
+Integrity. With a ``store`` whose ``integrity`` is on and a handle that carries digests, the blocks read
+are hashed where they landed (all of them, or a sample). A mismatch is a miss, not an error: that block and
+every block after it go back to the pool unkeyed (held ones lose the pull's reference), the failures are
+counted (``kvrelay_kv_integrity_failures_total{where="nixl_read"}``) and logged, and the pull returns the
+verified prefix, so the engine computes the rest.
 
 Failure (read error, timeout, vanished or restarted owner, lost lease, cancellation) raises one
 `TransferError` after: released handles of finished READs, blocks held for keys back to the pool,
@@ -36,10 +43,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvstore.block_key import BlockKey
 from kvstore.block_pool import BlockPool
+from kvstore.digest import IntegrityPolicy
 from transfer.config import TransferConfig
 from transfer.errors import TransferError
 from transfer.handle import KvHandle
@@ -60,8 +70,9 @@ QUARANTINE_POLL_MAX_S = 0.1
 class PullResult:
     """A completed pull.
 
-    ``block_ids[i]`` is the local device block holding ``handle.keys[i]``; the caller holds one reference
-    on each and releases it (`BlockPool.release`) or hands it over (the engine's ``pinned_block_ids``).
+    ``block_ids[i]`` is the local device block holding ``handle.keys[i]``, for the leading blocks that passed
+    their checks (all of them unless ``num_bad``); the caller holds one reference on each and releases it
+    (`BlockPool.release`) or hands it over (the engine's ``pinned_block_ids``).
     """
 
     block_ids: list[int]
@@ -69,6 +80,19 @@ class PullResult:
     num_held: int
     bytes_read: int
     elapsed_s: float
+    num_bad: int = 0  # read blocks whose digest did not match (dropped with every block after the first)
+
+
+class IntegrityChecker(Protocol):
+    """What the puller needs to check blocks (`kvstore.tiered_store.TieredStore` has it)."""
+
+    integrity: IntegrityPolicy
+
+    def digest_device_blocks(self, block_ids: list[int], keys: list[BlockKey]) -> list[int]: ...
+
+    def integrity_failure(self, where: str, key: BlockKey, detail: str, num_blocks: int = 1) -> None: ...
+
+    def integrity_checked(self, where: str, num_blocks: int) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,17 +117,20 @@ class Puller:
         peers: the handshake cache (also renews leases).
         config: ``renew_timeout_s``, ``max_quarantined_blocks``.
         pool_call: runs pool operations where the pool lives (`transfer.pool_call`).
+        store: checks read blocks against the handle's digests (None: no check).
     """
 
     def __init__(
         self, agent: KvAgent, pool: BlockPool, peers: PeerCache, *, config: TransferConfig,
-        pool_call: PoolCall = run_inline,
+        pool_call: PoolCall = run_inline, store: IntegrityChecker | None = None,
     ) -> None:
         self._agent = agent
         self._pool = pool
         self._peers = peers
         self._config = config
         self._pool_call = pool_call
+        self._store = store
+        self._rng = random.Random()
         self.local_tier = "device"
         if agent.pool(self.local_tier).shape[0] != pool.num_blocks:
             raise ValueError(f"pool has {pool.num_blocks} blocks, agent tier 'device' "
@@ -178,19 +205,20 @@ class Puller:
         keeper.stop()
         finish = asyncio.ensure_future(self._finish(link, handle, res, xfers))
         try:
-            await asyncio.shield(finish)
+            kept, num_bad = await asyncio.shield(finish)
         except asyncio.CancelledError:
-            # The caller gave up after the bytes arrived: the blocks (keyed) go back to the pool.
-            finish.add_done_callback(lambda _: asyncio.ensure_future(
-                self._pool_call(lambda: self._pool.release(res.block_ids))))
+            # The caller gave up after the bytes arrived: the blocks it would have kept go back to the pool.
+            finish.add_done_callback(lambda f: None if f.cancelled() or f.exception() else asyncio.ensure_future(
+                self._pool_call(lambda: self._pool.release(f.result()[0]))))
             raise
-        return PullResult(res.block_ids, len(res.missing), len(res.held), sum(x.num_bytes for x in xfers),
-                          loop.time() - t0)
+        return PullResult(kept, len(res.missing), len(res.held), sum(x.num_bytes for x in xfers),
+                          loop.time() - t0, num_bad)
 
-    async def _finish(self, link: PeerLink, handle: KvHandle, res: _Reservation, xfers: list[XferRequest]) -> None:
+    async def _finish(self, link: PeerLink, handle: KvHandle, res: _Reservation,
+                      xfers: list[XferRequest]) -> tuple[list[int], int]:
         if not await self._agent.complete(xfers, link.name, encode_notif("done", handle.lease_id)):
             log.warning("could not tell %r that lease %s is done; it unpins at expiry", link.name, handle.lease_id)
-        await self._pool_call(lambda: self._register(handle.keys, res))
+        return await self._pool_call(lambda: self._register(handle, res))
 
     def _check_shape(self, handle: KvHandle) -> None:
         expected = handle.num_blocks * self._agent.spec.block_size_tokens
@@ -224,9 +252,27 @@ class Puller:
             block_ids[i] = b
         return _Reservation(block_ids, missing, held)
 
-    def _register(self, keys: tuple[BlockKey, ...], res: _Reservation) -> None:
+    def _register(self, handle: KvHandle, res: _Reservation) -> tuple[list[int], int]:
+        """Check the read blocks, key those before the first bad one and release the rest. Returns the
+        kept block ids (a prefix of ``res.block_ids``) and the number of bad blocks. On the pool's thread."""
+        keys, digests = handle.keys, handle.digests
+        end, num_bad = len(keys), 0
+        store = self._store
+        if store is not None and digests and store.integrity.enabled:
+            picked = [res.missing[j] for j in store.integrity.pick(len(res.missing), self._rng)]
+            got = store.digest_device_blocks([res.block_ids[i] for i in picked], [keys[i] for i in picked])
+            store.integrity_checked("nixl_read", len(picked))
+            bad = [i for i, g in zip(picked, got, strict=True) if g != digests[i]]
+            if bad:
+                end, num_bad = bad[0], len(bad)
+                store.integrity_failure("nixl_read", keys[end], f"{num_bad} of {len(picked)} blocks read from "
+                                        f"{handle.owner_agent!r} did not match their digests; keeping the "
+                                        f"first {end} of {len(keys)}", num_blocks=num_bad)
         for i in res.missing:
-            self._pool.register_key(res.block_ids[i], keys[i])  # False: a concurrent pull keyed it first
+            if i < end:  # False: a concurrent pull keyed it first
+                self._pool.register_key(res.block_ids[i], keys[i], digest=digests[i] if digests else None)
+        self._pool.release(res.block_ids[end:])
+        return res.block_ids[:end], num_bad
 
     async def _wait(self, xfers: list[XferRequest], handle: KvHandle, keeper: LeaseKeeper, t_end: float) -> float:
         """Poll until every READ is DONE; returns the loop time it was seen. Raises TransferError."""

@@ -200,6 +200,7 @@ def handle_to_wire(handle: KvHandle) -> dict[str, Any]:
         "owner_url": handle.owner_url, "keys": [bytes(k) for k in handle.keys],
         "tiers": [b.tier for b in handle.blocks], "block_ids": [b.block_id for b in handle.blocks],
         "num_tokens": handle.num_tokens, "lease_id": handle.lease_id, "lease_ttl_s": handle.lease_ttl_s,
+        "digests": list(handle.digests),
     }
 
 
@@ -237,6 +238,12 @@ def handle_from_wire(msg: Any) -> KvHandle:
         if not isinstance(block_id, int) or isinstance(block_id, bool) or not 0 <= block_id < MAX_POOL_BLOCKS:
             raise WireError(f"{what}.block_ids[{i}]: expected an int in [0, {MAX_POOL_BLOCKS})")
         blocks.append(TierBlock(tier, block_id))
+    digests = msg.get("digests", [])
+    if not isinstance(digests, list) or len(digests) not in (0, len(keys)):
+        raise WireError(f"{what}.digests: expected an empty list or one digest per key ({len(keys)})")
+    for i, d in enumerate(digests):
+        if not isinstance(d, int) or isinstance(d, bool) or not 0 <= d < 1 << 64:
+            raise WireError(f"{what}.digests[{i}]: expected an int in [0, 2**64)")
     owner_url = _str(msg, "owner_url", what, MAX_URL_CHARS)
     if not owner_url.startswith(("http://", "https://")):
         raise WireError(f"{what}.owner_url: {owner_url[:80]!r} is not an http(s) URL")
@@ -246,6 +253,7 @@ def handle_from_wire(msg: Any) -> KvHandle:
         owner_url=owner_url.rstrip("/"), keys=tuple(BlockKey(k) for k in keys), blocks=tuple(blocks),
         num_tokens=_int(msg, "num_tokens", what, 1, 1 << 40),
         lease_id=_str(msg, "lease_id", what, MAX_LEASE_ID_CHARS), lease_ttl_s=_seconds(msg, "lease_ttl_s", what),
+        digests=tuple(digests),
     )
 
 

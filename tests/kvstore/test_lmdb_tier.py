@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import kvstore.lmdb_tier as lmdb_tier_module
-from kvstore.block_record import HEADER_BYTES
+from kvstore.block_record import HEADER_BYTES, record_bytes
 from kvstore.block_spec import BlockSpec
+from kvstore.digest import block_digest
 from kvstore.lmdb_env import DiskTierInUseError
 from kvstore.lmdb_tier import LmdbOptions
 from tests.kvstore.store_helpers import SPEC, block_value, chain
@@ -204,3 +205,83 @@ def test_open_read_transactions_are_counted_and_reads_leave_none_open(make_disk)
     txn.abort()
     assert tier.num_open_read_txns() == 0
     tier.close()
+
+
+def flip_payload_byte(value: bytes) -> bytes:
+    return value[: HEADER_BYTES + 500] + bytes([value[HEADER_BYTES + 500] ^ 0x01]) + value[HEADER_BYTES + 501 :]
+
+
+def bad_magic(value: bytes) -> bytes:
+    return b"X" + value[1:]
+
+
+@pytest.mark.parametrize("checksum", ["xxh3", "pagesum"])
+def test_verify_reports_keeps_or_deletes_exactly_the_bad_records(make_disk, tmp_path, checksum):
+    options = LmdbOptions(checksum=checksum)
+    keys = chain(6)
+    tier = make_disk(options=options)
+    for i, key in enumerate(keys):
+        assert tier.put(key, block_value(i), digest=block_digest(key, block_value(i)))
+    tier.close()
+    rewrite_value(tmp_path / "kv", keys[1], flip_payload_byte)
+    rewrite_value(tmp_path / "kv", keys[4], bad_magic)
+    want = sorted([(keys[1], f"{checksum} checksum mismatch"), (keys[4], "bad magic")])
+    value_bytes = record_bytes(SPEC.block_bytes, PAGE)
+    tier = make_disk(options=options)
+    told: list[tuple[bytes, str]] = []
+    read_failures: list[bytes] = []
+    tier.on_corrupt = lambda key, problem: read_failures.append(key)  # told of bad reads only
+
+    kept = tier.verify(delete=False, on_bad=lambda key, problem: told.append((key, problem)))
+    assert [(b.key, b.problem) for b in kept.bad] == want and told == want
+    assert (kept.num_checked, kept.checked_bytes, kept.num_deleted) == (6, 6 * value_bytes, 0)
+    assert all(tier.contains(k) for k in keys) and corrupt_count(tier) == 0
+
+    told.clear()
+    report = tier.verify(on_bad=lambda key, problem: told.append((key, problem)))
+    assert [(b.key, b.problem) for b in report.bad] == want and told == want
+    assert (report.num_checked, report.checked_bytes, report.num_deleted) == (6, 6 * value_bytes, 2)
+    assert [tier.contains(k) for k in keys] == [True, False, True, True, False, True]
+    assert corrupt_count(tier) == 2 and tier.disk_stats().num_corrupt == 2
+    tier.flush()
+    assert tier.read_counters()["disk.corrupt"] == 2
+    for i in (0, 2, 3, 5):
+        assert torch.equal(read(tier, keys[i]), block_value(i))
+
+    again = tier.verify()
+    assert (again.num_checked, again.checked_bytes, again.bad, again.num_deleted) == (4, 4 * value_bytes, (), 0)
+    assert corrupt_count(tier) == 2 and read_failures == []
+    tier.check_integrity()
+
+
+def test_verify_reads_in_bounded_transactions_and_checks_each_record_once(make_disk, tmp_path, monkeypatch):
+    keys = chain(7)
+    tier = make_disk()
+    for i, key in enumerate(keys):
+        tier.put(key, block_value(i))
+    tier.close()
+    bad_key = sorted(keys)[3]  # the last record of the second transaction
+    rewrite_value(tmp_path / "kv", bad_key, flip_payload_byte)
+    monkeypatch.setattr(lmdb_tier_module, "VERIFY_TXN_BYTES", 2 * record_bytes(SPEC.block_bytes, PAGE))
+    tier = make_disk()
+    opened = []
+    real_read_txn = tier._read_txn
+
+    def counting_read_txn():
+        opened.append(tier.num_open_read_txns())
+        return real_read_txn()
+
+    monkeypatch.setattr(tier, "_read_txn", counting_read_txn)
+    report = tier.verify()
+    assert opened == [0, 0, 0, 0]  # 2 + 2 + 2 + 1 records, one transaction at a time
+    assert report.num_checked == 7 and report.bad == (lmdb_tier_module.BadRecord(bad_key, "pagesum checksum mismatch"),)
+    assert report.num_deleted == 1 and not tier.contains(bad_key) and tier.num_open_read_txns() == 0
+
+
+def test_verify_checks_records_still_queued_once_flushed(make_disk):
+    keys = chain(3)
+    tier = make_disk(options=LmdbOptions(checksum="xxh3"))
+    for i, key in enumerate(keys):
+        tier.put(key, block_value(i))
+    report = tier.verify()
+    assert (report.num_checked, report.bad, report.num_deleted) == (3, (), 0)

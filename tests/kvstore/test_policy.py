@@ -234,7 +234,7 @@ def _drive_store(store: TieredStore, prompts: list[list[bytes]]) -> list[bytes]:
     evicted: list[bytes] = []
 
     class Listener:
-        def block_stored(self, block_id: int, key: bytes) -> None:
+        def block_stored(self, block_id: int, key: bytes, digest: int | None) -> None:
             pass
 
         def block_removed(self, block_id: int, key: bytes) -> None:

@@ -3,6 +3,7 @@ are rejected with one typed `WireError`; memory stays bounded; a pickle payload 
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import resource
 from pathlib import Path
@@ -110,6 +111,11 @@ def wire(**changes):
     (wire(lease_ttl_s=float("nan")), "lease_ttl_s"),
     (wire(lease_ttl_s=-1), "lease_ttl_s"),
     (wire(lease_id=""), "lease_id"),
+    (wire(digests=[1]), r"digests: expected an empty list or one digest per key \(2\)"),
+    (wire(digests=[1, 2**64]), r"digests\[1\]: expected an int in \[0, 2\*\*64\)"),
+    (wire(digests=[1, -1]), r"digests\[1\]"),
+    (wire(digests=[True, 2]), r"digests\[0\]"),
+    (wire(digests="ab"), "digests: expected an empty list"),
     (wire(lease_id="x" * 65), "lease_id"),
     (wire(owner_url="file:///etc/passwd"), "not an http"),
     (wire(owner_agent=None), "owner_agent: expected str"),
@@ -124,6 +130,11 @@ def test_handle_schema_violations_name_the_field(msg, match):
 
 def test_round_trips_and_version_mismatch():
     assert decode_handle(encode_handle(HANDLE)) == HANDLE
+    with_digests = dataclasses.replace(HANDLE, digests=(0, 2**64 - 1))
+    assert decode_handle(encode_handle(with_digests)) == with_digests
+    old = handle_to_wire(HANDLE)
+    del old["digests"]  # from an owner that predates digests: no check
+    assert handle_from_wire(old).digests == ()
     assert decode_meta(encode_meta(META)) == META
     assert decode_notif(encode_notif("done", "c0ffee")).lease_id == "c0ffee"
     with pytest.raises(WireVersionError, match="protocol version 2, this node speaks 1"):

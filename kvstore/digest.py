@@ -1,0 +1,160 @@
+"""Block digests: a 64-bit fingerprint of a keyed block's bytes, checked wherever the block lands.
+
+::
+
+    digest(key, block) = xxh3_64(block bytes, seed = u64-LE of key[0:8])
+
+* The seed binds the digest to the block key, and through the key's SHA-256 chain (`kvstore.block_key`)
+  to the whole token prefix, the cache salt and the `BlockSpec` fingerprint (model weights and layout):
+  the same bytes under another key, model or tenant give another digest.
+* Computed once, when a block becomes keyed (`BlockPool.register_key`, from the bytes the model just
+  wrote), then carried — never recomputed from bytes that may have changed: in the host tier's index,
+  in the disk record's header (the record checksum is this digest), in the `KvHandle` and the KV events.
+* Checked (`IntegrityPolicy`) after every NIXL READ, on every promotion to device, after every InfiniGen
+  recall (per layer slice: `digest_slices`), and by ``kvrelay store verify``. A mismatch is a miss.
+  Disk records are checked whole on every read in every mode (their checksum is the digest).
+* xxh3 comes from the ``xxhash`` package (≈ 25 GB/s from memory, ≈ 60 GB/s from cache on one core of
+  the 2-core build machine). On CUDA, `kernels.triton_digest` computes the same function for many
+  blocks in one launch.
+
+xxh3 detects accidental corruption (flipped, zeroed, stale or swapped bytes) — not an adversary who can
+write KV memory, which no check in the same address space could stop.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import xxhash
+
+if TYPE_CHECKING:  # deploy.config reads the modes below in the router, which does not load torch
+    import numpy as np
+    import torch
+
+    from kvstore.block_key import BlockKey
+
+INTEGRITY_MODES = ("off", "sampled", "all")
+# `kvrelay bench transfer` measured the digest of every block a READ landed at 0.35-0.47 of the READ's own
+# time on the 2-core build machine (xxh3 ≈ 11-15 GB/s reading what UCX wrote at ≈ 5-6 GB/s), far from the
+# 0.05 goal; checking a tenth of the blocks costs ≈ 0.04. So CPU nodes default to ``sampled`` at 0.1.
+DEFAULT_INTEGRITY = "sampled"
+DEFAULT_SAMPLE_RATE = 0.1
+INTEGRITY_WHERE = ("nixl_read", "host", "disk", "recall", "verify")  # label values of the failure counter
+DIGEST_MASK = (1 << 64) - 1
+
+
+def seed_of(key: bytes) -> int:
+    """The xxh3 seed of a block key: its first 8 bytes as a little-endian u64."""
+    return int.from_bytes(key[:8], "little")
+
+
+def _bytes_of(block: torch.Tensor | np.ndarray) -> np.ndarray:
+    import torch
+
+    if not isinstance(block, torch.Tensor):
+        return block
+    if block.device.type != "cpu":
+        raise ValueError(f"block_digest hashes CPU bytes; got a {block.device} tensor (use digest_blocks)")
+    return block.contiguous().view(-1).view(torch.uint8).numpy()
+
+
+def block_digest(key: bytes, block: torch.Tensor | np.ndarray | bytes | memoryview) -> int:
+    """The digest (u64) of one block's bytes under ``key``. ``block``: a CPU tensor (any shape and dtype,
+    hashed in C order), a numpy array or a bytes-like object.
+
+    Raises:
+        ValueError: ``block`` is a tensor on another device.
+    """
+    data = block if isinstance(block, bytes | memoryview) else _bytes_of(block)
+    return xxhash.xxh3_64_intdigest(data, seed=seed_of(key))
+
+
+def slice_seed(layer: int) -> int:
+    """The seed of one layer's slice of a private (unkeyed) block, e.g. an InfiniGen offload: slices of
+    different layers get different digests. Hash the slices with `digest_slices`."""
+    return 0x6B76_7265_6C61_7900 ^ layer
+
+
+def digest_blocks(pool: torch.Tensor, block_ids: Sequence[int], seeds: Sequence[int]) -> list[int]:
+    """``xxh3_64(pool[block_ids[i]], seeds[i])`` for each i, as u64 ints. On CUDA one Triton launch
+    (`kernels.triton_digest`); on CPU one `xxhash` call per block on the row's bytes.
+
+    ``pool``: ``[num_blocks, ...]`` contiguous, block ``b`` = ``pool[b]``'s bytes. ``seeds``: u64 ints.
+    """
+    if not block_ids:
+        return []
+    if pool.device.type == "cuda":
+        import torch
+
+        from kernels.triton_digest import digest_blocks as triton_digest_blocks
+
+        ids = torch.tensor(list(block_ids), dtype=torch.int64, device=pool.device)
+        signed = [s - (1 << 64) if s >= 1 << 63 else s for s in seeds]
+        out = triton_digest_blocks(pool, ids, torch.tensor(signed, dtype=torch.int64, device=pool.device))
+        return [int(d) & DIGEST_MASK for d in out.tolist()]
+    import torch
+
+    rows = pool.view(pool.shape[0], -1).view(torch.uint8).numpy()
+    return [xxhash.xxh3_64_intdigest(rows[b], seed=s) for b, s in zip(block_ids, seeds, strict=True)]
+
+
+def digest_slices(pool: torch.Tensor, block_ids: Sequence[int], layers: Sequence[int]) -> list[int]:
+    """Digest of layer ``layers[i]``'s slice ``pool[block_ids[i], layers[i]]`` (``[2, H, B, D]``, contiguous)
+    of each block, seeded by `slice_seed`. ``pool``: ``[num_blocks, L, 2, H, B, D]`` contiguous."""
+    num_layers = pool.shape[1]
+    rows = pool.view(pool.shape[0] * num_layers, -1)  # slice (b, l) is row b·L + l
+    return digest_blocks(rows, [b * num_layers + lay for b, lay in zip(block_ids, layers, strict=True)],
+                         [slice_seed(lay) for lay in layers])
+
+
+def digest_keyed(pool: torch.Tensor, block_ids: Sequence[int], keys: Sequence[BlockKey]) -> list[int]:
+    """`block_digest` of each ``pool[block_ids[i]]`` under ``keys[i]``, in one batch."""
+    return digest_blocks(pool, block_ids, [seed_of(k) for k in keys])
+
+
+@dataclass(frozen=True, slots=True)
+class IntegrityPolicy:
+    """``kvstore.integrity``: which blocks are checked where they land.
+
+    * ``off``: no digest is computed, carried or checked (the disk tier keeps its own record checksum).
+    * ``all``: every block is checked at every landing.
+    * ``sampled``: digests are computed and carried for every block, and each landing checks a block with
+      probability ``sample_rate`` (a corrupt run of ``n`` blocks goes unseen with ``(1 - rate)^n``).
+
+    Raises:
+        ValueError: an unknown mode or a rate outside (0, 1].
+    """
+
+    mode: str = DEFAULT_INTEGRITY
+    sample_rate: float = DEFAULT_SAMPLE_RATE
+
+    def __post_init__(self) -> None:
+        if self.mode not in INTEGRITY_MODES:
+            raise ValueError(f"integrity {self.mode!r} is not one of {', '.join(INTEGRITY_MODES)}")
+        if not 0 < self.sample_rate <= 1:
+            raise ValueError(f"integrity sample_rate must be in (0, 1], got {self.sample_rate}")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether digests are computed and carried."""
+        return self.mode != "off"
+
+    def pick(self, n: int, rng: random.Random | None = None) -> list[int]:
+        """Indices (ascending) of the ``n`` landed blocks to check."""
+        if self.mode == "all":
+            return list(range(n))
+        if self.mode == "off":
+            return []
+        r = rng or random
+        return [i for i in range(n) if r.random() < self.sample_rate]
+
+
+def first_mismatch(got: Sequence[int], want: Sequence[int | None]) -> int | None:
+    """Index of the first ``got[i] != want[i]`` (a None ``want`` is unknown: no check), or None."""
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        if w is not None and g != w:
+            return i
+    return None
