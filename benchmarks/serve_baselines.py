@@ -20,9 +20,11 @@ from benchmarks.serve_metrics import parse_goodput
 from benchmarks.serve_run import ServerNodes, run_workload
 
 DEFAULT_BASELINES = ("disaggregated", "aggregated", "prefix-cache-off", "transformers")
-# disaggregated-static: 1P1D with each node kept on its own CPUs (`kvrelay up --no-cpu-lending`)
-SERVER_BASELINES = ("disaggregated", "aggregated", "prefix-cache-off", "disaggregated-static")
-ALL_BASELINES = (*DEFAULT_BASELINES, "disaggregated-static", "vllm")
+# disaggregated-static: 1P1D with each node kept on its own CPUs (`kvrelay up --no-cpu-lending`);
+# disaggregated-integrity-off: 1P1D with ``kvstore.integrity: off`` (no block digests), against the default all
+SERVER_BASELINES = ("disaggregated", "aggregated", "prefix-cache-off", "disaggregated-static",
+                    "disaggregated-integrity-off")
+ALL_BASELINES = (*DEFAULT_BASELINES, "disaggregated-static", "disaggregated-integrity-off", "vllm")
 MakeWorkload = Callable[[int], workloads.Workload]
 
 

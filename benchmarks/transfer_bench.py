@@ -12,7 +12,10 @@ pages); ``read_thp`` repeats the configurations the target judges with pools on 
 (UCX moves same-host bytes with CMA, ``process_vm_readv``, whose cost is per page pinned).
 ``descriptor_scaling`` fits time = fixed + n·per_desc for the smallest block size.
 ``loopback_demotion`` compares `KvAgent.local_copy` (device → host through NIXL) with the per-block
-``copy_`` it replaces in the host tier.
+``copy_`` it replaces in the host tier. ``digest_fraction_of_read``: the time to digest the blocks a READ
+landed (what ``kvstore.integrity: all`` adds to a pull, `kvstore.digest`) over the READ's own time, same
+run, and ``sampled_digest_fraction_of_read`` the same for ``sampled`` at the default rate; ``integrity``
+reports the largest of each over the judged configurations (goal <= 0.05).
 """
 
 from __future__ import annotations
@@ -34,6 +37,21 @@ from benchmarks.transfer_read import KIB, MIB, owner_loop, read_sweep, spec_for
 BLOCK_SIZES = (64 * KIB, 256 * KIB, MIB, 4 * MIB)
 BLOCKS_PER_TRANSFER = (1, 4, 16, 64, 256, 1000)
 TARGET = {"min_ratio": 0.7, "min_block_bytes": MIB, "min_blocks_per_transfer": 16}
+INTEGRITY_GOAL = 0.05  # digest time / READ time with kvstore.integrity: all
+
+
+def _integrity(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    judged = [r for r in rows if r["block_bytes"] >= TARGET["min_block_bytes"]
+              and r["blocks_per_transfer"] >= TARGET["min_blocks_per_transfer"]]
+    from kvstore.digest import DEFAULT_SAMPLE_RATE
+
+    every = max((r["digest_fraction_of_read"] for r in rows), default=None)
+    worst = max((r["digest_fraction_of_read"] for r in judged), default=None)
+    sampled = max((r["sampled_digest_fraction_of_read"] for r in judged), default=None)
+    return {"max_fraction_goal": INTEGRITY_GOAL, "max_fraction_judged": worst, "max_fraction_any": every,
+            "met": worst is not None and worst <= INTEGRITY_GOAL, "sample_rate": DEFAULT_SAMPLE_RATE,
+            "sampled_max_fraction_judged": sampled,
+            "sampled_met": sampled is not None and sampled <= INTEGRITY_GOAL}
 
 
 def _min_judged_ratio(rows: list[dict[str, Any]]) -> float | None:
@@ -117,6 +135,7 @@ def run(*, pool_mib: int, target_mib: int, seed: int) -> dict[str, Any]:
         "read_thp": rows_thp,
         "target": {**TARGET, "min_ratio_measured": _min_judged_ratio(rows),
                    "min_ratio_measured_thp": _min_judged_ratio(rows_thp)},
+        "integrity": _integrity(rows),
         "descriptor_scaling": _descriptor_scaling(rows),
         "loopback_demotion": _loopback_demotion(num_blocks=max(8, min(128, pool_mib // 4)), repeats=5, seed=seed),
     }

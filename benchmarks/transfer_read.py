@@ -93,11 +93,13 @@ async def read_sweep(
     seed: int,
 ) -> list[dict[str, Any]]:
     """One row per (block bytes, blocks per transfer) in ``configs`` that fits the pool."""
+    from kvstore.digest import DEFAULT_SAMPLE_RATE, IntegrityPolicy, digest_blocks
     from transfer.lease import TierBlock
     from transfer.nixl_agent import KvAgent
     from transfer.wire import decode_meta
 
     rng = random.Random(seed)
+    sampled = IntegrityPolicy("sampled", DEFAULT_SAMPLE_RATE)
     rows: list[dict[str, Any]] = []
     for block_bytes in sorted({b for b, _ in configs}):
         num_blocks = max(1, pool_bytes // block_bytes)
@@ -115,14 +117,27 @@ async def read_sweep(
                 num_xfers = max(5, min(200, target_bytes // (n * block_bytes)))
                 read_s: list[float] = []
                 copy_s: list[float] = []
+                digest_s: list[float] = []
+                sampled_s: list[float] = []
                 for i in range(num_xfers + 2):  # two warm-up transfers
                     remote_ids = rng.sample(range(num_blocks), n)
                     local_ids = rng.sample(range(num_blocks), n)
                     t_read = await timed_read(agent, link, [TierBlock("device", b) for b in remote_ids], local_ids)
+                    # What a pull adds with ``kvstore.integrity: all`` (the digest of every block it read) and
+                    # with ``sampled`` (of the blocks `IntegrityPolicy.pick` picks), as `Puller._register` does.
+                    seeds = [rng.getrandbits(64) for _ in local_ids]
+                    t0 = time.perf_counter()
+                    digest_blocks(pool, local_ids, seeds)
+                    t1 = time.perf_counter()
+                    picked = sampled.pick(len(local_ids), rng)
+                    digest_blocks(pool, [local_ids[j] for j in picked], [seeds[j] for j in picked])
+                    t_digest, t_sampled = t1 - t0, time.perf_counter() - t1
                     t_copy = memcpy_blocks(pool, source, list(zip(local_ids, remote_ids, strict=True)), block_bytes)
                     if i >= 2:
                         read_s.append(t_read)
                         copy_s.append(t_copy)
+                        digest_s.append(t_digest)
+                        sampled_s.append(t_sampled)
                 nbytes = n * block_bytes
                 read_gbps = nbytes * len(read_s) / sum(read_s) / 1e9
                 copy_gbps = nbytes * len(copy_s) / sum(copy_s) / 1e9
@@ -133,6 +148,9 @@ async def read_sweep(
                     "p50_ms": round(statistics.median(read_s) * 1e3, 4),
                     "p99_ms": round(percentile(read_s, 0.99) * 1e3, 4),
                     "memcpy_p50_ms": round(statistics.median(copy_s) * 1e3, 4),
+                    "digest_gbps": round(nbytes * len(digest_s) / sum(digest_s) / 1e9, 3),
+                    "digest_fraction_of_read": round(sum(digest_s) / sum(read_s), 4),
+                    "sampled_digest_fraction_of_read": round(sum(sampled_s) / sum(read_s), 4),
                 })
             await agent.remove_peer(link)
         finally:

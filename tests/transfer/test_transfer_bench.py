@@ -18,6 +18,11 @@ def test_transfer_bench_reports_reads_scaling_and_demotion(capsys, tmp_path):
     assert (64 * 1024, 1) in sizes and (4 << 20, 4) in sizes
     assert all(r["read_gbps"] > 0 and r["memcpy_gbps"] > 0 and r["p99_ms"] >= r["p50_ms"] for r in result["read"])
     assert result["descriptor_scaling"]["points"][0]["descriptors"] == 1
+    assert all(r["digest_gbps"] > 0 and r["digest_fraction_of_read"] > 0 for r in result["read"])
+    integrity = result["integrity"]
+    assert integrity["max_fraction_any"] == max(r["digest_fraction_of_read"] for r in result["read"])
+    assert integrity["met"] == (integrity["max_fraction_judged"] is not None
+                                and integrity["max_fraction_judged"] <= integrity["max_fraction_goal"])
     assert {r["block_bytes"] for r in result["loopback_demotion"]} == {256 * 1024, 2 << 20}
 
 
