@@ -36,7 +36,9 @@ BASELINE_TO_OVERRIDES: dict[str, dict[str, dict[str, Any]]] = {
     "aggregated": {"prefill": {"ports": []}},
     "prefix-cache-off": {"engine": {"enable_prefix_caching": False}},
     "disaggregated-static": {},
-    "disaggregated-integrity-off": {"kvstore": {"integrity": "off"}},  # the cost of block digests (issue 16)
+    # The cost of block digests (issue 16): the default (sampled) against every block checked and none.
+    "disaggregated-integrity-all": {"kvstore": {"integrity": "all"}},
+    "disaggregated-integrity-off": {"kvstore": {"integrity": "off"}},
 }
 BASELINE_TO_UP_ARGS: dict[str, list[str]] = {"disaggregated-static": ["--no-cpu-lending"]}
 

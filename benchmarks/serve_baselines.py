@@ -21,10 +21,10 @@ from benchmarks.serve_run import ServerNodes, run_workload
 
 DEFAULT_BASELINES = ("disaggregated", "aggregated", "prefix-cache-off", "transformers")
 # disaggregated-static: 1P1D with each node kept on its own CPUs (`kvrelay up --no-cpu-lending`);
-# disaggregated-integrity-off: 1P1D with ``kvstore.integrity: off`` (no block digests), against the default all
-SERVER_BASELINES = ("disaggregated", "aggregated", "prefix-cache-off", "disaggregated-static",
-                    "disaggregated-integrity-off")
-ALL_BASELINES = (*DEFAULT_BASELINES, "disaggregated-static", "disaggregated-integrity-off", "vllm")
+# disaggregated-integrity-all / -off: 1P1D with ``kvstore.integrity`` all / off (the default is sampled)
+INTEGRITY_BASELINES = ("disaggregated-integrity-all", "disaggregated-integrity-off")
+SERVER_BASELINES = ("disaggregated", "aggregated", "prefix-cache-off", "disaggregated-static", *INTEGRITY_BASELINES)
+ALL_BASELINES = (*DEFAULT_BASELINES, "disaggregated-static", *INTEGRITY_BASELINES, "vllm")
 MakeWorkload = Callable[[int], workloads.Workload]
 
 

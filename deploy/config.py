@@ -11,7 +11,7 @@
       disk: {path: /var/lib/kvrelay/kv, bytes: 200GiB, admit: "seen>=2"}   # optional; admit: all | seen>=N
       # each tier also takes policy: cold-tail (default) | lru  (kvstore/policy.py; README "Tier policy")
       integrity: sampled                 # off | sampled (default) | all: block digests checked where blocks land
-      integrity_sample_rate: 0.1         # with sampled: the share of landed blocks checked (kvstore/digest.py)
+      integrity_sample_rate: 0.05        # with sampled: the share of landed blocks checked (kvstore/digest.py)
 
 Sizes are integers (bytes) or strings with a binary unit (``"4096"``, ``512MiB``, ``8GiB``, ``1.5TiB``).
 Relative paths resolve from the working directory. Every bad value or unknown key raises `ConfigError`
