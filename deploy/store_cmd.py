@@ -194,7 +194,19 @@ def store_verify(config: Config, node: str, spec: Callable[[], BlockSpec], *, de
         raise ConfigError(f"kvstore.disk.bytes: {exc}") from None
     failures = tier.metrics.integrity_failures.labels("verify")
     try:
-        report = tier.verify(delete=delete, on_bad=lambda key, problem: failures.inc())
+        # Look first: records of another model or KV layout mean this config is not the node's, not that
+        # the store is corrupt; deleting them would empty a good cache.
+        from kvstore.block_record import FOREIGN_PROBLEM
+
+        report = tier.verify(delete=False)
+        foreign = sum(b.problem == FOREIGN_PROBLEM for b in report.bad)
+        if foreign:
+            raise ConfigError(
+                f"node {node}: {foreign} of {report.num_checked} records in {path} were written for another model "
+                f"or KV layout than this config's (model.path, model.dtype, kvstore.dtype); verify with the "
+                f"config the node serves with (nothing was deleted)")
+        if delete and report.bad:
+            report = tier.verify(delete=True, on_bad=lambda key, problem: failures.inc())
         moved_aside = list(tier.disk_stats().moved_aside)
     finally:
         tier.close()

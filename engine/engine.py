@@ -33,6 +33,7 @@ from model.loader import LoadedModel
 from model.sampling import SamplingParams, TokenLogprobs, sample, token_generator
 
 log = logging.getLogger(__name__)
+MAX_KV_RECOMPUTES = 2  # recomputes after failed integrity checks before a sequence stops offloading
 
 
 class RequestError(ValueError):
@@ -369,16 +370,23 @@ class LLMEngine:
         skipped, so no token is streamed or appended — and is preempted: its blocks and host slots are
         released (`Scheduler.preempt`, which drops its policy state through ``on_free``) and its KV is
         recomputed from its tokens when it is readmitted. Only decode rows are flagged, and those
-        never fork in the step, so every flagged sequence is in ``pairs``."""
+        never fork in the step, so every flagged sequence is in ``pairs``. A sequence flagged a second
+        time (the host copy keeps going bad) is recomputed without its long-context policy, with full
+        attention on device, instead of looping."""
         kept = []
         for seq, row in pairs:
             if not seq.kv_corrupt:
                 kept.append((seq, row))
                 continue
             seq.kv_corrupt = False
+            seq.kv_recomputes += 1
             log.warning("dropped the step's token of %s (sample %d): its KV failed an integrity check; "
                         "recomputing its %d tokens", seq.request_id, seq.index, len(seq.token_ids))
-            self.scheduler.preempt(seq)
+            self.scheduler.preempt(seq)  # frees its policy state (on_free) while it still has a policy
+            if seq.kv_recomputes >= MAX_KV_RECOMPUTES and seq.long_context is not None:
+                log.error("%s (sample %d) failed %d integrity checks of offloaded KV; it continues with full "
+                          "attention on device", seq.request_id, seq.index, seq.kv_recomputes)
+                seq.long_context = None
             self.stats.preemptions += 1
         return kept
 

@@ -61,6 +61,7 @@ class Sequence:
     num_absent_tokens: int = 0  # computed tokens whose KV is not in block_table (see above)
     keys_stopped: bool = False  # a policy rewrote block_table: no more of its blocks are keyed
     kv_corrupt: bool = False  # set during a step by a policy, cleared by the engine after it (see above)
+    kv_recomputes: int = 0  # times its KV was recomputed after a failed integrity check
 
     @property
     def num_output_tokens(self) -> int:

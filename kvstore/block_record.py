@@ -54,6 +54,7 @@ HEADER_BYTES = 128
 LMDB_PAGE_HEADER_BYTES = 16
 _HEAD = struct.Struct("<8sHBxIQ32s32s")  # everything the checksum covers in the header: 88 bytes
 CHECKSUM_OFFSET = _HEAD.size
+FOREIGN_PROBLEM = "written for another BlockSpec fingerprint"  # a record of another model or layout
 CHECKSUM_BYTES = 16
 SUM_PAGE_BYTES = 4096
 
@@ -191,7 +192,7 @@ class RecordCodec:
         if header_len != HEADER_BYTES or payload_len != self.spec.block_bytes:
             return f"header says {header_len}+{payload_len} bytes, expected {HEADER_BYTES}+{self.spec.block_bytes}"
         if fingerprint != self.spec.fingerprint:
-            return "written for another BlockSpec fingerprint"
+            return FOREIGN_PROBLEM
         if stored_key != key:
             return "stored under another key"
         if value_len < HEADER_BYTES + payload_len:

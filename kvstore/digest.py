@@ -8,8 +8,10 @@
   to the whole token prefix, the cache salt and the `BlockSpec` fingerprint (model weights and layout):
   the same bytes under another key, model or tenant give another digest.
 * Computed once, when a block becomes keyed (`BlockPool.register_key`, from the bytes the model just
-  wrote), then carried — never recomputed from bytes that may have changed: in the host tier's index,
-  in the disk record's header (the record checksum is this digest), in the `KvHandle` and the KV events.
+  wrote), then carried with the block: in the host tier's index, in the disk record's header (the record
+  checksum is this digest), in the `KvHandle` and the KV events. It is computed again from landed bytes
+  only for a block that arrives without one (from a node with integrity off, or an older record whose
+  own checksum held).
 * Checked (`IntegrityPolicy`) after every NIXL READ, on every promotion to device, after every InfiniGen
   recall (per layer slice: `digest_slices`), and by ``kvrelay store verify``. A mismatch is a miss.
   Disk records are checked whole on every read in every mode (their checksum is the digest).
@@ -87,19 +89,58 @@ def digest_blocks(pool: torch.Tensor, block_ids: Sequence[int], seeds: Sequence[
     """
     if not block_ids:
         return []
+    import torch
+
     if pool.device.type == "cuda":
-        import torch
+        if _triton_agrees(pool, block_ids[0], seeds[0]):
+            from kernels.triton_digest import digest_blocks as triton_digest_blocks
+
+            out = triton_digest_blocks(pool, _ids(block_ids, pool.device), _signed(seeds, pool.device))
+            return [int(d) & DIGEST_MASK for d in out.tolist()]
+        pool = pool[list(block_ids)].cpu()  # the kernel cannot take these blocks, or disagreed once
+        block_ids = range(len(block_ids))
+    rows = pool.view(pool.shape[0], -1).view(torch.uint8).numpy()
+    return [xxhash.xxh3_64_intdigest(rows[b], seed=s) for b, s in zip(block_ids, seeds, strict=True)]
+
+
+_TRITON_OK: bool | None = None  # whether the compiled kernel gave xxhash's digest (checked on first use)
+
+
+def _ids(block_ids: Sequence[int], device: torch.device) -> torch.Tensor:
+    import torch
+
+    return torch.tensor(list(block_ids), dtype=torch.int64, device=device)
+
+
+def _signed(seeds: Sequence[int], device: torch.device) -> torch.Tensor:
+    import torch
+
+    return torch.tensor([s - (1 << 64) if s >= 1 << 63 else s for s in seeds], dtype=torch.int64, device=device)
+
+
+def _triton_agrees(pool: torch.Tensor, block_id: int, seed: int) -> bool:
+    """Whether the Triton kernel serves this pool: blocks of more than 240 bytes, a multiple of 8, and a
+    kernel that gave `xxhash`'s digest for one block on first use (else every check would fail: CPU then)."""
+    global _TRITON_OK
+    block_bytes = pool[0].numel() * pool.element_size()
+    if block_bytes <= 240 or block_bytes % 8:
+        return False
+    if _TRITON_OK is None:
+        import logging
 
         from kernels.triton_digest import digest_blocks as triton_digest_blocks
 
-        ids = torch.tensor(list(block_ids), dtype=torch.int64, device=pool.device)
-        signed = [s - (1 << 64) if s >= 1 << 63 else s for s in seeds]
-        out = triton_digest_blocks(pool, ids, torch.tensor(signed, dtype=torch.int64, device=pool.device))
-        return [int(d) & DIGEST_MASK for d in out.tolist()]
-    import torch
+        got = int(triton_digest_blocks(pool, _ids([block_id], pool.device), _signed([seed], pool.device))[0])
+        _TRITON_OK = got & DIGEST_MASK == block_digest_seeded(pool[block_id].cpu(), seed)
+        if not _TRITON_OK:
+            logging.getLogger(__name__).error("the Triton digest kernel disagrees with xxhash on this GPU; "
+                                              "hashing KV blocks on the CPU instead")
+    return _TRITON_OK
 
-    rows = pool.view(pool.shape[0], -1).view(torch.uint8).numpy()
-    return [xxhash.xxh3_64_intdigest(rows[b], seed=s) for b, s in zip(block_ids, seeds, strict=True)]
+
+def block_digest_seeded(block: torch.Tensor, seed: int) -> int:
+    """xxh3-64 of a CPU tensor's bytes with an explicit seed."""
+    return xxhash.xxh3_64_intdigest(_bytes_of(block), seed=seed)
 
 
 def digest_slices(pool: torch.Tensor, block_ids: Sequence[int], layers: Sequence[int]) -> list[int]:

@@ -38,6 +38,7 @@ from kvstore.block_key import BlockKey
 from kvstore.block_mover import Block, copy_block
 from kvstore.block_record import HEADER_BYTES, RecordCodec, entry_bytes
 from kvstore.block_spec import BlockSpec
+from kvstore.digest import block_digest
 from kvstore.disk_index import DiskIndex, Entry
 from kvstore.lmdb_env import (
     CORRUPTION_ERRORS,
@@ -343,9 +344,12 @@ class LmdbTier:
         if entry is None:
             return False
         record = entry.record
-        if record is not None:  # still queued: trusted memory
+        if record is not None:  # still queued: in memory, checked against the digest it was put with
             landing = self._landing(dst)
             np.copyto(landing, np.frombuffer(self._codec.payload_view(record), dtype=np.uint8))
+            if entry.digest is not None and block_digest(key, landing) != entry.digest:
+                self._on_bad_record(key, "queued block does not match the digest it was put with")
+                return False
             self._finish_copy(dst, landing)
             return True
         try:

@@ -43,8 +43,9 @@ class Tier(Protocol):
       held (copying nothing). It may evict least-recently-used keys to make room. Returns whether the
       key is held (or queued to be) afterwards.
     * ``get_into(key, dst)`` copies the block into ``dst`` and refreshes its LRU position. False is a
-      miss and says nothing about ``dst``. The host tier copies what its memory holds; the disk tier
-      checks its record checksum (the digest, with integrity on) and returns True only when it holds.
+      miss and says nothing about ``dst``. The host tier copies what its memory holds (the store checks
+      it); the disk tier checks its record checksum (the digest, with integrity on) — a record still
+      queued for writing against the digest it was put with — and returns True only when it holds.
     * ``digest_of(key)``: the block's digest, None when not known (the caller checks `get_into`'s bytes).
     * ``contains``, ``match_prefix`` (length of the leading run of ``keys`` held) change nothing.
     * ``touch(key)`` refreshes the LRU position; False if the key is not held.

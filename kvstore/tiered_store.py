@@ -15,8 +15,9 @@
   order; cold blocks (past `cold_from`) stay cold as they are demoted, and a prefix hit warms them.
 * ``integrity`` (`kvstore.digest`): a block's digest, computed when it is keyed, goes with it to every
   tier (the disk record's checksum is the digest). A promotion checks the bytes that landed on device
-  against it (host) or the record against it (disk); a mismatch is a miss: the block is dropped from
-  the tier it came from, counted in ``kvrelay_kv_integrity_failures_total{where}``, and recomputed.
+  against it (host: every block with ``all``, a sample with ``sampled``) or the record against it (disk:
+  every read); a mismatch is a miss: the block is dropped from the tier it came from, counted in
+  ``kvrelay_kv_integrity_failures_total{where}``, and recomputed.
 
 * The store constructs the `BlockPool` (as ``block_pool``) with its own ``on_evict`` hook; the engine
   allocates, releases and registers keys through ``store.block_pool`` and computes on ``device_pool``.

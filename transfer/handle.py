@@ -13,7 +13,7 @@ All blocks are full and keyed (a tail block shorter than ``block_size_tokens`` i
 reader's completion notification, or until the lease expires (``lease_ttl_s`` after the last renew).
 ``owner_url`` is the base of the owner's transfer endpoints (``/kv/meta``, ``/kv/lease/renew``).
 ``digests`` (`kvstore.digest`, u64 each) are what the reader checks the READ's bytes against; empty when the
-owner runs with ``kvstore.integrity: off``.
+owner runs with ``kvstore.integrity: off`` or holds a block without one (then nothing is checked).
 """
 
 from __future__ import annotations

@@ -207,7 +207,8 @@ class Puller:
         try:
             kept, num_bad = await asyncio.shield(finish)
         except asyncio.CancelledError:
-            # The caller gave up after the bytes arrived: the blocks it would have kept go back to the pool.
+            # The caller gave up after the bytes arrived: the blocks it would have kept go back to the pool
+            # (a `_finish` that failed has given back all of them).
             finish.add_done_callback(lambda f: None if f.cancelled() or f.exception() else asyncio.ensure_future(
                 self._pool_call(lambda: self._pool.release(f.result()[0]))))
             raise
@@ -216,8 +217,14 @@ class Puller:
 
     async def _finish(self, link: PeerLink, handle: KvHandle, res: _Reservation,
                       xfers: list[XferRequest]) -> tuple[list[int], int]:
-        if not await self._agent.complete(xfers, link.name, encode_notif("done", handle.lease_id)):
-            log.warning("could not tell %r that lease %s is done; it unpins at expiry", link.name, handle.lease_id)
+        try:
+            if not await self._agent.complete(xfers, link.name, encode_notif("done", handle.lease_id)):
+                log.warning("could not tell %r that lease %s is done; it unpins at expiry", link.name,
+                            handle.lease_id)
+        except Exception:  # noqa: BLE001 - the READs are over: their blocks go back unkeyed
+            log.exception("completing the READs of lease %s failed", handle.lease_id)
+            await self._pool_call(lambda: self._pool.release(res.block_ids))
+            raise TransferError("internal", "completing the READs failed; the blocks were given back") from None
         return await self._pool_call(lambda: self._register(handle, res))
 
     def _check_shape(self, handle: KvHandle) -> None:
@@ -255,19 +262,26 @@ class Puller:
     def _register(self, handle: KvHandle, res: _Reservation) -> tuple[list[int], int]:
         """Check the read blocks, key those before the first bad one and release the rest. Returns the
         kept block ids (a prefix of ``res.block_ids``) and the number of bad blocks. On the pool's thread."""
-        keys, digests = handle.keys, handle.digests
-        end, num_bad = len(keys), 0
+        keys = handle.keys
         store = self._store
-        if store is not None and digests and store.integrity.enabled:
+        on = store is not None and store.integrity.enabled
+        digests = handle.digests if on else ()  # integrity off here: nothing is checked or carried
+        end, num_bad = len(keys), 0
+        if store is not None and digests:
             picked = [res.missing[j] for j in store.integrity.pick(len(res.missing), self._rng)]
-            got = store.digest_device_blocks([res.block_ids[i] for i in picked], [keys[i] for i in picked])
+            try:
+                got = store.digest_device_blocks([res.block_ids[i] for i in picked], [keys[i] for i in picked])
+            except Exception as exc:  # noqa: BLE001 - nothing is keyed yet: give every block back
+                self._pool.release(res.block_ids)
+                raise TransferError("internal", f"digesting the blocks read failed: {exc}") from exc
             store.integrity_checked("nixl_read", len(picked))
             bad = [i for i, g in zip(picked, got, strict=True) if g != digests[i]]
             if bad:
                 end, num_bad = bad[0], len(bad)
-                store.integrity_failure("nixl_read", keys[end], f"{num_bad} of {len(picked)} blocks read from "
-                                        f"{handle.owner_agent!r} did not match their digests; keeping the "
-                                        f"first {end} of {len(keys)}", num_blocks=num_bad)
+                store.integrity_failure(
+                    "nixl_read", keys[end], f"{num_bad} of {len(picked)} blocks read from {handle.owner_agent!r} "
+                    f"did not match their digests (blocks {bad[:8]}, keys {[keys[i].hex()[:16] for i in bad[:4]]}); "
+                    f"keeping the first {end} of {len(keys)}", num_blocks=num_bad)
         for i in res.missing:
             if i < end:  # False: a concurrent pull keyed it first
                 self._pool.register_key(res.block_ids[i], keys[i], digest=digests[i] if digests else None)

@@ -219,3 +219,20 @@ def test_verify_without_a_disk_tier_or_environment_and_with_another_block_size(v
     assert main(["store", "verify", "--config", str(no_disk)]) == 0
     assert json.loads(capsys.readouterr().out) == {"node": "decode-0", "path": None,
                                                    "note": "no disk tier (kvstore.disk is not set)"}
+
+
+def test_verify_refuses_records_of_another_model_and_deletes_nothing(verify_config, tmp_path, capsys):
+    """Same block size, other fingerprint (another model, or the weights replaced): a config error, not
+    corruption — deleting them would empty a good cache."""
+    spec = served_spec(load_config(verify_config).model.path)
+    keys = write_node_tier(tmp_path, dataclasses.replace(spec, model_fingerprint="other-weights"), 2)
+    assert main(["store", "verify", "--config", str(verify_config)]) == 2
+    err = capsys.readouterr().err
+    assert "node decode-0: 2 of 2 records" in err and "another model or KV layout" in err
+    assert "(nothing was deleted)" in err
+    tier = LmdbTier(dataclasses.replace(spec, model_fingerprint="other-weights"), tmp_path / "kv" / "decode-0",
+                    capacity_bytes=1 << 20)
+    try:
+        assert all(tier.contains(k) for k in keys)
+    finally:
+        tier.close()

@@ -140,3 +140,28 @@ def test_partial_recall_checks_each_slice_against_its_own_offloaded_block(loaded
     assert _metric(eng, "kvrelay_kv_integrity_failures_total") == 0
     assert eng.stats.preemptions == 0
     _assert_baseline(eng)
+
+
+def test_a_host_copy_that_keeps_going_bad_ends_in_full_attention_not_a_loop(loaded, reference):
+    """Every offload of r0 is damaged before its recall: after the second failure r0 is recomputed without
+    its policy (full attention on device) instead of offloading and failing forever."""
+    eng = _engine(loaded)
+    for rid, prompt in zip(("r0", "r1"), _prompts()):
+        eng.add_request(rid, prompt, PARAMS)
+    out: dict[str, list[int]] = {"r0": [], "r1": []}
+    damaged: list[object] = []  # the policy states (one per incarnation of r0) whose offload was damaged
+    steps = 0
+    while eng.has_unfinished():
+        steps += 1
+        assert steps < 500, "r0 never finished"
+        for o in eng.step():
+            out[o.request_id].extend(o.new_token_ids)
+        seq = next((s for s in eng.scheduler.running if s.request_id == "r0"), None)
+        state = None if seq is None else eng.policies.state_of(seq)
+        if state is not None and len(state.host_slots) == 4 and all(d is not state for d in damaged):
+            damaged.append(state)
+            eng.store.host.pool[state.host_slots[3], CORRUPT_LAYER] = CORRUPT_VALUE
+    assert [out["r0"], out["r1"]] == reference
+    assert _metric(eng, "kvrelay_kv_integrity_failures_total") == 2 and eng.stats.preemptions == 2
+    assert len(damaged) == 2  # the third incarnation of r0 had no policy: nothing was offloaded
+    _assert_baseline(eng)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import threading
 
 import lmdb
 import numpy as np
@@ -193,4 +194,21 @@ def test_a_device_block_changed_after_keying_is_not_laundered_into_a_valid_disk_
     store.flush()
     got = store.load(KEYS[:2], store.match_prefix(KEYS[:2]))
     assert len(got) == 1 and failures(store, "disk") == 1
+    store.block_pool.release(got)
+
+
+def test_a_block_still_queued_for_disk_is_checked_too(make_store, monkeypatch):
+    """The writer is held back, so the promotion reads the queued record from memory: checked all the same."""
+    store = make_store(num_device_blocks=4, disk=True, integrity="all")
+    gate = threading.Event()
+    write = store.disk._writer._write
+    monkeypatch.setattr(store.disk._writer, "_write", lambda *args: (gate.wait(10), write(*args))[1])
+    ids = write_blocks(store, KEYS[:2], [block_value(0), block_value(1)])
+    store.device_pool[ids[1]].view(-1)[5] += 1.0  # after the digest was taken
+    store.block_pool.release(ids)
+    store.block_pool.release(store.block_pool.allocate(4))  # demote both to disk: queued, not committed
+    assert store.disk.index.get(KEYS[1]).record is not None
+    got = store.load(KEYS[:2], store.match_prefix(KEYS[:2]))
+    assert len(got) == 1 and failures(store, "disk") == 1 and not store.disk.contains(KEYS[1])
+    gate.set()
     store.block_pool.release(got)
