@@ -47,6 +47,9 @@ def _parse_prompt_ids(text: str) -> list[int]:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    from deploy.serve import use_triton_interpreter
+
+    use_triton_interpreter(args.attention_backend, args.device)  # before the engine's imports load Triton
     from engine.engine import EngineConfig, LLMEngine, RequestError
     from model.loader import load_model
     from model.sampling import SamplingParams
@@ -70,7 +73,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
             seed=args.seed,
         )
-        engine = LLMEngine(loaded, EngineConfig(num_blocks=args.num_blocks))
+        engine = LLMEngine(loaded, EngineConfig(num_blocks=args.num_blocks, attention_backend=args.attention_backend))
         [[token_ids]] = engine.generate([prompt_ids], params)
     except (RequestError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -134,7 +137,8 @@ def serve_config(args: argparse.Namespace, *, free_port: int) -> dict[str, Any]:
         kv["device"] = {"fraction_of_free": args.gpu_memory_utilization}
     if args.kv_cache_memory is not None:
         kv["device"] = {"bytes": args.kv_cache_memory}
-    for key in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching"):
+    for key in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching",
+                "attention_backend"):
         if getattr(args, key) is not None:
             engine[key] = getattr(args, key)
     for key in ("host", "port"):
@@ -248,6 +252,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from deploy.model_cmd import add_model_parser
+    from deploy.service_config import ATTENTION_BACKENDS
     from deploy.store_cmd import add_store_parser
     from model.dtype_names import DTYPE_CHOICES
 
@@ -278,6 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: bfloat16 on CUDA and on CPUs with AMX / AVX512-BF16, else float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--num-blocks", type=int, default=1024)
+    p.add_argument("--attention-backend", default=None, choices=ATTENTION_BACKENDS,
+                   help="default: triton on CUDA, torch on CPU (triton on CPU runs under Triton's interpreter)")
     p.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": "..."}')
     p.set_defaults(func=_cmd_generate)
 
@@ -307,6 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=None, help="engine.max_num_seqs")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="engine.max_num_batched_tokens")
     p.add_argument("--max-model-len", type=int, default=None, help="engine.max_model_len")
+    p.add_argument("--attention-backend", default=None, choices=ATTENTION_BACKENDS, help="engine.attention_backend")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="engine.enable_prefix_caching")
     p.set_defaults(func=_cmd_serve)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import sys
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +47,21 @@ def node_urls(config: Any, role: str) -> tuple[str, ...]:
     return tuple(node_url(_reachable(config.internal.bind), p) for p in ports)
 
 
+def use_triton_interpreter(backend: str | None, device: str) -> None:
+    """The ``triton`` attention backend on a CPU device runs under Triton's interpreter (slow; how tests run
+    the kernels a GPU runs): set ``TRITON_INTERPRET=1`` before the kernels are imported. No-op otherwise.
+
+    Raises:
+        ValueError: the kernels were imported already without it (set TRITON_INTERPRET=1 at start).
+    """
+    if backend != "triton" or device.startswith("cuda") or os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    if "kernels.triton_attention" in sys.modules:
+        raise ValueError("attention_backend triton on CPU needs TRITON_INTERPRET=1 before the kernels load; "
+                         "set it in the environment")
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
 def build_engine(config: Any, *, node_name: str, registry: CollectorRegistry) -> LLMEngine:
     """The engine of one prefill or decode node: model from ``config.model``, tiers from ``config.kvstore``.
 
@@ -55,6 +72,7 @@ def build_engine(config: Any, *, node_name: str, registry: CollectorRegistry) ->
     from model.loader import load_model
 
     m = config.model
+    use_triton_interpreter(config.engine.attention_backend, m.device)
     loaded = load_model(m.path, dtype=m.dtype, device=m.device)
     spec = LLMEngine.block_spec_for(loaded, config.kvstore.block_size_tokens, kv_dtype=config.kvstore.dtype)
     store_config = for_node(config.kvstore, node_name).store_config(spec, device=m.device)
@@ -63,6 +81,7 @@ def build_engine(config: Any, *, node_name: str, registry: CollectorRegistry) ->
         num_blocks=store_config.num_device_blocks, max_num_seqs=e.max_num_seqs,
         max_num_batched_tokens=e.max_num_batched_tokens, max_model_len=e.max_model_len,
         enable_prefix_caching=e.enable_prefix_caching, long_context=config.decode.long_context,
+        attention_backend=e.attention_backend,
     ), spec=spec, store_config=store_config, registry=registry)
 
 

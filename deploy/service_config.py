@@ -2,7 +2,9 @@
 ``decode``, ``router``. Read by `deploy.config.load_config`; every error names its YAML key.
 
     model:    {path, name, dtype (auto | float32 | bfloat16 | float16), device}
-    engine:   {max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching}
+    engine:   {max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching, attention_backend}
+              (attention_backend: torch | reference | triton; unset: triton on CUDA, torch on CPU; triton on
+              CPU runs under Triton's interpreter, for tests)
     internal: {bind, token, token_env, drain_timeout_s}
     prefill:  {ports: [8100, ...], lease_ttl_s, devices: [0, ...], inject_faults: []}
               (devices: CUDA devices per node, for up; inject_faults: tests only, transfer.config.PUBLISH_FAULTS)
@@ -43,6 +45,7 @@ class EngineSection:
     max_num_batched_tokens: int = 1024
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    attention_backend: str | None = None  # model.attention.BACKEND_NAME_TO_CLASS; None: by device
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +174,7 @@ def size(v: Any) -> int:
     return parse_size(v)
 
 
+ATTENTION_BACKENDS = ("reference", "torch", "triton")  # model.attention.BACKEND_NAME_TO_CLASS (no torch here)
 TOKEN_ENV = "KVRELAY_INTERNAL_TOKEN"  # the internal token when the config names none (`kvrelay up` sets it)
 LOOPBACK_BINDS = ("127.0.0.1", "localhost", "::1")
 
@@ -203,7 +207,8 @@ def parse_services(root: Section, *, base_dir: Path, env: Mapping[str, str] | No
     e = root.section("engine")
     engine = EngineSection(e.take("max_num_seqs", positive_int, 64),
                            e.take("max_num_batched_tokens", positive_int, 1024),
-                           e.take("max_model_len", positive_int, None), e.take("enable_prefix_caching", boolean, True))
+                           e.take("max_model_len", positive_int, None), e.take("enable_prefix_caching", boolean, True),
+                           e.take("attention_backend", one_of(ATTENTION_BACKENDS), None))
     e.done()
     i = root.section("internal")
     bind = i.take("bind", string, "127.0.0.1")

@@ -94,6 +94,10 @@ def test_fraction_of_free_without_nvml_fails_at_start_saying_to_use_bytes(tmp_pa
         ("[1, 2]", "kvstore: must be a mapping"),
         ("{device: {bytes: 1GiB}, dtype: auto}",
          "kvstore.dtype: 'auto' is not one of ['bfloat16', 'float16', 'float32']"),
+        ("{device: {bytes: 1GiB}, integrity: maybe}",
+         "kvstore.integrity: 'maybe' is not one of ['off', 'sampled', 'all']"),
+        ("{device: {bytes: 1GiB}, integrity_sample_rate: 0}",
+         "kvstore.integrity_sample_rate: 0 is not a fraction in (0, 1]"),
     ],
 )
 def test_every_bad_value_names_its_key_path(tmp_path, kvstore, message):
@@ -174,6 +178,9 @@ def test_devices_per_node_become_each_node_s_cuda_visible_devices(tmp_path):
     ("prefill: {ports: [8100, 8101], devices: [0]}", "prefill.devices: [0] has 1 entries for 2 nodes (ports)"),
     ("decode: {ports: [8200], devices: [-1]}", "decode.devices: [-1] is not a list of CUDA device indices"),
     ("decode: {ports: [8200], devices: ['gpu0']}", "decode.devices: ['gpu0'] is not a list of CUDA device indices"),
+    ("engine: {attention_backend: flash}", "engine.attention_backend: 'flash' is not one of ['reference', 'torch', "
+                                           "'triton']"),
+    ("prefill: {inject_faults: [melt]}", "prefill.inject_faults: ['melt'] is not a list of"),
     ("router: {prefill_dns: [kvrelay-prefill]}", "router.prefill_dns: ['kvrelay-prefill'] 'kvrelay-prefill' is not "
                                                  "host:port"),
 ])
@@ -181,3 +188,13 @@ def test_bad_devices_and_dns_names_are_named(tmp_path, section, message):
     with pytest.raises(ConfigError) as err:
         load_config(write(tmp_path, f"model: {{path: m}}\nkvstore: {{device: {{bytes: 1GiB}}}}\n{section}\n"))
     assert str(err.value).startswith(message), str(err.value)
+
+
+def test_integrity_modes_and_a_bare_yaml_off(tmp_path):
+    """``off`` unquoted is YAML's false: it still means integrity off. The default is sampled at 0.05."""
+    default = load_config(write(tmp_path, "model: {path: m}\nkvstore: {device: {bytes: 1GiB}}\n")).kvstore
+    assert (default.integrity, default.integrity_sample_rate) == ("sampled", 0.05)
+    for text, want in (("off", "off"), ("'off'", "off"), ("all", "all")):
+        yaml_text = f"model: {{path: m}}\nkvstore: {{device: {{bytes: 1GiB}}, integrity: {text}}}\n"
+        cfg = load_config(write(tmp_path, yaml_text))
+        assert cfg.kvstore.integrity == want
