@@ -1,4 +1,5 @@
-"""``kvrelay bench kernel``: paged decode attention, Triton vs the torch reference, as a share of HBM bandwidth.
+"""``kvrelay bench kernel``: paged decode attention, Triton vs the torch reference, as a share of HBM bandwidth;
+and prefill attention through the unified kernel (`kernels.triton_unified`) as a share of the bf16 matmul rate.
 
 Decode attention is memory-bound, so its figure of merit is bytes moved per second::
 
@@ -7,8 +8,12 @@ Decode attention is memory-bound, so its figure of merit is bytes moved per seco
 reported against two ceilings measured or read in the same run: the HBM peak from NVML (max memory
 clock x bus width x 2 for DDR) and a device-to-device ``torch`` copy of a large buffer (read + write).
 Times are the median of CUDA-event timings after warm-up; the smallest shape's KV (128 MiB) already
-exceeds the H200's 60 MB L2. On a machine without CUDA only a tiny shape of the reference is timed,
-so the command runs everywhere.
+exceeds the H200's 60 MB L2. Decode rows time both the split-K decode kernel and the unified kernel (one
+query per sequence). Prefill rows (``prefill``) time the unified kernel on causal chunks with and without a
+cached prefix: ``flops = 4 · Hq · D · sum over queries of the keys each attends to``, against a bf16
+8192³ ``torch.matmul`` measured in the same run and the datasheet's dense bf16 peak (``--peak-tflops``,
+989 for an H200). On a machine without CUDA only a tiny shape of the reference is timed, so the command
+runs everywhere.
 """
 
 from __future__ import annotations
@@ -26,7 +31,10 @@ from kvstore.block_spec import BlockSpec
 from model.dtype import DTYPE_NAME_TO_TORCH
 
 # (batch, seq_len_tokens); every sequence has the same length so the byte count is exact.
-CUDA_SHAPES = ((8, 8192), (32, 1024), (32, 4096), (64, 2048), (64, 8192))
+CUDA_SHAPES = ((8, 8192), (32, 1024), (32, 4096), (64, 2048), (64, 8192), (4, 32768))
+# (number of sequences, cached prefix tokens, new tokens per sequence)
+PREFILL_SHAPES = ((1, 0, 8192), (4, 0, 2048), (1, 8192, 2048))
+H200_BF16_DENSE_TFLOPS = 989.0
 CUDA_HEADS = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size_tokens=16, dtype="bfloat16")
 CPU_SHAPES = ((4, 256),)
 CPU_HEADS = dict(num_q_heads=8, num_kv_heads=2, head_dim=64, block_size_tokens=16, dtype="float32")
@@ -122,13 +130,20 @@ def bench_shape(batch: int, seq_len: int, heads: dict, device: torch.device, *, 
         row.update(reference_ms=round(ref_ms, 4), reference_bytes_per_s=num_bytes / (ref_ms / 1e3))
         return row
 
-    from kernels import triton_attention
+    from kernels import triton_attention, triton_unified
 
     def run_triton() -> torch.Tensor:
         return triton_attention.paged_decode_attention(**args, scale=scale)
 
+    starts = torch.arange(batch + 1, dtype=torch.int32, device=device)
+
+    def run_unified() -> torch.Tensor:
+        return triton_unified.unified_attention(**args, query_start_loc=starts, scale=scale, max_num_queries=1)
+
     err = (run_triton().float() - run_reference().float()).abs().max().item()
+    unified_err = (run_unified().float() - run_reference().float()).abs().max().item()
     triton_ms = time_cuda_ms(run_triton, warmup=3, iters=iters)
+    unified_ms = time_cuda_ms(run_unified, warmup=3, iters=iters)
     ref_ms = time_cuda_ms(run_reference, warmup=1, iters=reference_iters)
     max_blocks = args["block_tables"].shape[1]
     row.update(
@@ -138,11 +153,51 @@ def bench_shape(batch: int, seq_len: int, heads: dict, device: torch.device, *, 
         reference_ms=round(ref_ms, 4),
         triton_bytes_per_s=num_bytes / (triton_ms / 1e3),
         speedup_vs_reference=round(ref_ms / triton_ms, 2),
+        unified_max_abs_err_vs_reference=unified_err,
+        unified_ms=round(unified_ms, 4),
+        unified_bytes_per_s=num_bytes / (unified_ms / 1e3),
     )
     return row
 
 
-def run_kernel_bench(*, iters: int = 20, reference_iters: int = 3) -> dict:
+def prefill_flops(num_seqs: int, prefix: int, new: int, heads: dict) -> int:
+    """Multiply-adds ×2 of QKᵀ and PV over the causal pairs: query i attends to prefix + i + 1 keys."""
+    pairs = num_seqs * (new * prefix + new * (new + 1) // 2)
+    return 4 * heads["num_q_heads"] * heads["head_dim"] * pairs
+
+
+def bench_prefill(num_seqs: int, prefix: int, new: int, heads: dict, device: torch.device, *, iters: int) -> dict:
+    """The unified kernel on ``num_seqs`` chunks of ``new`` tokens after ``prefix`` cached ones."""
+    from kernels import triton_unified
+
+    seq_len = prefix + new
+    args = make_decode_inputs(num_seqs, seq_len, heads, device, seed=num_seqs * 7 + seq_len)
+    gen = torch.Generator(device=device).manual_seed(seq_len)
+    q = torch.randn(num_seqs * new, heads["num_q_heads"], heads["head_dim"], generator=gen, device=device,
+                    dtype=args["q"].dtype)
+    starts = torch.arange(0, num_seqs * new + 1, new, dtype=torch.int32, device=device)
+    scale = heads["head_dim"] ** -0.5
+
+    def run() -> torch.Tensor:
+        return triton_unified.unified_attention(q, args["k_cache"], args["v_cache"], args["block_tables"],
+                                                args["seq_lens"], starts, scale=scale, max_num_queries=new)
+
+    ms = time_cuda_ms(run, warmup=2, iters=iters)
+    flops = prefill_flops(num_seqs, prefix, new, heads)
+    return {"num_seqs": num_seqs, "prefix_tokens": prefix, "new_tokens": new, **heads, "flops": flops,
+            "unified_ms": round(ms, 4), "tflops": round(flops / (ms / 1e3) / 1e12, 2)}
+
+
+def matmul_tflops(device: torch.device, *, iters: int) -> float:
+    """bf16 8192³ matmul rate in the same run: the dense ceiling a prefill kernel is measured against."""
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn_like(a)
+    ms = time_cuda_ms(lambda: a @ b, warmup=3, iters=iters)
+    return 2 * 8192**3 / (ms / 1e3) / 1e12
+
+
+def run_kernel_bench(*, iters: int = 20, reference_iters: int = 3,
+                     peak_tflops: float = H200_BF16_DENSE_TFLOPS) -> dict:
     """Benchmark paged decode attention on CUDA if present (else the reference on a tiny CPU shape).
 
     Returns a JSON-ready dict: machine label, ceilings (``hbm_peak_bytes_per_s`` from NVML,
@@ -170,9 +225,21 @@ def run_kernel_bench(*, iters: int = 20, reference_iters: int = 3) -> dict:
         row = bench_shape(batch, seq_len, CUDA_HEADS, device, iters=iters, reference_iters=reference_iters)
         row["frac_of_hbm_peak"] = round(row["triton_bytes_per_s"] / peak, 3) if peak else None
         row["frac_of_copy"] = round(row["triton_bytes_per_s"] / copy, 3)
+        row["unified_frac_of_hbm_peak"] = round(row["unified_bytes_per_s"] / peak, 3) if peak else None
         rows.append(row)
         torch.cuda.empty_cache()
     result["shapes"] = rows
+    measured = matmul_tflops(device, iters=iters)
+    result["bf16_matmul_tflops"] = round(measured, 1)
+    result["bf16_peak_tflops"] = peak_tflops
+    prefill = []
+    for num_seqs, prefix, new in PREFILL_SHAPES:
+        row = bench_prefill(num_seqs, prefix, new, CUDA_HEADS, device, iters=max(3, iters // 4))
+        row["frac_of_matmul"] = round(row["tflops"] / measured, 3)
+        row["frac_of_peak"] = round(row["tflops"] / peak_tflops, 3)
+        prefill.append(row)
+        torch.cuda.empty_cache()
+    result["prefill"] = prefill
     return result
 
 
@@ -180,9 +247,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvrelay bench kernel", description=__doc__.splitlines()[0])
     p.add_argument("--iters", type=int, default=20, help="timed calls of the Triton kernel per shape")
     p.add_argument("--reference-iters", type=int, default=3, help="timed calls of the reference per shape")
+    p.add_argument("--peak-tflops", type=float, default=H200_BF16_DENSE_TFLOPS,
+                   help="the GPU's dense bf16 peak (datasheet), for prefill's frac_of_peak")
     p.add_argument("--out", default=None, help="also write the JSON here")
     a = p.parse_args(argv)
-    emit(run_kernel_bench(iters=a.iters, reference_iters=a.reference_iters), a.out)
+    emit(run_kernel_bench(iters=a.iters, reference_iters=a.reference_iters, peak_tflops=a.peak_tflops), a.out)
     return 0
 
 

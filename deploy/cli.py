@@ -1,7 +1,8 @@
 """The ``kvrelay`` command.
 
     kvrelay model pull NAME [--dir DIR] | kvrelay model list
-    kvrelay tiny-model DIR [--seed S --layers N --hidden N --heads N --kv-heads N --vocab N]
+    kvrelay tiny-model DIR [--seed S --layers N --hidden N --heads N --kv-heads N --vocab N --intermediate N
+                            --weights-dtype float32|bfloat16|float16]
     kvrelay generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3) --max-tokens N [--json]
     kvrelay store stats|clear|verify --config FILE [--node NAME]
     kvrelay bench memory|decode|kernel|tiers|transfer|serve|long-context [...]
@@ -33,7 +34,7 @@ def _cmd_tiny_model(args: argparse.Namespace) -> int:
 
     out = write_tiny_model(
         args.dir, seed=args.seed, layers=args.layers, hidden=args.hidden, heads=args.heads,
-        kv_heads=args.kv_heads, vocab=args.vocab,
+        kv_heads=args.kv_heads, vocab=args.vocab, intermediate=args.intermediate, dtype=args.weights_dtype,
     )
     print(f"wrote tiny model to {out}")
     return 0
@@ -267,6 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--vocab", type=int, default=258)
+    p.add_argument("--intermediate", type=int, default=None, help="MLP width (default: 2 x hidden)")
+    p.add_argument("--weights-dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.set_defaults(func=_cmd_tiny_model)
 
     p = sub.add_parser("generate", help="generate in one process, no network")

@@ -45,17 +45,22 @@ def write_tiny_model(
     vocab: int = 258,
     intermediate: int | None = None,
     max_position_embeddings: int = 2048,
+    dtype: str = "float32",
 ) -> Path:
     """Write the model files into ``out_dir`` (created if needed) and return it as a Path.
 
     Files: ``config.json`` (classic form, ``model_type: llama``), ``model.safetensors`` (float32),
     ``generation_config.json``, ``tokenizer.json``, ``tokenizer_config.json`` (with a plain-text chat
     template ``<|role|>\\ncontent\\n``), ``special_tokens_map.json``. ``intermediate`` defaults to
-    ``2 * hidden``; ``head_dim`` is ``hidden // heads``.
+    ``2 * hidden``; ``head_dim`` is ``hidden // heads``. ``dtype`` (``float32`` | ``bfloat16`` | ``float16``):
+    the stored weights' dtype (drawn in float32, then cast: a model with a real model's shapes, e.g.
+    Llama-3.1-8B's, for GPU checks).
 
     Raises:
         ValueError: ``vocab < 258``, or ``hidden`` / ``heads`` / ``kv_heads`` do not divide.
     """
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
     if vocab < 258:
         raise ValueError(f"vocab must be at least 258 (256 bytes + BOS + EOS), got {vocab}")
     if hidden % heads or heads % kv_heads:
@@ -85,13 +90,14 @@ def write_tiny_model(
         "bos_token_id": BOS_ID,
         "eos_token_id": EOS_ID,
         "initializer_range": 0.02,
-        "torch_dtype": "float32",
+        "torch_dtype": dtype,
         "use_cache": True,
     }
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json",
                 {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "do_sample": False})
-    save_file(_random_weights(config, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(_random_weights(config, seed, getattr(torch, dtype)), str(out / "model.safetensors"),
+              metadata={"format": "pt"})
     (out / "tokenizer.json").write_text(byte_level_tokenizer().to_str(pretty=True) + "\n")
     special = {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN}
     _write_json(out / "special_tokens_map.json", special)
@@ -139,15 +145,15 @@ def _bytes_to_unicode() -> dict[int, str]:
     return table
 
 
-def _random_weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
-    """HF-named float32 tensors, drawn in a fixed order from one seeded generator."""
+def _random_weights(config: dict[str, Any], seed: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """HF-named tensors of ``dtype``, drawn in float32 in a fixed order from one seeded generator."""
     gen = torch.Generator().manual_seed(seed)
     hidden, inter = config["hidden_size"], config["intermediate_size"]
     q_size = config["num_attention_heads"] * config["head_dim"]
     kv_size = config["num_key_value_heads"] * config["head_dim"]
 
     def normal(*shape: int, std: float) -> torch.Tensor:
-        return (torch.randn(*shape, generator=gen) * std).contiguous()
+        return (torch.randn(*shape, generator=gen) * std).to(dtype).contiguous()
 
     def linear(out_features: int, in_features: int) -> torch.Tensor:
         return normal(out_features, in_features, std=in_features**-0.5)

@@ -157,3 +157,20 @@ def test_serve_takes_vllm_flags_over_the_yaml_and_says_what_it_runs(tmp_path: Pa
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=60)
+
+
+def test_tiny_model_with_real_shapes_in_bf16_loads_and_generates(tmp_path: Path):
+    """What the GPU check builds at Llama-3.1-8B's shapes, here at a small size: bf16 weights, a set MLP width."""
+    out = kvrelay("tiny-model", str(tmp_path / "m"), "--layers", "1", "--hidden", "128", "--heads", "4",
+                  "--kv-heads", "1", "--intermediate", "384", "--weights-dtype", "bfloat16")
+    assert out.returncode == 0, out.stderr
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert (config["torch_dtype"], config["intermediate_size"], config["head_dim"]) == ("bfloat16", 384, 32)
+    import torch
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "m" / "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+    run = kvrelay("generate", "--model", str(tmp_path / "m"), "--prompt-ids", "1,2,3", "--max-tokens", "3", "--json")
+    assert run.returncode == 0, run.stderr
+    assert len(json.loads(run.stdout)["token_ids"]) == 3

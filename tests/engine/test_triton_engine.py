@@ -10,6 +10,9 @@ import random
 import subprocess
 import sys
 
+import pytest
+import torch
+
 from engine.engine import EngineConfig, LLMEngine
 from model.loader import load_model
 from model.sampling import SamplingParams
@@ -56,3 +59,17 @@ def test_a_kvrelay_up_request_through_triton_gives_the_reference_tokens(tiny_mod
                                  "ignore_eos": True})
         assert code == 200, out
     assert out["choices"][0]["text"] == load_tokenizer(tiny_model_dir).decode(want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_gpu_engine_gives_the_cpu_reference_tokens(tiny_model_dir):
+    """On CUDA (compiled Triton kernels, device pool, KV digests by the Triton kernel): float32 greedy tokens equal
+    the CPU reference backend's, for a batch mixing long and short prompts and a shared prefix."""
+    prompts = [*PROMPTS, PROMPTS[0][:32] + [7, 7, 7]]
+    gpu = LLMEngine(load_model(tiny_model_dir, dtype="float32", device="cuda"),
+                    EngineConfig(num_blocks=64, attention_backend="triton", max_num_batched_tokens=48))
+    assert gpu.kv_pool.device.type == "cuda"
+    assert [o[0] for o in gpu.generate(prompts, PARAMS)] == [
+        o[0] for o in LLMEngine(load_model(tiny_model_dir), EngineConfig(num_blocks=64, attention_backend="reference"))
+        .generate(prompts, PARAMS)]

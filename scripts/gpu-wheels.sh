@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Fetch (here, where the package index is reachable) the wheels the GPU machine lacks, into .gpu-wheels/
+# (git-ignored): nixl + nixl-cu13 (its torch is a CUDA 13 build) and lmdb, for its Python (3.12 by default).
+# The device tool carries the folder with the tree: run(..., carry=[".gpu-wheels"]). About 60 MiB.
+#
+#   bash scripts/gpu-wheels.sh [PYTHON_VERSION]        # e.g. 3.12 (default)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYV="${1:-3.12}"
+PIP="${PIP:-.venv/bin/pip}"
+rm -rf .gpu-wheels && mkdir -p .gpu-wheels
+"$PIP" download --no-deps --only-binary=:all: --python-version "$PYV" --platform manylinux_2_28_x86_64 \
+  -d .gpu-wheels nixl nixl-cu13 lmdb
+du -sh .gpu-wheels && ls .gpu-wheels
