@@ -138,7 +138,7 @@ def bench_shape(batch: int, seq_len: int, heads: dict, device: torch.device, *, 
     starts = torch.arange(batch + 1, dtype=torch.int32, device=device)
 
     def run_unified() -> torch.Tensor:
-        return triton_unified.unified_attention(**args, query_start_loc=starts, scale=scale, max_num_queries=1)
+        return triton_unified.unified_attention(**args, query_start_loc=starts, scale=scale)
 
     err = (run_triton().float() - run_reference().float()).abs().max().item()
     unified_err = (run_unified().float() - run_reference().float()).abs().max().item()
@@ -180,7 +180,7 @@ def bench_prefill(num_seqs: int, prefix: int, new: int, heads: dict, device: tor
 
     def run() -> torch.Tensor:
         return triton_unified.unified_attention(q, args["k_cache"], args["v_cache"], args["block_tables"],
-                                                args["seq_lens"], starts, scale=scale, max_num_queries=new)
+                                                args["seq_lens"], starts, scale=scale)
 
     ms = time_cuda_ms(run, warmup=2, iters=iters)
     flops = prefill_flops(num_seqs, prefix, new, heads)

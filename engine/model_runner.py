@@ -46,6 +46,18 @@ class ModelRunner:
         rows = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
         return torch.tensor(rows, dtype=torch.int32, device=self.device).reshape(len(seqs), width)
 
+    def _step_tables(self, step: ScheduledStep, prefill_lens: list[int], query_start: list[int]
+                     ) -> dict[str, torch.Tensor]:
+        """`AttentionBatch`'s ``step_*`` tables, for a backend with ``unified_attention`` and a step that
+        mixes prefill and decode tokens (else none)."""
+        if not (hasattr(self.backend, "unified_attention") and step.prefills and step.decodes):
+            return {}
+        seqs = [c.seq for c in step.prefills] + list(step.decodes)
+        lens = prefill_lens + [s.num_kv_tokens + 1 for s in step.decodes]
+        starts = query_start + [query_start[-1] + i for i in range(1, len(step.decodes) + 1)]
+        return {"step_block_tables": self._block_tables(seqs), "step_seq_lens": self._tensor(lens),
+                "step_query_start_loc": self._tensor(starts)}
+
     @torch.inference_mode()
     def run(self, step: ScheduledStep, *, kv_hook: KvHook | None = None) -> StepLogits:
         """One forward. Sequences whose pending tokens all get computed this step also get logits.
@@ -89,6 +101,7 @@ class ModelRunner:
             decode_block_tables=self._block_tables(step.decodes),
             decode_seq_lens=self._tensor([s.num_kv_tokens + 1 for s in step.decodes]),
             kv_hook=kv_hook,
+            **self._step_tables(step, prefill_lens, query_start),
         )
         hidden = self.model(
             self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), self.kv_pool, batch,

@@ -7,7 +7,10 @@ A step's tokens are laid out prefill-first::
 
 Prefill sequences may start after a cached prefix (chunked prefill / prefix reuse); every decode
 sequence contributes exactly one token. Decode tokens go through the paged decode kernel, prefill
-tokens through prefill attention, so a sequence's decode math is the same whatever else is batched.
+tokens through prefill attention, so a sequence's decode math is the same whatever else is batched —
+except with a backend that has ``unified_attention`` (Triton): a step holding both prefill and decode
+tokens is one launch over the ``step_*`` tables (decode sequences as one-query sequences); a decode-only
+step keeps the split-K decode kernel, which splits long contexts over more programs.
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ class AttentionBatch:
         decode_seq_lens: ``[Nd]`` int32 tokens each decode sequence attends over, its new token included
             (its KV length: a long-context policy may hold fewer tokens than the sequence's position).
         kv_hook: a long-context policy's per-layer calls (`KvHook`), or None.
+        step_block_tables, step_seq_lens, step_query_start_loc: every sequence of the step, prefill ones
+            then decode ones (one query each), for a backend's ``unified_attention``; None when the
+            step has no prefill or no decode token, or the backend has no such kernel.
     """
 
     slot_mapping: torch.Tensor
@@ -44,6 +50,9 @@ class AttentionBatch:
     decode_block_tables: torch.Tensor
     decode_seq_lens: torch.Tensor
     kv_hook: KvHook | None = None
+    step_block_tables: torch.Tensor | None = None
+    step_seq_lens: torch.Tensor | None = None
+    step_query_start_loc: torch.Tensor | None = None
 
     @property
     def num_decode_tokens(self) -> int:
@@ -148,14 +157,20 @@ class TorchBackend:
 
 
 class TritonBackend:
-    """Triton decode attention and KV write; prefill attention from the reference (runs on CUDA too)."""
+    """Triton kernels: KV write, split-K decode attention, and the unified paged kernel
+    (`kernels.triton_unified`) for prefill and for steps that mix prefill and decode."""
 
     def __init__(self) -> None:
-        from kernels import triton_attention, triton_long_context  # lazily: Triton needs a GPU or TRITON_INTERPRET
+        from kernels import (  # lazily: Triton needs a GPU or TRITON_INTERPRET
+            triton_attention,
+            triton_long_context,
+            triton_unified,
+        )
 
         self.write_kv = triton_attention.write_kv
         self.paged_decode_attention = triton_attention.paged_decode_attention
-        self.prefill_attention = reference.prefill_attention
+        self.prefill_attention = triton_unified.unified_attention
+        self.unified_attention = triton_unified.unified_attention
         self.block_key_summaries = triton_long_context.block_key_summaries
         self.score_blocks = triton_long_context.score_blocks
 
@@ -202,9 +217,18 @@ def paged_attention(
     k_cache, v_cache = layer_cache[:, 0], layer_cache[:, 1]
     backend.write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
     p = batch.num_prefill_tokens
-    out = torch.empty_like(q)
     hook = batch.kv_hook
     prefill_weights, decode_weights = hook.token_weights(layer) if hook is not None else (None, None)
+    if batch.step_block_tables is not None and prefill_weights is None and decode_weights is None:
+        if hook is not None:
+            hook.before_decode(layer, q[p:], layer_cache)
+        out = backend.unified_attention(  # type: ignore[attr-defined]
+            q, k_cache, v_cache, batch.step_block_tables, batch.step_seq_lens, batch.step_query_start_loc,
+            scale=scale)
+        if hook is not None:
+            hook.after_attention(layer)
+        return out
+    out = torch.empty_like(q)
     if p:
         out[:p] = backend.prefill_attention(
             q[:p], k_cache, v_cache, batch.prefill_block_tables, batch.prefill_seq_lens,

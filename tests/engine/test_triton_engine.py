@@ -47,7 +47,22 @@ def test_a_batched_engine_step_through_triton_matches_the_reference(tiny_model_d
     ref = LLMEngine(load_model(tiny_model_dir), EngineConfig(num_blocks=64, attention_backend="reference"))
     tri = LLMEngine(load_model(tiny_model_dir), EngineConfig(num_blocks=64, attention_backend="triton",
                                                              max_num_batched_tokens=48))
+    backend = tri.runner.backend
+    calls = {"mixed": 0, "decode": 0}
+    unified, decode = backend.unified_attention, backend.paged_decode_attention
+
+    def count(kind, fn):
+        def wrapped(*args, **kwargs):
+            calls[kind] += 1
+            return fn(*args, **kwargs)
+        return wrapped
+
+    backend.unified_attention = count("mixed", unified)  # steps with prefill and decode tokens: one launch
+    backend.paged_decode_attention = count("decode", decode)  # decode-only steps: the split-K kernel
     assert [o[0] for o in tri.generate(prompts, PARAMS)] == [o[0] for o in ref.generate(prompts, PARAMS)]
+    num_layers = tri.spec.num_layers
+    assert calls["mixed"] >= num_layers and calls["mixed"] % num_layers == 0
+    assert calls["decode"] >= num_layers
     assert tri.scheduler.num_prefix_hit_tokens >= 32  # the fourth prompt reused the first's two blocks
 
 
