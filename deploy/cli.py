@@ -50,7 +50,11 @@ def _parse_prompt_ids(text: str) -> list[int]:
 def _cmd_generate(args: argparse.Namespace) -> int:
     from deploy.serve import use_triton_interpreter
 
-    use_triton_interpreter(args.attention_backend, args.device)  # before the engine's imports load Triton
+    try:
+        use_triton_interpreter(args.attention_backend, args.device)  # before the engine's imports load Triton
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     from engine.engine import EngineConfig, LLMEngine, RequestError
     from model.loader import load_model
     from model.sampling import SamplingParams
@@ -81,7 +85,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         return 2
     text = tokenizer.decode(token_ids) if tokenizer is not None else ""
     if args.json:
-        print(json.dumps({"token_ids": token_ids, "text": text}))
+        print(json.dumps({"token_ids": token_ids, "text": text, "attention_backend": engine.attention_backend}))
     else:
         print(text if tokenizer is not None else " ".join(map(str, token_ids)))
     return 0

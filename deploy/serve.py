@@ -56,8 +56,8 @@ def use_triton_interpreter(backend: str | None, device: str) -> None:
     """
     if backend != "triton" or device.startswith("cuda") or os.environ.get("TRITON_INTERPRET") == "1":
         return
-    if "kernels.triton_attention" in sys.modules:
-        raise ValueError("attention_backend triton on CPU needs TRITON_INTERPRET=1 before the kernels load; "
+    if "triton" in sys.modules:  # Triton reads the variable when it is imported
+        raise ValueError("attention_backend triton on CPU needs TRITON_INTERPRET=1 before Triton is imported; "
                          "set it in the environment")
     os.environ["TRITON_INTERPRET"] = "1"
 

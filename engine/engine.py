@@ -138,7 +138,8 @@ class LLMEngine:
         self.store = TieredStore(self.spec, store_config, registry=registry)
         self.pool = self.store.block_pool
         self.kv_pool = self.store.device_pool
-        backend = make_backend(self.config.attention_backend or default_backend_name(device))
+        self.attention_backend = self.config.attention_backend or default_backend_name(device)  # the one in use
+        backend = make_backend(self.attention_backend)
         self.runner = ModelRunner(self.model, self.kv_pool, backend, block_size_tokens=self.spec.block_size_tokens)
         tables = BlockTables(self.store.block_pool)  # the one writer of block tables, shared below
         self.policies = KvPolicies(self.store, backend, tables=tables, spec=self.spec, scale=cfg.head_dim**-0.5)

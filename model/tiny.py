@@ -49,7 +49,7 @@ def write_tiny_model(
 ) -> Path:
     """Write the model files into ``out_dir`` (created if needed) and return it as a Path.
 
-    Files: ``config.json`` (classic form, ``model_type: llama``), ``model.safetensors`` (float32),
+    Files: ``config.json`` (classic form, ``model_type: llama``), ``model.safetensors`` (``dtype``),
     ``generation_config.json``, ``tokenizer.json``, ``tokenizer_config.json`` (with a plain-text chat
     template ``<|role|>\\ncontent\\n``), ``special_tokens_map.json``. ``intermediate`` defaults to
     ``2 * hidden``; ``head_dim`` is ``hidden // heads``. ``dtype`` (``float32`` | ``bfloat16`` | ``float16``):

@@ -295,7 +295,7 @@ class EngineNode:
             "role": self.config.role, "node": self.config.name, "model": self.config.model_name,
             "vocab_size": self.engine.model_config.vocab_size, "max_model_len": self.engine.max_model_len,
             "block_size_tokens": spec.block_size_tokens, "spec_fingerprint": spec.fingerprint,
-            "eos_token_ids": sorted(self.engine.eos_token_ids),
+            "eos_token_ids": sorted(self.engine.eos_token_ids), "attention_backend": self.engine.attention_backend,
         })
 
     async def kv_events(self, request: web.Request) -> web.Response:

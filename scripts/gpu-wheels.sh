@@ -10,5 +10,5 @@ PYV="${1:-3.12}"
 PIP="${PIP:-.venv/bin/pip}"
 rm -rf .gpu-wheels && mkdir -p .gpu-wheels
 "$PIP" download --no-deps --only-binary=:all: --python-version "$PYV" --platform manylinux_2_28_x86_64 \
-  -d .gpu-wheels nixl nixl-cu13 lmdb
+  --implementation cp -d .gpu-wheels nixl==1.5.1 nixl-cu13==1.5.1 lmdb==3.0.0  # the versions tested here
 du -sh .gpu-wheels && ls .gpu-wheels

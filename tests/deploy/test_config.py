@@ -198,3 +198,11 @@ def test_integrity_modes_and_a_bare_yaml_off(tmp_path):
         yaml_text = f"model: {{path: m}}\nkvstore: {{device: {{bytes: 1GiB}}, integrity: {text}}}\n"
         cfg = load_config(write(tmp_path, yaml_text))
         assert cfg.kvstore.integrity == want
+
+
+def test_the_config_knows_every_attention_backend_the_engine_has():
+    """deploy reads the names without importing torch; they must stay the engine's."""
+    from deploy.service_config import ATTENTION_BACKENDS
+    from model.attention import BACKEND_NAME_TO_CLASS
+
+    assert sorted(ATTENTION_BACKENDS) == sorted(BACKEND_NAME_TO_CLASS)

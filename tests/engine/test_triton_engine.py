@@ -9,16 +9,21 @@ import os
 import random
 import subprocess
 import sys
+import urllib.request
 
+import msgpack
 import pytest
 import torch
 
 from engine.engine import EngineConfig, LLMEngine
+from engine.long_context import LongContextConfig
+from kvstore.tiered_store import TieredStoreConfig
 from model.loader import load_model
 from model.sampling import SamplingParams
 from model.tokenizer import load_tokenizer
 from tests.services.cluster import Cluster
 from tests.services.test_faults import post
+from transfer.config import TOKEN_HEADER
 
 PROMPTS = [[random.Random(s).randrange(256) for _ in range(n)] for s, n in ((1, 37), (2, 70), (3, 5))]
 PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -38,7 +43,8 @@ def test_generate_with_the_triton_backend_gives_the_reference_tokens(tiny_model_
              ",".join(map(str, prompt)), "--max-tokens", "8", "--dtype", "float32", "--attention-backend", "triton",
              "--json"], capture_output=True, text=True, timeout=300, env=env)
         assert run.returncode == 0, run.stderr[-2000:]
-        assert json.loads(run.stdout)["token_ids"] == tokens
+        got = json.loads(run.stdout)
+        assert (got["token_ids"], got["attention_backend"]) == (tokens, "triton")
 
 
 def test_a_batched_engine_step_through_triton_matches_the_reference(tiny_model_dir):
@@ -66,13 +72,43 @@ def test_a_batched_engine_step_through_triton_matches_the_reference(tiny_model_d
     assert tri.scheduler.num_prefix_hit_tokens >= 32  # the fourth prompt reused the first's two blocks
 
 
+@pytest.mark.parametrize("policy", [
+    # offloaded KV recalled in steps that mix prefill chunks and decodes: the unified path with a KvHook
+    LongContextConfig("infinigen", device_budget_tokens=128, sink_tokens=16, recent_tokens=32, recall_blocks=4),
+    # token weights: the separate prefill and decode kernels (the unified path does not take them)
+    LongContextConfig("h2o", device_budget_tokens=96, sink_tokens=16, recent_tokens=32),
+], ids=["infinigen", "h2o"])
+def test_long_context_policies_through_triton_match_the_reference(tiny_model_dir, policy):
+    prompts = [[random.Random(11 + i).randrange(256) for _ in range(n)] for i, n in enumerate((100, 90, 20))]
+    params = SamplingParams(max_tokens=27, ignore_eos=True)
+    store = TieredStoreConfig(num_device_blocks=96, num_host_blocks=64, watermark_blocks=0)
+
+    def run(backend: str) -> tuple[list[list[int]], LLMEngine]:
+        eng = LLMEngine(load_model(tiny_model_dir), EngineConfig(num_blocks=96, long_context=policy,
+                                                                 attention_backend=backend, max_num_batched_tokens=32),
+                        store_config=store)
+        return [o[0] for o in eng.generate(prompts, params)], eng
+
+    want, _ = run("reference")
+    got, eng = run("triton")
+    assert got == want
+    stats = eng.policies.stats
+    assert (stats.recalled_layer_blocks if policy.policy == "infinigen" else stats.evicted_tokens) > 0
+
+
 def test_a_kvrelay_up_request_through_triton_gives_the_reference_tokens(tiny_model_dir):
     want = _reference(tiny_model_dir)[1]
     overrides = {"engine": {"attention_backend": "triton"}}
-    with Cluster(tiny_model_dir, overrides=overrides, env={"TRITON_INTERPRET": "1"}) as c:
+    # Not set for the nodes: each must turn Triton's interpreter on itself (deploy.serve.use_triton_interpreter).
+    with Cluster(tiny_model_dir, overrides=overrides, env={"TRITON_INTERPRET": ""}) as c:
         code, out = post(c.url, {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0,
                                  "ignore_eos": True})
         assert code == 200, out
+        for url in c.prefill_urls + c.decode_urls:
+            req = urllib.request.Request(url + "/info", headers={TOKEN_HEADER: c.token})
+            with urllib.request.urlopen(req, timeout=5) as resp:
+                info = msgpack.unpackb(resp.read())
+            assert info["attention_backend"] == "triton"
     assert out["choices"][0]["text"] == load_tokenizer(tiny_model_dir).decode(want)
 
 

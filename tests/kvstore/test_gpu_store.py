@@ -18,7 +18,7 @@ def test_blocks_demoted_to_pinned_host_and_promoted_back_are_bit_exact_and_pass_
     keys = chain(24)
     store = TieredStore(SPEC, TieredStoreConfig(num_device_blocks=8, num_host_blocks=32, watermark_blocks=4,
                                                 device="cuda", integrity="all"))
-    assert store.host.pinned and store.device_pool.is_cuda
+    assert store.host.pool.is_pinned() and store.device_pool.is_cuda
     values = [block_value(i) for i in range(24)]
     for i in range(0, 24, 4):  # write 4, release them, and let the watermark pre-copy on the side stream
         ids = store.block_pool.allocate(4)
@@ -26,7 +26,8 @@ def test_blocks_demoted_to_pinned_host_and_promoted_back_are_bit_exact_and_pass_
             store.device_pool[b].copy_(values[i + j])
         store.block_pool.register_keys(ids, keys[i : i + 4], [False] * 4)
         store.block_pool.release(ids)
-        store.maintain_watermark()
+        if i:  # the pool is full from the second round on: the watermark pre-copies on the side stream
+            assert store.maintain_watermark() > 0
     torch.cuda.synchronize()
     digests = [block_digest(k, v) for k, v in zip(keys, values)]
     for k, d in zip(keys, digests):  # the Triton kernel's digests (taken on device) equal xxhash's on the CPU
@@ -46,6 +47,6 @@ def test_blocks_demoted_to_pinned_host_and_promoted_back_are_bit_exact_and_pass_
 
 def test_nvml_reads_free_memory_and_a_fraction_sizes_the_device_tier():
     free = nvml_free_bytes()
-    assert 0 < free <= torch.cuda.get_device_properties(0).total_memory
+    assert abs(free - torch.cuda.mem_get_info()[0]) < 1 << 30  # the same device, read two ways
     got = DeviceTierConfig(free_memory_frac=0.5).resolve_bytes()
     assert abs(got - free // 2) < 1 << 30  # other processes may allocate between the two readings
