@@ -262,6 +262,32 @@ def _check_token_weights(token_weights: torch.Tensor, seq_lens: torch.Tensor, *,
 
 
 @triton.jit
+def _load_kv_tile(
+    k_cache_ptr: tl.tensor, v_cache_ptr: tl.tensor, block_table: tl.tensor, max_blocks: tl.tensor,
+    tile_start: tl.tensor, end: tl.tensor, kv_head: tl.tensor, d: tl.tensor,
+    stride_kc_block: tl.tensor, stride_kc_head: tl.tensor, stride_kc_row: tl.tensor,
+    stride_vc_block: tl.tensor, stride_vc_head: tl.tensor, stride_vc_row: tl.tensor,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, DOT_DTYPE: tl.constexpr,
+):
+    """Positions ``t = tile_start + [0, TILE)`` of one sequence (``block_table``: its row of the block table),
+    their validity ``t < end``, and their K and V rows of ``kv_head`` (``[TILE, DIM_PAD]`` in ``DOT_DTYPE``,
+    0 where invalid). Each position finds its own block, so a tile may span several blocks."""
+    t = tile_start + tl.arange(0, TILE)
+    t_valid = t < end
+    block_idx = t // BLOCK_SIZE
+    block = tl.load(block_table + block_idx, mask=t_valid & (block_idx < max_blocks), other=0).to(tl.int64)
+    row = t % BLOCK_SIZE
+    kv_mask = t_valid[:, None] & (d[None, :] < HEAD_DIM)
+    k_ptrs = (k_cache_ptr + block[:, None] * stride_kc_block + kv_head * stride_kc_head
+              + row[:, None] * stride_kc_row + d[None, :])
+    v_ptrs = (v_cache_ptr + block[:, None] * stride_vc_block + kv_head * stride_vc_head
+              + row[:, None] * stride_vc_row + d[None, :])
+    k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+    v = tl.load(v_ptrs, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+    return t, t_valid, k, v
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr: tl.tensor, k_cache_ptr: tl.tensor, v_cache_ptr: tl.tensor,
     block_tables_ptr: tl.tensor, seq_lens_ptr: tl.tensor,
@@ -298,18 +324,10 @@ def _decode_split_kernel(
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     for tile_start in tl.range(start, end, TILE):
-        t = tile_start + tl.arange(0, TILE)
-        t_valid = t < end
-        block_idx = t // BLOCK_SIZE
-        block = tl.load(block_table + block_idx, mask=t_valid & (block_idx < max_blocks), other=0).to(tl.int64)
-        row = t % BLOCK_SIZE
-        kv_mask = t_valid[:, None] & (d[None, :] < HEAD_DIM)
-        k_ptrs = (k_cache_ptr + block[:, None] * stride_kc_block + kv_head * stride_kc_head
-                  + row[:, None] * stride_kc_row + d[None, :])
-        v_ptrs = (v_cache_ptr + block[:, None] * stride_vc_block + kv_head * stride_vc_head
-                  + row[:, None] * stride_vc_row + d[None, :])
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(DOT_DTYPE)
-        v = tl.load(v_ptrs, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+        t, t_valid, k, v = _load_kv_tile(
+            k_cache_ptr, v_cache_ptr, block_table, max_blocks, tile_start, end, kv_head, d,
+            stride_kc_block, stride_kc_head, stride_kc_row, stride_vc_block, stride_vc_head, stride_vc_row,
+            HEAD_DIM=HEAD_DIM, BLOCK_SIZE=BLOCK_SIZE, TILE=TILE, DOT_DTYPE=DOT_DTYPE)
 
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale_log2  # [GROUP_PAD, TILE]
         if STORE_LOGITS:

@@ -52,6 +52,7 @@ from kernels.triton_attention import (
     _check_same_device,
     _check_tensor,
     _check_token_weights,
+    _load_kv_tile,
     _require,
 )
 
@@ -236,18 +237,10 @@ def _unified_attention_kernel(
     acc = tl.zeros([BLOCK_Q * GROUP_PAD, DIM_PAD], tl.float32)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     for tile_start in tl.range(0, kv_end, TILE):
-        t = tile_start + tl.arange(0, TILE)
-        t_valid = t < kv_end
-        block_idx = t // BLOCK_SIZE
-        block = tl.load(block_table + block_idx, mask=t_valid & (block_idx < max_blocks), other=0).to(tl.int64)
-        row = t % BLOCK_SIZE
-        kv_mask = t_valid[:, None] & (d[None, :] < HEAD_DIM)
-        k_ptrs = (k_cache_ptr + block[:, None] * stride_kc_block + kv_head * stride_kc_head
-                  + row[:, None] * stride_kc_row + d[None, :])
-        v_ptrs = (v_cache_ptr + block[:, None] * stride_vc_block + kv_head * stride_vc_head
-                  + row[:, None] * stride_vc_row + d[None, :])
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(DOT_DTYPE)
-        v = tl.load(v_ptrs, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+        t, t_valid, k, v = _load_kv_tile(
+            k_cache_ptr, v_cache_ptr, block_table, max_blocks, tile_start, kv_end, kv_head, d,
+            stride_kc_block, stride_kc_head, stride_kc_row, stride_vc_block, stride_vc_head, stride_vc_row,
+            HEAD_DIM=HEAD_DIM, BLOCK_SIZE=BLOCK_SIZE, TILE=TILE, DOT_DTYPE=DOT_DTYPE)
 
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale_log2  # [rows, TILE]
         # Every row sees key 0 in the first tile (invalid rows sit past every key), so m_i is finite
