@@ -125,3 +125,64 @@ def test_a_cancelled_pull_gives_its_blocks_back_once_the_read_settles(owner):
             assert all(r.pool.block_id_of(k) is None for k in keys_of(tokens(7, 32)))
 
     run(body())
+
+
+class _Checker:
+    """What `Puller` checks read blocks with (`puller.IntegrityChecker`; the tiered store in a node)."""
+
+    def __init__(self, pool_tensor) -> None:
+        from kvstore.digest import IntegrityPolicy
+
+        self.integrity = IntegrityPolicy("all")
+        self.pool_tensor = pool_tensor
+        self.checked = 0
+        self.failures: list[tuple[str, bytes, int]] = []
+
+    def digest_device_blocks(self, block_ids, keys):
+        from kvstore.digest import digest_keyed
+
+        return digest_keyed(self.pool_tensor, block_ids, keys)
+
+    def integrity_checked(self, where, num_blocks):
+        self.checked += num_blocks
+
+    def integrity_failure(self, where, key, detail, num_blocks=1):
+        self.failures.append((where, key, num_blocks))
+
+
+def test_a_read_block_failing_its_digest_keeps_only_the_verified_prefix(owner):
+    """Issue 16: blocks 2 and 6 of 8 do not match the handle's digests and block 5 is held already: the pull
+    returns blocks 0-1, keys nothing past them, gives the read blocks back unkeyed and the held one its ref."""
+    import dataclasses
+
+    from kvstore.digest import block_digest
+    from tests.transfer.harness import expected_block
+    from transfer.puller import Puller
+
+    async def body():
+        async with open_reader() as r:
+            toks = tokens(7, 8)
+            keys = keys_of(toks)
+            [held] = r.pool.allocate(1)
+            r.block_words(held).copy_(expected_block(SPEC, keys[5]))
+            assert r.pool.register_key(held, keys[5])
+            free_before = r.pool.num_free_blocks
+            handle = await in_thread(lambda: owner.offer(toks))
+            digests = [block_digest(k, expected_block(SPEC, k)) for k in keys]
+            digests[2] ^= 1
+            digests[6] ^= 1
+            checker = _Checker(r.agent.pool("device"))
+            puller = Puller(r.agent, r.pool, r.peers, config=r.puller._config, store=checker)
+            result = await puller.pull(dataclasses.replace(handle, digests=tuple(digests)), deadline_s=20)
+            assert (len(result.block_ids), result.num_read, result.num_held, result.num_bad) == (2, 7, 1, 2)
+            assert [r.pool.key_of(b) for b in result.block_ids] == keys[:2]
+            r.assert_holds(result.block_ids, keys[:2])
+            assert [r.pool.block_id_of(k) for k in keys[2:5] + keys[6:]] == [None] * 5
+            assert r.pool.block_id_of(keys[5]) == held and r.pool.ref_count(held) == 1
+            assert checker.checked == 7 and checker.failures == [("nixl_read", keys[2], 2)]
+            assert r.pool.num_free_blocks == free_before - 2  # only the kept prefix is held
+            r.pool.release(result.block_ids + [held])
+            await puller.aclose()
+            await await_until(lambda: owner.state()["leases"] == 0, 10, "the lease to be released")
+
+    run(body())
