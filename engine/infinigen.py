@@ -115,7 +115,7 @@ class InfiniGen:
         picked = store.integrity.pick(len(dst), self._rng)
         if not picked:
             return
-        store.metrics.integrity_checks.labels("recall").inc(len(picked))
+        store.integrity_checked("recall", len(picked))
         got = digest_slices(self.owner.kv_pool, [dst[i] for i in picked], [layer] * len(picked))
         for i, digest in zip(picked, got, strict=True):
             r, off, j = landed[i]

@@ -131,16 +131,11 @@ def _triton_agrees(pool: torch.Tensor, block_id: int, seed: int) -> bool:
         from kernels.triton_digest import digest_blocks as triton_digest_blocks
 
         got = int(triton_digest_blocks(pool, _ids([block_id], pool.device), _signed([seed], pool.device))[0])
-        _TRITON_OK = got & DIGEST_MASK == block_digest_seeded(pool[block_id].cpu(), seed)
+        _TRITON_OK = got & DIGEST_MASK == digest_blocks(pool[[block_id]].cpu(), [0], [seed])[0]
         if not _TRITON_OK:
             logging.getLogger(__name__).error("the Triton digest kernel disagrees with xxhash on this GPU; "
                                               "hashing KV blocks on the CPU instead")
     return _TRITON_OK
-
-
-def block_digest_seeded(block: torch.Tensor, seed: int) -> int:
-    """xxh3-64 of a CPU tensor's bytes with an explicit seed."""
-    return xxhash.xxh3_64_intdigest(_bytes_of(block), seed=seed)
 
 
 def digest_slices(pool: torch.Tensor, block_ids: Sequence[int], layers: Sequence[int]) -> list[int]:
@@ -192,11 +187,3 @@ class IntegrityPolicy:
             return []
         r = rng or random
         return [i for i in range(n) if r.random() < self.sample_rate]
-
-
-def first_mismatch(got: Sequence[int], want: Sequence[int | None]) -> int | None:
-    """Index of the first ``got[i] != want[i]`` (a None ``want`` is unknown: no check), or None."""
-    for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        if w is not None and g != w:
-            return i
-    return None

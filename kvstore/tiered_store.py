@@ -330,9 +330,9 @@ class TieredStore:
                 continue  # disk: a bad record was dropped and counted (on_corrupt)
             digest = want if want is not None else tier.digest_of(key)  # disk: known once its record was read
             if name == "disk" and digest is not None:
-                self.metrics.integrity_checks.labels("disk").inc()
+                self.integrity_checked("disk", 1)
             if name == "host" and want is not None and self.integrity.pick(1, self._rng):
-                self.metrics.integrity_checks.labels("host").inc()
+                self.integrity_checked("host", 1)
                 got = self.digest_device_blocks([block_id], [key])[0]
                 if got != want:
                     tier.discard(key)
