@@ -5,7 +5,7 @@
                             --weights-dtype float32|bfloat16|float16]
     kvrelay generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3) --max-tokens N [--json]
     kvrelay store stats|clear|verify --config FILE [--node NAME]
-    kvrelay bench memory|decode|kernel|tiers|transfer|serve|long-context [...]
+    kvrelay bench memory|decode|cuda-graphs|kernel|tiers|transfer|serve|long-context [...]
 """
 
 from __future__ import annotations
@@ -78,14 +78,16 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
             seed=args.seed,
         )
-        engine = LLMEngine(loaded, EngineConfig(num_blocks=args.num_blocks, attention_backend=args.attention_backend))
+        engine = LLMEngine(loaded, EngineConfig(num_blocks=args.num_blocks, attention_backend=args.attention_backend,
+                                                cuda_graphs=not args.enforce_eager))
         [[token_ids]] = engine.generate([prompt_ids], params)
     except (RequestError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     text = tokenizer.decode(token_ids) if tokenizer is not None else ""
     if args.json:
-        print(json.dumps({"token_ids": token_ids, "text": text, "attention_backend": engine.attention_backend}))
+        print(json.dumps({"token_ids": token_ids, "text": text, "attention_backend": engine.attention_backend,
+                          "cuda_graph_batch_sizes": list(engine.cuda_graph_sizes)}))
     else:
         print(text if tokenizer is not None else " ".join(map(str, token_ids)))
     return 0
@@ -146,6 +148,8 @@ def serve_config(args: argparse.Namespace, *, free_port: int) -> dict[str, Any]:
                 "attention_backend"):
         if getattr(args, key) is not None:
             engine[key] = getattr(args, key)
+    if args.enforce_eager:
+        engine["cuda_graphs"] = False
     for key in ("host", "port"):
         if getattr(args, key) is not None:
             router[key] = getattr(args, key)
@@ -217,8 +221,8 @@ def _cmd_role(args: argparse.Namespace) -> int:
                     cpu_lock_dir=args.cpu_lock_dir)
 
 
-BENCH_NAMES = ("bandwidth", "cache-policies", "decode", "dtype", "kernel", "load", "long-context", "memory", "serve",
-               "tiers", "transfer")
+BENCH_NAMES = ("bandwidth", "cache-policies", "cuda-graphs", "decode", "dtype", "kernel", "load", "long-context",
+               "memory", "serve", "tiers", "transfer")
 
 
 def _bench_main(name: str) -> Callable[[list[str]], int]:
@@ -228,6 +232,8 @@ def _bench_main(name: str) -> Callable[[list[str]], int]:
         from benchmarks.bandwidth_bench import main
     elif name == "cache-policies":
         from benchmarks.cache_policies import main
+    elif name == "cuda-graphs":
+        from benchmarks.graph_bench import main
     elif name == "decode":
         from benchmarks.decode_bench import main
     elif name == "dtype":
@@ -292,6 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-blocks", type=int, default=1024)
     p.add_argument("--attention-backend", default=None, choices=ATTENTION_BACKENDS,
                    help="default: triton on CUDA, torch on CPU (triton on CPU runs under Triton's interpreter)")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: every decode step runs eagerly")
     p.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": "..."}')
     p.set_defaults(func=_cmd_generate)
 
@@ -324,6 +331,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attention-backend", default=None, choices=ATTENTION_BACKENDS, help="engine.attention_backend")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="engine.enable_prefix_caching")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="engine.cuda_graphs: false (no CUDA graphs; every decode step runs eagerly)")
     p.set_defaults(func=_cmd_serve)
     for role in ("router", "prefill", "decode"):
         p = sub.add_parser(role, help=f"run one {role} process (for separate deployments)")

@@ -2,9 +2,11 @@
 ``decode``, ``router``. Read by `deploy.config.load_config`; every error names its YAML key.
 
     model:    {path, name, dtype (auto | float32 | bfloat16 | float16), device}
-    engine:   {max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching, attention_backend}
+    engine:   {max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching, attention_backend,
+               cuda_graphs, cuda_graph_batch_sizes}
               (attention_backend: torch | reference | triton; unset: triton on CUDA, torch on CPU; triton on
-              CPU runs under Triton's interpreter, for tests)
+              CPU runs under Triton's interpreter, for tests. cuda_graphs (default true): capture decode steps
+              on CUDA for cuda_graph_batch_sizes (default 1, 2, 4, 8, 16, … up to max_num_seqs))
     internal: {bind, token, token_env, drain_timeout_s}
     prefill:  {ports: [8100, ...], lease_ttl_s, devices: [0, ...], inject_faults: []}
               (devices: CUDA devices per node, for up; inject_faults: tests only, transfer.config.PUBLISH_FAULTS)
@@ -46,6 +48,8 @@ class EngineSection:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     attention_backend: str | None = None  # model.attention.BACKEND_NAME_TO_CLASS; None: by device
+    cuda_graphs: bool = True
+    cuda_graph_batch_sizes: tuple[int, ...] | None = None  # None: engine.cuda_graphs.default_batch_sizes
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +167,13 @@ def _faults(v: Any) -> tuple[str, ...]:
     return tuple(v)
 
 
+def _batch_sizes(v: Any) -> tuple[int, ...]:
+    if not isinstance(v, list) or not v or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0
+                                                     for s in v):
+        raise ValueError("is not a non-empty list of positive integers")
+    return tuple(sorted(set(v)))
+
+
 def port_list(v: Any) -> tuple[int, ...]:
     if not isinstance(v, list) or not all(isinstance(p, int) and not isinstance(p, bool) and 0 <= p < 65536
                                           for p in v):
@@ -208,7 +219,11 @@ def parse_services(root: Section, *, base_dir: Path, env: Mapping[str, str] | No
     engine = EngineSection(e.take("max_num_seqs", positive_int, 64),
                            e.take("max_num_batched_tokens", positive_int, 1024),
                            e.take("max_model_len", positive_int, None), e.take("enable_prefix_caching", boolean, True),
-                           e.take("attention_backend", one_of(ATTENTION_BACKENDS), None))
+                           e.take("attention_backend", one_of(ATTENTION_BACKENDS), None),
+                           e.take("cuda_graphs", boolean, True), e.take("cuda_graph_batch_sizes", _batch_sizes, None))
+    if engine.cuda_graph_batch_sizes and max(engine.cuda_graph_batch_sizes) > engine.max_num_seqs:
+        raise ConfigError(f"engine.cuda_graph_batch_sizes: {max(engine.cuda_graph_batch_sizes)} is above "
+                          f"engine.max_num_seqs ({engine.max_num_seqs}); a step never holds that many sequences")
     e.done()
     i = root.section("internal")
     bind = i.take("bind", string, "127.0.0.1")

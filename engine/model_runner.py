@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.cuda_graphs import DecodeGraphs, DecodeRow
 from engine.scheduler import ScheduledStep
 from engine.sequence import Sequence
 from model.attention import AttentionBackend, AttentionBatch, KvHook
@@ -27,6 +28,9 @@ class ModelRunner:
         kv_pool: ``[num_blocks, L, 2, Hkv, B, D]`` on the model's device; written by the model.
         backend: attention backend.
         block_size_tokens: B.
+
+    ``graphs``: captured decode steps (`engine.cuda_graphs.DecodeGraphs`), set by the engine on CUDA; a
+    decode-only step without a long-context policy replays one when its batch fits, else runs eagerly.
     """
 
     def __init__(
@@ -37,6 +41,7 @@ class ModelRunner:
         self.backend = backend
         self.block_size_tokens = block_size_tokens
         self.device = kv_pool.device
+        self.graphs: DecodeGraphs | None = None
 
     def _tensor(self, values: list[int], dtype: torch.dtype = torch.int32) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
@@ -63,7 +68,14 @@ class ModelRunner:
         """One forward. Sequences whose pending tokens all get computed this step also get logits.
 
         ``kv_hook``: the long-context policies' calls for this step (`engine.kv_policy`), or None.
+
+        Raises:
+            ValueError: a position is past the model's sliding window (`LlamaForCausalLM.check_positions`).
         """
+        if self.graphs is not None and kv_hook is None and step.decodes and not step.prefills:
+            replayed = self._replay(step.decodes)
+            if replayed is not None:
+                return replayed
         bs = self.block_size_tokens
         input_ids: list[int] = []
         positions: list[int] = []
@@ -110,6 +122,21 @@ class ModelRunner:
         rows = torch.tensor(sample_rows, dtype=torch.int64, device=hidden.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))
         return StepLogits(sample_seqs, logits)
+
+    def _replay(self, decodes: list[Sequence]) -> StepLogits | None:
+        """A decode-only step through ``self.graphs``, or None when it does not fit one."""
+        assert self.graphs is not None
+        bs = self.block_size_tokens
+        rows = []
+        for seq in decodes:
+            p, row = seq.num_computed_tokens, seq.num_kv_tokens
+            rows.append(DecodeRow(seq.token_ids[p], p, seq.block_table[row // bs] * bs + row % bs, row + 1,
+                                  seq.block_table))
+        if self.graphs.size_for(len(rows)) is None:
+            return None
+        self.model.check_positions(max(r.position for r in rows))
+        logits = self.graphs.run(rows)
+        return None if logits is None else StepLogits(list(decodes), logits)
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy every layer of block ``src`` into block ``dst``."""

@@ -155,7 +155,9 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """One query token per sequence attending over that sequence's cached tokens (flash-decoding).
 
-    Each sequence's token range ``[0, max_blocks * B)`` is cut into `decode_num_splits` equal splits::
+    Each sequence's tokens ``[0, seq_len)`` are cut into `decode_num_splits` splits of whole tiles
+    (``ceil(seq_len / S)`` rounded up to the tile), so a short sequence in a wide table — a CUDA graph's
+    tables are as wide as the model's context — still spreads over every split::
 
         tokens:  [ split 0 ...... | split 1 ...... | ... | split S-1 ]   (splits past seq_len are empty)
         stage 1: grid (N, Hkv, S); one program = all Hq/Hkv query heads of one KV head over one split,
@@ -215,7 +217,6 @@ def paged_decode_attention(
     group = num_q_heads // num_kv_heads
     tile_tokens = max(MIN_TILE_TOKENS, triton.next_power_of_2(block_size))
     num_splits = decode_num_splits(max_tokens)
-    tokens_per_split = triton.cdiv(triton.cdiv(max_tokens, num_splits), tile_tokens) * tile_tokens
     # The interpreter multiplies bf16 as raw integers in tl.dot, and mixed dtypes need float32 anyway.
     interpreted = isinstance(_decode_split_kernel, InterpretedFunction)
     same_dtype = q.dtype == k_cache.dtype
@@ -231,7 +232,7 @@ def paged_decode_attention(
     lse = torch.empty((num_seqs, num_q_heads), dtype=torch.float32, device=device) if want_weights else part_max
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, part_max, part_sum, part_acc, logits,
-        scale * LOG2E, tokens_per_split, block_tables.shape[1], max_tokens,
+        scale * LOG2E, block_tables.shape[1], max_tokens,
         *q.stride()[:2], *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
         GROUP=group, GROUP_PAD=max(MIN_DOT_DIM, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, DIM_PAD=max(MIN_DOT_DIM, triton.next_power_of_2(head_dim)),
@@ -292,7 +293,7 @@ def _decode_split_kernel(
     q_ptr: tl.tensor, k_cache_ptr: tl.tensor, v_cache_ptr: tl.tensor,
     block_tables_ptr: tl.tensor, seq_lens_ptr: tl.tensor,
     part_max_ptr: tl.tensor, part_sum_ptr: tl.tensor, part_acc_ptr: tl.tensor, logits_ptr: tl.tensor,
-    qk_scale_log2: tl.tensor, tokens_per_split: tl.tensor, max_blocks: tl.tensor, max_tokens: tl.tensor,
+    qk_scale_log2: tl.tensor, max_blocks: tl.tensor, max_tokens: tl.tensor,
     stride_q_seq: tl.tensor, stride_q_head: tl.tensor,
     stride_kc_block: tl.tensor, stride_kc_head: tl.tensor, stride_kc_row: tl.tensor,
     stride_vc_block: tl.tensor, stride_vc_head: tl.tensor, stride_vc_row: tl.tensor,
@@ -309,6 +310,7 @@ def _decode_split_kernel(
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
     seq_len = tl.load(seq_lens_ptr + seq)
+    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), TILE) * TILE  # from the length: no host read
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seq_len)
 

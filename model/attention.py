@@ -158,7 +158,13 @@ class TorchBackend:
 
 class TritonBackend:
     """Triton kernels: KV write, split-K decode attention, and the unified paged kernel
-    (`kernels.triton_unified`) for prefill and for steps that mix prefill and decode."""
+    (`kernels.triton_unified`) for prefill and for steps that mix prefill and decode.
+
+    ``supports_cuda_graphs``: its launchers never read device memory on the host (no sync), so a decode
+    step through them can be captured in a CUDA graph (`engine.cuda_graphs`). The other backends read
+    slot or length values back (torch) or loop over sequences on the host (reference)."""
+
+    supports_cuda_graphs = True
 
     def __init__(self) -> None:
         from kernels import (  # lazily: Triton needs a GPU or TRITON_INTERPRET

@@ -178,6 +178,8 @@ class LlamaForCausalLM(nn.Module):
         kv_pool: torch.Tensor,
         batch: AttentionBatch,
         backend: AttentionBackend,
+        *,
+        max_position: int | None = None,
     ) -> torch.Tensor:
         """Run one step and return the final-norm hidden states.
 
@@ -188,6 +190,9 @@ class LlamaForCausalLM(nn.Module):
                 Mutated: every token's key and value are written at ``batch.slot_mapping``.
             batch: the step's attention metadata.
             backend: the attention kernels (`model.attention.make_backend`).
+            max_position: the largest of ``positions`` when the caller knows it (checked against a sliding
+                window without reading ``positions`` back from the device: a sync, which CUDA-graph capture
+                forbids; the caller that passes it has called `check_positions`).
 
         Returns:
             ``[T, hidden_size]`` in the model's dtype, after the final RMSNorm; pass the rows whose
@@ -202,17 +207,23 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(
                 f"kv_pool has {kv_pool.shape[1]} layers; the model has {config.num_hidden_layers}"
             )
-        window = config.sliding_window_tokens
-        if window is not None and positions.numel() and int(positions.max()) >= window:
-            raise ValueError(
-                f"position {int(positions.max())} is past the model's sliding window of {window} tokens; "
-                f"sliding-window attention is not implemented, so sequences are limited to {window} tokens"
-            )
+        if config.sliding_window_tokens is not None and positions.numel():
+            self.check_positions(int(positions.max()) if max_position is None else max_position)
         x = self.model.embed_tokens(input_ids)
         cos_sin = rotary_cos_sin(self.rope_inv_freq, positions, dtype=x.dtype)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos_sin, kv_pool[:, i], batch, backend)
         return self.model.norm(x)
+
+    def check_positions(self, max_position: int) -> None:
+        """Raises ValueError when ``max_position`` is at or past the model's sliding window (sliding-window
+        attention is not implemented, so sequences are limited to the window)."""
+        window = self.config.sliding_window_tokens
+        if window is not None and max_position >= window:
+            raise ValueError(
+                f"position {max_position} is past the model's sliding window of {window} tokens; "
+                f"sliding-window attention is not implemented, so sequences are limited to {window} tokens"
+            )
 
     def prepare_for_inference(self) -> None:
         """Merge q/k/v and gate/up into one matmul each (fewer, larger matmuls a step: on a CPU every

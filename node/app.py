@@ -296,6 +296,7 @@ class EngineNode:
             "vocab_size": self.engine.model_config.vocab_size, "max_model_len": self.engine.max_model_len,
             "block_size_tokens": spec.block_size_tokens, "spec_fingerprint": spec.fingerprint,
             "eos_token_ids": sorted(self.engine.eos_token_ids), "attention_backend": self.engine.attention_backend,
+            "cuda_graph_batch_sizes": list(self.engine.cuda_graph_sizes),
         })
 
     async def kv_events(self, request: web.Request) -> web.Response:

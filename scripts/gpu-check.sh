@@ -9,6 +9,8 @@
 #                    engine's tokens against the CPU reference backend's
 #   kernel.json, kernel.log   kvrelay bench kernel: decode attention as a share of HBM bandwidth at 1k/8k/32k
 #                    context (split-K and unified kernels), prefill TFLOP/s vs a bf16 matmul in the same run
+#   graphs.log       kvrelay bench cuda-graphs: median decode step, CUDA graph vs eager, batch 1 and 8, 1k context,
+#                    on a model with SmolLM2-135M's shapes (random bf16), then on the 8B-shaped one if time is left
 #   serve.json, serve.log     a model with Llama-3.1-8B's shapes and random bf16 weights (`kvrelay tiny-model`),
 #                    served by `kvrelay up` (1 prefill + 1 decode on the GPU), shared-prefix workload: TTFT
 #                    and output tok/s, after one warm-up request (skipped with SERVE=0 or when time is short)
@@ -75,6 +77,17 @@ bench=$?
 tail -n 20 "$OUT_DIR/kernel.log"
 [ "$bench" -ne 0 ] && status=$((status == 0 ? 4 : status))
 
+SMALL="$WORK/smollm2-shapes"
+{
+  timeout "$(left 40)" "$PY" -m deploy.cli tiny-model "$SMALL" --layers 30 --hidden 576 --heads 9 --kv-heads 3 \
+      --intermediate 1536 --vocab 49152 --weights-dtype bfloat16 \
+    && timeout "$(left 70)" "$PY" -m deploy.cli bench cuda-graphs --model "$SMALL" --dtype bfloat16 --device cuda \
+      --context 1024 --batch 1,8 --steps 32 --rounds 3
+} >"$OUT_DIR/graphs.log" 2>&1
+graphs=$?
+tail -n 25 "$OUT_DIR/graphs.log"
+[ "$graphs" -ne 0 ] && status=$((status == 0 ? 6 : status))
+
 serve=skipped
 if [ "$SERVE" = "1" ] && [ $((END - SECONDS)) -ge 180 ]; then
   serve=failed
@@ -130,6 +143,13 @@ PYWAIT
   [ -f "$WORK/serve/summary.json" ] && cp "$WORK/serve/summary.json" "$OUT_DIR/serve.json"
   tail -n 8 "$OUT_DIR/serve.log"
   [ "$serve" != ok ] && status=$((status == 0 ? 5 : status))
+  if [ -d "$MODEL" ] && [ $((END - SECONDS)) -ge 60 ]; then
+    echo "--- the 8B-shaped model" >>"$OUT_DIR/graphs.log"
+    timeout "$(left 80)" "$PY" -m deploy.cli bench cuda-graphs --model "$MODEL" --dtype bfloat16 --device cuda \
+      --context 1024 --batch 1 --steps 16 --rounds 2 >>"$OUT_DIR/graphs.log" 2>&1
+    tail -n 12 "$OUT_DIR/graphs.log"
+  fi
 fi
-echo "gpu-check: tests exit ${status}, kernel bench exit ${bench}, serve ${serve}, $((SECONDS))s; results in $OUT_DIR"
+echo "gpu-check: tests exit ${status}, kernel bench exit ${bench}, graphs bench exit ${graphs}, serve ${serve}," \
+  "$((SECONDS))s; results in $OUT_DIR"
 exit "$status"

@@ -88,6 +88,7 @@ def test_every_bench_name_resolves_to_its_main() -> None:
     mains = {name: _bench_main(name) for name in BENCH_NAMES}
     assert {name: f.__module__ for name, f in mains.items()} == {
         "bandwidth": "benchmarks.bandwidth_bench", "cache-policies": "benchmarks.cache_policies",
+        "cuda-graphs": "benchmarks.graph_bench",
         "decode": "benchmarks.decode_bench",
         "dtype": "benchmarks.dtype_bench", "kernel": "benchmarks.kernel_bench", "load": "benchmarks.load",
         "long-context": "benchmarks.long_context_bench", "memory": "benchmarks.memory_bench",
