@@ -27,7 +27,7 @@ from typing import Any
 
 from decode.config import FAILURE_POLICIES
 from deploy.sizes import ConfigError, parse_size
-from engine.long_context import OVERRIDABLE, POLICIES, LongContextConfig
+from engine.long_context import COUNTS, POLICIES, SELECTIONS, LongContextConfig
 from model.dtype_names import AUTO, DTYPE_CHOICES
 from transfer.config import PUBLISH_FAULTS
 from transfer.discovery import parse_dns_name
@@ -269,14 +269,31 @@ def parse_services(root: Section, *, base_dir: Path, env: Mapping[str, str] | No
 def _long_context(s: Section) -> LongContextConfig:
     """``decode.long_context``; whether the budget fits the block size is checked with the kvstore section."""
     default = LongContextConfig()
-    fields = {"policy": s.take("policy", one_of(POLICIES), default.policy)}
-    for name in OVERRIDABLE[1:]:
+    fields: dict[str, Any] = {"policy": s.take("policy", one_of(POLICIES), default.policy),
+                              "selection": s.take("selection", one_of(SELECTIONS), default.selection),
+                              "speculation_alpha": s.take("speculation_alpha", _non_negative_float,
+                                                          default.speculation_alpha),
+                              "partial_channels_frac": s.take("partial_channels_frac", _unit_fraction,
+                                                              default.partial_channels_frac)}
+    for name in COUNTS:
         fields[name] = s.take(name, _count, getattr(default, name))
     s.done()
     try:
         return LongContextConfig(**fields)
     except ValueError as exc:
         raise ConfigError(f"decode.{exc}") from None
+
+
+def _unit_fraction(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
+        raise ValueError("is not a number in (0, 1]")
+    return float(v)
+
+
+def _non_negative_float(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+        raise ValueError("is not a finite number >= 0")
+    return float(v)
 
 
 def _count(v: Any) -> int:

@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 
 from engine.block_tables import BlockTables
 from engine.cuda_graphs import DecodeGraphs, check_batch_sizes, default_batch_sizes
+from engine.infinigen_speculative import Speculation
 from engine.kv_policy import KvPolicies
 from engine.long_context import LongContextConfig
 from engine.model_runner import ModelRunner
@@ -32,6 +33,7 @@ from kvstore.tiered_store import TieredStore, TieredStoreConfig
 from model.attention import BACKEND_NAME_TO_CLASS, AttentionBackend, default_backend_name, make_backend
 from model.loader import LoadedModel
 from model.sampling import SamplingParams, TokenLogprobs, sample, token_generator
+from model.skew import SkewTables, load_or_compute_skew
 
 log = logging.getLogger(__name__)
 MAX_KV_RECOMPUTES = 2  # recomputes after failed integrity checks before a sequence stops offloading
@@ -137,6 +139,7 @@ class LLMEngine:
         cfg = loaded.config
         self.model_config = cfg
         self.model = loaded.model
+        self._loaded = loaded
         device = next(self.model.parameters()).device
         if spec is None:
             spec = self.block_spec_for(loaded, self.config.block_size_tokens, kv_dtype=self.config.kv_dtype)
@@ -233,6 +236,25 @@ class LLMEngine:
         if config.policy == "infinigen" and self.store.host is None:
             raise ValueError("long_context: infinigen offloads to the host tier, and this node has none; "
                              "size kvstore.host.bytes or use policy h2o")
+        if config.speculative and self.policies.speculative.speculation is None:
+            frac = self.config.long_context.partial_channels_frac  # the deployment's: requests cannot set it
+            self.use_skew(load_or_compute_skew(self._loaded, partial_frac=frac))
+
+    def use_skew(self, tables: SkewTables) -> None:
+        """Speculate with ``tables`` (InfiniGen's skew of this model; `model.skew`). Computed on first need
+        from the calibration text; benchmarks and tests may fit their own first.
+
+        Raises:
+            ValueError: the tables were made for other weights or do not fit the model's shapes.
+        """
+        cfg = self.model_config
+        if tables.model_fingerprint != self._loaded.fingerprint:
+            raise ValueError(f"skew tables of model {tables.model_fingerprint[:16]}, not of this one "
+                             f"({self._loaded.fingerprint[:16]})")
+        want = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, cfg.head_dim)
+        if tuple(tables.rotations.shape) != want:
+            raise ValueError(f"skew rotations of shape {tuple(tables.rotations.shape)}; this model needs {want}")
+        self.policies.speculative.speculation = Speculation(self.model, tables.to(self.kv_pool.device))
 
     def add_request(
         self,
@@ -497,6 +519,7 @@ class LLMEngine:
 
     def close(self) -> None:
         """Commit queued disk writes and close the store; the engine is unusable afterwards."""
+        self.policies.close()
         self.store.close()
 
     def check_integrity(self) -> None:

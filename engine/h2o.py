@@ -60,6 +60,10 @@ class H2O:
         state.positions[:, :, start_row:end] = torch.arange(start_pos, start_pos + num_tokens,
                                                             device=state.positions.device)
 
+    def layer_input(self, layer: int, rows: list[Row], x: torch.Tensor,
+                    cos_sin: tuple[torch.Tensor, torch.Tensor]) -> None:
+        return None
+
     def before_decode(self, layer: int, rows: list[Row], q: torch.Tensor) -> None:
         return None
 

@@ -70,6 +70,17 @@ class InfiniGen:
     def observe(self, layer: int, state: InfiniGenState, weights: torch.Tensor, num_rows: int) -> None:
         return None
 
+    def layer_input(self, layer: int, rows: list[Row], x: torch.Tensor,
+                    cos_sin: tuple[torch.Tensor, torch.Tensor]) -> None:
+        return None
+
+    def on_offload(self, state: InfiniGenState, victims: list[int]) -> None:
+        """Before ``victims`` (device blocks, oldest first) are copied to the host: nothing here; the
+        speculative mode takes their partial keys."""
+
+    def after_offload(self, state: InfiniGenState) -> None:
+        """After an offload added staging blocks: nothing here."""
+
     # ------------------------------------------------------------------ recall
     def before_decode(self, layer: int, rows: list[Row], q: torch.Tensor) -> None:
         """Pick and recall, for every row with offloaded blocks, this layer's top blocks; check the recalled
@@ -162,6 +173,7 @@ class InfiniGen:
             owner.kv_pool, torch.tensor(victims, dtype=torch.int64, device=owner.kv_pool.device))
         if owner.store.integrity.enabled:
             state.slice_digests.extend(self._slice_digests(victims))
+        self.on_offload(state, victims)
         owner.copy_blocks("device", victims, "host", slots)  # falls back to torch; never half done
         state.host_slots.extend(slots)
         owner.tables.replace(seq, front, front + move)  # the victims leave the table (and the pool)
@@ -175,6 +187,7 @@ class InfiniGen:
         for staged in state.staged:
             staged.extend([-1] * len(new))
         owner.tables.replace(seq, front, front, new)  # new staging blocks follow the old ones
+        self.after_offload(state)
         seq.num_absent_tokens = (len(state.host_slots) - len(state.staging)) * bs
         seq.keys_stopped = True
         owner.stats.offloaded_blocks += move

@@ -28,6 +28,7 @@ import torch
 from engine.block_tables import BlockTables
 from engine.h2o import H2O
 from engine.infinigen import InfiniGen
+from engine.infinigen_speculative import SpeculativeInfiniGen
 from engine.policy_api import LongContextStats, Policy, Row
 from engine.scheduler import ScheduledStep
 from engine.sequence import Sequence, SequenceStatus
@@ -64,7 +65,9 @@ class KvPolicies:
         self.scale = scale
         self.stats = LongContextStats()
         self.observer: Observer | None = None
-        self.name_to_policy: dict[str, Policy] = {"h2o": H2O(self), "infinigen": InfiniGen(self)}
+        self.speculative = SpeculativeInfiniGen(self)  # the engine gives it the model's skew tables
+        self.name_to_policy: dict[str, Policy] = {"h2o": H2O(self), "infinigen": InfiniGen(self),
+                                                  "infinigen-speculative": self.speculative}
         self._states: dict[int, tuple[Policy, Any]] = {}  # seq_id → (policy, state); owned here
 
     # ------------------------------------------------------------------ queries
@@ -76,8 +79,9 @@ class KvPolicies:
     def _entry(self, seq: Sequence) -> tuple[Policy, Any]:
         entry = self._states.get(seq.seq_id)
         if entry is None:
-            assert seq.long_context is not None
-            policy = self.name_to_policy[seq.long_context.policy]
+            cfg = seq.long_context
+            assert cfg is not None
+            policy = self.name_to_policy["infinigen-speculative" if cfg.speculative else cfg.policy]
             entry = (policy, policy.new_state(seq))
             self._states[seq.seq_id] = entry
         return entry
@@ -103,6 +107,7 @@ class KvPolicies:
     def after_step(self, running: Seq[Sequence]) -> None:
         """Enforce the budget of every running policy sequence that decodes next (those of this step and
         the ``n > 1`` samples forked in it). Never raises for lack of room: see `LongContextStats.deferred`."""
+        self.speculative.end_step()
         for seq in running:
             if seq.long_context is not None and seq.status is SequenceStatus.RUNNING and seq.is_decode:
                 policy, state = self._entry(seq)
@@ -129,7 +134,37 @@ class KvPolicies:
         reserved = self.store.host.num_reserved if self.store.host is not None else 0
         assert held == reserved, f"host tier reserves {reserved} slots, policy states hold {held}"
 
+    def close(self) -> None:
+        """Stop the prefetch thread (waits for a copy in flight)."""
+        self.speculative.close()
+
     # ------------------------------------------------------------------ copies
+    def copy_rows(self, src_tier: str, src_ids: Seq[int], src_rows: Seq[int], dst_tier: str, dst_ids: Seq[int],
+                  dst_rows: Seq[int], *, layer: int) -> None:
+        """Copy token rows — row ``src_rows[i]`` of block ``src_ids[i]`` to row ``dst_rows[i]`` of ``dst_ids[i]``,
+        layer ``layer`` only — between ``device`` and ``host``: through the node's NIXL agent when one is
+        attached, else with torch (one gather, one scatter)."""
+        if not src_ids:
+            return
+        if self.store.local_copy is not None:
+            try:
+                self.store.local_copy(src_tier, src_ids, dst_tier, dst_ids, layers=[layer] * len(src_ids),
+                                      rows=(src_rows, dst_rows))
+                return
+            except Exception:  # noqa: BLE001 - the destination's bytes are unknown: copy them again
+                log.exception("loopback row copy %s -> %s failed; copying with torch", src_tier, dst_tier)
+                self.stats.copy_fallbacks += 1
+        assert self.store.host is not None
+        pools = {"device": self.kv_pool, "host": self.store.host.pool}
+        src, dst = pools[src_tier][:, layer], pools[dst_tier][:, layer]  # [N, 2, Hkv, B, D]
+
+        def index(values: Seq[int], like: torch.Tensor) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=like.device)
+
+        rows = src[index(src_ids, src), :, :, index(src_rows, src)]  # [n, 2, Hkv, D]
+        dst[index(dst_ids, dst), :, :, index(dst_rows, dst)] = rows.to(dst.device, non_blocking=True)
+
+    # ------------------------------------------------------------------ block copies
     def copy_blocks(self, src_tier: str, src_ids: Seq[int], dst_tier: str, dst_ids: Seq[int], *,
                     layers: Seq[int] | None = None) -> None:
         """Move whole blocks, or one layer each, between ``device`` and ``host``: through the node's NIXL
@@ -180,6 +215,10 @@ class StepHook:
 
     def token_weights(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         return self._prefill_weights, self._decode_weights
+
+    def layer_input(self, layer: int, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> None:
+        for policy, rows in self._by_policy.values():
+            policy.layer_input(layer, rows, x, cos_sin)
 
     def before_decode(self, layer: int, q: torch.Tensor, layer_cache: torch.Tensor) -> None:
         for policy, rows in self._by_policy.values():

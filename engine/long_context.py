@@ -6,9 +6,16 @@ Three policies, picked per deployment (``decode.long_context``) and per request 
 * ``none`` — full attention; every token's KV stays on device.
 * ``h2o`` — permanent eviction: beyond ``device_budget_tokens``, the tokens with the lowest
   accumulated attention outside the first ``sink_tokens`` and the last ``recent_tokens`` are dropped.
-* ``infinigen`` — offload and recall: beyond the budget, whole cold blocks move to the host tier;
-  at every layer of every step the ``recall_blocks`` blocks whose key summaries score highest
-  against the query are copied back into staging blocks before attention. Nothing is lost.
+* ``infinigen`` — offload and recall: beyond the budget, whole cold blocks move to the host tier and
+  come back into ``recall_blocks`` staging blocks, per layer, before attention. Nothing is lost. What
+  comes back is picked by ``selection``:
+
+  * ``blocks`` — at every layer the blocks whose key summaries (Quest-style min/max) score highest
+    against that layer's query, copied synchronously (`engine.infinigen`);
+  * ``speculative`` — as the InfiniGen paper: while layer ``i`` runs, the tokens layer ``i+1`` will
+    attend to are guessed from a partial query and a partial key cache in a few skewed channels
+    (``partial_channels_frac`` of the head dimension; `model.skew`), and those within
+    ``speculation_alpha`` of the best are prefetched into the staging rows (`engine.infinigen_speculative`).
 
 The budget counts whole blocks: a sequence holds at most ``device_budget_tokens // B`` device blocks
 in every decode step (its prompt is on device while it is prefilled).
@@ -22,7 +29,13 @@ from dataclasses import dataclass
 from typing import Any
 
 POLICIES = ("none", "h2o", "infinigen")
-OVERRIDABLE = ("policy", "device_budget_tokens", "sink_tokens", "recent_tokens", "recall_blocks")
+SELECTIONS = ("blocks", "speculative")
+COUNTS = ("device_budget_tokens", "sink_tokens", "recent_tokens", "recall_blocks")
+# What a request may set (``kvrelay.long_context``); ``partial_channels_frac`` is the deployment's: the skew
+# tables are made for one fraction.
+OVERRIDABLE = ("policy", *COUNTS, "selection", "speculation_alpha")
+DEFAULT_PARTIAL_CHANNELS_FRAC = 0.25  # InfiniGen's Llama setup uses 0.2 to 0.3
+DEFAULT_SPECULATION_ALPHA = 4.0  # InfiniGen's speed-up runs; 5 in its accuracy runs
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -38,7 +51,12 @@ class LongContextConfig:
         device_budget_tokens: KV a sequence may keep on device, in tokens (whole blocks count).
         sink_tokens: the first tokens, always kept on device (attention sinks).
         recent_tokens: the last tokens, always kept on device.
-        recall_blocks: ``infinigen``: blocks recalled per layer per step (top-k by key summaries).
+        recall_blocks: ``infinigen``: staging blocks, i.e. blocks (``blocks``) or ``recall_blocks * B``
+            tokens (``speculative``) of offloaded KV each layer attends to per step.
+        selection: ``infinigen``: ``blocks`` | ``speculative`` (see the module doc).
+        speculation_alpha: ``speculative``: fetch the offloaded tokens whose speculated logit
+            (``q·k / sqrt(D)``, natural log units) is within this margin of the best one.
+        partial_channels_frac: ``speculative``: the share of each head's channels in the partial key cache.
 
     Raises:
         ValueError: naming the field, for a wrong type or range.
@@ -49,11 +67,22 @@ class LongContextConfig:
     sink_tokens: int = 16
     recent_tokens: int = 64
     recall_blocks: int = 4
+    selection: str = "blocks"
+    speculation_alpha: float = DEFAULT_SPECULATION_ALPHA
+    partial_channels_frac: float = DEFAULT_PARTIAL_CHANNELS_FRAC
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"long_context.policy: {self.policy!r} is not one of {', '.join(POLICIES)}")
-        for name in ("device_budget_tokens", "sink_tokens", "recent_tokens", "recall_blocks"):
+        if self.selection not in SELECTIONS:
+            raise ValueError(f"long_context.selection: {self.selection!r} is not one of {', '.join(SELECTIONS)}")
+        alpha = self.speculation_alpha
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha < float("inf"):
+            raise ValueError(f"long_context.speculation_alpha: must be a finite number >= 0, got {alpha!r}")
+        frac = self.partial_channels_frac
+        if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 < frac <= 1:
+            raise ValueError(f"long_context.partial_channels_frac: must be in (0, 1], got {frac!r}")
+        for name in COUNTS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**31:
                 raise ValueError(f"long_context.{name}: must be an integer in [0, 2**31), got {value!r}")
@@ -63,6 +92,11 @@ class LongContextConfig:
     @property
     def active(self) -> bool:
         return self.policy != "none"
+
+    @property
+    def speculative(self) -> bool:
+        """InfiniGen with speculative selection (needs the model's skew tables)."""
+        return self.policy == "infinigen" and self.selection == "speculative"
 
     def budget_blocks(self, block_size_tokens: int) -> int:
         return self.device_budget_tokens // block_size_tokens

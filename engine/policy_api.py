@@ -26,7 +26,8 @@ class LongContextStats:
 
     evicted_tokens: int = 0  # h2o: (token, all layers) rows dropped
     offloaded_blocks: int = 0  # infinigen: device blocks moved to host
-    recalled_layer_blocks: int = 0  # infinigen: (block, layer) slices copied back to device
+    recalled_layer_blocks: int = 0  # infinigen, blocks: (block, layer) slices copied back to device
+    recalled_token_rows: int = 0  # infinigen, speculative: (token, layer) rows copied back to device
     deferred: int = 0  # steps a sequence stayed over budget: no free device block (h2o) or host slot (infinigen)
     copy_fallbacks: int = 0  # NIXL loopback copies that failed and were redone with torch
 
@@ -40,6 +41,11 @@ class Policy(Protocol):
 
     def begin_step(self, seq: Sequence, state: Any, *, num_tokens: int) -> None:
         """Before the forward: ``num_tokens`` new tokens of ``seq`` get KV rows this step."""
+
+    def layer_input(self, layer: int, rows: list[Row], x: torch.Tensor,
+                    cos_sin: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Per layer, at its start: ``x`` ``[Nd, hidden]`` is the layer's input (residual stream) of the step's
+        decode rows, ``cos_sin`` their rotary tables ``[Nd, D]``."""
 
     def before_decode(self, layer: int, rows: list[Row], q: torch.Tensor) -> None:
         """Per layer, before decode attention; ``q`` ``[Nd, Hq, D]`` is the step's decode queries. Sets
@@ -86,3 +92,6 @@ class PolicyHost(Protocol):
 
     def copy_blocks(self, src_tier: str, src_ids: Seq[int], dst_tier: str, dst_ids: Seq[int], *,
                     layers: Seq[int] | None = None) -> None: ...
+
+    def copy_rows(self, src_tier: str, src_ids: Seq[int], src_rows: Seq[int], dst_tier: str, dst_ids: Seq[int],
+                  dst_rows: Seq[int], *, layer: int) -> None: ...

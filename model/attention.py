@@ -62,11 +62,15 @@ class AttentionBatch:
 class KvHook(Protocol):
     """What a long-context policy does inside one model step, layer by layer (see `engine.kv_policy`).
 
-    `paged_attention` calls, for each layer: ``before_decode(layer, q_decode, layer_cache)`` after the
+    Each decoder layer first calls ``layer_input(layer, x_decode, cos_sin_decode)`` with its input (the
+    residual stream) of the step's decode tokens and their rotary tables (InfiniGen's speculation of the
+    next layer). `paged_attention` then calls, for each layer: ``before_decode(layer, q_decode, layer_cache)`` after the
     step's KV is written and before decode attention (block selection and recall), then attention
     with ``token_weights(layer)`` as the output buffers for per-token attention weights, then
     ``after_attention(layer)`` (score accumulation).
     """
+
+    def layer_input(self, layer: int, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> None: ...
 
     def before_decode(self, layer: int, q: torch.Tensor, layer_cache: torch.Tensor) -> None: ...
 

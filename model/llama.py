@@ -141,6 +141,9 @@ class DecoderLayer(nn.Module):
         batch: AttentionBatch,
         backend: AttentionBackend,
     ) -> torch.Tensor:
+        hook, p = batch.kv_hook, batch.num_prefill_tokens
+        if hook is not None and batch.num_decode_tokens:
+            hook.layer_input(self.self_attn.layer_idx, x[p:], (cos_sin[0][p:], cos_sin[1][p:]))
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, layer_cache, batch, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
 

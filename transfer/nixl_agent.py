@@ -344,14 +344,17 @@ class KvAgent:
     # --------------------------------------------------------- local moves
     def local_copy(
         self, src_tier: str, src_ids: Sequence[int], dst_tier: str, dst_ids: Sequence[int], *,
-        layers: Sequence[int] | None = None, timeout_s: float = 30.0,
+        layers: Sequence[int] | None = None, rows: tuple[Sequence[int], Sequence[int]] | None = None,
+        timeout_s: float = 30.0,
     ) -> str:
         """Copy blocks ``src_ids`` of ``src_tier`` into ``dst_ids`` of ``dst_tier`` (demotion, recall) and
         wait for it. Goes through NIXL as a loopback WRITE when both tiers are registered, else torch.
 
         ``layers`` (one layer index per pair): copy only that layer's slice of each block (a block is
         ``[L, 2, H, B, D]``, so a layer is one contiguous ``block_bytes / L`` range): InfiniGen's
-        per-layer recall. None copies whole blocks.
+        per-layer recall. None copies whole blocks. ``rows`` (with ``layers``): ``(src_rows, dst_rows)``,
+        one token row (offset in its block) per pair: copy only that token's keys and values of that
+        layer (``2 * H`` runs of ``D`` elements: one descriptor each), InfiniGen's speculative prefetch.
 
         Returns:
             ``"nixl"`` or ``"torch"``: the path that moved the bytes.
@@ -370,41 +373,60 @@ class KvAgent:
         if layers is not None and (len(layers) != len(src_ids)
                                    or any(not 0 <= la < self.spec.num_layers for la in layers)):
             raise ValueError(f"layers must give one index in [0, {self.spec.num_layers}) per block pair")
+        bs = self.spec.block_size_tokens
+        if rows is not None and (layers is None or any(len(r) != len(src_ids) for r in rows)
+                                 or any(not 0 <= x < bs for r in rows for x in r)):
+            raise ValueError(f"rows needs layers and one (src, dst) row in [0, {bs}) per block pair")
         if not src_ids:
             return "nixl" if src.registered and dst.registered else "torch"
         if not (src.registered and dst.registered):
             for i, (s, d) in enumerate(zip(src_ids, dst_ids, strict=True)):
                 if layers is None:
                     dst.tensor[d].copy_(src.tensor[s])
-                else:
+                elif rows is None:
                     dst.tensor[d, layers[i]].copy_(src.tensor[s, layers[i]])
+                else:
+                    dst.tensor[d, layers[i], :, :, rows[1][i]].copy_(src.tensor[s, layers[i], :, :, rows[0][i]])
             return "torch"
         assert not self._closed, "KvAgent is closed"
         if layers is None:
             self._executor.submit(self._nx_local_copy, src_tier, src_ids, dst_tier, dst_ids, timeout_s).result()
         else:
-            self._executor.submit(self._nx_local_copy_layers, src, src_ids, dst, dst_ids, layers, timeout_s).result()
+            self._executor.submit(self._nx_local_copy_layers, src, src_ids, dst, dst_ids, layers, rows,
+                                  timeout_s).result()
         return "nixl"
 
     def _nx_local_copy_layers(
         self, src: TierPool, src_ids: Sequence[int], dst: TierPool, dst_ids: Sequence[int],
-        layers: Sequence[int], timeout_s: float,
+        layers: Sequence[int], rows: tuple[Sequence[int], Sequence[int]] | None, timeout_s: float,
     ) -> None:
-        layer_bytes = self.spec.block_bytes // self.spec.num_layers
+        """Layer slices (``rows`` None) or token rows of layer slices: one descriptor per slice, or per
+        (pair, K/V, head) run of ``D`` elements (a slice is ``[2, H, B, D]``)."""
+        spec = self.spec
+        layer_bytes = spec.block_bytes // spec.num_layers
+        run_bytes = layer_bytes // (2 * spec.num_kv_heads * spec.block_size_tokens)  # one token, one head: D
 
-        def descs(pool: TierPool, ids: Sequence[int]) -> np.ndarray:
-            rows = np.empty((len(ids), 3), dtype=np.uint64)
-            rows[:, 0] = (np.uint64(pool.region.base_addr)
-                          + np.asarray(ids, dtype=np.uint64) * np.uint64(pool.region.block_stride_bytes)
-                          + np.asarray(layers, dtype=np.uint64) * np.uint64(layer_bytes))
-            rows[:, 1] = layer_bytes
-            rows[:, 2] = pool.region.device_id
-            return rows
+        def descs(pool: TierPool, ids: Sequence[int], side: int) -> np.ndarray:
+            base = (np.uint64(pool.region.base_addr)
+                    + np.asarray(ids, dtype=np.uint64) * np.uint64(pool.region.block_stride_bytes)
+                    + np.asarray(layers, dtype=np.uint64) * np.uint64(layer_bytes))
+            length = layer_bytes
+            if rows is not None:  # runs (kv, head) of each pair's row: offsets kv·H·B·D + head·B·D + row·D
+                runs = np.arange(2 * spec.num_kv_heads, dtype=np.uint64) * np.uint64(spec.block_size_tokens
+                                                                                       * run_bytes)
+                row = np.asarray(rows[side], dtype=np.uint64) * np.uint64(run_bytes)
+                base = ((base + row)[:, None] + runs[None, :]).reshape(-1)
+                length = run_bytes
+            out = np.empty((base.shape[0], 3), dtype=np.uint64)
+            out[:, 0] = base
+            out[:, 1] = length
+            out[:, 2] = pool.region.device_id
+            return out
 
         try:
             handle = self._agent.initialize_xfer(
-                "WRITE", self._agent.get_xfer_descs(descs(src, src_ids), src.region.mem_type),
-                self._agent.get_xfer_descs(descs(dst, dst_ids), dst.region.mem_type), self.name)
+                "WRITE", self._agent.get_xfer_descs(descs(src, src_ids, 0), src.region.mem_type),
+                self._agent.get_xfer_descs(descs(dst, dst_ids, 1), dst.region.mem_type), self.name)
         except NIXL_ERRORS as exc:
             raise TransferError("read_error", f"loopback layer copy {src.name}→{dst.name} failed: "
                                 f"{type(exc).__name__}") from None
