@@ -16,10 +16,12 @@ what comes back and when::
 
 ``C = recall_blocks * B`` (the staging blocks' rows) caps what layer ``i+1`` sees of the offloaded tokens;
 the margin ``alpha`` (``speculation_alpha``) decides what must be fetched this step — tokens already staged
-stay without a copy, so a stable pattern moves little. Layers ``0 .. SPECULATE_FROM - 1`` select with their
-own exact query (InfiniGen runs its first two layers dense: a layer's input predicts poorly there), before
-their attention, synchronously. The copy of layer ``i+1`` runs on a prefetch thread (on CUDA, on a side stream
-ordered by events) while the main thread computes layer ``i``'s attention and MLP.
+stay without a copy, so a stable pattern moves little (what a layer attends to then depends on what it
+staged before, not only on this step's query). Layers before `first_speculated_layer` (layers 0 and 1, or
+layer 0 of a 2-layer model) select with their own exact query, synchronously, before their attention
+(InfiniGen runs its first two layers dense: there a layer's input predicts the next layer poorly). The copy
+of layer ``i+1`` runs on a prefetch thread (on CUDA, on a side stream ordered by events) while the main
+thread computes layer ``i``'s attention and MLP.
 
 Integrity (when ``store.integrity`` is on): each copy hashes a pick of the host slices its tokens were read
 from and compares them with the digests taken at offload; a mismatch flags the sequence (`Sequence.kv_corrupt`)
@@ -43,6 +45,12 @@ from model.llama import LlamaForCausalLM
 from model.skew import SkewTables, partial_keys, partial_query, speculation_query
 
 SPECULATE_FROM = 2  # layers before it select with their own query (InfiniGen keeps layers 0 and 1 dense)
+
+
+def first_speculated_layer(num_layers: int) -> int:
+    """`SPECULATE_FROM`, lowered for a model too shallow to have speculated layers past it (a 2-layer model
+    speculates its layer 1): every layer but the first may be speculated."""
+    return min(SPECULATE_FROM, max(1, num_layers - 1))
 _RANK_STEP = 1e9  # larger than any score range: ranks fetched tokens, then staged ones, then the rest
 
 
@@ -74,6 +82,7 @@ class SpeculativeInfiniGen(InfiniGen):
         self._pending: dict[int, tuple[Future[int], torch.cuda.Event | None]] = {}  # layer → its prefetch
         self._side: torch.cuda.Stream | None = None
         self._rng = random.Random()
+        self.first_speculated = first_speculated_layer(owner.spec.num_layers)
 
     def new_state(self, seq: Sequence) -> SpeculativeState:
         base = super().new_state(seq)
@@ -120,7 +129,7 @@ class SpeculativeInfiniGen(InfiniGen):
         ``layer + 1``'s tokens for every row with offloaded KV and start their prefetch."""
         nxt = layer + 1
         todo = [r for r in rows if r.state.host_slots]
-        if not todo or nxt >= self.owner.spec.num_layers or nxt < SPECULATE_FROM:
+        if not todo or nxt >= self.owner.spec.num_layers or nxt < self.first_speculated:
             return
         assert self.speculation is not None
         idx = torch.tensor([r.row for r in todo], dtype=torch.int64, device=x.device)
@@ -131,7 +140,7 @@ class SpeculativeInfiniGen(InfiniGen):
         self._pending[nxt] = self._submit(lambda: self._recall(nxt, todo, q_part))
 
     def before_decode(self, layer: int, rows: list[Row], q: torch.Tensor) -> None:
-        """Layers before `SPECULATE_FROM` (or a layer whose prefetch was not started): select with the
+        """Layers before ``first_speculated`` (or a layer whose prefetch was not started): select with the
         layer's own query and copy now. Others: wait for the prefetch started at the previous layer."""
         pending = self._pending.pop(layer, None)
         if pending is not None:

@@ -133,8 +133,17 @@ def test_decode_long_context_section(tmp_path):
                                               "1024, sink_tokens: 32, recent_tokens: 128, recall_blocks: 8}\n"))
     assert config.decode.long_context == LongContextConfig("infinigen", 1024, 32, 128, 8)
     assert load_config(write(tmp_path, base)).decode.long_context == LongContextConfig()
+    spec = load_config(write(tmp_path, base + "decode:\n  long_context: {policy: infinigen, selection: speculative, "
+                                            "speculation_alpha: 3, partial_channels_frac: 0.3}\n"))
+    assert spec.decode.long_context == LongContextConfig("infinigen", selection="speculative", speculation_alpha=3.0,
+                                                         partial_channels_frac=0.3)
     for text, message in [
         ("  long_context: {policy: lru}\n", "decode.long_context.policy: 'lru' is not one of"),
+        ("  long_context: {selection: top}\n", "decode.long_context.selection: 'top' is not one of"),
+        ("  long_context: {speculation_alpha: -2}\n",
+         "decode.long_context.speculation_alpha: -2 is not a finite number >= 0"),
+        ("  long_context: {partial_channels_frac: 1.5}\n",
+         "decode.long_context.partial_channels_frac: 1.5 is not a number in \\(0, 1\\]"),
         ("  long_context: {sink_tokens: -1}\n", "decode.long_context.sink_tokens: -1 is not an integer >= 0"),
         ("  long_context: {budget: 3}\n", "decode.long_context.budget: unknown key"),
         ("  long_context: {policy: h2o, device_budget_tokens: 32}\n",
