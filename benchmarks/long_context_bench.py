@@ -14,7 +14,11 @@ through the serving engine (greedy, one batch) and the run reports, side by side
 * ``step_time_vs_none`` — decode-phase seconds per step relative to ``none`` (best of ``repeats``).
 
 Both policies get the same budget: H2O keeps ``budget_blocks - 1`` blocks of tokens plus room for the
-next ones; InfiniGen keeps the sink block, the recent block and the tail, and recalls into the rest.
+next ones; InfiniGen keeps the sink block, the recent block and the tail, and recalls into the rest. The
+policies swept are `benchmarks.long_context_real.POLICIES` (label, config factory).
+
+``--model real`` runs SmolLM2-135M-Instruct on passkey retrieval and on a text's perplexity instead
+(`benchmarks.long_context_real`); ``--model both`` runs both and emits them together.
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ from typing import Any
 
 import torch
 
+from benchmarks import long_context_real as real
 from benchmarks.common import emit, machine_label
+from benchmarks.long_context_real import POLICIES, PolicyFactory, budget_blocks, select_policies
 
 BUDGET_FRACS = (0.1, 0.2, 0.5)
 
@@ -41,18 +47,7 @@ class RunResult:
     mean_device_blocks: float
     attended: dict[tuple[int, int, int], torch.Tensor]  # (example, layer, position) → [Hkv, n] positions
     stats: dict[str, int]
-
-
-def _policy(name: str, frac: float, prompt_tokens: int, bs: int, sink: int, recent: int) -> Any:
-    from engine.long_context import LongContextConfig
-
-    blocks = max(int(frac * prompt_tokens) // bs, 1)
-    if name == "h2o":
-        blocks = max(blocks, -(-(sink + recent) // bs) + 1)
-        return LongContextConfig("h2o", blocks * bs, sink, recent)
-    fixed = -(-sink // bs) + -(-recent // bs) + 1
-    blocks = max(blocks, fixed + 1)
-    return LongContextConfig("infinigen", blocks * bs, sink, recent, recall_blocks=blocks - fixed)
+    decode_steps: int
 
 
 def _run(loaded: Any, prompts: list[list[int]], answer_tokens: int, policy: Any, *, bs: int,
@@ -102,7 +97,7 @@ def _run(loaded: Any, prompts: list[list[int]], answer_tokens: int, policy: Any,
     agent.close()
     eng.close()
     return RunResult([outputs[rid] for rid in index], decode_s / max(decode_steps, 1),
-                     sum(device_blocks) / max(len(device_blocks), 1), attended, stats)
+                     sum(device_blocks) / max(len(device_blocks), 1), attended, stats, decode_steps)
 
 
 @torch.inference_mode()
@@ -166,8 +161,9 @@ def _score(outputs: list[list[int]], answers: list[list[int]], reference: list[l
 
 
 def _sweep(loaded: Any, prompts: list[list[int]], answers: list[list[int]], *, answer_tokens: int, bs: int,
-           repeats: int) -> list[dict[str, Any]]:
-    """``none``, then h2o and infinigen at every budget, with blocks of ``bs`` tokens (sink and recent: one block)."""
+           repeats: int, policies: tuple[tuple[str, PolicyFactory], ...]) -> list[dict[str, Any]]:
+    """``none``, then each of ``policies`` at every budget, with blocks of ``bs`` tokens (sink and recent: one
+    block)."""
     from engine.long_context import LongContextConfig
 
     cfg = loaded.config
@@ -179,7 +175,7 @@ def _sweep(loaded: Any, prompts: list[list[int]], answers: list[list[int]], *, a
         runs = [_run(loaded, prompts, answer_tokens, policy, bs=bs, record=record and i == 0) for i in range(repeats)]
         first = runs[0]
         return RunResult(first.outputs, min(r.decode_s_per_step for r in runs), first.mean_device_blocks,
-                         first.attended, first.stats)
+                         first.attended, first.stats, first.decode_steps)
 
     full = best(LongContextConfig(), record=False)
     rows: list[dict[str, Any]] = [{
@@ -188,14 +184,14 @@ def _sweep(loaded: Any, prompts: list[list[int]], answers: list[list[int]], *, a
         "attention_mass_kept": 1.0, "device_kv_bytes_per_seq": round(full.mean_device_blocks * block_bytes),
         "step_time_vs_none": 1.0, "decode_ms_per_step": round(full.decode_s_per_step * 1e3, 2)}]
     for frac in BUDGET_FRACS:
-        for name in ("h2o", "infinigen"):
-            policy = _policy(name, frac, prompt_tokens, bs, bs, bs)
+        for label, factory in policies:
+            policy = factory(budget_blocks(frac, prompt_tokens, bs), bs)
             result = best(policy, record=True)
             mass = _mass_kept(loaded, prompts, result)
             rows.append({
-                "block_size_tokens": bs, "policy": name, "budget_frac": frac,
+                "block_size_tokens": bs, "policy": label, "budget_frac": frac,
                 "device_budget_tokens": policy.device_budget_tokens,
-                "recall_blocks": policy.recall_blocks if name == "infinigen" else None,
+                "recall_blocks": policy.recall_blocks if policy.policy == "infinigen" else None,
                 **_score(result.outputs, answers, full.outputs),
                 "attention_mass_kept": round(sum(mass) / len(mass), 4),
                 "attention_mass_kept_per_layer": [round(m, 4) for m in mass],
@@ -203,14 +199,16 @@ def _sweep(loaded: Any, prompts: list[list[int]], answers: list[list[int]], *, a
                 "device_kv_vs_none": round(result.mean_device_blocks / full.mean_device_blocks, 3),
                 "step_time_vs_none": round(result.decode_s_per_step / full.decode_s_per_step, 2),
                 "decode_ms_per_step": round(result.decode_s_per_step * 1e3, 2),
+                "recalled_bytes_per_step": _recalled_bytes(result, block_bytes, cfg.num_hidden_layers, bs),
                 "policy_stats": result.stats,
             })
     return rows
 
 
 def run(*, model_dir: str | None, context_tokens: int, answer_tokens: int, num_examples: int, seed: int,
-        block_sizes: tuple[int, ...], repeats: int, plot: str | None) -> dict:
-    """The sweep at every block size (Quest-style key summaries are tighter over fewer tokens)."""
+        block_sizes: tuple[int, ...], repeats: int, plot: str | None, policies: list[str] | None = None) -> dict:
+    """The sweep at every block size (Quest-style key summaries are tighter over fewer tokens); ``policies``:
+    labels of `POLICIES` (default all)."""
     from benchmarks.long_context_task import ensure_model, make_examples
     from model.loader import load_model
 
@@ -219,23 +217,51 @@ def run(*, model_dir: str | None, context_tokens: int, answer_tokens: int, num_e
     examples = make_examples(num_examples, seed=seed, context_tokens=context_tokens, answer_tokens=answer_tokens)
     prompts = [e.prompt_ids for e in examples]
     answers = [e.answer_ids for e in examples]
+    chosen = select_policies(policies)
+    if any(factory(4, 16).speculative for _, factory in chosen):
+        _fit_skew(loaded, make_examples(4, seed=seed + 1, context_tokens=context_tokens, answer_tokens=answer_tokens))
     rows = [row for bs in block_sizes
-            for row in _sweep(loaded, prompts, answers, answer_tokens=answer_tokens, bs=bs, repeats=repeats)]
-    gains = {}
-    for bs in block_sizes:
-        for frac in BUDGET_FRACS:
-            h, i = (next(r for r in rows
-                         if (r["block_size_tokens"], r["policy"], r["budget_frac"]) == (bs, p, frac))
-                    for p in ("h2o", "infinigen"))
-            gains[f"block {bs}, budget {frac}"] = round(i["accuracy"] - h["accuracy"], 4)
+            for row in _sweep(loaded, prompts, answers, answer_tokens=answer_tokens, bs=bs, repeats=repeats,
+                              policies=chosen)]
+    gains: dict[str, dict[str, float]] = {}
+    labels = [label for label, _ in chosen if label != "h2o"]
+    for label in labels if any(name == "h2o" for name, _ in chosen) else ():
+        for bs in block_sizes:
+            for frac in BUDGET_FRACS:
+                h, i = (next(r for r in rows
+                             if (r["block_size_tokens"], r["policy"], r["budget_frac"]) == (bs, p, frac))
+                        for p in ("h2o", label))
+                key = f"{label.replace('-', '_')}_minus_h2o_accuracy"
+                gains.setdefault(key, {})[f"block {bs}, budget {frac}"] = round(i["accuracy"] - h["accuracy"], 4)
     result = {"bench": "long-context", **machine_label(), "model": str(path),
               "prompt_tokens": min(len(p) for p in prompts), "answer_tokens": answer_tokens,
               "examples": num_examples, "seed": seed, "block_sizes": list(block_sizes),
               "sink_and_recent": "one block each", "repeats": repeats, "threads": torch.get_num_threads(),
-              "rows": rows, "infinigen_minus_h2o_accuracy": gains}
+              "rows": rows, **gains}
     if plot:
         _plot(rows, plot)
     return result
+
+
+def _recalled_bytes(result: RunResult, block_bytes: int, num_layers: int, bs: int) -> int:
+    """Host → device bytes of recall per decode step of the batch: (block, layer) slices (``blocks``
+    selection) and (token, layer) rows (``speculative``)."""
+    layer_bytes = block_bytes // num_layers
+    total = result.stats["recalled_layer_blocks"] * layer_bytes + result.stats["recalled_token_rows"] * (
+        layer_bytes // bs)
+    return round(total / max(result.decode_steps, 1))
+
+
+def _fit_skew(loaded: Any, examples: list[Any]) -> None:
+    """The task model has no tokenizer, so the engine would fit InfiniGen's skew to random tokens: fit it to
+    task prompts of another seed (the training distribution, not the held-out prompts) and write it where the
+    engine looks for it (`model.skew.skew_path`)."""
+    from engine.long_context import DEFAULT_PARTIAL_CHANNELS_FRAC
+    from model.skew import compute_skew, save_skew, skew_path
+
+    ids = [t for e in examples for t in e.prompt_ids]
+    tables = compute_skew(loaded, ids, partial_frac=DEFAULT_PARTIAL_CHANNELS_FRAC)
+    save_skew(tables, skew_path(loaded.model_dir, loaded.fingerprint, DEFAULT_PARTIAL_CHANNELS_FRAC))
 
 
 def _plot(rows: list[dict[str, Any]], out: str) -> None:
@@ -245,8 +271,9 @@ def _plot(rows: list[dict[str, Any]], out: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    names = list(dict.fromkeys(r["policy"] for r in rows if r["policy"] != "none"))
     for bs in sorted({r["block_size_tokens"] for r in rows}):
-        for name, marker in (("h2o", "o"), ("infinigen", "s")):
+        for name, marker in zip(names, "osD^v<>"):
             pts = [r for r in rows if r["policy"] == name and r["block_size_tokens"] == bs]
             label = f"{name}, blocks of {bs}"
             axes[0].plot([r["budget_frac"] for r in pts], [r["accuracy"] for r in pts], marker=marker, label=label)
@@ -266,18 +293,46 @@ def _plot(rows: list[dict[str, Any]], out: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvrelay bench long-context", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="model dir (default: the trained retrieval model, cached)")
-    p.add_argument("--context-tokens", type=int, default=512)
-    p.add_argument("--answer-tokens", type=int, default=24)
-    p.add_argument("--examples", type=int, default=16)
+    p.add_argument("--model", choices=("task", "real", "both"), default="task",
+                   help="task: the tiny model trained on the retrieval task (this module); real: SmolLM2-135M-Instruct "
+                        "on passkey retrieval and perplexity (benchmarks.long_context_real); both: one after the other")
+    p.add_argument("--policies", nargs="+", default=None,
+                   help=f"policy labels to run against none (default all: {' '.join(label for label, _ in POLICIES)})")
     p.add_argument("--seed", type=int, default=12345, help="held-out examples (training uses others)")
-    p.add_argument("--block-sizes", type=int, nargs="+", default=[16, 4],
-                   help="KV block sizes to sweep (key summaries are tighter over fewer tokens)")
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--plot", default=None, help="write a PNG: accuracy and attention mass kept vs budget")
     p.add_argument("--out", default=None)
+    task = p.add_argument_group("--model task")
+    task.add_argument("--task-model-dir", default=None, help="model dir (default: the trained retrieval model, cached)")
+    task.add_argument("--context-tokens", type=int, default=512)
+    task.add_argument("--answer-tokens", type=int, default=24)
+    task.add_argument("--examples", type=int, default=16)
+    task.add_argument("--block-sizes", type=int, nargs="+", default=[16, 4],
+                      help="KV block sizes to sweep (key summaries are tighter over fewer tokens)")
+    task.add_argument("--repeats", type=int, default=2)
+    task.add_argument("--plot", default=None, help="write a PNG: accuracy and attention mass kept vs budget")
+    group = p.add_argument_group(f"--model real (blocks of {real.BLOCK_SIZE_TOKENS} tokens)")
+    group.add_argument("--real-model-dir", default=str(real.DEFAULT_MODEL_DIR),
+                       help="default: what `make model` writes")
+    group.add_argument("--real-task", choices=("passkey", "perplexity", "both"), default="both")
+    group.add_argument("--lengths", type=int, nargs="+", default=list(real.PASSKEY_LENGTHS),
+                       help="passkey prompt tokens")
+    group.add_argument("--passkey-examples", type=int, default=real.PASSKEY_EXAMPLES,
+                       help="passkey prompts per length, needle depths spread over the haystack")
+    group.add_argument("--prefill-tokens", type=int, default=real.PREFILL_TOKENS,
+                       help="perplexity: text prefilled before scoring")
+    group.add_argument("--scored-tokens", type=int, default=real.SCORED_TOKENS,
+                       help="perplexity: text tokens decoded and scored")
     a = p.parse_args(argv)
-    emit(run(model_dir=a.model, context_tokens=a.context_tokens, answer_tokens=a.answer_tokens,
-             num_examples=a.examples, seed=a.seed, block_sizes=tuple(a.block_sizes), repeats=a.repeats,
-             plot=a.plot), a.out)
+    results = {}
+    if a.model in ("task", "both"):
+        results["task_model"] = run(
+            model_dir=a.task_model_dir, context_tokens=a.context_tokens, answer_tokens=a.answer_tokens,
+            num_examples=a.examples, seed=a.seed, block_sizes=tuple(a.block_sizes), repeats=a.repeats, plot=a.plot,
+            policies=a.policies)
+    if a.model in ("real", "both"):
+        tasks = ("passkey", "perplexity") if a.real_task == "both" else (a.real_task,)
+        results["real_model"] = real.run(
+            model_dir=a.real_model_dir, tasks=tasks, lengths=a.lengths, passkey_examples=a.passkey_examples,
+            prefill_tokens=a.prefill_tokens, scored_tokens=a.scored_tokens, fracs=BUDGET_FRACS,
+            policies=a.policies, seed=a.seed)
+    emit(results.popitem()[1] if len(results) == 1 else {"bench": "long-context", **results}, a.out)
     return 0

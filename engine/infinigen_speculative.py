@@ -5,7 +5,7 @@ Offload is `engine.infinigen.InfiniGen`'s (whole cold blocks to the host tier, p
 what comes back and when::
 
     offload:   victims' keys → partial keys (`model.skew.partial_keys`: R skewed channels per KV head) kept on
-               the device for every offloaded token, ``[L, T_off, Hkv, R]`` float32
+               the device for every offloaded token, ``[L, T_off, Hkv, R]`` in the KV dtype
     layer i:   x_i (its input) → q̃ = partial_query(speculation_query(layer i+1, x_i))      (main thread)
                scores[t] = max over query heads of q̃·k̃_t / sqrt(D)                        (prefetch thread)
                fetch: tokens with scores >= max - alpha, at most C (the staging rows)
@@ -17,9 +17,9 @@ what comes back and when::
 ``C = recall_blocks * B`` (the staging blocks' rows) caps what layer ``i+1`` sees of the offloaded tokens;
 the margin ``alpha`` (``speculation_alpha``) decides what must be fetched this step — tokens already staged
 stay without a copy, so a stable pattern moves little (what a layer attends to then depends on what it
-staged before, not only on this step's query). Layers before `first_speculated_layer` (layers 0 and 1, or
-layer 0 of a 2-layer model) select with their own exact query, synchronously, before their attention
-(InfiniGen runs its first two layers dense: there a layer's input predicts the next layer poorly). The copy
+staged before, not only on this step's query). Layers 0 and 1 (`SPECULATE_FROM`) select with their own exact
+query, synchronously, before their attention: InfiniGen keeps its first two layers out of speculation, as a
+layer's input predicts the next layer poorly there (so a 2-layer model speculates nothing). The copy
 of layer ``i+1`` runs on a prefetch thread (on CUDA, on a side stream ordered by events) while the main
 thread computes layer ``i``'s attention and MLP.
 
@@ -36,6 +36,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from engine.infinigen import PRIVATE_BLOCK, InfiniGen, InfiniGenState
 from engine.policy_api import PolicyHost, Row
@@ -45,12 +46,6 @@ from model.llama import LlamaForCausalLM
 from model.skew import SkewTables, partial_keys, partial_query, speculation_query
 
 SPECULATE_FROM = 2  # layers before it select with their own query (InfiniGen keeps layers 0 and 1 dense)
-
-
-def first_speculated_layer(num_layers: int) -> int:
-    """`SPECULATE_FROM`, lowered for a model too shallow to have speculated layers past it (a 2-layer model
-    speculates its layer 1): every layer but the first may be speculated."""
-    return min(SPECULATE_FROM, max(1, num_layers - 1))
 _RANK_STEP = 1e9  # larger than any score range: ranks fetched tokens, then staged ones, then the rest
 
 
@@ -63,11 +58,42 @@ class Speculation:
     tables: SkewTables
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class _Plan:
+    """One step's rows with offloaded KV, side by side (the same all through the step's layers: offloads
+    happen after the step). ``source``: the step's row list it was built for."""
+
+    source: list[Row]
+    rows: list[Row]
+    batch_rows: torch.Tensor  # [n] int64: each row's index in the step's decode batch
+    cap_list: list[int]  # C_i: staging rows
+    caps: torch.Tensor  # [n] int64
+    cmax: int
+    tmax: int  # max T_i: offloaded tokens
+    staging: torch.Tensor  # [n, cmax / B] int64 device block ids (0 past a row's own)
+    host: torch.Tensor  # [n, tmax / B] int64 host slots (0 past a row's own)
+    alpha: torch.Tensor  # [n, 1] float32: each row's speculation_alpha
+
+    @staticmethod
+    def build(source: list[Row], rows: list[Row], bs: int, device: torch.device) -> _Plan:
+        def padded(lists: list[list[int]]) -> torch.Tensor:
+            width = max(len(v) for v in lists)
+            return torch.tensor([v + [0] * (width - len(v)) for v in lists], dtype=torch.int64, device=device)
+
+        caps = [len(r.state.staging) * bs for r in rows]
+        tmax = max(len(r.state.host_slots) for r in rows) * bs
+        alphas = [r.seq.long_context.speculation_alpha for r in rows]  # type: ignore[union-attr]
+        return _Plan(source, rows, torch.tensor([r.row for r in rows], dtype=torch.int64, device=device), caps,
+                     torch.tensor(caps, dtype=torch.int64, device=device), max(caps), tmax,
+                     padded([r.state.staging for r in rows]), padded([r.state.host_slots for r in rows]),
+                     torch.tensor(alphas, dtype=torch.float32, device=device)[:, None])
+
+
 @dataclass(slots=True, eq=False)
 class SpeculativeState(InfiniGenState):
     """`InfiniGenState` plus the partial key cache and the tokens held by each layer's staging rows."""
 
-    partial_keys: torch.Tensor | None = None  # [L, T_off, Hkv, R] float32, offloaded tokens in order
+    partial_keys: torch.Tensor | None = None  # [L, T_off, Hkv, R] in the KV dtype, offloaded tokens in order
     staged_tokens: list[torch.Tensor] = field(default_factory=list)  # [layer]: [C] int64 token per row, -1: none
 
 
@@ -82,7 +108,7 @@ class SpeculativeInfiniGen(InfiniGen):
         self._pending: dict[int, tuple[Future[int], torch.cuda.Event | None]] = {}  # layer → its prefetch
         self._side: torch.cuda.Stream | None = None
         self._rng = random.Random()
-        self.first_speculated = first_speculated_layer(owner.spec.num_layers)
+        self._plan: _Plan | None = None  # this step's; dropped by `end_step`
 
     def new_state(self, seq: Sequence) -> SpeculativeState:
         base = super().new_state(seq)
@@ -99,18 +125,21 @@ class SpeculativeInfiniGen(InfiniGen):
 
     # ------------------------------------------------------------ offload side
     def on_offload(self, state: InfiniGenState, victims: list[int]) -> None:
-        """Before the victims leave the device: append their partial keys (every layer) to the cache, and
-        widen each layer's staging map for the staging blocks `InfiniGen.enforce` may add."""
+        """Before the victims leave the device: append their partial keys (every layer, from the keys in the
+        pool, which carry their rotary position) to the partial key cache."""
         assert isinstance(state, SpeculativeState) and self.speculation is not None
         pool = self.owner.kv_pool
         ids = torch.tensor(victims, dtype=torch.int64, device=pool.device)
         keys = pool.index_select(0, ids)[:, :, 0]  # [m, L, Hkv, B, D]
         m, num_layers, heads, bs, dim = keys.shape
         rows = keys.permute(1, 0, 3, 2, 4).reshape(num_layers, m * bs, heads, dim)  # tokens in order
-        new = torch.stack([partial_keys(self.speculation.tables, layer, rows[layer]) for layer in range(num_layers)])
+        new = torch.stack([partial_keys(self.speculation.tables, layer, rows[layer])
+                           for layer in range(num_layers)]).to(pool.dtype)  # the KV's dtype: half the bytes in bf16
         state.partial_keys = new if state.partial_keys is None else torch.cat([state.partial_keys, new], dim=1)
 
     def after_offload(self, state: InfiniGenState) -> None:
+        """Widen each layer's staging map to the staging blocks `InfiniGen.enforce` added (new rows: -1,
+        filled by the next recall)."""
         assert isinstance(state, SpeculativeState)
         rows = len(state.staging) * self.owner.spec.block_size_tokens
         device = self.owner.kv_pool.device
@@ -123,24 +152,37 @@ class SpeculativeInfiniGen(InfiniGen):
                 state.staged_tokens[layer] = torch.cat([held, pad])
 
     # ------------------------------------------------------------- step side
+    def _plan_for(self, rows: list[Row]) -> _Plan | None:
+        """The step's `_Plan` (built at its first call: ``rows`` is the same list at every layer), or None
+        when no row has offloaded KV."""
+        if self._plan is not None and self._plan.source is rows:
+            return self._plan
+        todo = [r for r in rows if r.state.host_slots]
+        self._plan = _Plan.build(rows, todo, self.owner.spec.block_size_tokens, self.owner.kv_pool.device) \
+            if todo else None
+        return self._plan
+
     def layer_input(self, layer: int, rows: list[Row], x: torch.Tensor,
                     cos_sin: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Layer ``layer``'s input ``x`` ``[Nd, hidden]`` (the step's decode rows): speculate layer
         ``layer + 1``'s tokens for every row with offloaded KV and start their prefetch."""
         nxt = layer + 1
-        todo = [r for r in rows if r.state.host_slots]
-        if not todo or nxt >= self.owner.spec.num_layers or nxt < self.first_speculated:
+        if nxt >= self.owner.spec.num_layers or nxt < SPECULATE_FROM:
+            return
+        plan = self._plan_for(rows)
+        if plan is None:
             return
         assert self.speculation is not None
-        idx = torch.tensor([r.row for r in todo], dtype=torch.int64, device=x.device)
         cos, sin = cos_sin
-        q = speculation_query(self.speculation.model, nxt, x.index_select(0, idx),
-                              (cos.index_select(0, idx), sin.index_select(0, idx)))
+        q = speculation_query(self.speculation.model, nxt, x.index_select(0, plan.batch_rows),
+                              (cos.index_select(0, plan.batch_rows), sin.index_select(0, plan.batch_rows)))
         q_part = partial_query(self.speculation.tables, nxt, q)  # [n, Hq, R]
-        self._pending[nxt] = self._submit(lambda: self._recall(nxt, todo, q_part))
+        if nxt in self._pending:  # left by a step that raised midway
+            self._pending.pop(nxt)[0].result()
+        self._pending[nxt] = self._submit(lambda: self._recall(nxt, plan, q_part))
 
     def before_decode(self, layer: int, rows: list[Row], q: torch.Tensor) -> None:
-        """Layers before ``first_speculated`` (or a layer whose prefetch was not started): select with the
+        """Layers before `SPECULATE_FROM` (or a layer whose prefetch was not started): select with the
         layer's own query and copy now. Others: wait for the prefetch started at the previous layer."""
         pending = self._pending.pop(layer, None)
         if pending is not None:
@@ -149,19 +191,21 @@ class SpeculativeInfiniGen(InfiniGen):
             if done is not None:
                 torch.cuda.current_stream(self.owner.kv_pool.device).wait_event(done)
             return
-        todo = [r for r in rows if r.state.host_slots]
-        if not todo:
+        plan = self._plan_for(rows)
+        if plan is None:
             return
         assert self.speculation is not None
-        idx = torch.tensor([r.row for r in todo], dtype=torch.int64, device=q.device)
-        q_part = partial_query(self.speculation.tables, layer, q.index_select(0, idx))
-        self.owner.stats.recalled_token_rows += self._recall(layer, todo, q_part)
+        q_part = partial_query(self.speculation.tables, layer, q.index_select(0, plan.batch_rows))
+        self.owner.stats.recalled_token_rows += self._recall(layer, plan, q_part)
 
     def _submit(self, job: Callable[[], int]) -> tuple[Future[int], torch.cuda.Event | None]:
         """Run ``job`` on the prefetch thread (on CUDA: on a side stream after the main stream's work so far;
         the returned event marks its copies done)."""
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvrelay-prefetch")
+            # One intra-op thread there: the main thread's matmuls already use every core, and two OpenMP
+            # teams on them slow both (measured: 2x on the main thread's matmuls on 2 cores).
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvrelay-prefetch",
+                                                initializer=torch.set_num_threads, initargs=(1,))
         device = self.owner.kv_pool.device
         if device.type != "cuda":
             return self._executor.submit(job), None
@@ -180,87 +224,86 @@ class SpeculativeInfiniGen(InfiniGen):
         return self._executor.submit(on_side), done
 
     @torch.inference_mode()
-    def _recall(self, layer: int, rows: list[Row], q_part: torch.Tensor) -> int:
-        """Select and copy layer ``layer``'s staging rows for ``rows`` (``q_part`` ``[len(rows), Hq, R]``);
-        returns the rows read from the host."""
-        return sum(self._recall_one(layer, r, qp) for r, qp in zip(rows, q_part, strict=True))
+    def _recall(self, layer: int, plan: _Plan, q_part: torch.Tensor) -> int:
+        """Select and copy layer ``layer``'s staging rows of every row of ``plan`` at once (``q_part``
+        ``[n, Hq, R]``: their partial queries for this layer); returns the token rows read from the host.
 
-    def _recall_one(self, layer: int, r: Row, q_part: torch.Tensor) -> int:
-        st: SpeculativeState = r.state
-        owner = self.owner
-        bs = owner.spec.block_size_tokens
-        capacity = len(st.staging) * bs
-        if capacity == 0:
-            return 0
-        cfg = r.seq.long_context
-        assert cfg is not None and st.partial_keys is not None
-        keys = st.partial_keys[layer]  # [T, Hkv, R]
-        group = q_part.shape[0] // keys.shape[1]
-        scores = torch.einsum("hr,thr->ht", q_part, keys.repeat_interleave(group, dim=1)) * owner.scale
-        score = scores.amax(dim=0)  # [T]: the best head's logit for each offloaded token
-        held = st.staged_tokens[layer]
-        fetch = score >= score.max() - cfg.speculation_alpha
-        staged = torch.zeros_like(fetch)
-        staged[held[held >= 0]] = True
-        rank = score + _RANK_STEP * (2 * fetch.to(score.dtype) + staged.to(score.dtype))
-        chosen = rank.topk(capacity).indices.sort().values  # the C rows, in token order
-        # Where each chosen token is now: its staging row, or -1 (on the host only).
-        where = torch.full_like(score, -1, dtype=torch.int64)
-        live = held >= 0
-        where[held[live]] = torch.arange(held.numel(), device=held.device)[live]
-        src = where[chosen]
-        target = torch.arange(capacity, device=chosen.device)
-        move = (src >= 0) & (src != target)
-        fetched = src < 0
-        self._copy_rows(layer, st, src[move], target[move], chosen[fetched], target[fetched], r.seq)
-        st.staged_tokens[layer] = chosen
-        return int(fetched.sum())
+        Per row ``i`` with ``T_i`` offloaded tokens and ``C_i`` staging rows, side by side, padded::
 
-    def _copy_rows(self, layer: int, st: SpeculativeState, move_from: torch.Tensor, move_to: torch.Tensor,
-                   tokens: torch.Tensor, fetch_to: torch.Tensor, seq: Sequence) -> None:
-        """Staging rows ``move_from`` → ``move_to`` on the device (read all first: the sets overlap), then
-        offloaded ``tokens`` from the host into staging rows ``fetch_to``; layer ``layer`` only."""
-        owner = self.owner
-        bs = owner.spec.block_size_tokens
-        device = owner.kv_pool.device
-        staging = torch.tensor(st.staging, dtype=torch.int64, device=device)
+            score [n, Tmax]   best head's partial logit per offloaded token (-inf past T_i)
+            rank              score + 2·STEP if within alpha of the row's best (fetch) + STEP if staged now
+            chosen [n, Cmax]  the C_i best ranks, in token order (then padding)
+            src               each chosen token's current staging row, or -1 (on the host only)
+        """
+        owner, bs = self.owner, self.owner.spec.block_size_tokens
+        n, cmax, tmax = len(plan.rows), plan.cmax, plan.tmax
+        heads = owner.spec.num_kv_heads
+        qg = q_part.reshape(n, heads, -1, q_part.shape[-1])  # [n, Hkv, G, R]
+        keys = [r.state.partial_keys[layer] for r in plan.rows]
+        per_row = [torch.einsum("hgr,thr->thg", qg[i].to(k.dtype), k).flatten(1).amax(1).float()
+                   for i, k in enumerate(keys)]
+        score = pad_sequence(per_row, batch_first=True, padding_value=float("-inf")) * owner.scale
+        held = pad_sequence([r.state.staged_tokens[layer] for r in plan.rows], batch_first=True, padding_value=-1)
+        held_live = held >= 0
+        row_of = torch.arange(n, device=score.device)[:, None].expand_as(held)
+        col = torch.arange(cmax, device=score.device)[None, :].expand_as(held)
+        where = torch.full((n, tmax + 1), -1, dtype=torch.int64, device=score.device)  # column tmax: padding
+        where[row_of[held_live], held[held_live]] = col[held_live]
+        staged = where[:, :tmax] >= 0
+        fetch = score >= score.amax(dim=1, keepdim=True) - plan.alpha
+        rank = score + _RANK_STEP * (2 * fetch.to(score.dtype) + staged.to(score.dtype))  # padding stays -inf
+        in_row = col < plan.caps[:, None]
+        chosen = torch.where(in_row, rank.topk(cmax, dim=1).indices, tmax).sort(dim=1).values
+        src = where.gather(1, chosen)
+        move = in_row & (src >= 0) & (src != col)
+        fetched = in_row & (src < 0)
         layer_pool = owner.kv_pool[:, layer]  # [N, 2, Hkv, B, D]
-        if move_from.numel():
-            moved = layer_pool[staging[move_from // bs], :, :, move_from % bs]  # [m, 2, Hkv, D], a copy
-            layer_pool[staging[move_to // bs], :, :, move_to % bs] = moved
-        if not tokens.numel():
-            return
-        tokens_cpu, to_cpu = tokens.tolist(), fetch_to.tolist()
-        src_slots = [st.host_slots[t // bs] for t in tokens_cpu]
-        owner.copy_rows("host", src_slots, [t % bs for t in tokens_cpu], "device",
-                        [st.staging[j // bs] for j in to_cpu], [j % bs for j in to_cpu], layer=layer)
-        if owner.store.integrity.enabled and st.slice_digests:
-            self._check_sources(layer, st, sorted({t // bs for t in tokens_cpu}), seq)
+        r_m, j_m = move.nonzero(as_tuple=True)
+        if r_m.numel():
+            s_m = src[move]
+            moved = layer_pool[plan.staging[r_m, s_m // bs], :, :, s_m % bs]  # a copy: read before writing
+            layer_pool[plan.staging[r_m, j_m // bs], :, :, j_m % bs] = moved
+        r_f, j_f = fetched.nonzero(as_tuple=True)
+        t_f = chosen[fetched]
+        if r_f.numel():
+            owner.copy_rows("host", plan.host[r_f, t_f // bs].tolist(), (t_f % bs).tolist(), "device",
+                            plan.staging[r_f, j_f // bs].tolist(), (j_f % bs).tolist(), layer=layer)
+            if owner.store.integrity.enabled:
+                self._check_sources(layer, plan, r_f, t_f // bs)
+        new_held = torch.where(in_row, chosen, -1)
+        for i, r in enumerate(plan.rows):
+            r.state.staged_tokens[layer] = new_held[i, : plan.cap_list[i]]
+        return int(r_f.numel())
 
-    def _check_sources(self, layer: int, st: SpeculativeState, offloaded: list[int], seq: Sequence) -> None:
-        """Hash a pick of the host slices (offloaded block ``offloaded[i]``, ``layer``) rows were read from and
-        compare with their digests from the offload; a mismatch flags ``seq`` (see the module doc)."""
+    def _check_sources(self, layer: int, plan: _Plan, rows: torch.Tensor, offloaded: torch.Tensor) -> None:
+        """Hash a pick of the host slices (row's offloaded block, ``layer``) that rows were just read from and
+        compare with their digests from the offload; a mismatch flags that row's sequence (module doc)."""
         store = self.owner.store
         assert store.host is not None
-        picked = store.integrity.pick(len(offloaded), self._rng)
+        pairs = sorted(set(zip(rows.tolist(), offloaded.tolist(), strict=True)))
+        pairs = [(i, b) for i, b in pairs if plan.rows[i].state.slice_digests]
+        picked = [pairs[k] for k in store.integrity.pick(len(pairs), self._rng)]
         if not picked:
             return
         store.integrity_checked("recall", len(picked))
-        slots = [st.host_slots[offloaded[i]] for i in picked]
+        slots = [plan.rows[i].state.host_slots[b] for i, b in picked]
         got = digest_slices(store.host.pool, slots, [layer] * len(picked))
-        for i, slot, digest in zip(picked, slots, got, strict=True):
-            want = st.slice_digests[offloaded[i]][layer]
+        for (i, b), slot, digest in zip(picked, slots, got, strict=True):
+            want = plan.rows[i].state.slice_digests[b][layer]
             if digest != want:
+                seq = plan.rows[i].seq
                 seq.kv_corrupt = True
                 store.integrity_failure(
                     "recall", PRIVATE_BLOCK, f"request {seq.request_id} sample {seq.index}, host slot {slot}, "
                     f"layer {layer}: digest {digest:016x}, expected {want:016x}")
 
     def end_step(self) -> None:
-        """Wait for prefetches nobody waited for (a step that raised midway), so no copy outlives its step."""
+        """Wait for prefetches nobody waited for (a step that raised midway), so no copy outlives its step;
+        drop the step's plan."""
         pending, self._pending = self._pending, {}
         for future, _ in pending.values():
             self.owner.stats.recalled_token_rows += future.result()
+        self._plan = None
 
     def positions(self, seq: Sequence, state: InfiniGenState, layer: int, num_rows: int) -> torch.Tensor:
         assert isinstance(state, SpeculativeState)

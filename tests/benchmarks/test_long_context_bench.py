@@ -11,6 +11,8 @@ from benchmarks.long_context_bench import BUDGET_FRACS, run
 from benchmarks.long_context_task import VOCAB_SIZE
 from benchmarks.long_context_train import LlamaShape, TrainingLlama, export_hf
 
+POLICY_LABELS = ("h2o", "infinigen", "infinigen-speculative")
+
 FIELDS = {"block_size_tokens", "policy", "budget_frac", "device_budget_tokens", "accuracy", "exact", "agreement",
           "attention_mass_kept", "device_kv_bytes_per_seq", "step_time_vs_none", "decode_ms_per_step"}
 
@@ -25,7 +27,7 @@ def test_bench_reports_every_policy_budget_and_block_size(tmp_path):
     rows = result["rows"]
     assert [(r["block_size_tokens"], r["policy"], r["budget_frac"]) for r in rows] == [
         (bs, p, f) for bs in (16, 8) for p, f in [("none", 1.0)] + [(p, f) for f in BUDGET_FRACS
-                                                                    for p in ("h2o", "infinigen")]]
+                                                                    for p in POLICY_LABELS]]
     for r in rows:
         assert FIELDS <= set(r), FIELDS - set(r)
         assert 0.0 <= r["accuracy"] <= 1.0 and 0.0 <= r["attention_mass_kept"] <= 1.0 + 1e-6
@@ -37,8 +39,13 @@ def test_bench_reports_every_policy_budget_and_block_size(tmp_path):
         assert r["device_kv_bytes_per_seq"] <= r["device_budget_tokens"] // bs * block_bytes
         assert r["device_kv_vs_none"] < 1.0
         assert len(r["attention_mass_kept_per_layer"]) == 2
-    stats = {r["policy"]: r["policy_stats"] for r in rows[1:3]}
+    stats = {r["policy"]: r["policy_stats"] for r in rows[1:4]}
     assert stats["h2o"]["evicted_tokens"] > 0 and stats["infinigen"]["offloaded_blocks"] > 0
-    assert set(result["infinigen_minus_h2o_accuracy"]) == {f"block {bs}, budget {f}" for bs in (16, 8)
-                                                           for f in BUDGET_FRACS}
+    assert stats["infinigen"]["recalled_layer_blocks"] > 0 and stats["infinigen"]["recalled_token_rows"] == 0
+    assert stats["infinigen-speculative"]["recalled_token_rows"] > 0
+    assert stats["infinigen-speculative"]["recalled_layer_blocks"] == 0
+    for r in rows[1:4]:
+        assert r["recalled_bytes_per_step"] > 0 if r["policy"] != "h2o" else r["recalled_bytes_per_step"] == 0
+    for key in ("infinigen_minus_h2o_accuracy", "infinigen_speculative_minus_h2o_accuracy"):
+        assert set(result[key]) == {f"block {bs}, budget {f}" for bs in (16, 8) for f in BUDGET_FRACS}
     assert (tmp_path / "lc.png").stat().st_size > 0

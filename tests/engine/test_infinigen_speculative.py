@@ -11,17 +11,24 @@ import pytest
 import torch
 
 from engine.engine import EngineConfig, LLMEngine
-from engine.infinigen_speculative import first_speculated_layer
+from engine.infinigen_speculative import SPECULATE_FROM
 from engine.long_context import LongContextConfig
 from kvstore.tiered_store import TieredStoreConfig
 from model.loader import load_model
 from model.sampling import SamplingParams
 from model.skew import compute_skew, partial_keys
+from model.tiny import write_tiny_model
 from transfer.node_agent import make_agent
 
 BS = 16
 SPEC_SMALL = LongContextConfig("infinigen", device_budget_tokens=96, sink_tokens=16, recent_tokens=32,
                                recall_blocks=2, selection="speculative")
+
+
+@pytest.fixture(scope="module")
+def model4_dir(tmp_path_factory):
+    """A 4-layer tiny model: layers 2 and 3 are speculated (from layers 1 and 2), 0 and 1 are not."""
+    return write_tiny_model(tmp_path_factory.mktemp("tiny4") / "model", seed=0, layers=4)
 
 
 def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
@@ -68,10 +75,10 @@ def test_config_fields_are_checked_and_requests_cannot_set_the_channel_fraction(
     assert not LongContextConfig("h2o", selection="speculative").speculative
 
 
-def test_prefetched_rows_are_the_offloaded_bytes_in_token_order(tiny_model_dir) -> None:
+def test_prefetched_rows_are_the_offloaded_bytes_in_token_order(model4_dir) -> None:
     """After each step, every layer's staging rows hold exactly the host rows of the tokens it staged, sorted;
     the partial key cache holds the partial keys of every offloaded token's offloaded key."""
-    loaded = load_model(tiny_model_dir)
+    loaded = load_model(model4_dir)
     eng = _engine(loaded)
     tables = eng.policies.speculative.speculation.tables
     for i, p in enumerate(_prompts(2, 120, seed=3)):
@@ -98,8 +105,8 @@ def test_prefetched_rows_are_the_offloaded_bytes_in_token_order(tiny_model_dir) 
     _baseline(eng)
 
 
-def test_later_layers_prefetch_on_the_prefetch_thread(tiny_model_dir) -> None:
-    loaded = load_model(tiny_model_dir)
+def test_later_layers_prefetch_on_the_prefetch_thread(model4_dir) -> None:
+    loaded = load_model(model4_dir)
     eng = _engine(loaded)
     owner = eng.policies
     copy = owner.copy_rows
@@ -112,14 +119,13 @@ def test_later_layers_prefetch_on_the_prefetch_thread(tiny_model_dir) -> None:
     owner.copy_rows = recording
     _generate(eng, _prompts(1, 130, seed=5), SamplingParams(max_tokens=12, ignore_eos=True), SPEC_SMALL)
     assert set(where) == set(range(eng.spec.num_layers))
-    first = first_speculated_layer(eng.spec.num_layers)
-    assert first == min(2, eng.spec.num_layers - 1) and first < eng.spec.num_layers
+    assert eng.spec.num_layers == 4
     for layer, threads in where.items():
-        assert threads == ({"MainThread"} if layer < first else {"kvrelay-prefetch"}), (layer, threads)
+        assert threads == ({"MainThread"} if layer < SPECULATE_FROM else {"kvrelay-prefetch"}), (layer, threads)
 
 
-def test_budget_above_length_equals_none_exactly(tiny_model_dir) -> None:
-    loaded = load_model(tiny_model_dir)
+def test_budget_above_length_equals_none_exactly(model4_dir) -> None:
+    loaded = load_model(model4_dir)
     prompts = _prompts(2, 90, seed=2)
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     want = LLMEngine(loaded, EngineConfig(num_blocks=96)).generate(prompts, params)
@@ -131,8 +137,8 @@ def test_budget_above_length_equals_none_exactly(tiny_model_dir) -> None:
     _baseline(eng)
 
 
-def test_token_rows_move_through_nixl_and_the_engine_uses_that_path(tiny_model_dir) -> None:
-    loaded = load_model(tiny_model_dir)
+def test_token_rows_move_through_nixl_and_the_engine_uses_that_path(model4_dir) -> None:
+    loaded = load_model(model4_dir)
     eng = _engine(loaded)
     agent = make_agent(eng, "spec-rows")
     try:
@@ -203,8 +209,8 @@ def _run_corrupting(eng: LLMEngine, prompts, params) -> tuple[list[list[int]], l
     return [out[f"r{i}"] for i in range(len(prompts))], after, before
 
 
-def test_a_corrupt_prefetch_is_never_served_and_the_sequence_is_recomputed(tiny_model_dir) -> None:
-    loaded = load_model(tiny_model_dir)
+def test_a_corrupt_prefetch_is_never_served_and_the_sequence_is_recomputed(model4_dir) -> None:
+    loaded = load_model(model4_dir)
     prompts = _prompts(2, 100, seed=6)
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     clean = _generate(_integrity_engine(loaded, "all"), prompts, params, SPEC_SMALL)
