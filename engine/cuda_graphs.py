@@ -8,7 +8,7 @@ those launches once and replays them with one call. A graph replays fixed shapes
 
       column:  0 token id | 1 position | 2 slot | 3 KV length | 4 … 4+W block table (W = ceil(max_model_len / B))
 
-  and writes static logits ``[size, vocab]``;
+  and writes its logits into one static ``[max_size, vocab]`` float32 buffer shared by every size;
 * a step of ``n`` sequences replays the graph of the smallest captured size ``>= n``; rows ``n…size`` are
   padding: token 0 at position 0, slot -1 (its KV is written nowhere), KV length 1 over block 0. No op of
   the model mixes rows, so padding changes no real row; its logits are dropped;
@@ -111,7 +111,8 @@ class DecodeGraphs:
         self._empty_lens = torch.zeros((0,), dtype=torch.int32, device=device)
         self._zero_start = torch.zeros((1,), dtype=torch.int32, device=device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._logits: dict[int, torch.Tensor] = {}
+        vocab = model.lm_head.weight.shape[0]
+        self._logits = torch.empty((max_size, vocab), dtype=torch.float32, device=device)  # outside the pool
         self.replays = 0  # steps served by `run` (tests and metrics)
         if capture:
             self._capture_all()
@@ -129,7 +130,9 @@ class DecodeGraphs:
         )
         hidden = self.model(rows[:, 0].contiguous(), rows[:, 1].contiguous(), self.kv_pool, batch, self.backend,
                             max_position=0)  # the runner checks positions on the host before each run
-        return self.model.compute_logits(hidden)
+        out = self._logits[:size]
+        out.copy_(self.model.compute_logits(hidden))  # the step's own logits go back to the pool
+        return out
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -148,7 +151,7 @@ class DecodeGraphs:
         for size in reversed(self.sizes):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                self._logits[size] = self._forward(size)
+                self._forward(size)
             self._graphs[size] = graph
         torch.cuda.synchronize(self.kv_pool.device)
 
@@ -185,8 +188,7 @@ class DecodeGraphs:
         if self._copied is not None:
             self._copied.record()
             self._graphs[size].replay()
-            logits = self._logits[size]
         else:
-            logits = self._forward(size)
+            self._forward(size)
         self.replays += 1
-        return logits[: len(rows)].clone()
+        return self._logits[: len(rows)].clone()

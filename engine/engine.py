@@ -372,7 +372,10 @@ class LLMEngine:
             if self.scheduler.running or self.scheduler.waiting:
                 outputs.extend(self._unstick())
             return outputs
-        result = self.runner.run(sched, kv_hook=self.policies.step_hook(sched))
+        try:
+            result = self.runner.run(sched, kv_hook=self.policies.step_hook(sched))
+        finally:  # no prefetch outlives the forward, even one that raised (its requests' blocks are given back)
+            self.policies.speculative.end_step()
         self.stats.steps += 1
         for chunk in sched.prefills:
             self.stats.computed_prefill_tokens += chunk.num_tokens

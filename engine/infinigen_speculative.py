@@ -30,6 +30,7 @@ as the block mode does.
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -45,8 +46,42 @@ from kvstore.digest import digest_slices
 from model.llama import LlamaForCausalLM
 from model.skew import SkewTables, partial_keys, partial_query, speculation_query
 
+log = logging.getLogger(__name__)
 SPECULATE_FROM = 2  # layers before it select with their own query (InfiniGen keeps layers 0 and 1 dense)
 _RANK_STEP = 1e9  # larger than any score range: ranks fetched tokens, then staged ones, then the rest
+
+
+def select_rows(score: torch.Tensor, held: torch.Tensor, caps: torch.Tensor,
+                alpha: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which offloaded tokens each row's staging rows hold next, and where each is now.
+
+    Row ``i`` has ``T_i`` offloaded tokens and ``C_i = caps[i] <= T_i`` staging rows. Its ``C_i`` tokens are,
+    in this order of preference, those whose score is within ``alpha[i]`` of its best (highest first), those
+    its staging rows hold now (highest first), then the rest (highest first); they are returned in token order.
+
+    Args:
+        score: ``[n, Tmax]`` float, each token's speculated logit; ``-inf`` past ``T_i``.
+        held: ``[n, Cmax]`` int64, the token each staging row holds now, ``-1`` for none (and past ``C_i``).
+        caps: ``[n]`` int64, ``C_i``; ``Cmax = held.shape[1] = max(caps)``.
+        alpha: ``[n, 1]`` float, each row's margin.
+
+    Returns:
+        ``chosen`` ``[n, Cmax]`` int64: row ``i``'s tokens ascending in ``[:C_i]``, then ``Tmax``;
+        ``src`` ``[n, Cmax]`` int64: the staging row holding ``chosen`` now, or ``-1`` (only on the host).
+    """
+    n, tmax = score.shape
+    cmax = held.shape[1]
+    live = held >= 0
+    row_of = torch.arange(n, device=score.device)[:, None].expand_as(held)
+    col = torch.arange(cmax, device=score.device)[None, :].expand_as(held)
+    where = torch.full((n, tmax + 1), -1, dtype=torch.int64, device=score.device)  # column Tmax: padding
+    where[row_of[live], held[live]] = col[live]
+    staged = where[:, :tmax] >= 0
+    fetch = score >= score.amax(dim=1, keepdim=True) - alpha
+    # float64: a tier's offset must not swallow the scores' differences (float32 steps by 128 at 2e9)
+    rank = score.double() + _RANK_STEP * (2 * fetch.double() + staged.double())  # padding stays -inf
+    chosen = torch.where(col < caps[:, None], rank.topk(cmax, dim=1).indices, tmax).sort(dim=1).values
+    return chosen, where.gather(1, chosen)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +104,6 @@ class _Plan:
     cap_list: list[int]  # C_i: staging rows
     caps: torch.Tensor  # [n] int64
     cmax: int
-    tmax: int  # max T_i: offloaded tokens
     staging: torch.Tensor  # [n, cmax / B] int64 device block ids (0 past a row's own)
     host: torch.Tensor  # [n, tmax / B] int64 host slots (0 past a row's own)
     alpha: torch.Tensor  # [n, 1] float32: each row's speculation_alpha
@@ -81,10 +115,9 @@ class _Plan:
             return torch.tensor([v + [0] * (width - len(v)) for v in lists], dtype=torch.int64, device=device)
 
         caps = [len(r.state.staging) * bs for r in rows]
-        tmax = max(len(r.state.host_slots) for r in rows) * bs
         alphas = [r.seq.long_context.speculation_alpha for r in rows]  # type: ignore[union-attr]
         return _Plan(source, rows, torch.tensor([r.row for r in rows], dtype=torch.int64, device=device), caps,
-                     torch.tensor(caps, dtype=torch.int64, device=device), max(caps), tmax,
+                     torch.tensor(caps, dtype=torch.int64, device=device), max(caps),
                      padded([r.state.staging for r in rows]), padded([r.state.host_slots for r in rows]),
                      torch.tensor(alphas, dtype=torch.float32, device=device)[:, None])
 
@@ -105,7 +138,9 @@ class SpeculativeInfiniGen(InfiniGen):
         super().__init__(owner)
         self.speculation: Speculation | None = None  # set by the engine before the first such sequence
         self._executor: ThreadPoolExecutor | None = None
-        self._pending: dict[int, tuple[Future[int], torch.cuda.Event | None]] = {}  # layer → its prefetch
+        # layer → its prefetch: the future, its done event (CUDA), and its inputs, made on the main stream and
+        # read on the side stream, kept alive until the main stream has waited for that event
+        self._pending: dict[int, tuple[Future[int], torch.cuda.Event | None, object]] = {}
         self._side: torch.cuda.Stream | None = None
         self._rng = random.Random()
         self._plan: _Plan | None = None  # this step's; dropped by `end_step`
@@ -178,15 +213,15 @@ class SpeculativeInfiniGen(InfiniGen):
                               (cos.index_select(0, plan.batch_rows), sin.index_select(0, plan.batch_rows)))
         q_part = partial_query(self.speculation.tables, nxt, q)  # [n, Hq, R]
         if nxt in self._pending:  # left by a step that raised midway
-            self._pending.pop(nxt)[0].result()
-        self._pending[nxt] = self._submit(lambda: self._recall(nxt, plan, q_part))
+            self.end_step()
+        self._pending[nxt] = (*self._submit(lambda: self._recall(nxt, plan, q_part)), (plan, q_part))
 
     def before_decode(self, layer: int, rows: list[Row], q: torch.Tensor) -> None:
         """Layers before `SPECULATE_FROM` (or a layer whose prefetch was not started): select with the
         layer's own query and copy now. Others: wait for the prefetch started at the previous layer."""
         pending = self._pending.pop(layer, None)
         if pending is not None:
-            future, done = pending
+            future, done, _inputs = pending
             self.owner.stats.recalled_token_rows += future.result()
             if done is not None:
                 torch.cuda.current_stream(self.owner.kv_pool.device).wait_event(done)
@@ -203,9 +238,13 @@ class SpeculativeInfiniGen(InfiniGen):
         the returned event marks its copies done)."""
         if self._executor is None:
             # One intra-op thread there: the main thread's matmuls already use every core, and two OpenMP
-            # teams on them slow both (measured: 2x on the main thread's matmuls on 2 cores).
+            # teams on them slow both (measured: 2x on the main thread's matmuls on 2 cores). Setting it also
+            # sets the default of threads started later, so the caller's count is put back once it is set.
+            threads = torch.get_num_threads()
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvrelay-prefetch",
                                                 initializer=torch.set_num_threads, initargs=(1,))
+            self._executor.submit(lambda: None).result()
+            torch.set_num_threads(threads)
         device = self.owner.kv_pool.device
         if device.type != "cuda":
             return self._executor.submit(job), None
@@ -236,7 +275,7 @@ class SpeculativeInfiniGen(InfiniGen):
             src               each chosen token's current staging row, or -1 (on the host only)
         """
         owner, bs = self.owner, self.owner.spec.block_size_tokens
-        n, cmax, tmax = len(plan.rows), plan.cmax, plan.tmax
+        n, cmax = len(plan.rows), plan.cmax
         heads = owner.spec.num_kv_heads
         qg = q_part.reshape(n, heads, -1, q_part.shape[-1])  # [n, Hkv, G, R]
         keys = [r.state.partial_keys[layer] for r in plan.rows]
@@ -244,17 +283,9 @@ class SpeculativeInfiniGen(InfiniGen):
                    for i, k in enumerate(keys)]
         score = pad_sequence(per_row, batch_first=True, padding_value=float("-inf")) * owner.scale
         held = pad_sequence([r.state.staged_tokens[layer] for r in plan.rows], batch_first=True, padding_value=-1)
-        held_live = held >= 0
-        row_of = torch.arange(n, device=score.device)[:, None].expand_as(held)
-        col = torch.arange(cmax, device=score.device)[None, :].expand_as(held)
-        where = torch.full((n, tmax + 1), -1, dtype=torch.int64, device=score.device)  # column tmax: padding
-        where[row_of[held_live], held[held_live]] = col[held_live]
-        staged = where[:, :tmax] >= 0
-        fetch = score >= score.amax(dim=1, keepdim=True) - plan.alpha
-        rank = score + _RANK_STEP * (2 * fetch.to(score.dtype) + staged.to(score.dtype))  # padding stays -inf
+        chosen, src = select_rows(score, held, plan.caps, plan.alpha)
+        col = torch.arange(cmax, device=score.device)[None, :]
         in_row = col < plan.caps[:, None]
-        chosen = torch.where(in_row, rank.topk(cmax, dim=1).indices, tmax).sort(dim=1).values
-        src = where.gather(1, chosen)
         move = in_row & (src >= 0) & (src != col)
         fetched = in_row & (src < 0)
         layer_pool = owner.kv_pool[:, layer]  # [N, 2, Hkv, B, D]
@@ -263,6 +294,8 @@ class SpeculativeInfiniGen(InfiniGen):
             s_m = src[move]
             moved = layer_pool[plan.staging[r_m, s_m // bs], :, :, s_m % bs]  # a copy: read before writing
             layer_pool[plan.staging[r_m, j_m // bs], :, :, j_m % bs] = moved
+            if layer_pool.is_cuda:  # a NIXL copy below is not ordered after the queued moves: finish them
+                torch.cuda.current_stream(layer_pool.device).synchronize()
         r_f, j_f = fetched.nonzero(as_tuple=True)
         t_f = chosen[fetched]
         if r_f.numel():
@@ -270,7 +303,7 @@ class SpeculativeInfiniGen(InfiniGen):
                             plan.staging[r_f, j_f // bs].tolist(), (j_f % bs).tolist(), layer=layer)
             if owner.store.integrity.enabled:
                 self._check_sources(layer, plan, r_f, t_f // bs)
-        new_held = torch.where(in_row, chosen, -1)
+        new_held = torch.where(in_row, chosen, -1)  # this layer's staging map from now on
         for i, r in enumerate(plan.rows):
             r.state.staged_tokens[layer] = new_held[i, : plan.cap_list[i]]
         return int(r_f.numel())
@@ -298,11 +331,18 @@ class SpeculativeInfiniGen(InfiniGen):
                     f"layer {layer}: digest {digest:016x}, expected {want:016x}")
 
     def end_step(self) -> None:
-        """Wait for prefetches nobody waited for (a step that raised midway), so no copy outlives its step;
-        drop the step's plan."""
+        """After every step's forward, whether it returned or raised: wait for prefetches nobody waited for (a
+        forward that raised midway) and their device work, so that no copy outlives its step and writes into
+        blocks the failed step's requests give back; drop the step's plan. Never raises (their errors are
+        logged: the step's own error is the one that matters)."""
         pending, self._pending = self._pending, {}
-        for future, _ in pending.values():
-            self.owner.stats.recalled_token_rows += future.result()
+        for future, done, _inputs in pending.values():
+            try:
+                self.owner.stats.recalled_token_rows += future.result()
+            except Exception:  # noqa: BLE001 - a stale prefetch of a failed step
+                log.exception("a prefetch of a failed step failed too")
+            if done is not None:
+                done.synchronize()
         self._plan = None
 
     def positions(self, seq: Sequence, state: InfiniGenState, layer: int, num_rows: int) -> torch.Tensor:

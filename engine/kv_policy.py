@@ -107,7 +107,6 @@ class KvPolicies:
     def after_step(self, running: Seq[Sequence]) -> None:
         """Enforce the budget of every running policy sequence that decodes next (those of this step and
         the ``n > 1`` samples forked in it). Never raises for lack of room: see `LongContextStats.deferred`."""
-        self.speculative.end_step()
         for seq in running:
             if seq.long_context is not None and seq.status is SequenceStatus.RUNNING and seq.is_decode:
                 policy, state = self._entry(seq)

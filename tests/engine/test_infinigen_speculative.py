@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.engine import EngineConfig, LLMEngine
-from engine.infinigen_speculative import SPECULATE_FROM
+from engine.infinigen_speculative import SPECULATE_FROM, select_rows
 from engine.long_context import LongContextConfig
 from kvstore.tiered_store import TieredStoreConfig
 from model.loader import load_model
@@ -58,6 +58,39 @@ def _generate(eng: LLMEngine, prompts, params, policy) -> list[list[int]]:
 def _baseline(eng: LLMEngine) -> None:
     eng.check_integrity()
     assert eng.pool.stats().num_in_use == 0 and eng.store.host.num_reserved == 0 and not eng.policies._states
+
+
+def test_selection_prefers_tokens_within_alpha_then_staged_ones_then_the_rest_by_score() -> None:
+    inf = float("-inf")
+    score = torch.tensor([[1.0, 2.5, 3.0, 9.0, 2.0, 8.5],  # row 0: T 6, C 3, alpha 1: 3 and 5 must come
+                          [7.0, 7.5, 1.0, 0.0, inf, inf]])  # row 1: T 4, C 2, alpha 0.2: only 1 must come
+    held = torch.tensor([[1, -1, -1],  # row 0 holds token 1: it stays, over token 2's higher score
+                         [2, 0, -1]])  # row 1 holds 2 then 0: token 0 (7.0) stays over token 2 (1.0)
+    chosen, src = select_rows(score, held, torch.tensor([3, 2]), torch.tensor([[1.0], [0.2]]))
+    assert chosen.tolist() == [[1, 3, 5], [0, 1, 6]]  # ascending; row 1 padded with Tmax
+    assert src.tolist() == [[0, -1, -1], [1, -1, -1]]  # token 1 in row 0's staging row 0, token 0 in row 1's 1
+    # every token within alpha, more than fit: the best scores win (a float32 rank would tie them all)
+    chosen, _ = select_rows(torch.tensor([[1.0, 5.0, 3.0, 9.0]]), torch.tensor([[-1, -1]]), torch.tensor([2]),
+                            torch.tensor([[100.0]]))
+    assert chosen.tolist() == [[1, 3]]
+
+
+def test_batched_selection_equals_one_row_at_a_time() -> None:
+    gen = torch.Generator().manual_seed(0)
+    sizes = [(40, 16), (64, 32), (17, 16), (33, 8)]  # (T_i, C_i)
+    tmax, cmax = max(t for t, _ in sizes), max(c for _, c in sizes)
+    score = torch.full((len(sizes), tmax), float("-inf"))
+    held = torch.full((len(sizes), cmax), -1, dtype=torch.int64)
+    for i, (t, c) in enumerate(sizes):
+        score[i, :t] = torch.randn(t, generator=gen) * 3
+        held[i, : c // 2] = torch.randperm(t, generator=gen)[: c // 2]
+    caps = torch.tensor([c for _, c in sizes])
+    alpha = torch.tensor([[1.0], [2.0], [0.5], [4.0]])
+    chosen, src = select_rows(score, held, caps, alpha)
+    for i, (t, c) in enumerate(sizes):
+        one_chosen, one_src = select_rows(score[i : i + 1, :t], held[i : i + 1, :c], caps[i : i + 1], alpha[i : i + 1])
+        assert chosen[i, :c].tolist() == one_chosen[0].tolist() and src[i, :c].tolist() == one_src[0].tolist()
+        assert (chosen[i, c:] == tmax).all()
 
 
 def test_config_fields_are_checked_and_requests_cannot_set_the_channel_fraction() -> None:
