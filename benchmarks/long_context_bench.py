@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +34,7 @@ import torch
 
 from benchmarks import long_context_real as real
 from benchmarks.common import emit, machine_label
-from benchmarks.long_context_real import POLICIES, PolicyFactory, budget_blocks, select_policies
+from benchmarks.long_context_real import POLICIES, PolicyFactory, budget_blocks, run_to_end, select_policies
 
 BUDGET_FRACS = (0.1, 0.2, 0.5)
 
@@ -80,17 +79,7 @@ def _run(loaded: Any, prompts: list[list[int]], answer_tokens: int, policy: Any,
     params = SamplingParams(max_tokens=answer_tokens, ignore_eos=True)
     for rid, prompt in zip(index, prompts):
         eng.add_request(rid, prompt, params)
-    outputs: dict[str, list[int]] = defaultdict(list)
-    decode_s, decode_steps = 0.0, 0
-    while eng.has_unfinished():
-        decoding = all(s.num_output_tokens > 0 for s in eng.scheduler.running) and not eng.scheduler.waiting
-        t0 = time.perf_counter()
-        outs = eng.step()
-        if decoding:
-            decode_s += time.perf_counter() - t0
-            decode_steps += 1
-        for o in outs:
-            outputs[o.request_id].extend(o.new_token_ids)
+    outputs, decode_s, decode_steps = run_to_end(eng)
     if not policy.active:  # no observer calls without a policy: count the blocks of full attention
         device_blocks = [-(-(len(p) + t) // bs) for p in prompts for t in range(1, answer_tokens)]
     stats = dataclasses.asdict(eng.policies.stats)

@@ -246,7 +246,16 @@ def generate(loaded: LoadedModel, prompts: list[list[int]], policies: list[LongC
     params = SamplingParams(max_tokens=answer_tokens, ignore_eos=True)
     for rid, prompt, policy in zip(ids, prompts, policies, strict=True):
         eng.add_request(rid, prompt, params, long_context=policy)
-    outputs: dict[str, list[int]] = {rid: [] for rid in ids}
+    outputs, decode_s, decode_steps = run_to_end(eng)
+    stats = dataclasses.asdict(eng.policies.stats)
+    node.close()
+    return Generation([outputs[rid] for rid in ids], decode_s / max(decode_steps, 1), stats, decode_steps)
+
+
+def run_to_end(eng: LLMEngine) -> tuple[dict[str, list[int]], float, int]:
+    """Step ``eng`` until its requests finish: each request's tokens, and the seconds and number of the steps
+    taken once every request decodes (all prefilled, none waiting)."""
+    outputs: dict[str, list[int]] = {}
     decode_s, decode_steps = 0.0, 0
     while eng.has_unfinished():
         decoding = all(s.num_output_tokens > 0 for s in eng.scheduler.running) and not eng.scheduler.waiting
@@ -256,10 +265,8 @@ def generate(loaded: LoadedModel, prompts: list[list[int]], policies: list[LongC
             decode_s += time.perf_counter() - t0
             decode_steps += 1
         for o in outs:
-            outputs[o.request_id].extend(o.new_token_ids)
-    stats = dataclasses.asdict(eng.policies.stats)
-    node.close()
-    return Generation([outputs[rid] for rid in ids], decode_s / max(decode_steps, 1), stats, decode_steps)
+            outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return outputs, decode_s, decode_steps
 
 
 class _LogitsTap:

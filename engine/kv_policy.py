@@ -138,21 +138,27 @@ class KvPolicies:
         self.speculative.close()
 
     # ------------------------------------------------------------------ copies
+    def _local_copy(self, src_tier: str, src_ids: Seq[int], dst_tier: str, dst_ids: Seq[int], **kwargs: Any) -> bool:
+        """Copy through the node's NIXL agent when one is attached; False when there is none or it failed (the
+        destination's bytes are then unknown: the caller copies them again with torch)."""
+        if self.store.local_copy is None:
+            return False
+        try:
+            self.store.local_copy(src_tier, src_ids, dst_tier, dst_ids, **kwargs)
+            return True
+        except Exception:  # noqa: BLE001 - any failure: the caller's torch copy redoes it
+            log.exception("loopback copy %s -> %s failed; copying with torch", src_tier, dst_tier)
+            self.stats.copy_fallbacks += 1
+            return False
+
     def copy_rows(self, src_tier: str, src_ids: Seq[int], src_rows: Seq[int], dst_tier: str, dst_ids: Seq[int],
                   dst_rows: Seq[int], *, layer: int) -> None:
         """Copy token rows — row ``src_rows[i]`` of block ``src_ids[i]`` to row ``dst_rows[i]`` of ``dst_ids[i]``,
         layer ``layer`` only — between ``device`` and ``host``: through the node's NIXL agent when one is
         attached, else with torch (one gather, one scatter)."""
-        if not src_ids:
+        if not src_ids or self._local_copy(src_tier, src_ids, dst_tier, dst_ids, layers=[layer] * len(src_ids),
+                                           rows=(src_rows, dst_rows)):
             return
-        if self.store.local_copy is not None:
-            try:
-                self.store.local_copy(src_tier, src_ids, dst_tier, dst_ids, layers=[layer] * len(src_ids),
-                                      rows=(src_rows, dst_rows))
-                return
-            except Exception:  # noqa: BLE001 - the destination's bytes are unknown: copy them again
-                log.exception("loopback row copy %s -> %s failed; copying with torch", src_tier, dst_tier)
-                self.stats.copy_fallbacks += 1
         assert self.store.host is not None
         pools = {"device": self.kv_pool, "host": self.store.host.pool}
         src, dst = pools[src_tier][:, layer], pools[dst_tier][:, layer]  # [N, 2, Hkv, B, D]
@@ -168,15 +174,8 @@ class KvPolicies:
                     layers: Seq[int] | None = None) -> None:
         """Move whole blocks, or one layer each, between ``device`` and ``host``: through the node's NIXL
         agent when one is attached (`TieredStore.attach_local_copy`), else with torch."""
-        if not src_ids:
+        if not src_ids or self._local_copy(src_tier, src_ids, dst_tier, dst_ids, layers=layers):
             return
-        if self.store.local_copy is not None:
-            try:
-                self.store.local_copy(src_tier, src_ids, dst_tier, dst_ids, layers=layers)
-                return
-            except Exception:  # noqa: BLE001 - the destination's bytes are unknown: copy them again
-                log.exception("loopback copy %s -> %s failed; copying with torch", src_tier, dst_tier)
-                self.stats.copy_fallbacks += 1
         assert self.store.host is not None
         pools = {"device": self.kv_pool, "host": self.store.host.pool}
         src, dst = pools[src_tier], pools[dst_tier]
