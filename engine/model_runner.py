@@ -98,10 +98,10 @@ class ModelRunner:
                 sample_seqs.append(seq)
         num_prefill_tokens = len(input_ids)
         for seq in step.decodes:
-            p, row = seq.num_computed_tokens, seq.num_kv_tokens  # row < p once a policy dropped KV
-            input_ids.append(seq.token_ids[p])
-            positions.append(p)
-            slots.append(seq.block_table[row // bs] * bs + row % bs)
+            r = self._decode_row(seq)
+            input_ids.append(r.token_id)
+            positions.append(r.position)
+            slots.append(r.slot)
             sample_rows.append(len(input_ids) - 1)
             sample_seqs.append(seq)
         batch = AttentionBatch(
@@ -123,15 +123,17 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden.index_select(0, rows))
         return StepLogits(sample_seqs, logits)
 
+    def _decode_row(self, seq: Sequence) -> DecodeRow:
+        """A decoding sequence's next token, its position, and the slot and KV length its KV gets (its KV
+        row is behind its position once a long-context policy dropped KV)."""
+        bs = self.block_size_tokens
+        p, row = seq.num_computed_tokens, seq.num_kv_tokens
+        return DecodeRow(seq.token_ids[p], p, seq.block_table[row // bs] * bs + row % bs, row + 1, seq.block_table)
+
     def _replay(self, decodes: list[Sequence]) -> StepLogits | None:
         """A decode-only step through ``self.graphs``, or None when it does not fit one."""
         assert self.graphs is not None
-        bs = self.block_size_tokens
-        rows = []
-        for seq in decodes:
-            p, row = seq.num_computed_tokens, seq.num_kv_tokens
-            rows.append(DecodeRow(seq.token_ids[p], p, seq.block_table[row // bs] * bs + row % bs, row + 1,
-                                  seq.block_table))
+        rows = [self._decode_row(seq) for seq in decodes]
         if self.graphs.size_for(len(rows)) is None:
             return None
         self.model.check_positions(max(r.position for r in rows))
