@@ -27,6 +27,7 @@ layout, the padding and the row order that a GPU's graphs replay.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -34,6 +35,7 @@ import torch
 
 from model.attention import AttentionBackend, AttentionBatch
 
+log = logging.getLogger(__name__)
 INPUT_COLUMNS = 4  # token id, position, slot, KV length; the block table follows
 PAD_SLOT = -1
 
@@ -192,3 +194,17 @@ class DecodeGraphs:
             self._forward(size)
         self.replays += 1
         return self._logits[: len(rows)].clone()
+
+
+def try_capture(model: torch.nn.Module, kv_pool: torch.Tensor, backend: AttentionBackend, *,
+                sizes: tuple[int, ...], max_model_len: int) -> DecodeGraphs | None:
+    """Captured `DecodeGraphs`, or None when capture fails: the error is logged and decode runs eagerly
+    (serving matters more than launch overhead; ``engine.cuda_graphs: false`` skips the attempt)."""
+    try:
+        graphs = DecodeGraphs(model, kv_pool, backend, sizes=sizes, max_model_len=max_model_len, capture=True)
+    except Exception:  # noqa: BLE001 - any capture failure leaves eager decode, which works
+        log.exception("capturing CUDA graphs for decode batch sizes %s failed; decode runs eagerly "
+                      "(set engine.cuda_graphs: false to skip the capture)", list(sizes))
+        return None
+    log.info("captured CUDA graphs for decode batch sizes %s", list(sizes))
+    return graphs

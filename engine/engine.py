@@ -19,8 +19,8 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from engine.block_tables import BlockTables
-from engine.cuda_graphs import DecodeGraphs, check_batch_sizes, default_batch_sizes
-from engine.infinigen_speculative import Speculation
+from engine.cuda_graphs import try_capture
+from engine.engine_config import EngineConfig
 from engine.kv_policy import KvPolicies
 from engine.long_context import LongContextConfig
 from engine.model_runner import ModelRunner
@@ -28,9 +28,8 @@ from engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from engine.sequence import Sequence, SequenceStatus
 from kvstore.block_key import BlockKey, block_keys
 from kvstore.block_spec import BlockSpec
-from kvstore.checks import require_int
 from kvstore.tiered_store import TieredStore, TieredStoreConfig
-from model.attention import BACKEND_NAME_TO_CLASS, AttentionBackend, default_backend_name, make_backend
+from model.attention import default_backend_name, make_backend
 from model.loader import LoadedModel
 from model.sampling import SamplingParams, TokenLogprobs, sample, token_generator
 from model.skew import SkewTables, load_or_compute_skew
@@ -41,44 +40,6 @@ MAX_KV_RECOMPUTES = 2  # recomputes after failed integrity checks before a seque
 
 class RequestError(ValueError):
     """A request the engine refuses; the message names the problem (maps to HTTP 400)."""
-
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    """Engine sizing. ``max_model_len`` defaults to the model's ``max_position_embeddings``."""
-
-    num_blocks: int = 1024
-    block_size_tokens: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 1024
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    attention_backend: str | None = None  # None: triton on CUDA, torch elsewhere
-    kv_dtype: str | None = None  # None: the model's weights dtype
-    long_context: LongContextConfig = LongContextConfig()  # the default policy; requests may override it
-    cuda_graphs: bool = True  # capture decode steps on CUDA with a backend that allows it (`engine.cuda_graphs`)
-    cuda_graph_batch_sizes: tuple[int, ...] | None = None  # None: `default_batch_sizes(max_num_seqs)`
-
-    def __post_init__(self) -> None:
-        """Raises ValueError naming the field (as in the YAML ``engine``/``kvstore`` sections)."""
-        for name in ("num_blocks", "block_size_tokens", "max_num_seqs", "max_num_batched_tokens"):
-            require_int(name, getattr(self, name))
-        if self.max_model_len is not None:
-            require_int("max_model_len", self.max_model_len)
-        if self.attention_backend is not None and self.attention_backend not in BACKEND_NAME_TO_CLASS:
-            raise ValueError(f"attention_backend must be one of {sorted(BACKEND_NAME_TO_CLASS)} or unset, "
-                             f"got {self.attention_backend!r}")
-        if not isinstance(self.cuda_graphs, bool):
-            raise ValueError(f"cuda_graphs must be true or false, got {self.cuda_graphs!r}")
-        if self.cuda_graph_batch_sizes is not None:
-            check_batch_sizes(self.cuda_graph_batch_sizes, max_num_seqs=self.max_num_seqs)
-
-    @property
-    def graph_batch_sizes(self) -> tuple[int, ...]:
-        """The decode batch sizes to capture (sorted), when graphs are on and the device allows them."""
-        if self.cuda_graph_batch_sizes is None:
-            return default_batch_sizes(self.max_num_seqs)
-        return check_batch_sizes(self.cuda_graph_batch_sizes, max_num_seqs=self.max_num_seqs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,9 +119,9 @@ class LLMEngine:
         self.attention_backend = self.config.attention_backend or default_backend_name(device)  # the one in use
         backend = make_backend(self.attention_backend)
         self.runner = ModelRunner(self.model, self.kv_pool, backend, block_size_tokens=self.spec.block_size_tokens)
-        self.cuda_graph_sizes: tuple[int, ...] = ()  # the decode batch sizes captured (none off CUDA)
         if self.config.cuda_graphs and device.type == "cuda" and getattr(backend, "supports_cuda_graphs", False):
-            self._capture_graphs(backend)
+            self.runner.graphs = try_capture(self.model, self.kv_pool, backend, sizes=self.config.graph_batch_sizes,
+                                             max_model_len=self.max_model_len)
         tables = BlockTables(self.store.block_pool)  # the one writer of block tables, shared below
         self.policies = KvPolicies(self.store, backend, tables=tables, spec=self.spec, scale=cfg.head_dim**-0.5)
         self.check_long_context(self.config.long_context)
@@ -180,19 +141,11 @@ class LLMEngine:
         self._seed_rng = random.Random()
         self._pending_outputs: list[StepOutput] = []
 
-    def _capture_graphs(self, backend: AttentionBackend) -> None:
-        """Capture the decode graphs; if capture fails, say why and run every step eagerly (serving
-        matters more than launch overhead; ``cuda_graphs: false`` skips the attempt)."""
-        sizes = self.config.graph_batch_sizes
-        try:
-            self.runner.graphs = DecodeGraphs(self.model, self.kv_pool, backend, sizes=sizes,
-                                              max_model_len=self.max_model_len, capture=True)
-        except Exception:  # noqa: BLE001 - any capture failure leaves eager decode, which works
-            log.exception("capturing CUDA graphs for decode batch sizes %s failed; decode runs eagerly "
-                          "(set engine.cuda_graphs: false to skip the capture)", list(sizes))
-            return
-        self.cuda_graph_sizes = sizes
-        log.info("captured CUDA graphs for decode batch sizes %s", list(sizes))
+    @property
+    def cuda_graph_sizes(self) -> tuple[int, ...]:
+        """The decode batch sizes captured in CUDA graphs (none off CUDA, or when capture failed)."""
+        graphs = self.runner.graphs
+        return graphs.sizes if graphs is not None and graphs.capture else ()
 
     @staticmethod
     def block_spec_for(loaded: LoadedModel, block_size_tokens: int, *, kv_dtype: str | None = None) -> BlockSpec:
@@ -247,14 +200,7 @@ class LLMEngine:
         Raises:
             ValueError: the tables were made for other weights or do not fit the model's shapes.
         """
-        cfg = self.model_config
-        if tables.model_fingerprint != self._loaded.fingerprint:
-            raise ValueError(f"skew tables of model {tables.model_fingerprint[:16]}, not of this one "
-                             f"({self._loaded.fingerprint[:16]})")
-        want = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, cfg.head_dim)
-        if tuple(tables.rotations.shape) != want:
-            raise ValueError(f"skew rotations of shape {tuple(tables.rotations.shape)}; this model needs {want}")
-        self.policies.speculative.speculation = Speculation(self.model, tables.to(self.kv_pool.device))
+        self.policies.speculative.use_skew(self.model, self.spec.model_fingerprint, tables)
 
     def add_request(
         self,

@@ -31,7 +31,6 @@ as the block mode does.
 from __future__ import annotations
 
 import logging
-import random
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -136,14 +135,28 @@ class SpeculativeInfiniGen(InfiniGen):
 
     def __init__(self, owner: PolicyHost) -> None:
         super().__init__(owner)
-        self.speculation: Speculation | None = None  # set by the engine before the first such sequence
+        self.speculation: Speculation | None = None  # set by `use_skew` before the first such sequence
         self._executor: ThreadPoolExecutor | None = None
         # layer → its prefetch: the future, its done event (CUDA), and its inputs, made on the main stream and
         # read on the side stream, kept alive until the main stream has waited for that event
         self._pending: dict[int, tuple[Future[int], torch.cuda.Event | None, object]] = {}
         self._side: torch.cuda.Stream | None = None
-        self._rng = random.Random()
         self._plan: _Plan | None = None  # this step's; dropped by `end_step`
+
+    def use_skew(self, model: LlamaForCausalLM, fingerprint: str, tables: SkewTables) -> None:
+        """Speculate with ``tables`` from now on (moved to the KV pool's device once).
+
+        Raises:
+            ValueError: the tables were made for other weights, or do not fit the model's shapes.
+        """
+        cfg = model.config
+        if tables.model_fingerprint != fingerprint:
+            raise ValueError(f"skew tables of model {tables.model_fingerprint[:16]}, not of this one "
+                             f"({fingerprint[:16]})")
+        want = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, cfg.head_dim)
+        if tuple(tables.rotations.shape) != want:
+            raise ValueError(f"skew rotations of shape {tuple(tables.rotations.shape)}; this model needs {want}")
+        self.speculation = Speculation(model, tables.to(self.owner.kv_pool.device))
 
     def new_state(self, seq: Sequence) -> SpeculativeState:
         base = super().new_state(seq)
