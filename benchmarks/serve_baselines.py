@@ -110,7 +110,7 @@ def kvstore_overrides(args: argparse.Namespace) -> dict[str, Any]:
             kv["host"] = None
             continue
         section: dict[str, Any] = {} if size is None else {"bytes": size}
-        if tier == "device" and size is not None:
+        if size is not None:
             section["fraction_of_free"] = None  # bytes replace a base config's fraction
         if policy is not None:
             section["policy"] = policy

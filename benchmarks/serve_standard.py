@@ -32,7 +32,8 @@ MULTI_ROUND = {"workload": "multi-round", "users": 4, "rounds": 3, "system_token
 TRACE = {"workload": "trace", "trace_start": 0, "trace_requests": 300, "trace_block_tokens": 16,
          "time_compression": 2.0, "max_output_tokens": 32, "request_rate": [math.inf], "sample_interval_s": 2.0}
 # About a third of the replay's ~7,000 distinct blocks fit: the offline-LRU rate sits well below the ideal.
-TRACE_TIERS = {"kvstore": {"device": {"bytes": "4MiB"}, "host": {"bytes": "8MiB"}, "disk": {"bytes": "16MiB"}}}
+TRACE_TIERS = {"kvstore": {"device": {"bytes": "4MiB"}, "host": {"bytes": "8MiB", "fraction_of_free": None},
+                           "disk": {"bytes": "16MiB"}}}
 
 
 def _with(args: argparse.Namespace, values: dict[str, Any]) -> argparse.Namespace:

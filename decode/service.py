@@ -4,6 +4,12 @@ continuous batch and streams tokens back to the router.
     POST /generate   msgpack request (`transfer.wire.GenerationMessage`) → a stream of msgpack frames
 
 A request without a KV handle is prefilled here (aggregated mode, and the recompute fallback).
+
+Every answer to a request with a KV handle says whether this node ended the handle's lease
+(`transfer.config.LEASE_HEADER`: "ended" once the pull told the owner "done" or "abort"; "open" when it
+never reached the owner: a malformed handle, a foreign owner, keys of another prompt, the quarantine
+cap, a failed handshake). An open lease is the router's to release; a refusal before the body is read
+(429, 503 while draining) carries no header and means the same.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from aiohttp import web
 
@@ -20,6 +27,7 @@ from engine.engine import RequestError
 from engine.worker import EngineFailure, EngineWorker
 from kvstore.block_key import BlockKey
 from node.app import EngineNode, NodeConfig, NodeMetrics, msgpack_response
+from transfer.config import LEASE_HEADER
 from transfer.discovery import NodeAddresses
 from transfer.errors import TransferError
 from transfer.puller import PullResult
@@ -77,13 +85,13 @@ class DecodeService(EngineNode):
             raise TransferError("key_mismatch", "the KV handle's block keys are not those of this request's "
                                                 "prompt and salt")
 
-    async def _pinned_blocks(self, msg: GenerationMessage, keys: list[BlockKey] | None) -> list[int] | None:
+    async def _pinned_blocks(self, msg: GenerationMessage, keys: list[BlockKey] | None) -> _Pulled:
         """Pull the KV of the request's handle (typed at the HTTP edge; a malformed one arrives as
-        ``handle_error``). None: pulled nothing (recompute). Under ``fail`` a failed pull raises its
-        `TransferError`; either way the failure is counted under its reason."""
+        ``handle_error``). ``block_ids`` None: pulled nothing (recompute). Under ``fail`` a failed pull raises
+        its `TransferError` (``lease_ended`` on it); either way the failure is counted under its reason."""
         request_id = msg.request_id
         if msg.handle is None and msg.handle_error is None:
-            return []
+            return _Pulled([], lease_ended=False)
         t0 = time.perf_counter()
         deadline_s = self.decode_config.transfer_timeout_s
         # The pull runs as its own task with its own deadline, shielded: a client that goes away mid-pull
@@ -110,12 +118,12 @@ class DecodeService(EngineNode):
         else:
             self.metrics.transfer_seconds.observe(time.perf_counter() - t0)
             self.metrics.transfer_bytes.inc(result.bytes_read)
-            return result.block_ids
+            return _Pulled(result.block_ids, lease_ended=result.lease_ended)
         self.metrics.transfer_failures.labels(reason=failure.reason).inc()
         log.warning("request %s: KV pull failed (%s): %s", request_id, failure.reason, failure)
         if self.decode_config.on_transfer_failure == "fail":
             raise failure
-        return None
+        return _Pulled(None, lease_ended=failure.lease_ended)
 
     def _release_abandoned(self, task: asyncio.Future) -> None:
         """Give back the blocks of a pull whose request went away while it ran."""
@@ -138,17 +146,19 @@ class DecodeService(EngineNode):
             return msgpack_response({"error": str(exc)}, status=400)
         try:
             keys = self.block_keys_of(msg)
-            pinned = await self._pinned_blocks(msg, keys)
+            pulled = await self._pinned_blocks(msg, keys)
         except TransferError as exc:
             self.metrics.request_done("transfer_failed")
             return msgpack_response({"error": f"KV transfer from the prefill node failed ({exc.reason}): {exc}"},
-                                    status=502)
+                                    status=502, headers=_lease_header(exc.lease_ended))
+        pinned = pulled.block_ids
         log.info("request %s: joining the batch (%d prompt tokens, %d pulled blocks%s)", rid, len(prompt),
                  len(pinned or []), ", recompute after a failed pull" if pinned is None else "")
         stream = self.worker.submit(rid, prompt, params, salt=salt, first_token_ids=first,
                                     pinned_block_ids=pinned or [], long_context=long_context,
                                     block_keys=keys)
-        resp = web.StreamResponse(headers={"Content-Type": "application/msgpack"})
+        lease = _lease_header(pulled.lease_ended)
+        resp = web.StreamResponse(headers={"Content-Type": "application/msgpack", **lease})
         done = False
         try:
             async for out in stream:
@@ -160,13 +170,13 @@ class DecodeService(EngineNode):
         except RequestError as exc:
             self.metrics.request_done("bad_request")
             if not resp.prepared:
-                return msgpack_response({"error": str(exc)}, status=400)
+                return msgpack_response({"error": str(exc)}, status=400, headers=lease)
             await resp.write(encode_error_frame(str(exc), 400))
             return resp
         except EngineFailure as exc:
             self.metrics.request_done("error")
             if not resp.prepared:
-                return msgpack_response({"error": str(exc)}, status=exc.status)
+                return msgpack_response({"error": str(exc)}, status=exc.status, headers=lease)
             await resp.write(encode_error_frame(str(exc), exc.status))
             return resp
         finally:
@@ -177,3 +187,13 @@ class DecodeService(EngineNode):
             await resp.prepare(request)
         await resp.write_eof()
         return resp
+
+
+@dataclass(frozen=True, slots=True)
+class _Pulled:
+    block_ids: list[int] | None  # pulled blocks (one reference each, for the engine); None: recompute
+    lease_ended: bool  # the pull told the owner "done" or "abort"
+
+
+def _lease_header(ended: bool) -> dict[str, str]:
+    return {LEASE_HEADER: "ended" if ended else "open"}

@@ -218,7 +218,7 @@ def _cmd_role(args: argparse.Namespace) -> int:
               "at most 63, starting with a letter or digit)", file=sys.stderr)
         return 2
     return run_role(config, args.command, args.index, name=name, cpus=cpus, cpu_pool=pool,
-                    cpu_lock_dir=args.cpu_lock_dir)
+                    cpu_lock_dir=args.cpu_lock_dir, memory_budget_bytes=args.memory_budget)
 
 
 BENCH_NAMES = ("bandwidth", "cache-policies", "cuda-graphs", "decode", "dtype", "kernel", "load", "long-context",
@@ -255,6 +255,15 @@ def _bench_main(name: str) -> Callable[[list[str]], int]:
     else:
         raise ValueError(f"unknown benchmark {name!r}; choose from {BENCH_NAMES}")
     return main
+
+
+def _byte_size(text: str) -> int:
+    from deploy.sizes import parse_size
+
+    try:
+        return parse_size(int(text) if text.isdigit() else text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} {exc}") from None
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -348,6 +357,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --cpu-lock-dir: CPUs shared with other nodes of this machine; this node borrows "
                             "those whose owner is idle and lends its --cpus while idle (what `kvrelay up` passes)")
         p.add_argument("--cpu-lock-dir", default=None, help="directory of the CPU lock files of --cpu-pool")
+        p.add_argument("--memory-budget", type=_byte_size, default=None,
+                       help="bytes of host memory this node's fraction_of_free tiers are a share of (what `kvrelay "
+                            "up` passes: its share of the memory free at the deployment's start); default: what "
+                            "is free when the node starts")
         p.set_defaults(func=_cmd_role)
 
     p = sub.add_parser("bench", help="benchmarks; JSON to stdout (see `kvrelay bench NAME --help`)")

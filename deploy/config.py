@@ -6,14 +6,17 @@
     kvstore:                                              →  KvStoreConfig (here)
       block_size_tokens: 16
       dtype: bfloat16                    # optional: the KV dtype; absent = the model's weights dtype
-      device: {bytes: 4GiB}              # or {fraction_of_free: 0.9}: of free GPU memory, through NVML
-      host: {bytes: 16GiB}               # optional: no host tier when absent
+      device: {bytes: 4GiB}              # or {fraction_of_free: 0.2}: of the memory free at start (absent:
+                                         # 0.2 on CPU, 0.85 of free GPU memory on CUDA, through NVML)
+      host: {bytes: 16GiB}               # or {fraction_of_free: 0.1} of host memory; no host tier when absent
       disk: {path: /var/lib/kvrelay/kv, bytes: 200GiB, admit: "seen>=2"}   # optional; admit: all | seen>=N
       # each tier also takes policy: cold-tail (default) | lru  (kvstore/policy.py; README "Tier policy")
       integrity: sampled                 # off | sampled (default) | all: block digests checked where blocks land
       integrity_sample_rate: 0.05        # with sampled: the share of landed blocks checked (kvstore/digest.py)
 
 Sizes are integers (bytes) or strings with a binary unit (``"4096"``, ``512MiB``, ``8GiB``, ``1.5TiB``).
+A ``fraction_of_free`` is of the memory free when the node starts (`deploy.memory`): host memory for the host
+tier and for a CPU device tier (the node's share of it, under `kvrelay up`), GPU memory for a CUDA one.
 Relative paths resolve from the working directory. Every bad value or unknown key raises `ConfigError`
 naming its key path, e.g. ``kvstore.disk.bytes: '8GB' is not a size; use e.g. "8GiB"``.
 """
@@ -21,7 +24,6 @@ naming its key path, e.g. ``kvstore.disk.bytes: '8GB' is not a size; use e.g. "8
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from deploy.memory import free_host_bytes, nvml_free_bytes
 from deploy.service_config import (
     DecodeSection,
     EngineSection,
@@ -55,53 +58,59 @@ if TYPE_CHECKING:  # the store's types load torch; the router process reads this
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "local.yaml"
 GpuFreeBytes = Callable[[], int]
+# kvstore.device without bytes or fraction_of_free: this share of the memory free at start. On CPU the device and
+# host tiers share host memory with the weights, activations and the OS, so less than a GPU's share.
+DEFAULT_DEVICE_FRACTION = {"cpu": 0.2, "cuda": 0.85}
 
 __all__ = ["DEFAULT_CONFIG", "Config", "ConfigError", "KvStoreConfig", "for_node", "load_config", "node_names",
            "parse_config"]
 
 
-def nvml_free_bytes() -> int:
-    """Free memory of this process's first visible GPU, read through NVML (``pynvml``).
-
-    Raises:
-        Exception: whatever NVML raises (``NVMLError_LibraryNotFound`` on a machine without a driver).
-    """
-    import pynvml
-
-    pynvml.nvmlInit()
-    try:
-        first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"
-        if first.startswith(("GPU-", "MIG-")):
-            handle = pynvml.nvmlDeviceGetHandleByUUID(first)
-        else:
-            handle = pynvml.nvmlDeviceGetHandleByIndex(int(first))
-        return int(pynvml.nvmlDeviceGetMemoryInfo(handle).free)
-    finally:
-        pynvml.nvmlShutdown()
+def is_cuda(device: str) -> bool:
+    return device.startswith("cuda")
 
 
 # ---------------------------------------------------------------- dataclasses
 @dataclass(frozen=True, slots=True)
 class DeviceTierConfig:
-    """Exactly one of ``size_bytes`` and ``free_memory_frac`` is set."""
+    """At most one of ``size_bytes`` and ``free_memory_frac`` is set; neither: `DEFAULT_DEVICE_FRACTION`."""
 
     size_bytes: int | None = None
     free_memory_frac: float | None = None
     policy: str = DEFAULT_POLICY
 
-    def resolve_bytes(self, gpu_free_bytes: GpuFreeBytes = nvml_free_bytes) -> int:
-        """Bytes for the device pool: ``size_bytes``, or the fraction of GPU memory free now (call it
-        after the model weights are loaded, like ``gpu_memory_utilization``)."""
+    def fraction(self, device: str) -> float | None:
+        """The share of free memory this tier takes on ``device``; None when sized in bytes."""
         if self.size_bytes is not None:
+            return None
+        if self.free_memory_frac is not None:
+            return self.free_memory_frac
+        return DEFAULT_DEVICE_FRACTION["cuda" if is_cuda(device) else "cpu"]
+
+    def resolve_bytes(self, device: str = "cpu", *, host_free_bytes: Callable[[], int] = free_host_bytes,
+                      gpu_free_bytes: GpuFreeBytes = nvml_free_bytes) -> int:
+        """Bytes for the device pool: ``size_bytes``, or its fraction of the memory free now: GPU memory on
+        CUDA (call it after the weights are loaded, like ``gpu_memory_utilization``), else host memory."""
+        frac = self.fraction(device)
+        if frac is None:
+            assert self.size_bytes is not None
             return self.size_bytes
-        assert self.free_memory_frac is not None
-        return int(gpu_free_bytes() * self.free_memory_frac)
+        return int((gpu_free_bytes() if is_cuda(device) else host_free_bytes()) * frac)
 
 
 @dataclass(frozen=True, slots=True)
 class HostTierConfig:
-    size_bytes: int
+    """Exactly one of ``size_bytes`` and ``free_memory_frac`` (of free host memory) is set."""
+
+    size_bytes: int | None = None
     policy: str = DEFAULT_POLICY
+    free_memory_frac: float | None = None
+
+    def resolve_bytes(self, *, host_free_bytes: Callable[[], int] = free_host_bytes) -> int:
+        if self.size_bytes is not None:
+            return self.size_bytes
+        assert self.free_memory_frac is not None
+        return int(host_free_bytes() * self.free_memory_frac)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,13 +131,15 @@ class KvStoreConfig:
     integrity: str = DEFAULT_INTEGRITY  # off | sampled | all (kvstore.digest.IntegrityPolicy)
     integrity_sample_rate: float = DEFAULT_SAMPLE_RATE
 
-    def device_num_blocks(self, block_bytes: int, gpu_free_bytes: GpuFreeBytes = nvml_free_bytes) -> int:
-        """Device blocks of ``block_bytes`` that fit the device tier.
+    def device_num_blocks(self, block_bytes: int, gpu_free_bytes: GpuFreeBytes = nvml_free_bytes, *,
+                          device: str = "cuda", host_free_bytes: Callable[[], int] = free_host_bytes) -> int:
+        """Device blocks of ``block_bytes`` that fit the device tier on ``device``.
 
         Raises:
             ConfigError: not even one.
         """
-        device_bytes = self.device.resolve_bytes(gpu_free_bytes)
+        device_bytes = self.device.resolve_bytes(device, host_free_bytes=host_free_bytes,
+                                                 gpu_free_bytes=gpu_free_bytes)
         if device_bytes < block_bytes:
             key = "bytes" if self.device.size_bytes is not None else "fraction_of_free"
             raise ConfigError(
@@ -137,9 +148,11 @@ class KvStoreConfig:
         return device_bytes // block_bytes
 
     def store_config(
-        self, spec: BlockSpec, *, device: str = "cpu", gpu_free_bytes: GpuFreeBytes = nvml_free_bytes
+        self, spec: BlockSpec, *, device: str = "cpu", gpu_free_bytes: GpuFreeBytes = nvml_free_bytes,
+        host_free_bytes: Callable[[], int] = free_host_bytes,
     ) -> TieredStoreConfig:
-        """Sizes in blocks of ``spec`` for `kvstore.tiered_store.TieredStore`.
+        """Sizes in blocks of ``spec`` for `kvstore.tiered_store.TieredStore`. ``host_free_bytes()``: the host
+        memory a ``fraction_of_free`` is of (read once here; `kvrelay up` passes each node its share).
 
         Raises:
             ConfigError: the device tier holds no block, or ``spec`` has another block size.
@@ -151,9 +164,12 @@ class KvStoreConfig:
                 f"kvstore.block_size_tokens: {self.block_size_tokens} but the model's KV blocks have "
                 f"{spec.block_size_tokens} tokens"
             )
+        free = _Once(host_free_bytes)
+        host_bytes = self.host.resolve_bytes(host_free_bytes=free) if self.host is not None else 0
         return TieredStoreConfig(
-            num_device_blocks=self.device_num_blocks(spec.block_bytes, gpu_free_bytes),
-            num_host_blocks=self.host.size_bytes // spec.block_bytes if self.host is not None else 0,
+            num_device_blocks=self.device_num_blocks(spec.block_bytes, gpu_free_bytes, device=device,
+                                                     host_free_bytes=free),
+            num_host_blocks=host_bytes // spec.block_bytes,
             disk_path=self.disk.path if self.disk is not None else None,
             disk_capacity_bytes=self.disk.size_bytes if self.disk is not None else 0,
             admit=self.disk.admit if self.disk is not None else "all",
@@ -163,6 +179,19 @@ class KvStoreConfig:
             disk_policy=self.disk.policy if self.disk is not None else DEFAULT_POLICY,
             integrity=self.integrity, integrity_sample_rate=self.integrity_sample_rate,
         )
+
+
+class _Once:
+    """A reading taken at the first call and repeated after: both tiers' fractions are of one figure."""
+
+    def __init__(self, read: Callable[[], int]) -> None:
+        self._read = read
+        self._value: int | None = None
+
+    def __call__(self) -> int:
+        if self._value is None:
+            self._value = self._read()
+        return self._value
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,11 +237,9 @@ def _policy(v: Any) -> str:
         raise ValueError(f"is not a tier policy; use one of {', '.join(POLICY_NAMES)}") from None
 
 
-def parse_kvstore(root: Section, *, base_dir: Path, gpu_free_bytes: GpuFreeBytes = nvml_free_bytes) -> KvStoreConfig:
-    """Read the ``kvstore`` section of ``root``.
-
-    ``fraction_of_free`` asks NVML for free GPU memory once here, so a machine without NVML fails at
-    start; the pool itself is sized later by `DeviceTierConfig.resolve_bytes`.
+def parse_kvstore(root: Section, *, base_dir: Path) -> KvStoreConfig:
+    """Read the ``kvstore`` section of ``root`` (the tiers are sized in bytes later, when a node starts:
+    `KvStoreConfig.store_config`).
 
     Raises:
         ConfigError: naming the key path of the first bad value or unknown key.
@@ -226,20 +253,15 @@ def parse_kvstore(root: Section, *, base_dir: Path, gpu_free_bytes: GpuFreeBytes
     device = DeviceTierConfig(d.take("bytes", size, None), d.take("fraction_of_free", _fraction, None),
                               d.take("policy", _policy, DEFAULT_POLICY))
     d.done()
-    if (device.size_bytes is None) == (device.free_memory_frac is None):
-        raise ConfigError('kvstore.device: set exactly one of bytes (e.g. 8GiB) and fraction_of_free (e.g. 0.9)')
-    if device.free_memory_frac is not None:
-        try:
-            gpu_free_bytes()
-        except Exception as exc:  # NVML missing or failing: fail now, naming the key
-            raise ConfigError(
-                f"kvstore.device.fraction_of_free: cannot read free GPU memory through NVML "
-                f'({type(exc).__name__}: {exc}); set kvstore.device.bytes instead, e.g. "8GiB"'
-            ) from None
+    if device.size_bytes is not None and device.free_memory_frac is not None:
+        raise ConfigError('kvstore.device: set one of bytes (e.g. 8GiB) and fraction_of_free (e.g. 0.2), not both')
     h = k.section("host")
-    host_bytes, host_policy = h.take("bytes", size, None), h.take("policy", _policy, None)
+    host_bytes, host_frac = h.take("bytes", size, None), h.take("fraction_of_free", _fraction, None)
+    host_policy = h.take("policy", _policy, None)
     h.done()
-    if host_policy is not None and not host_bytes:
+    if host_bytes is not None and host_frac is not None:
+        raise ConfigError('kvstore.host: set one of bytes (e.g. 16GiB) and fraction_of_free (e.g. 0.1), not both')
+    if host_policy is not None and host_bytes is None and host_frac is None:
         raise ConfigError("kvstore.host.policy: there is no host tier; set kvstore.host.bytes, e.g. 16GiB")
     s = k.section("disk")
     disk_path, disk_bytes, admit = s.take("path", string, None), s.take("bytes", size, None), s.take(
@@ -258,7 +280,8 @@ def parse_kvstore(root: Section, *, base_dir: Path, gpu_free_bytes: GpuFreeBytes
         disk = DiskTierConfig(str(base_dir / Path(disk_path).expanduser()), disk_bytes, admit,
                               disk_policy or DEFAULT_POLICY)
     k.done()
-    host = HostTierConfig(host_bytes, host_policy or DEFAULT_POLICY) if host_bytes else None
+    host = (HostTierConfig(host_bytes, host_policy or DEFAULT_POLICY, host_frac)
+            if host_bytes is not None or host_frac is not None else None)
     return KvStoreConfig(device, block_size_tokens, host, disk, kv_dtype, integrity, sample_rate)
 
 
@@ -286,9 +309,17 @@ def parse_config(
         ConfigError: naming the key path of the first bad value or unknown key.
     """
     root = Section(data, "")
-    kvstore = parse_kvstore(root, base_dir=base_dir, gpu_free_bytes=gpu_free_bytes)
+    kvstore = parse_kvstore(root, base_dir=base_dir)
     services = parse_services(root, base_dir=base_dir, env=env)
     root.done()
+    if is_cuda(services["model"].device) and kvstore.device.size_bytes is None:
+        try:  # the pool is sized at the node's start; a machine without NVML fails now, naming the key
+            gpu_free_bytes()
+        except Exception as exc:  # noqa: BLE001 - NVML missing or failing
+            raise ConfigError(
+                f"kvstore.device.fraction_of_free: cannot read free GPU memory through NVML "
+                f'({type(exc).__name__}: {exc}); set kvstore.device.bytes instead, e.g. "8GiB"'
+            ) from None
     long_context = services["decode"].long_context
     try:
         long_context.check(kvstore.block_size_tokens)

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from deploy.config import for_node
 from deploy.cpu_budget import CoreLending, apply_cpus, format_cpus
+from deploy.memory import format_bytes, free_host_bytes
 
 if TYPE_CHECKING:  # engine nodes import these where they are built: the router process loads no torch
     from engine.engine import LLMEngine
@@ -62,11 +63,14 @@ def use_triton_interpreter(backend: str | None, device: str) -> None:
     os.environ["TRITON_INTERPRET"] = "1"
 
 
-def build_engine(config: Any, *, node_name: str, registry: CollectorRegistry) -> LLMEngine:
+def build_engine(config: Any, *, node_name: str, registry: CollectorRegistry,
+                 memory_budget_bytes: int | None = None) -> LLMEngine:
     """The engine of one prefill or decode node: model from ``config.model``, tiers from ``config.kvstore``.
 
     Each node keeps its disk tier in its own subdirectory (``disk.path/<node name>``): LMDB environments
-    are one per process.
+    are one per process. A tier sized by ``fraction_of_free`` takes its share of ``memory_budget_bytes``
+    (this node's share of the host memory free when the deployment started; None: what is free now), or
+    of free GPU memory on CUDA. The sizes chosen are logged.
     """
     from engine.engine import EngineConfig, LLMEngine
     from model.loader import load_model
@@ -75,7 +79,17 @@ def build_engine(config: Any, *, node_name: str, registry: CollectorRegistry) ->
     use_triton_interpreter(config.engine.attention_backend, m.device)
     loaded = load_model(m.path, dtype=m.dtype, device=m.device)
     spec = LLMEngine.block_spec_for(loaded, config.kvstore.block_size_tokens, kv_dtype=config.kvstore.dtype)
-    store_config = for_node(config.kvstore, node_name).store_config(spec, device=m.device)
+    budget = (lambda: memory_budget_bytes) if memory_budget_bytes is not None else free_host_bytes
+    kv = for_node(config.kvstore, node_name)
+    store_config = kv.store_config(spec, device=m.device, host_free_bytes=budget)
+    log.info("%s KV: device tier %s (%d blocks of %d bytes: %d tokens, %s), host tier %s (%d blocks, %s)",
+             node_name, format_bytes(store_config.num_device_blocks * spec.block_bytes),
+             store_config.num_device_blocks, spec.block_bytes, store_config.num_device_blocks * spec.block_size_tokens,
+             _sizing(kv.device.fraction(m.device), "GPU memory" if m.device.startswith("cuda") else "host memory",
+                     memory_budget_bytes),
+             format_bytes(store_config.num_host_blocks * spec.block_bytes), store_config.num_host_blocks,
+             _sizing(kv.host.free_memory_frac if kv.host else None, "host memory", memory_budget_bytes)
+             if kv.host else "none")
     e = config.engine
     return LLMEngine(loaded, EngineConfig(  # the layout is ``spec``, built once above
         num_blocks=store_config.num_device_blocks, max_num_seqs=e.max_num_seqs,
@@ -87,8 +101,8 @@ def build_engine(config: Any, *, node_name: str, registry: CollectorRegistry) ->
 
 
 def build_app(config: Any, role: str, index: int, *, name: str | None = None,
-              worker_host: CallerThreadHost | None = None,
-              cores: CoreLending | None = None) -> tuple[web.Application, str, int]:
+              worker_host: CallerThreadHost | None = None, cores: CoreLending | None = None,
+              memory_budget_bytes: int | None = None) -> tuple[web.Application, str, int]:
     """The aiohttp app of ``role`` number ``index`` and the (host, port) it listens on. ``name`` is the
     node's identity (NIXL agent name, disk tier subdirectory, logs; default ``<role>-<index>``). An engine node's
     loop runs on ``worker_host``'s thread when given, else on a thread of its own.
@@ -111,7 +125,9 @@ def build_app(config: Any, role: str, index: int, *, name: str | None = None,
             load_weight_tokens=r.load_weight_tokens, long_context=config.decode.long_context,
             max_concurrent_requests=r.max_concurrent_requests, max_connections_per_node=r.max_connections_per_node,
             connect_timeout_s=r.connect_timeout_s, prefill_dns=r.prefill_dns, decode_dns=r.decode_dns,
-            dns_interval_s=r.dns_interval_s,
+            dns_interval_s=r.dns_interval_s, max_queued_requests=r.max_queued_requests,
+            max_queued_bytes=r.max_queued_bytes, queue_timeout_s=r.queue_timeout_s,
+            decode_reserve_tokens=r.decode_reserve_tokens,
         ))
         return router.make_app(), r.host, r.port
     from engine.worker import EngineWorker
@@ -123,9 +139,10 @@ def build_app(config: Any, role: str, index: int, *, name: str | None = None,
     port = ports[index]
     name = name or f"{role}-{index}"
     metrics = NodeMetrics(role, node=name)
-    engine = build_engine(config, node_name=name, registry=metrics.registry)
+    engine = build_engine(config, node_name=name, registry=metrics.registry, memory_budget_bytes=memory_budget_bytes)
+    section = config.prefill if role == "prefill" else config.decode
     node = NodeConfig(role=role, name=name, model_name=config.model.name, host=internal.bind, port=port,
-                      max_pending_requests=config.decode.max_pending_requests, internal_token=internal.token,
+                      max_pending_requests=section.max_pending_requests, internal_token=internal.token,
                       cpus=tuple(cores.home) if cores is not None else ())
     worker = EngineWorker(engine, host=worker_host, cores=cores)
     from transfer.config import TransferConfig
@@ -158,7 +175,8 @@ def build_app(config: Any, role: str, index: int, *, name: str | None = None,
 
 
 def run_role(config: Any, role: str, index: int = 0, *, name: str | None = None, cpus: list[int] | None = None,
-             cpu_pool: list[int] | None = None, cpu_lock_dir: str | None = None) -> int:
+             cpu_pool: list[int] | None = None, cpu_lock_dir: str | None = None,
+             memory_budget_bytes: int | None = None) -> int:
     """Serve until SIGTERM/SIGINT; returns the exit code.
 
     An engine node pins itself to ``cpus`` (None: every CPU it may run on), sizes torch's threads to
@@ -182,7 +200,8 @@ def run_role(config: Any, role: str, index: int = 0, *, name: str | None = None,
     from engine.worker import CallerThreadHost
 
     worker_host = CallerThreadHost()
-    app, host, port = build_app(config, role, index, name=name, worker_host=worker_host, cores=cores)
+    app, host, port = build_app(config, role, index, name=name, worker_host=worker_host, cores=cores,
+                                memory_budget_bytes=memory_budget_bytes)
     stop = _Stop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop.set())
@@ -210,6 +229,15 @@ def run_role(config: Any, role: str, index: int = 0, *, name: str | None = None,
     if failures:
         raise failures[0]
     return 0
+
+
+def _sizing(frac: float | None, memory: str, budget: int | None) -> str:
+    """How a tier was sized, for the start-up line."""
+    if frac is None:
+        return "configured bytes"
+    of = f"this node's share ({format_bytes(budget)}) of the {memory} free at start" if budget is not None and \
+        memory == "host memory" else f"the {memory} free at start"
+    return f"fraction_of_free {frac:g} of {of}"
 
 
 class _Stop:

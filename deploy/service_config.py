@@ -8,12 +8,13 @@
               CPU runs under Triton's interpreter, for tests. cuda_graphs (default true): capture decode steps
               on CUDA for cuda_graph_batch_sizes (default 1, 2, 4, 8, 16, … up to max_num_seqs))
     internal: {bind, token, token_env, drain_timeout_s}
-    prefill:  {ports: [8100, ...], lease_ttl_s, devices: [0, ...], inject_faults: []}
+    prefill:  {ports: [8100, ...], lease_ttl_s, max_pending_requests, devices: [0, ...], inject_faults: []}
               (devices: CUDA devices per node, for up; inject_faults: tests only, transfer.config.PUBLISH_FAULTS)
     decode:   {ports: [8200, ...], on_transfer_failure, max_pending_requests, transfer_timeout_s, devices}
     router:   {host, port, api_keys, api_keys_env, max_body_bytes, request_timeout_s, max_n, load_weight_tokens,
                max_concurrent_requests, max_connections_per_node, connect_timeout_s, prefill_urls, decode_urls,
-               prefill_dns, decode_dns, dns_interval_s}
+               prefill_dns, decode_dns, dns_interval_s, max_queued_requests, max_queued_bytes, queue_timeout_s,
+               decode_reserve_tokens}
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ class PrefillSection:
     lease_ttl_s: float = 30.0
     devices: tuple[str, ...] = ()  # per node, `kvrelay up` sets CUDA_VISIBLE_DEVICES to it; empty: inherited
     inject_faults: tuple[str, ...] = ()  # tests only: transfer.config.PUBLISH_FAULTS
+    max_pending_requests: int = 256  # a bound the router's queue keeps below (it places by room)
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,12 +90,16 @@ class RouterSection:
     load_weight_tokens: int = 64
     prefill_urls: tuple[str, ...] = ()  # empty (and no prefill_dns): http://{internal.bind}:{port} per prefill port
     decode_urls: tuple[str, ...] = ()
-    max_concurrent_requests: int = 1024
+    max_concurrent_requests: int = 16384
     max_connections_per_node: int = 1024
     connect_timeout_s: float = 5.0
     prefill_dns: tuple[str, ...] = ()  # host:port names (k8s headless Services): every address is a node
     decode_dns: tuple[str, ...] = ()
     dns_interval_s: float = 10.0
+    max_queued_requests: int = 8192  # router.queue: requests waiting for room, their prompt bytes, their wait
+    max_queued_bytes: int = 256 * 1024 * 1024
+    queue_timeout_s: float = 300.0
+    decode_reserve_tokens: int = 256
 
 
 class Section:
@@ -234,7 +240,8 @@ def parse_services(root: Section, *, base_dir: Path, env: Mapping[str, str] | No
     p = root.section("prefill")
     prefill_ports = p.take("ports", port_list, ())
     prefill = PrefillSection(prefill_ports, p.take("lease_ttl_s", positive_float, 30.0),
-                             _devices(p, len(prefill_ports)), p.take("inject_faults", _faults, ()))
+                             _devices(p, len(prefill_ports)), p.take("inject_faults", _faults, ()),
+                             p.take("max_pending_requests", positive_int, 256))
     p.done()
     d = root.section("decode")
     decode_ports = d.take("ports", port_list, (8200,))
@@ -256,11 +263,15 @@ def parse_services(root: Section, *, base_dir: Path, env: Mapping[str, str] | No
                                                                                  300.0),
                            r.take("max_n", positive_int, 4), r.take("load_weight_tokens", positive_int, 64),
                            r.take("prefill_urls", _url_list, ()), r.take("decode_urls", _url_list, ()),
-                           r.take("max_concurrent_requests", positive_int, 1024),
+                           r.take("max_concurrent_requests", positive_int, 16384),
                            r.take("max_connections_per_node", positive_int, 1024),
                            r.take("connect_timeout_s", positive_float, 5.0),
                            r.take("prefill_dns", _dns_list, ()), r.take("decode_dns", _dns_list, ()),
-                           r.take("dns_interval_s", positive_float, 10.0))
+                           r.take("dns_interval_s", positive_float, 10.0),
+                           r.take("max_queued_requests", positive_int, 8192),
+                           r.take("max_queued_bytes", size, 256 * 1024 * 1024),
+                           r.take("queue_timeout_s", positive_float, 300.0),
+                           r.take("decode_reserve_tokens", positive_int, 256))
     r.done()
     return {"model": model, "engine": engine, "internal": InternalSection(bind, token, drain_timeout_s),
             "prefill": prefill, "decode": decode, "router": router}

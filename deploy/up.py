@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from deploy.cpu_budget import available_cpus, format_cpus, split_cpus
+from deploy.memory import format_bytes, free_host_bytes
 from deploy.service_config import TOKEN_ENV
 
 GRACE_S = 10.0  # beyond internal.drain_timeout_s, before SIGKILL
@@ -33,9 +34,11 @@ REPORT_EVERY_S = 30.0
 
 
 def _role_cmd(role: str, config_path: Path, index: int, overrides: list[str], cpus: list[int] | None,
-              lending: tuple[list[int], str] | None = None) -> list[str]:
+              lending: tuple[list[int], str] | None = None, memory_budget_bytes: int | None = None) -> list[str]:
     cmd = [sys.executable, "-m", "deploy.cli", role, "--config", str(config_path), "--index", str(index),
            "--name", f"{role}-{index}", *overrides]
+    if memory_budget_bytes is not None and role != "router":
+        cmd += ["--memory-budget", str(memory_budget_bytes)]
     if cpus is None:
         return cmd
     cmd += ["--cpus", format_cpus(cpus)]
@@ -114,6 +117,10 @@ def up(config: Any, config_path: Path, *, overrides: list[str], startup_timeout_
     if len(cpus) < len(plan):
         print(f"kvrelay up: {len(plan)} engine nodes share {len(cpus)} CPUs; they will slow each other down",
               file=sys.stderr, flush=True)
+    # Host memory free now, shared by the engine nodes: each sizes its fraction_of_free tiers from its share.
+    budget = free_host_bytes() // max(1, len(plan))
+    print(f"kvrelay up: {format_bytes(budget * len(plan))} of host memory free; each of the {len(plan)} engine "
+          f"nodes sizes its fraction_of_free KV tiers from {format_bytes(budget)}", flush=True)
     plan.append(("router", 0))
     # Every node gets the internal token: the config's, else one made up for this deployment's life.
     env = dict(os.environ)
@@ -131,8 +138,8 @@ def up(config: Any, config_path: Path, *, overrides: list[str], startup_timeout_
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints where this process is (stderr)
     try:
         for role, index in plan:
-            procs.append(subprocess.Popen(_role_cmd(role, config_path, index, overrides, shares[len(procs)], lending),
-                                          env=node_env(env, config, role, index)))
+            procs.append(subprocess.Popen(_role_cmd(role, config_path, index, overrides, shares[len(procs)], lending,
+                                                    budget), env=node_env(env, config, role, index)))
         url = f"http://{config.router.host}:{config.router.port}"
         deadline = time.monotonic() + startup_timeout_s
         next_report = time.monotonic() + REPORT_EVERY_S
@@ -152,8 +159,8 @@ def up(config: Any, config_path: Path, *, overrides: list[str], startup_timeout_
                     restart_at[k] = now + RESTART_BACKOFF_S
                 elif now >= restart_at[k]:
                     del restart_at[k]
-                    procs[k] = subprocess.Popen(_role_cmd(role, config_path, index, overrides, shares[k], lending),
-                                                env=node_env(env, config, role, index))
+                    procs[k] = subprocess.Popen(_role_cmd(role, config_path, index, overrides, shares[k], lending,
+                                                          budget), env=node_env(env, config, role, index))
             if not ready:
                 health = _router_health(url)
                 all_up = health is not None and all(n["healthy"] for n in health.get("nodes", {}).values())

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -26,6 +27,7 @@ from engine.long_context import LongContextConfig
 from engine.model_runner import ModelRunner
 from engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from engine.sequence import Sequence, SequenceStatus
+from engine.step_rates import StepRates
 from kvstore.block_key import BlockKey, block_keys
 from kvstore.block_spec import BlockSpec
 from kvstore.tiered_store import TieredStore, TieredStoreConfig
@@ -135,11 +137,15 @@ class LLMEngine:
             on_free=self.policies.on_free,
         )
         self.stats = EngineStats()
+        self.rates = StepRates()
         self._requests: dict[str, _Request] = {}
         self._next_seq_id = 0
         self._device = device
         self._seed_rng = random.Random()
         self._pending_outputs: list[StepOutput] = []
+        # Set by a step that could schedule nothing because blocks held outside the scheduler (leases,
+        # pulls) keep the pending work from fitting: the caller may wait for a pool change before stepping.
+        self.stalled = False
 
     @property
     def cuda_graph_sizes(self) -> tuple[int, ...]:
@@ -309,6 +315,7 @@ class LLMEngine:
         """Run one scheduled model step; return the new tokens of every sample that got one (not those whose
         KV failed an integrity check during the step: `_drop_corrupt`)."""
         outputs, self._pending_outputs = self._pending_outputs, []
+        self.stalled = False
         sched: ScheduledStep = self.scheduler.schedule()
         self.stats.preemptions += len(sched.preempted)
         for seq in sched.preempted:
@@ -318,6 +325,7 @@ class LLMEngine:
             if self.scheduler.running or self.scheduler.waiting:
                 outputs.extend(self._unstick())
             return outputs
+        t0 = time.perf_counter()
         try:
             result = self.runner.run(sched, kv_hook=self.policies.step_hook(sched))
         finally:  # no prefetch outlives the forward, even one that raised (its requests' blocks are given back)
@@ -338,6 +346,8 @@ class LLMEngine:
                                   histories, self.eos_token_ids)
         for (seq, _), tok, lp in zip(pairs, tokens, logprobs, strict=True):
             outputs.append(self._append_token(seq, tok, lp))
+        self.rates.observe(prefill_tokens=sum(c.num_tokens for c in sched.prefills), decode_seqs=len(sched.decodes),
+                           seconds=time.perf_counter() - t0)
         for req_id in {o.request_id for o in outputs if o.finished}:
             self._forget_if_done(req_id)
         self.policies.after_step(self.scheduler.running)
@@ -349,8 +359,9 @@ class LLMEngine:
 
         In order: preempt the newest running sequence if another could use its blocks; let waiting
         sequences drop the blocks they hold for later (pins, prefix matches) so the first can start;
-        finally end the one sequence that alone needs more blocks than the pool has (``length``).
-        Never fails the other requests.
+        wait (`stalled`) while blocks held outside the scheduler (leases, pulls) keep the one sequence
+        left from fitting; finally end the one sequence that alone needs more blocks than the pool has
+        (``length``). Never fails the other requests.
         """
         sch = self.scheduler
         if sch.running and (sch.waiting or len(sch.running) > 1):
@@ -363,6 +374,12 @@ class LLMEngine:
         if not sch.running and sch.release_waiting_holds():
             return []
         seq = sch.running[0] if sch.running else sch.waiting[0]
+        held_outside = self.pool.stats().num_in_use - len(set(seq.block_table))
+        if held_outside > 0 and -(-(len(seq.token_ids) + 1) // self.spec.block_size_tokens) <= self.pool.num_blocks:
+            # Blocks held outside the scheduler (a lease for a peer, a pull in progress) come back in bounded
+            # time; the sequence fits the pool once they do, so it waits instead of failing.
+            self.stalled = True
+            return []
         sch.finish(seq, "length")
         self._forget_if_done(seq.request_id)
         return [StepOutput(seq.request_id, seq.index, [], True, "length", seq.num_cached_prompt_tokens)]

@@ -341,7 +341,8 @@ class EngineWorker:
 
     def _loop_until_stopped(self) -> None:
         while True:
-            idle = not self.engine.has_unfinished()
+            # A stalled engine waits for blocks that leases or pulls hold: they come back through a command.
+            idle = not self.engine.has_unfinished() or self.engine.stalled
             if idle and self._cores is not None:
                 self._cores.idle()
             for cmd in self._drain(wait=idle):

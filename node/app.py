@@ -249,10 +249,18 @@ class EngineNode:
             "running": self.worker.num_running, "waiting": self.worker.num_waiting,
             "free_blocks": self.worker.num_free_blocks, "in_use_blocks": self.worker.num_in_use_blocks,
             "total_blocks": self.engine.pool.num_blocks,
+            "kv_bytes": self.kv_bytes(),
             "host_reserved_blocks": self.engine.store.host.num_reserved if self.engine.store.host else 0,
             "disk_read_txns": self.engine.store.disk.num_open_read_txns() if self.engine.store.disk else 0,
             "long_context": dataclasses.asdict(self.engine.policies.stats),
         })
+
+    def kv_bytes(self) -> dict[str, int]:
+        """The bytes of KV this node's tiers hold (``device``, ``host``; ``block``: one block's), as sized at
+        start (`deploy.config.KvStoreConfig`: explicit bytes, or a share of the memory free then)."""
+        store, block = self.engine.store, self.engine.spec.block_bytes
+        return {"device": self.engine.pool.num_blocks * block,
+                "host": store.host.num_blocks * block if store.host is not None else 0, "block": block}
 
     async def ready(self, request: web.Request) -> web.Response:
         """Readiness (a k8s probe, a load balancer): 200 while the node takes new requests; 503 while it
@@ -313,9 +321,18 @@ class EngineNode:
         return msgpack_response({
             "node": self.config.name, "last_seq": batch.last_seq,
             "events": None if batch.events is None else [[e.seq, e.kind, e.key, e.digest] for e in batch.events],
-            "snapshot": batch.snapshot,
+            "snapshot": batch.snapshot, "load": self.load_report(),
         })
 
+    def load_report(self) -> dict[str, Any]:
+        """The room and speed the router places requests by (`router.nodes.NodeCapacity`): the device pool's
+        blocks (all, and free or evictable now), the batch limits, and the rates the engine measured
+        (`engine.step_rates`; 0.0 before the first step of a kind). A snapshot read off the engine's thread."""
+        engine, rates = self.engine, self.engine.rates
+        return {"kv_blocks": engine.pool.num_blocks, "free_blocks": self.worker.num_free_blocks,
+                "max_num_seqs": engine.config.max_num_seqs,
+                "max_num_batched_tokens": engine.config.max_num_batched_tokens,
+                "prefill_tokens_per_s": rates.prefill_tokens_per_s, "decode_step_s": rates.decode_step_s}
 
     async def _wait_for_event(self, after: int, wait_s: float) -> None:
         """Return when the log has an event past ``after``, or after ``wait_s``."""
@@ -334,5 +351,5 @@ class EngineNode:
             self.events.cancel(notify)
 
 
-def msgpack_response(obj: object, status: int = 200) -> web.Response:
-    return web.Response(body=pack(obj), status=status, content_type="application/msgpack")
+def msgpack_response(obj: object, status: int = 200, *, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(body=pack(obj), status=status, content_type="application/msgpack", headers=headers)

@@ -7,6 +7,9 @@ decode node will pull from; the owner serves ``/kv/meta``, renewals and the done
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+
 import torch
 from aiohttp import web
 
@@ -45,6 +48,20 @@ class PrefillTransfer:
                                   digests=[] if None in digests else digests)  # type: ignore[arg-type]
         if self.faults:
             self._inject(engine, handle)
+            handle = self._falsify(engine, handle)
+        return handle
+
+    def _falsify(self, engine: LLMEngine, handle: KvHandle) -> KvHandle:
+        """Tests only (`transfer.config.HANDLE_FAULTS`): the handle as a broken owner might hand it out; its
+        lease still pins the real blocks, and must not outlive the request that carried it."""
+        if "handle_names_absent_blocks" in self.faults:
+            handle = dataclasses.replace(handle, blocks=tuple(
+                TierBlock(b.tier, b.block_id + engine.pool.num_blocks) for b in handle.blocks))
+        if "handle_with_other_keys" in self.faults:
+            handle = dataclasses.replace(handle, keys=tuple(
+                BlockKey(hashlib.sha256(b"other" + k).digest()) for k in handle.keys))
+        if "malformed_handle" in self.faults:
+            handle = dataclasses.replace(handle, num_tokens=0)  # no handle covers 0 tokens: it does not parse
         return handle
 
     def _inject(self, engine: LLMEngine, handle: KvHandle) -> None:

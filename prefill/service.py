@@ -11,6 +11,7 @@ under a lease the moment the engine finishes the prompt, before any later step c
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
@@ -49,11 +50,32 @@ class PrefillService(EngineNode):
         super().__init__(node, worker, metrics=metrics)
         self._publish = publish
         self._release = release
+        self._releases: set[asyncio.Future] = set()  # releases of handles nobody will read (fire and forget)
 
     def make_app(self, *, client_max_size: int = 64 * 1024 * 1024) -> web.Application:
         app = super().make_app(client_max_size=client_max_size)
         app.router.add_post("/prefill", self.prefill)
         return app
+
+    def _release_after_engine(self, published: dict[str, KvHandle | None]) -> None:
+        """Release the handle in ``published`` (if the engine publishes one) after every command queued so
+        far has run on the engine thread, so a publish racing with an abort is seen."""
+        if self._release is None:
+            return
+        release = self._release
+
+        async def later() -> None:
+            try:
+                await self.worker.call(lambda engine: None)
+            except Exception:  # noqa: BLE001 - the engine is gone: its pools and leases with it
+                return
+            handle = published.get("handle")
+            if handle is not None:
+                await release(handle)
+
+        task = asyncio.ensure_future(later())
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
 
     def _reason(self, tok: int, prompt_len: int, params: Any) -> str | None:
         """Why a sample ends with its first token ``tok``, or None when decode continues it."""
@@ -98,6 +120,9 @@ class PrefillService(EngineNode):
         finally:
             if not done:
                 self.worker.abort(rid)
+                # The client (the router) is gone or the engine failed: nobody will hear of a handle the
+                # engine published, so release it once the engine thread is past the request's finish.
+                self._release_after_engine(published)
         tokens = [t for t in first if t is not None]
         if len(tokens) != params.n:
             # The engine ended the prompt unstarted: it fit the pool (checked when it arrived) but the

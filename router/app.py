@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import hmac
 import json
@@ -40,13 +41,15 @@ from router.openai_api import (
     stream_chunk,
     usage_chunk,
 )
+from router.queue import QueueConfig, QueueMetrics, Ticket
 from router.text_output import SampleText
 from transfer.discovery import Resolver, getaddrinfo_resolver
 from transfer.wire import TENANT_SALT_BYTES
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-RETRY_AFTER_S = 1  # what a 429 or 503 answer tells the client to wait, in seconds
+RETRY_AFTER_S = 1  # what a 429 or 503 answer tells the client to wait, in seconds, unless it says otherwise
+PUMP_INTERVAL_S = 0.25
 
 
 class RouterMetrics:
@@ -65,6 +68,16 @@ class RouterMetrics:
                                    registry=self.registry, buckets=buckets)
         self.vllm_e2e = Histogram("vllm:e2e_request_latency_seconds", "Time from arrival to the last token",
                                   registry=self.registry, buckets=buckets + (120, 300, 600))
+        self.queued = Gauge("kvrelay_router_queued_requests", "Generation requests waiting in the router for room",
+                            registry=self.registry)
+        self.queue_wait = Histogram("kvrelay_router_queue_wait_seconds", "Time a request waited in the router's "
+                                    "queue for room", registry=self.registry, buckets=buckets + (120, 300))
+        self.refused = Counter("kvrelay_router_refused", "Requests the router's queue refused (429), by reason: "
+                               "queue_full, fair_share, predicted_wait, deadline", ["reason"], registry=self.registry)
+
+    def queue_metrics(self) -> QueueMetrics:
+        return QueueMetrics(queued=self.queued.set, waited=self.queue_wait.observe,
+                            refused=lambda reason: self.refused.labels(reason).inc())
 
 
 def salt_for_key(api_key: str | None) -> bytes:
@@ -88,6 +101,7 @@ class Router:
         self.dispatcher: Dispatcher | None = None
         self.served: ServedModel | None = None
         self.membership = Membership(config, self.backends, resolver=resolver)
+        self._pump_task: asyncio.Task | None = None
 
     # ------------------------------------------------------------ lifecycle
     def make_app(self) -> web.Application:
@@ -109,12 +123,24 @@ class Router:
         info = await self.membership.cluster_info()
         self.nodes = NodeSet(cfg.prefill_urls, cfg.decode_urls, block_size_tokens=info.block_size_tokens,
                              load_weight_tokens=cfg.load_weight_tokens, retry_after_s=cfg.node_retry_s)
-        self.dispatcher = Dispatcher(self.nodes, self.backends, info)
+        self.dispatcher = Dispatcher(self.nodes, self.backends, info, queue=QueueConfig(
+            max_requests=cfg.max_queued_requests, max_bytes=cfg.max_queued_bytes, timeout_s=cfg.queue_timeout_s,
+            decode_reserve_tokens=cfg.decode_reserve_tokens), queue_metrics=self.metrics.queue_metrics())
         self.served = ServedModel(cfg.model_name, info.vocab_size, info.max_model_len, cfg.max_n,
                                   load_tokenizer(cfg.model_dir))
-        self.membership.start(self.nodes)
+        self.membership.start(self.nodes, on_change=self.dispatcher.queue.pump)
+        self._pump_task = asyncio.create_task(self._pump_periodically())
+
+    async def _pump_periodically(self) -> None:
+        """Place queued requests also when room comes back without an event (a node's retry time ends)."""
+        assert self.dispatcher is not None
+        while True:
+            await asyncio.sleep(PUMP_INTERVAL_S)
+            self.dispatcher.queue.pump()
 
     async def _stop(self, app: web.Application) -> None:
+        if self._pump_task is not None:
+            self._pump_task.cancel()
         self.membership.stop()
         await self.backends.close()
 
@@ -146,7 +172,8 @@ class Router:
 
     def _error(self, exc: ApiError) -> web.Response:
         self.metrics.requests.labels("router", str(exc.status)).inc()
-        headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status in (429, 503) else None
+        retry_after_s = RETRY_AFTER_S if exc.retry_after_s is None else exc.retry_after_s
+        headers = {"Retry-After": str(retry_after_s)} if exc.status in (429, 503) else None
         return web.json_response(exc.body(), status=exc.status, headers=headers)
 
     # ------------------------------------------------------------- handlers
@@ -162,22 +189,28 @@ class Router:
                                              "(router.max_concurrent_requests); retry later"))
         self.num_admitted += 1
         self.metrics.running.labels("router").inc()
+        tickets: list[Ticket] = []
         try:
             try:
                 salt = self._auth(request)
-                assert self.served is not None
+                assert self.served is not None and self.dispatcher is not None
                 body = await self._body(request)
                 # Tokenizing and templating can take a while for a long prompt: off the event loop.
                 parsed = await asyncio.get_running_loop().run_in_executor(None, parse, body, self.served)
                 reqs: list[GenerationRequest] = parsed if isinstance(parsed, list) else [parsed]
                 for req in reqs:
                     self._check_long_context(req)
+                tickets = self.dispatcher.admit(reqs, salt)
             except ApiError as exc:
                 return self._error(exc)
             if reqs[0].stream:
-                return await self._stream(request, reqs, salt)
-            return await self._complete(reqs, salt)
+                return await self._stream(request, reqs, salt, tickets)
+            return await self._complete(reqs, salt, tickets)
         finally:
+            assert self.dispatcher is not None
+            for ticket in tickets:  # a request that ended before its run began gives its place back
+                if not ticket.taken:
+                    self.dispatcher.queue.abandon(ticket)
             self.num_admitted -= 1
             self.metrics.running.labels("router").dec()
 
@@ -192,13 +225,14 @@ class Router:
         except ValueError as exc:
             raise ApiError(400, f"kvrelay.{exc}", param="kvrelay.long_context") from None
 
-    async def _run_all(self, reqs: list[GenerationRequest], salt: bytes) -> AsyncIterator[tuple[int, SampleDelta]]:
+    async def _run_all(self, reqs: list[GenerationRequest], salt: bytes,
+                       tickets: list[Ticket]) -> AsyncIterator[tuple[int, SampleDelta]]:
         """``(choice index, delta)`` from every request at once (several prompts in one request: the
         choices of prompt k follow those of the prompts before it). Closing this ends them all."""
         assert self.dispatcher is not None
         starts = [sum(r.params.n for r in reqs[:k]) for k in range(len(reqs))]
         if len(reqs) == 1:
-            async for delta in self.dispatcher.run(reqs[0], salt):
+            async for delta in self.dispatcher.run(reqs[0], salt, tickets[0]):
                 yield delta.index, delta
             return
         queue: asyncio.Queue[tuple[int, SampleDelta | Exception | None]] = asyncio.Queue()
@@ -206,7 +240,7 @@ class Router:
         async def pump(k: int, req: GenerationRequest) -> None:
             assert self.dispatcher is not None
             try:
-                async for delta in self.dispatcher.run(req, salt):
+                async for delta in self.dispatcher.run(req, salt, tickets[k]):
                     queue.put_nowait((k, delta))
             except Exception as exc:  # noqa: BLE001 - handed to the consumer
                 queue.put_nowait((k, exc))
@@ -229,7 +263,7 @@ class Router:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _complete(self, reqs: list[GenerationRequest], salt: bytes) -> web.Response:
+    async def _complete(self, reqs: list[GenerationRequest], salt: bytes, tickets: list[Ticket]) -> web.Response:
         assert self.served is not None
         req, choices = reqs[0], [r for r in reqs for _ in range(r.params.n)]
         texts = [SampleText(self.served.tokenizer, r.stop) for r in choices]
@@ -238,7 +272,7 @@ class Router:
         token_ids: list[list[int]] = [[] for _ in choices]
         logprobs: list[list[TokenLogprobs]] = [[] for _ in choices]
         timer = _Timer()
-        gen = self._run_all(reqs, salt)
+        gen = self._run_all(reqs, salt, tickets)
         try:
             async for i, delta in _with_deadline(gen, self.config.request_timeout_s):
                 timer.tokens(len(delta.token_ids))
@@ -267,8 +301,8 @@ class Router:
             [logprobs_body(req, tok, ids, lps) for ids, lps in zip(token_ids, logprobs, strict=True)],
             prompt_tokens=sum(len(r.prompt_token_ids) for r in reqs)))
 
-    async def _stream(self, request: web.Request, reqs: list[GenerationRequest],
-                      salt: bytes) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, reqs: list[GenerationRequest], salt: bytes,
+                      tickets: list[Ticket]) -> web.StreamResponse:
         assert self.served is not None
         name = self.served.name
         req, choices = reqs[0], [r for r in reqs for _ in range(r.params.n)]
@@ -277,7 +311,7 @@ class Router:
         offsets = [0] * len(choices)  # completions' text_offset of each choice's next token
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         timer = _Timer()
-        gen = self._run_all(reqs, salt)
+        gen = self._run_all(reqs, salt, tickets)
         try:
             async for i, delta in _with_deadline(gen, self.config.request_timeout_s):
                 if not resp.prepared:
@@ -358,12 +392,18 @@ class Router:
             return web.json_response({"status": "starting"}, status=503)
         now = time.monotonic()
         nodes = {n.name: {"url": n.url, "healthy": n.healthy(now), "in_flight": n.in_flight,
+                          "reserved_blocks": n.reserved_blocks, "reserved_seqs": n.reserved_seqs,
+                          "queued_tokens": n.queued_tokens,
+                          "capacity": None if n.capacity is None else dataclasses.asdict(n.capacity),
                           "kv_keys": self.nodes.index.num_keys(n.name), "last_error": n.last_error,
                           "times_down": n.times_down}
                  for n in self.nodes.all}
         ok = any(n.healthy(now) for n in self.nodes.decode)
+        queue = self.dispatcher.queue if self.dispatcher is not None else None
         return web.json_response({"status": "ok" if ok else "degraded", "pid": os.getpid(),
-                                  "admitted": self.num_admitted, "nodes": nodes},
+                                  "admitted": self.num_admitted, "nodes": nodes,
+                                  "queued": queue.num_queued if queue else 0,
+                                  "predicted_wait_s": round(queue.predicted_wait_s(), 3) if queue else 0.0},
                                  status=200 if ok else 503)
 
     async def prometheus(self, request: web.Request) -> web.Response:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 import aiohttp
@@ -130,9 +130,11 @@ class Backends:
         except (aiohttp.ClientError, TimeoutError, NodeLost) as exc:
             raise NodeUnavailable(f"{node.name}: POST {path} failed: {exc!r}") from None
 
-    async def stream(self, node: Node, path: str, body: bytes) -> AsyncIterator[Any]:
+    async def stream(self, node: Node, path: str, body: bytes, *,
+                     on_headers: Callable[[Mapping[str, str]], None] | None = None) -> AsyncIterator[Any]:
         """POST an encoded message, then yield each msgpack object of the streamed answer (decode
-        them with `transfer.wire.decode_frame`).
+        them with `transfer.wire.decode_frame`). ``on_headers`` hears the answer's headers first (also
+        those of a refusal).
 
         Raises:
             NodeUnavailable: before or during the stream (connection lost, node died).
@@ -142,6 +144,8 @@ class Backends:
             resp = await _unless_lost(node, self.session.post(node.url + path, data=body))
             node.readers.add(resp.content)
             try:
+                if on_headers is not None:
+                    on_headers(resp.headers)
                 await self._check(node, resp)
                 unpacker = new_unpacker()
                 async for chunk in resp.content.iter_any():

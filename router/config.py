@@ -33,7 +33,11 @@ class RouterConfig:
     event_wait_s: float = 2.0  # how long a node may hold an event request that has no news
     node_retry_s: float = 5.0
     startup_timeout_s: float = 120.0
-    max_concurrent_requests: int = 1024  # admitted at once; more get 429 with Retry-After
+    max_concurrent_requests: int = 16384  # connections admitted at once (queued or running); more get 429
+    max_queued_requests: int = 8192  # generation requests waiting for room (`router.queue`)
+    max_queued_bytes: int = 256 * 1024 * 1024  # their prompts' bytes (4 per token)
+    queue_timeout_s: float = 300.0  # how long one may wait for room; a longer predicted wait is a 429 at once
+    decode_reserve_tokens: int = 256  # output tokens a decode node's room is reserved for, at most
     max_connections_per_node: int = 1024  # pooled request connections to each node
     connect_timeout_s: float = 5.0  # the TCP connect to a node (not the wait for a pooled connection)
     long_context: LongContextConfig = LongContextConfig()  # the decode nodes' default (decode.long_context)
@@ -53,7 +57,11 @@ class RouterConfig:
         require_int("load_weight_tokens", self.load_weight_tokens, minimum=0)
         require_int("max_concurrent_requests", self.max_concurrent_requests)
         require_int("max_connections_per_node", self.max_connections_per_node)
-        for name in ("request_timeout_s", "node_retry_s", "startup_timeout_s", "connect_timeout_s", "dns_interval_s"):
+        require_int("max_queued_requests", self.max_queued_requests)
+        require_int("max_queued_bytes", self.max_queued_bytes)
+        require_int("decode_reserve_tokens", self.decode_reserve_tokens)
+        for name in ("request_timeout_s", "node_retry_s", "startup_timeout_s", "connect_timeout_s", "dns_interval_s",
+                     "queue_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
         if not self.event_poll_interval_s >= 0:

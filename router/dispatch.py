@@ -1,15 +1,22 @@
 """`Dispatcher`: one request's path through the cluster.
 
+    queue (`router.queue`: wait for room)          ─▶ a reserved decode node (and prefill node)
     prefill node (longest cached prefix vs. queue) ─▶ first token(s) + KV handle
     decode node (load vs. own prefix)              ─▶ pulls the KV, streams the rest
 
 No prefill node (aggregated deployment, or all prefill nodes down): the decode node prefills the
-request itself. A prefill node that fails is taken out and the next one is tried; a decode node that
-fails before its first frame is taken out and the next one is tried; one that fails mid-stream ends
-the request with 503 (its tokens so far were already sent). A node that answers 429 (full) is not
-taken out: the next one is tried; when every decode node is full the request waits up to
-`DECODE_FULL_WAIT_S` for a slot, then gets 429. A KV handle that no decode node took is released on
-its prefill node at once.
+request itself. The reserved nodes are tried first. A prefill node that fails is taken out and the
+next one is tried; a decode node that fails before its first frame is taken out and the next one is
+tried; one that fails mid-stream ends the request with 503 (its tokens so far were already sent). A
+node that answers 429 (full: another router's requests, or a node restarted smaller) is not taken out:
+the next one is tried; when every decode node is full the request waits up to `DECODE_FULL_WAIT_S` for
+a slot, then gets 429.
+
+Leases. A KV handle's lease ends on the prefill node when the decode node that took it says so
+(`transfer.config.LEASE_HEADER` on its answer: it sent "done" or "abort"); in every other case —
+refused, failed before its answer, no decode node left, the client gone — the router releases it at
+once, not at the lease's TTL. Releasing a lease a reader may still be using is safe: the reader checks
+that its lease covered its READ (`transfer.lease_keeper`) and recomputes otherwise.
 """
 
 from __future__ import annotations
@@ -19,14 +26,16 @@ import dataclasses
 import logging
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvstore.block_key import block_keys
 from model.sampling_params import TokenLogprobs
 from router.backends import Backends, NodeRefused, NodeUnavailable
-from router.nodes import Node, NodeSet
+from router.nodes import Node, NodeSet, Reservation
 from router.openai_api import ApiError, GenerationRequest
+from router.queue import QueueConfig, QueueMetrics, RouterQueue, Ticket
+from transfer.config import LEASE_HEADER
 from transfer.handle import KvHandle
 from transfer.wire import (
     GenerationMessage,
@@ -63,35 +72,51 @@ class ClusterInfo:
 
 
 class Dispatcher:
-    def __init__(self, nodes: NodeSet, backends: Backends, info: ClusterInfo) -> None:
+    """Admits requests to the queue (`admit`) and runs them (`run`). Owned by the router's event loop."""
+
+    def __init__(self, nodes: NodeSet, backends: Backends, info: ClusterInfo, *, queue: QueueConfig | None = None,
+                 queue_metrics: QueueMetrics | None = None) -> None:
         self.nodes = nodes
         self.backends = backends
         self.info = info
+        self.queue = RouterQueue(nodes, queue or QueueConfig(), metrics=queue_metrics or QueueMetrics())
         self._releases: set[asyncio.Future] = set()  # lease releases in flight (fire and forget)
 
     def keys_for(self, prompt: list[int], salt: bytes) -> list[bytes]:
         return block_keys(prompt, block_size_tokens=self.info.block_size_tokens,
                           spec_fingerprint=self.info.spec_fingerprint, salt=salt)
 
-    async def _prefill(self, req: GenerationRequest, salt: bytes,
-                       keys: list[bytes]) -> tuple[PrefillReply, Node] | None:
-        """First tokens and KV handle from a prefill node, and that node; None when no prefill node is up.
+    def admit(self, reqs: list[GenerationRequest], salt: bytes) -> list[Ticket]:
+        """Queue the generation requests of one API request (``salt``: its tenant).
+
+        Raises:
+            Overloaded: the queue will not take them (429 with Retry-After).
+        """
+        return self.queue.admit(reqs, [self.keys_for(r.prompt_token_ids, salt) for r in reqs], salt)
+
+    async def _prefill(self, req: GenerationRequest, salt: bytes, keys: Sequence[bytes],
+                       reserved: Node | None) -> tuple[PrefillReply, Node] | None:
+        """First tokens and KV handle from ``reserved`` (then any other prefill node up), and that node;
+        None when none is: ``reserved`` None (no prefill node was up at placement), or all failed.
 
         Raises:
             ApiError: the request was refused (4xx), or every prefill node is full (429).
         """
+        if reserved is None:
+            return None
         tried: set[str] = set()
         full: NodeRefused | None = None
         body = encode_generation(GenerationMessage(req.request_id, req.prompt_token_ids, req.params, salt))
+        node: Node | None = reserved
         while True:
-            node = self.nodes.pick_prefill(keys, len(req.prompt_token_ids), exclude=tried)
+            if node is None:
+                node = self.nodes.pick_prefill(keys, len(req.prompt_token_ids), exclude=tried)
             if node is None:
                 if full is not None:  # up but full: not a reason to move the prompt onto a decode node
                     raise ApiError(429, full.message)
                 return None
             tried.add(node.name)
             node.in_flight += 1
-            node.queued_tokens += len(req.prompt_token_ids)
             try:
                 try:
                     answer = decode_prefill_reply(await self.backends.post(node, "/prefill", body))
@@ -115,52 +140,60 @@ class Dispatcher:
                 full = exc  # this node is at capacity: another may not be
             finally:
                 node.in_flight -= 1
-                node.queued_tokens -= len(req.prompt_token_ids)
+            node = None
 
-    async def run(self, req: GenerationRequest, salt: bytes) -> AsyncIterator[SampleDelta]:
-        """Yield token deltas per sample until every sample has finished.
+    async def run(self, req: GenerationRequest, salt: bytes, ticket: Ticket) -> AsyncIterator[SampleDelta]:
+        """Wait for ``ticket``'s turn (`admit` gave it), then yield token deltas per sample until every
+        sample has finished.
 
         Raises:
+            Overloaded: the request waited past its deadline, or was pushed out of the queue.
             ApiError: 4xx for a refused request, 429 when full, 503 when no node can serve.
         """
-        keys = self.keys_for(req.prompt_token_ids, salt)
+        ticket.taken = True
+        reservation = await self.queue.place(ticket)
         n = req.params.n
         finished = [False] * n
-        prefilled = await self._prefill(req, salt, keys)
-        first = None
-        handle = None
+        generated = [0]
+        handle: KvHandle | None = None
         owner: Node | None = None  # the prefill node that holds the handle's lease
-        if prefilled is not None:
-            pre, owner = prefilled
-            first = pre.first_token_ids
-            # The owner's URL as this router reached it (configured, so decode nodes accept it), not
-            # the name the prefill node gave itself (another name for the same node, e.g. its FQDN).
-            handle = None if pre.handle is None else dataclasses.replace(pre.handle, owner_url=owner.url)
-        # What became of the handle, in order: "sent" (a decode node got it and may be reading it: its
-        # done/abort notification, or the lease's TTL, ends the lease), "unread" (refused before
-        # reading, or no decode node left), "maybe" (a node failed while it may have been reading).
-        fate: list[str] = []
+        lease = _Lease()  # lease.lease_id: what the router releases unless a decode node ended it
         try:
+            prefilled = await self._prefill(req, salt, ticket.keys, reservation.prefill)
+            reservation.prefilled()
+            first = None
             if prefilled is not None:
+                pre, owner = prefilled
+                first = pre.first_token_ids
+                # The owner's URL as this router reached it (configured, so decode nodes accept it), not
+                # the name the prefill node gave itself (another name for the same node, e.g. its FQDN).
+                handle = None if pre.handle is None else dataclasses.replace(pre.handle, owner_url=owner.url)
+                # a malformed handle's too (by its readable lease id): nobody can pull it
+                lease.lease_id = handle.lease_id if handle is not None else pre.lease_id
+                if handle is None:
+                    reservation.pulled()  # nothing leased: the prefill node holds nothing for this request
                 for i, (tok, reason) in enumerate(zip(first or [], pre.finish_reasons, strict=True)):
                     finished[i] = reason is not None
+                    generated[0] += 1
                     yield SampleDelta(i, [tok], finished[i], reason,
                                       None if pre.first_logprobs is None else [pre.first_logprobs[i]])
                 if all(finished):
                     return  # the prefill node released the lease itself
-            async for delta in self._decode(req, salt, keys, first, handle, finished, fate):
+            async for delta in self._decode(req, salt, ticket.keys, first, handle, finished,
+                                            _Started(reservation, lease), reservation.decode):
+                generated[0] += len(delta.token_ids)
                 yield delta
         finally:
-            if handle is not None and owner is not None and fate[-1:] != ["sent"] and "maybe" not in fate:
-                # No decode node took the handle (the client left during prefill, every decode node
-                # refused or none was up): free the prefill's blocks now, not at the lease's TTL.
-                task = asyncio.ensure_future(self.backends.release_lease(owner, handle.lease_id))
+            self.queue.finish(ticket, reservation, generated[0])
+            if lease.lease_id is not None and owner is not None and not lease.ended:
+                task = asyncio.ensure_future(self.backends.release_lease(owner, lease.lease_id))
                 self._releases.add(task)
                 task.add_done_callback(self._releases.discard)
 
-    async def _decode(self, req: GenerationRequest, salt: bytes, keys: list[bytes], first: list[int] | None,
-                      handle: KvHandle | None, finished: list[bool], fate: list[str]) -> AsyncIterator[SampleDelta]:
-        """The decode phase of `run`; appends to ``fate`` what became of ``handle`` (see `run`)."""
+    async def _decode(self, req: GenerationRequest, salt: bytes, keys: Sequence[bytes], first: list[int] | None,
+                      handle: KvHandle | None, finished: list[bool], started: _Started,
+                      reserved: Node) -> AsyncIterator[SampleDelta]:
+        """The decode phase of `run`, on ``reserved`` first; ``started`` hears each answer's headers."""
         n = req.params.n
         tried: set[str] = set()
         full: NodeRefused | None = None
@@ -169,8 +202,10 @@ class Dispatcher:
         body = encode_generation(GenerationMessage(  # the same for every node tried
             req.request_id, req.prompt_token_ids, req.params, salt, first_token_ids=first, handle=handle,
             long_context=req.long_context))
+        node: Node | None = reserved
         while True:
-            node = self.nodes.pick_decode(keys, exclude=tried)
+            if node is None:
+                node = self.nodes.pick_decode(keys, exclude=tried)
             if node is None and full is not None and time.monotonic() < wait_until:
                 # Every decode node is full. The prompt is prefilled (its first token may already be
                 # with the client): wait a little for a slot rather than waste it.
@@ -180,17 +215,15 @@ class Dispatcher:
                 full = None
                 continue
             if node is None:
-                fate.append("unread")
                 if full is not None:
                     raise ApiError(429, full.message)
                 raise ApiError(503, "no decode node is available; retry later")
             tried.add(node.name)
-            started = False
-            fate.append("sent")  # from here the node may be reading the handle's blocks
+            began = False
             node.in_flight += 1
             log.info("request %s: decoding on %s (KV handle: %s)", req.request_id, node.name, handle is not None)
             try:
-                async for obj in self.backends.stream(node, "/generate", body):
+                async for obj in self.backends.stream(node, "/generate", body, on_headers=started.headers):
                     try:
                         frame = decode_frame(obj)
                     except StreamError as exc:
@@ -199,7 +232,7 @@ class Dispatcher:
                         raise NodeUnavailable(f"{node.name}: malformed frame: {exc}") from None
                     if frame.index >= n:
                         raise NodeUnavailable(f"{node.name}: a frame for sample {frame.index} of {n}")
-                    started = True
+                    began = True
                     i = frame.index
                     if finished[i]:
                         continue
@@ -210,17 +243,33 @@ class Dispatcher:
                 return
             except NodeUnavailable as exc:
                 self.nodes.mark_down(node, str(exc))
-                fate.append("maybe")
-                if started:
+                if began:
                     raise ApiError(503, f"the decode node failed mid-request: {exc}") from None
                 log.warning("request %s: %s; trying another decode node", req.request_id, exc)
             except NodeRefused as exc:
-                if exc.status == 429:
-                    full = exc  # at capacity (refused before reading anything): try another decode node
-                    fate.append("unread")
-                    continue
-                if exc.status != 502:  # 502: the pull failed; the reader has already given the lease up
-                    fate.append("unread")
-                raise ApiError(exc.status, exc.message) from None
+                if exc.status != 429:
+                    raise ApiError(exc.status, exc.message) from None
+                full = exc  # at capacity (refused before reading anything): try another decode node
             finally:
                 node.in_flight -= 1
+            node = None
+
+
+@dataclass(slots=True)
+class _Lease:
+    lease_id: str | None = None  # the prefill node's lease for this request, if it granted one
+    ended: bool = False  # a decode node said it ended the handle's lease (LEASE_HEADER)
+
+
+@dataclass(frozen=True, slots=True)
+class _Started:
+    """Hears the headers of each decode node's answer: its KV is pulled (the prefill node's room is free)
+    once one answers, and the lease is over if it says so."""
+
+    reservation: Reservation
+    lease: _Lease
+
+    def headers(self, headers: Mapping[str, str]) -> None:
+        if headers.get(LEASE_HEADER) == "ended":
+            self.lease.ended = True
+        self.reservation.pulled()

@@ -14,12 +14,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from router.backends import Backends, NodeUnavailable
 from router.config import RouterConfig
 from router.dispatch import ClusterInfo
-from router.nodes import Node, NodeSet
+from router.nodes import Node, NodeCapacity, NodeSet
 from transfer.discovery import NodeAddresses, Resolver
 
 log = logging.getLogger(__name__)
@@ -38,12 +39,15 @@ class Membership:
         self._addresses = {"prefill": NodeAddresses(config.prefill_urls, config.prefill_dns, resolver=resolver),
                            "decode": NodeAddresses(config.decode_urls, config.decode_dns, resolver=resolver)}
         self._nodes: NodeSet | None = None
+        self._on_change: Callable[[], None] = lambda: None
         self._pollers: dict[str, asyncio.Task] = {}  # node URL -> its event poller
         self._discovery: asyncio.Task | None = None
 
-    def start(self, nodes: NodeSet) -> None:
-        """Poll every node of ``nodes``, and follow the DNS names if any."""
+    def start(self, nodes: NodeSet, *, on_change: Callable[[], None] = lambda: None) -> None:
+        """Poll every node of ``nodes``, and follow the DNS names if any. ``on_change()`` runs after each
+        answer that may change where requests fit (a load report, a node back up)."""
         self._nodes = nodes
+        self._on_change = on_change
         for node in nodes.all:
             self._start_poller(node)
         if any(a.dynamic for a in self._addresses.values()):
@@ -157,4 +161,8 @@ class Membership:
             stored = [e[2] for e in batch["events"] if e[1] == "stored"]
             removed = [e[2] for e in batch["events"] if e[1] == "removed"]
             self.nodes.index.apply(node.name, stored, removed, batch["last_seq"])
+        load = batch.get("load")
+        if load is not None:
+            node.capacity = NodeCapacity.from_report(load)
         self.nodes.mark_up(node)
+        self._on_change()

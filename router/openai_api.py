@@ -28,14 +28,17 @@ MAX_PROMPTS = 64  # prompts in one /v1/completions request
 
 
 class ApiError(Exception):
-    """An error answered to the client as ``{"error": {...}}`` with ``status``."""
+    """An error answered to the client as ``{"error": {...}}`` with ``status``; ``retry_after_s`` goes into
+    the Retry-After header of a 429 or 503 (None: the router's default)."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, kind: str | None = None) -> None:
+    def __init__(self, status: int, message: str, *, param: str | None = None, kind: str | None = None,
+                 retry_after_s: int | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
+        self.retry_after_s = retry_after_s
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}

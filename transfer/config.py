@@ -7,13 +7,21 @@ from dataclasses import dataclass
 # The header that carries the deployment's internal token on every internal endpoint: the transfer
 # endpoints here, and the engine nodes' API (`transfer.wire`, `node.app`, the router's backends).
 TOKEN_HEADER = "X-Kvrelay-Token"
+# On a decode node's answer to /generate: "ended" when the node has ended the KV handle's lease (its
+# "done" or "abort" notification is sent). Absent or anything else: the lease is still open, and whoever
+# forwarded the handle (the router) releases it on the prefill node.
+LEASE_HEADER = "X-Kvrelay-Lease"
 
 
 # Test-only faults an owner injects into the blocks it has just offered (YAML ``prefill.inject_faults``), to
 # prove that readers check what they read: ``corrupt_published_block`` flips one byte of the last block;
 # ``overwrite_leased_blocks`` writes other KV over every leased block, as if the lease had quietly ended
-# and the slots were reused.
-PUBLISH_FAULTS = ("corrupt_published_block", "overwrite_leased_blocks")
+# and the slots were reused. And into the handle it hands out (the lease pins the real blocks), to prove
+# that no refused handle keeps its lease: ``handle_names_absent_blocks`` (block ids past the owner's pool),
+# ``handle_with_other_keys`` (keys of another prompt), ``malformed_handle`` (a handle that does not parse).
+PUBLISH_FAULTS = ("corrupt_published_block", "overwrite_leased_blocks", "handle_names_absent_blocks",
+                  "handle_with_other_keys", "malformed_handle")
+HANDLE_FAULTS = frozenset(PUBLISH_FAULTS[2:])
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,12 +27,15 @@ REASONS = frozenset(
 
 
 class TransferError(RuntimeError):
-    """A KV pull failed. No block of the failed pull is handed to the caller."""
+    """A KV pull failed. No block of the failed pull is handed to the caller. ``lease_ended``: the puller
+    told the owner to drop the handle's lease ("abort" sent); False: the lease is still open for whoever
+    forwarded the handle to release."""
 
     def __init__(self, reason: str, message: str) -> None:
         assert reason in REASONS, reason
         super().__init__(message)
         self.reason = reason
+        self.lease_ended = False
 
 
 class PeerMismatchError(TransferError):

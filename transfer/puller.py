@@ -5,6 +5,7 @@
     pull(handle, deadline_s)
       1 link = PeerCache.link(handle)                    handshake on first contact (bounded)
       2 reserve (on the pool's thread):  keys held locally → acquire;  missing → allocate
+        (a handle naming blocks the owner lacks, or too few free blocks: notify "abort", raise)
       3 nothing missing?  notify "done" → return
       4 one NIXL READ per remote tier for the missing blocks, posted on the nixl thread;
         meanwhile the lease is renewed (now, then every ttl/3) over HTTP
@@ -23,6 +24,11 @@ verified prefix, so the engine computes the rest.
 Failure (read error, timeout, vanished or restarted owner, lost lease, cancellation) raises one
 `TransferError` after: released handles of finished READs, blocks held for keys back to the pool,
 blocks whose READ finished (any outcome) back to the pool unkeyed, an "abort" notification to the owner.
+
+The lease. Once a pull has reached the owner (step 1), every outcome tells it: "done" or "abort", and
+`PullResult.lease_ended` / `TransferError.lease_ended` say whether that notification went out. A pull
+that failed before (the quarantine cap, the handshake) or whose notification could not be sent leaves
+the lease open: whoever forwarded the handle releases it (`transfer.config.LEASE_HEADER`).
 
 Quarantine. NIXL may still write into the destination blocks of a READ that has not finished: with
 UCX the bytes of a stalled READ were seen landing before it reported DONE, and even after its handle
@@ -81,6 +87,7 @@ class PullResult:
     bytes_read: int
     elapsed_s: float
     num_bad: int = 0  # read blocks whose digest did not match (dropped with every block after the first)
+    lease_ended: bool = False  # the owner was told "done" (its lease is over)
 
 
 class IntegrityChecker(Protocol):
@@ -181,11 +188,15 @@ class Puller:
             raise TransferError("no_blocks", f"{self.num_quarantined_blocks} blocks are held back for reads from "
                                 "stalled peers; refusing new pulls until they finish")
         link = await self._peers.link(handle, timeout_s=min(self._config.handshake_timeout_s, deadline_s))
-        self._check_blocks(handle, link)
-        res: _Reservation = await self._pool_call(lambda: self._reserve(handle.keys))
+        try:
+            self._check_blocks(handle, link)
+            res: _Reservation = await self._pool_call(lambda: self._reserve(handle.keys))
+        except TransferError as exc:
+            exc.lease_ended = await self._notify(link, "abort", handle)
+            raise
         if not res.missing:
-            await self._notify(link, "done", handle)
-            return PullResult(res.block_ids, 0, len(res.held), 0, loop.time() - t0)
+            ended = await self._notify(link, "done", handle)
+            return PullResult(res.block_ids, 0, len(res.held), 0, loop.time() - t0, lease_ended=ended)
         keeper = LeaseKeeper(self._peers, handle, renew_timeout_s=self._config.renew_timeout_s)
         xfers: list[XferRequest] = []
         try:
@@ -205,7 +216,7 @@ class Puller:
         keeper.stop()
         finish = asyncio.ensure_future(self._finish(link, handle, res, xfers))
         try:
-            kept, num_bad = await asyncio.shield(finish)
+            kept, num_bad, ended = await asyncio.shield(finish)
         except asyncio.CancelledError:
             # The caller gave up after the bytes arrived: the blocks it would have kept go back to the pool
             # (a `_finish` that failed has given back all of them).
@@ -213,19 +224,23 @@ class Puller:
                 self._pool_call(lambda: self._pool.release(f.result()[0]))))
             raise
         return PullResult(kept, len(res.missing), len(res.held), sum(x.num_bytes for x in xfers),
-                          loop.time() - t0, num_bad)
+                          loop.time() - t0, num_bad, lease_ended=ended)
 
     async def _finish(self, link: PeerLink, handle: KvHandle, res: _Reservation,
-                      xfers: list[XferRequest]) -> tuple[list[int], int]:
+                      xfers: list[XferRequest]) -> tuple[list[int], int, bool]:
+        """Complete the READs (notifying "done"), then check and key the blocks: (kept ids, bad blocks,
+        whether the owner was told)."""
         try:
-            if not await self._agent.complete(xfers, link.name, encode_notif("done", handle.lease_id)):
-                log.warning("could not tell %r that lease %s is done; it unpins at expiry", link.name,
-                            handle.lease_id)
+            told = await self._agent.complete(xfers, link.name, encode_notif("done", handle.lease_id))
+            if not told:
+                log.warning("could not tell %r that lease %s is done; it stays open for the router to release",
+                            link.name, handle.lease_id)
         except Exception:  # noqa: BLE001 - the READs are over: their blocks go back unkeyed
             log.exception("completing the READs of lease %s failed", handle.lease_id)
             await self._pool_call(lambda: self._pool.release(res.block_ids))
             raise TransferError("internal", "completing the READs failed; the blocks were given back") from None
-        return await self._pool_call(lambda: self._register(handle, res))
+        kept, num_bad = await self._pool_call(lambda: self._register(handle, res))
+        return kept, num_bad, told
 
     def _check_shape(self, handle: KvHandle) -> None:
         expected = handle.num_blocks * self._agent.spec.block_size_tokens
@@ -313,9 +328,13 @@ class Puller:
             await asyncio.sleep(min(interval, t_end - now))
             interval = min(interval * 2, POLL_MAX_S)
 
-    async def _notify(self, link: PeerLink, kind: str, handle: KvHandle) -> None:
+    async def _notify(self, link: PeerLink, kind: str, handle: KvHandle) -> bool:
+        """Tell the owner the lease is ``kind`` ("done" | "abort"); whether the notification went out."""
         if not await self._agent.send_notif(link.name, encode_notif(kind, handle.lease_id)):
-            log.warning("could not tell %r that lease %s is %s; it unpins at expiry", link.name, handle.lease_id, kind)
+            log.warning("could not tell %r that lease %s is %s; it stays open for the router to release",
+                        link.name, handle.lease_id, kind)
+            return False
+        return True
 
     # ---------------------------------------------------------- failure
     async def _abandon(
@@ -341,7 +360,9 @@ class Puller:
         reason = exc.reason if isinstance(exc, TransferError) else type(exc).__name__
         log.warning("pull from %r abandoned (%s): %d blocks freed, %d quarantined", handle.owner_agent, reason,
                     len(to_free), len(stuck_ids))
-        if not gone and link.active:
+        if not gone and link.active and isinstance(exc, TransferError):
+            exc.lease_ended = await self._notify(link, "abort", handle)
+        elif not gone and link.active:
             await self._notify(link, "abort", handle)
 
     def _quarantine(self, q: _Quarantined) -> None:

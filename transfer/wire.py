@@ -487,6 +487,9 @@ class PrefillReply:
     num_cached_tokens: int
     handle_error: str | None = None
     first_logprobs: list[TokenLogprobs] | None = None  # one per first token, when the request asked
+    # With a malformed handle: its lease id, when that much of it is readable, so the router can still
+    # release the lease at once (nobody can pull a handle that does not parse).
+    lease_id: str | None = None
 
 
 def encode_prefill_reply(reply: PrefillReply) -> bytes:
@@ -531,8 +534,14 @@ def decode_prefill_reply(data: Any) -> PrefillReply:
     if len(reasons) != len(first) or not all(r is None or isinstance(r, str) for r in reasons):
         raise WireError(f"{what}.finish_reasons: expected one reason (or nil) per first token")
     handle, handle_error = _handle_or_error(msg, what)
+    lease_id = None
+    raw = msg.get("handle")
+    if handle_error is not None and isinstance(raw, dict):
+        raw_id = raw.get("lease_id")
+        if isinstance(raw_id, str) and 0 < len(raw_id) <= MAX_LEASE_ID_CHARS:
+            lease_id = raw_id
     return PrefillReply(first, reasons, handle, _int(msg, "num_cached_tokens", what, 0, 1 << 40), handle_error,
-                        _logprobs_from_wire(msg, len(first), what))
+                        _logprobs_from_wire(msg, len(first), what), lease_id)
 
 
 @dataclass(frozen=True, slots=True)

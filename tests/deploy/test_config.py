@@ -55,7 +55,7 @@ def test_tiers_are_optional_and_fraction_of_free_reads_nvml(tmp_path):
 
 
 def test_fraction_of_free_without_nvml_fails_at_start_saying_to_use_bytes(tmp_path):
-    path = write(tmp_path, "model: {path: m}\nkvstore: {device: {fraction_of_free: 0.9}}\n")
+    path = write(tmp_path, "model: {path: m, device: cuda}\nkvstore: {device: {fraction_of_free: 0.9}}\n")
     with pytest.raises(ConfigError) as err:
         load_config(path, gpu_free_bytes=no_nvml)
     assert str(err.value).startswith("kvstore.device.fraction_of_free: cannot read free GPU memory through NVML")
@@ -67,6 +67,48 @@ def test_fraction_of_free_without_nvml_fails_at_start_saying_to_use_bytes(tmp_pa
             load_config(path)
 
 
+def test_cpu_tiers_default_to_shares_of_free_host_memory_and_bytes_win(tmp_path):
+    """Issue 28: on CPU an absent device size is DEFAULT_DEVICE_FRACTION["cpu"] of the host memory free at
+    start (the node's share under `kvrelay up`), a host fraction is of the same reading, and bytes win."""
+    spec = BlockSpec(num_layers=2, num_kv_heads=2, head_dim=16, block_size_tokens=16)  # 8 KiB blocks
+    readings = []
+
+    def free() -> int:
+        readings.append(1)
+        return 100 * spec.block_bytes
+
+    kv = load_config(write(tmp_path, "model: {path: m}\nkvstore: {host: {fraction_of_free: 0.1}}\n"),
+                     gpu_free_bytes=no_nvml).kvstore
+    assert (kv.device.size_bytes, kv.device.free_memory_frac, kv.device.fraction("cpu")) == (None, None, 0.2)
+    assert kv.device.fraction("cuda:0") == 0.85
+    store = kv.store_config(spec, device="cpu", host_free_bytes=free, gpu_free_bytes=no_nvml)
+    assert (store.num_device_blocks, store.num_host_blocks) == (20, 10)
+    assert len(readings) == 1  # one reading for both tiers
+    kv = load_config(write(tmp_path, "model: {path: m}\nkvstore: {device: {bytes: 64KiB}, host: {bytes: 32KiB}}\n"),
+                     gpu_free_bytes=no_nvml).kvstore
+    store = kv.store_config(spec, device="cpu", host_free_bytes=no_nvml, gpu_free_bytes=no_nvml)
+    assert (store.num_device_blocks, store.num_host_blocks) == (8, 4)  # bytes: nothing is read
+
+
+def test_free_host_bytes_is_meminfo_within_the_cgroup_limit(tmp_path):
+    from deploy.memory import free_host_bytes
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal: 24000000 kB\nMemFree: 1000 kB\nMemAvailable: 20000000 kB\n")
+    cgroup = tmp_path / "cg"
+    cgroup.mkdir()
+    assert free_host_bytes(meminfo=meminfo, cgroup=cgroup) == 20000000 * 1024  # no cgroup files: MemAvailable
+    (cgroup / "memory.max").write_text("max\n")
+    (cgroup / "memory.current").write_text("123\n")
+    assert free_host_bytes(meminfo=meminfo, cgroup=cgroup) == 20000000 * 1024  # no limit
+    (cgroup / "memory.max").write_text(f"{8 << 30}\n")
+    (cgroup / "memory.current").write_text(f"{3 << 30}\n")
+    assert free_host_bytes(meminfo=meminfo, cgroup=cgroup) == 5 << 30  # a pod's limit minus its usage
+    meminfo.write_text("MemTotal: 1 kB\n")
+    with pytest.raises(OSError, match="no MemAvailable line"):
+        free_host_bytes(meminfo=meminfo, cgroup=cgroup)
+
+
 @pytest.mark.parametrize(
     ("kvstore", "message"),
     [
@@ -74,9 +116,11 @@ def test_fraction_of_free_without_nvml_fails_at_start_saying_to_use_bytes(tmp_pa
          'kvstore.disk.bytes: \'8GB\' is not a size; use e.g. "8GiB"'),
         ("{device: {bytes: -4096}}", "kvstore.device.bytes: -4096 must be positive"),
         ("{device: {bytes: true}}", "kvstore.device.bytes: True is not a size"),
-        ("{device: {bytes: 1GiB, fraction_of_free: 0.5}}", "kvstore.device: set exactly one of bytes"),
-        ("{device: {}}", "kvstore.device: set exactly one of bytes"),
-        ("{block_size_tokens: 16}", "kvstore.device: set exactly one of bytes"),
+        ("{device: {bytes: 1GiB, fraction_of_free: 0.5}}",
+         "kvstore.device: set one of bytes (e.g. 8GiB) and fraction_of_free (e.g. 0.2), not both"),
+        ("{host: {bytes: 1GiB, fraction_of_free: 0.5}}",
+         "kvstore.host: set one of bytes (e.g. 16GiB) and fraction_of_free (e.g. 0.1), not both"),
+        ("{host: {fraction_of_free: 0}}", "kvstore.host.fraction_of_free: 0 is not a fraction in"),
         ("{device: 8GiB}", "kvstore.device: must be a mapping"),
         ("{device: {fraction_of_free: 1.5}}", "kvstore.device.fraction_of_free: 1.5 is not a fraction in (0, 1]"),
         ("{device: {bytes: 1GiB, size: 2}}", "kvstore.device.size: unknown key"),
@@ -122,7 +166,7 @@ def test_shipped_configs_load(monkeypatch):
     monkeypatch.chdir(DEFAULT_CONFIG.parent.parent.parent)
     for path in sorted(DEFAULT_CONFIG.parent.glob("*.yaml")):
         config = load_config(path, gpu_free_bytes=lambda: 80 << 30)
-        assert config.kvstore.device.size_bytes or config.kvstore.device.free_memory_frac, path
+        assert config.kvstore.device.size_bytes or config.kvstore.device.fraction(config.model.device), path
 
 
 def test_decode_long_context_section(tmp_path):

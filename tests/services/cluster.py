@@ -39,6 +39,8 @@ class Cluster(Deployment):
                  overrides: dict[str, Any] | None = None, env: dict[str, str] | None = None) -> None:
         base = {
             "model": {"name": "tiny", "dtype": "float32"},  # exact: tests compare with a float32 engine
+            # Small tiers (not the default share of free memory): many deployments start one after another.
+            "kvstore": {"device": {"bytes": "64MiB"}, "host": {"bytes": "128MiB", "fraction_of_free": None}},
             "engine": {"max_num_seqs": 32, "max_num_batched_tokens": 512},
             "prefill": {"ports": [0] * prefill, "lease_ttl_s": 10},
             "decode": {"ports": [0] * decode, "transfer_timeout_s": 30},  # generous: CI machines are shared

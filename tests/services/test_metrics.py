@@ -15,8 +15,10 @@ ROUTER = ("vllm:time_to_first_token_seconds_count", "vllm:time_per_output_token_
 
 
 def test_vllm_named_metrics_move_as_a_run_proceeds(tiny_model_dir):
-    # A decode pool of 24 blocks (16 tokens each) for 6 requests of ~300 tokens: it must preempt.
-    with Cluster(tiny_model_dir, overrides={"kvstore": {"device": {"bytes": "192KiB"}}}) as c:
+    # A decode pool of 24 blocks (16 tokens each) for 6 requests of ~300 tokens: it must preempt. The router
+    # reserves room for 16 output tokens each, so it places them all at once and the node preempts.
+    with Cluster(tiny_model_dir, overrides={"kvstore": {"device": {"bytes": "192KiB"}},
+                                            "router": {"decode_reserve_tokens": 16}}) as c:
         prefill, decode = c.prefill_urls[0], c.decode_urls[0]
         before = {u: metrics(u) for u in (prefill, decode, c.url)}
         assert all(g in before[decode] for g in GAUGES) and all(k in before[decode] for k in COUNTERS)

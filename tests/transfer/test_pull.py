@@ -92,8 +92,18 @@ def test_too_few_free_blocks_is_a_typed_error_and_reserves_nothing(owner):
             assert err.value.reason == "no_blocks"
             assert r.pool.num_free_blocks == 3
             r.pool.release(hog)
-            # The lease is still live on the owner; a pull with room succeeds and unpins it.
-            result = await r.puller.pull(handle, deadline_s=10)
+            # Issue 28: the refusal told the owner ("abort"), so the lease is gone within a second, not
+            # pinned until its TTL; the handle cannot be pulled any more.
+            assert err.value.lease_ended is True
+            await await_until(lambda: owner.state()["leases"] == 0, 1.0, "the abort to unpin the lease")
+            with pytest.raises(TransferError) as err:
+                await r.puller.pull(handle, deadline_s=10)
+            assert err.value.reason == "lease_lost"
+            assert await r.puller.wait_quarantine_drained(10)
+            # A pull with room succeeds and ends its lease with "done".
+            result = await r.puller.pull(await in_thread(lambda: owner.offer(tokens(5, 4))), deadline_s=10)
+            assert result.lease_ended is True
+            await await_until(lambda: owner.state()["leases"] == 0, 1.0, "the done notification to unpin")
             r.pool.release(result.block_ids)
 
     run(body())

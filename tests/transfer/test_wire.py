@@ -184,6 +184,17 @@ def test_router_node_messages_round_trip_typed():
     assert err.value.status == 503
 
 
+def test_a_malformed_handle_in_a_prefill_reply_still_names_its_lease_for_release():
+    """Issue 28: the router releases the lease of a handle nobody can pull, by the id it can still read."""
+    bad = dataclasses.replace(HANDLE, num_tokens=0)
+    reply = decode_prefill_reply(encode_prefill_reply(PrefillReply([4], [None], bad, 0)))
+    assert (reply.handle, reply.lease_id) == (None, HANDLE.lease_id) and "num_tokens" in reply.handle_error
+    wire = msgpack.unpackb(encode_prefill_reply(PrefillReply([4], [None], bad, 0)), raw=False)
+    wire["handle"]["lease_id"] = 7  # not even the id is readable: nothing to release by
+    reply = decode_prefill_reply(msgpack.packb(wire, use_bin_type=True))
+    assert (reply.handle, reply.lease_id) == (None, None)
+
+
 def test_a_malformed_handle_in_a_request_is_reported_not_fatal():
     msg = decode_generation(gen_wire(handle={"v": 999}))
     assert msg.handle is None and "protocol version 999" in msg.handle_error
