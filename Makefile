@@ -8,7 +8,7 @@ MODEL_DIR ?= .models/$(MODEL)
 TINY_DIR := .models/tiny
 PYTEST_ARGS ?=
 
-.PHONY: serve model test bench bench-real bench-long-context lint gpu-check clean
+.PHONY: serve model test bench bench-real bench-long-context bench-load bench-first-run lint gpu-check clean
 
 $(BIN)/kvrelay: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -61,6 +61,19 @@ bench-long-context: $(BIN)/kvrelay model
 	mkdir -p bench-out
 	$(BIN)/kvrelay bench long-context --plot bench-out/long-context.png --out bench-out/long-context.json
 	$(BIN)/kvrelay bench long-context --model real --real-model-dir $(MODEL_DIR) --out bench-out/long-context-real.json
+
+# 4,000 clients at once against 1P1D and 2P2D (tiny model): completions, 429s, latency against the ideal (~3 min).
+bench-load: $(BIN)/kvrelay $(TINY_DIR)/config.json
+	mkdir -p bench-out
+	$(BIN)/kvrelay bench load --clients 4000 --out bench-out/load.json
+
+# The first benchmark a user runs: vLLM's own `vllm bench serve` client (from the peer's venv) against kvrelay
+# (`make serve`'s config) and vLLM's CPU build, at their default KV sizing and at 64 MiB, concurrency 16, 64
+# and 256 (~25 min: vLLM compiles for ~3.5 min at each start).
+bench-first-run: $(BIN)/kvrelay model
+	mkdir -p bench-out
+	bash $(PEER) setup
+	$(BIN)/kvrelay bench vllm-client --model $(MODEL_DIR) --concurrency 16,64,256 --out bench-out/vllm-client.json
 
 lint: $(BIN)/kvrelay
 	$(BIN)/ruff check .

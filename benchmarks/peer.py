@@ -9,10 +9,12 @@ that SIGTERM reaches it.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import tempfile
 import time
 import urllib.error
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from benchmarks.deployment import free_ports, get_text, stop_process_group
@@ -24,8 +26,12 @@ STARTUP_TIMEOUT_S = 900.0  # vLLM's CPU build compiles for ~3.5 min on 2 cores
 class PeerServer:
     """``with PeerServer(script, model_dir) as peer: peer.url`` (no trailing ``/v1``)."""
 
-    def __init__(self, script: str | Path, model_dir: str | Path) -> None:
+    def __init__(self, script: str | Path, model_dir: str | Path, *, extra_args: Sequence[str] = (),
+                 env: Mapping[str, str] | None = None) -> None:
+        """``extra_args``: flags after ``MODEL_DIR PORT`` (vLLM's own); ``env``: set over this environment."""
         self.script, self.model_dir = Path(script), Path(model_dir).resolve()
+        self.extra_args = list(extra_args)
+        self.env = None if env is None else {**os.environ, **env}
         if not self.script.is_file():
             raise FileNotFoundError(f"peer script {self.script} not found; pass --peer-script")
         self.port = free_ports(1)[0]
@@ -39,8 +45,9 @@ class PeerServer:
         Raises:
             RuntimeError: the peer exited or did not answer in ``timeout_s``; carries its log's tail.
         """
-        self._proc = subprocess.Popen(["bash", str(self.script), "serve", str(self.model_dir), str(self.port)],
-                                      stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        self._proc = subprocess.Popen(["bash", str(self.script), "serve", str(self.model_dir), str(self.port),
+                                       *self.extra_args], stdout=self._log, stderr=subprocess.STDOUT,
+                                      start_new_session=True, env=self.env)
         deadline = time.monotonic() + timeout_s
         while True:
             try:

@@ -5,7 +5,7 @@
                             --weights-dtype float32|bfloat16|float16]
     kvrelay generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3) --max-tokens N [--json]
     kvrelay store stats|clear|verify --config FILE [--node NAME]
-    kvrelay bench memory|decode|cuda-graphs|kernel|tiers|transfer|serve|long-context [...]
+    kvrelay bench memory|decode|cuda-graphs|kernel|tiers|transfer|serve|long-context|load|vllm-client [...]
 """
 
 from __future__ import annotations
@@ -222,7 +222,7 @@ def _cmd_role(args: argparse.Namespace) -> int:
 
 
 BENCH_NAMES = ("bandwidth", "cache-policies", "cuda-graphs", "decode", "dtype", "kernel", "load", "long-context",
-               "memory", "serve", "tiers", "transfer")
+               "memory", "serve", "tiers", "transfer", "vllm-client")
 
 
 def _bench_main(name: str) -> Callable[[list[str]], int]:
@@ -252,6 +252,8 @@ def _bench_main(name: str) -> Callable[[list[str]], int]:
         from benchmarks.tier_bench import main
     elif name == "transfer":
         from benchmarks.transfer_bench import main
+    elif name == "vllm-client":
+        from benchmarks.vllm_client import main
     else:
         raise ValueError(f"unknown benchmark {name!r}; choose from {BENCH_NAMES}")
     return main

@@ -77,8 +77,9 @@ def _waiting_for(health: dict[str, Any] | None) -> str:
         return "the router does not answer /health"
     if "nodes" not in health:
         return f"router status {health.get('status')!r}"
-    down = [f"{name} ({n.get('last_error') or 'not answered yet'})"
-            for name, n in sorted(health["nodes"].items()) if not n["healthy"]]
+    down = [f"{name} ({n.get('last_error') or 'not answered yet'})" if not n["healthy"]
+            else f"{name} (no load report yet)"
+            for name, n in sorted(health["nodes"].items()) if not n["healthy"] or n.get("capacity") is None]
     return "waiting for " + ", ".join(down) if down else f"router status {health.get('status')!r}"
 
 
@@ -163,7 +164,9 @@ def up(config: Any, config_path: Path, *, overrides: list[str], startup_timeout_
                                                           budget), env=node_env(env, config, role, index))
             if not ready:
                 health = _router_health(url)
-                all_up = health is not None and all(n["healthy"] for n in health.get("nodes", {}).values())
+                # every node answered and reported its room (until then the router cannot bound what it places)
+                all_up = health is not None and all(n["healthy"] and n.get("capacity") is not None
+                                                    for n in health.get("nodes", {}).values())
                 if health is not None and health.get("status") == "ok" and all_up:
                     ready = True
                     print(f"kvrelay is serving {config.model.name!r} at {url}/v1 "

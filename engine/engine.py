@@ -374,10 +374,7 @@ class LLMEngine:
         if not sch.running and sch.release_waiting_holds():
             return []
         seq = sch.running[0] if sch.running else sch.waiting[0]
-        held_outside = self.pool.stats().num_in_use - len(set(seq.block_table))
-        if held_outside > 0 and -(-(len(seq.token_ids) + 1) // self.spec.block_size_tokens) <= self.pool.num_blocks:
-            # Blocks held outside the scheduler (a lease for a peer, a pull in progress) come back in bounded
-            # time; the sequence fits the pool once they do, so it waits instead of failing.
+        if sch.fits_once_outside_blocks_return(seq):
             self.stalled = True
             return []
         sch.finish(seq, "length")

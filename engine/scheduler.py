@@ -233,6 +233,14 @@ class Scheduler:
         seq.prefix_matched = False
         self.add(seq)
 
+    def fits_once_outside_blocks_return(self, seq: Sequence) -> bool:
+        """Whether ``seq``, the one sequence left that cannot get blocks, would fit the pool but for blocks
+        held outside the scheduler (a lease for a peer, a pull in progress): those come back in bounded
+        time, so it should wait rather than end."""
+        held_outside = self.pool.stats().num_in_use - len(set(seq.block_table))
+        needed = -(-(len(seq.token_ids) + 1) // self.spec.block_size_tokens)
+        return held_outside > 0 and needed <= self.pool.num_blocks
+
     def release_waiting_holds(self) -> bool:
         """Waiting sequences give back the blocks they hold (prefix matches, pins); they will match the
         prefix cache again when admitted. Returns whether any block was released."""

@@ -326,13 +326,14 @@ class EngineNode:
 
     def load_report(self) -> dict[str, Any]:
         """The room and speed the router places requests by (`router.nodes.NodeCapacity`): the device pool's
-        blocks (all, and free or evictable now), the batch limits, and the rates the engine measured
+        blocks (all, and free or evictable now), the batch and admission limits, and the rates the engine measured
         (`engine.step_rates`; 0.0 before the first step of a kind). A snapshot read off the engine's thread."""
         engine, rates = self.engine, self.engine.rates
         return {"kv_blocks": engine.pool.num_blocks, "free_blocks": self.worker.num_free_blocks,
                 "max_num_seqs": engine.config.max_num_seqs,
                 "max_num_batched_tokens": engine.config.max_num_batched_tokens,
-                "prefill_tokens_per_s": rates.prefill_tokens_per_s, "decode_step_s": rates.decode_step_s}
+                "prefill_tokens_per_s": rates.prefill_tokens_per_s, "decode_step_s": rates.decode_step_s,
+                "max_pending_requests": self.config.max_pending_requests}
 
     async def _wait_for_event(self, after: int, wait_s: float) -> None:
         """Return when the log has an event past ``after``, or after ``wait_s``."""

@@ -394,6 +394,7 @@ class Router:
         nodes = {n.name: {"url": n.url, "healthy": n.healthy(now), "in_flight": n.in_flight,
                           "reserved_blocks": n.reserved_blocks, "reserved_seqs": n.reserved_seqs,
                           "queued_tokens": n.queued_tokens,
+                          "reserved_requests": n.reserved_requests,
                           "capacity": None if n.capacity is None else dataclasses.asdict(n.capacity),
                           "kv_keys": self.nodes.index.num_keys(n.name), "last_error": n.last_error,
                           "times_down": n.times_down}

@@ -154,7 +154,7 @@ class Dispatcher:
         reservation = await self.queue.place(ticket)
         n = req.params.n
         finished = [False] * n
-        generated = [0]
+        generated = 0  # tokens yielded, all samples
         handle: KvHandle | None = None
         owner: Node | None = None  # the prefill node that holds the handle's lease
         lease = _Lease()  # lease.lease_id: what the router releases unless a decode node ended it
@@ -174,17 +174,17 @@ class Dispatcher:
                     reservation.pulled()  # nothing leased: the prefill node holds nothing for this request
                 for i, (tok, reason) in enumerate(zip(first or [], pre.finish_reasons, strict=True)):
                     finished[i] = reason is not None
-                    generated[0] += 1
+                    generated += 1
                     yield SampleDelta(i, [tok], finished[i], reason,
                                       None if pre.first_logprobs is None else [pre.first_logprobs[i]])
                 if all(finished):
                     return  # the prefill node released the lease itself
             async for delta in self._decode(req, salt, ticket.keys, first, handle, finished,
                                             _Started(reservation, lease), reservation.decode):
-                generated[0] += len(delta.token_ids)
+                generated += len(delta.token_ids)
                 yield delta
         finally:
-            self.queue.finish(ticket, reservation, generated[0])
+            self.queue.finish(ticket, reservation, generated)
             if lease.lease_id is not None and owner is not None and not lease.ended:
                 task = asyncio.ensure_future(self.backends.release_lease(owner, lease.lease_id))
                 self._releases.add(task)

@@ -14,8 +14,9 @@ Capacity. Each node reports its size and rates in its event answers (`NodeCapaci
 its own ledger of what it has placed there (`Node.reserved_blocks`, ``reserved_seqs``, ``queued_tokens``),
 and `NodeSet.place` reserves a decode node and a prefill node for a request only where both have room:
 
-    decode:  reserved_blocks + need.decode_blocks  <= kv_blocks   and  reserved_seqs + n <= max_num_seqs
+    decode:  reserved_blocks + need.decode_blocks  <= kv_blocks   and  reserved_seqs + n <= 2 · max_num_seqs
     prefill: reserved_blocks + need.prefill_blocks <= kv_blocks   and  queued_tokens + prompt <= queue bound
+    both:    reserved_requests < max_pending_requests (what the node itself admits)
 
 A node with nothing reserved always takes one request (one larger than the node is refused by the node
 itself, with its reason). A node that has not reported yet is not bounded.
@@ -36,6 +37,9 @@ from kvstore.block_key import BlockKey
 from router.kv_index import KvIndex
 
 PREFILL_QUEUE_STEPS = 4  # prompt tokens placed on a prefill node, in steps of its token budget
+# Samples placed on a decode node, in multiples of its batch (max_num_seqs): those beyond the batch are being
+# prefilled and pulled, or wait in the node's scheduler with their KV pulled, so the batch stays full.
+DECODE_SEQS_PER_SLOT = 2
 
 
 class NodeLost(Exception):
@@ -56,6 +60,7 @@ class NodeCapacity:
     max_num_batched_tokens: int
     prefill_tokens_per_s: float
     decode_step_s: float
+    max_pending_requests: int = 1 << 30  # what the node admits at once (it answers 429 beyond)
 
     @classmethod
     def from_report(cls, report: Any) -> NodeCapacity:
@@ -63,10 +68,11 @@ class NodeCapacity:
         try:
             cap = cls(int(report["kv_blocks"]), int(report["free_blocks"]), int(report["max_num_seqs"]),
                       int(report["max_num_batched_tokens"]), float(report["prefill_tokens_per_s"]),
-                      float(report["decode_step_s"]))
+                      float(report["decode_step_s"]), int(report.get("max_pending_requests", 1 << 30)))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed load report: {exc!r}") from None
-        if min(cap.kv_blocks, cap.max_num_seqs, cap.max_num_batched_tokens) < 1 or cap.free_blocks < 0 or \
+        if min(cap.kv_blocks, cap.max_num_seqs, cap.max_num_batched_tokens, cap.max_pending_requests) < 1 or \
+                cap.free_blocks < 0 or \
                 not (cap.prefill_tokens_per_s >= 0 and cap.decode_step_s >= 0):
             raise ValueError(f"load report out of range: {cap}")
         return cap
@@ -91,14 +97,16 @@ class Need:
         if cap is None or (node.reserved_blocks == 0 and node.reserved_seqs == 0):
             return True
         return (node.reserved_blocks + self.decode_blocks <= cap.kv_blocks
-                and node.reserved_seqs + self.seqs <= cap.max_num_seqs)
+                and node.reserved_seqs + self.seqs <= DECODE_SEQS_PER_SLOT * cap.max_num_seqs
+                and node.reserved_requests < cap.max_pending_requests)
 
     def fits_prefill(self, node: Node) -> bool:
         cap = node.capacity
         if cap is None or (node.reserved_blocks == 0 and node.queued_tokens == 0):
             return True
         return (node.reserved_blocks + self.prefill_blocks <= cap.kv_blocks
-                and node.queued_tokens + self.prompt_tokens <= PREFILL_QUEUE_STEPS * cap.max_num_batched_tokens)
+                and node.queued_tokens + self.prompt_tokens <= PREFILL_QUEUE_STEPS * cap.max_num_batched_tokens
+                and node.reserved_requests < cap.max_pending_requests)
 
 
 class Reservation:
@@ -114,14 +122,17 @@ class Reservation:
         self._held = True
         decode.reserved_blocks += need.decode_blocks
         decode.reserved_seqs += need.seqs
+        decode.reserved_requests += 1
         if prefill is not None:
             prefill.reserved_blocks += need.prefill_blocks
             prefill.queued_tokens += need.prompt_tokens
+            prefill.reserved_requests += 1
 
     def prefilled(self) -> None:
         if self._queued and self.prefill is not None:
             self._queued = False
             self.prefill.queued_tokens -= self.need.prompt_tokens
+            self.prefill.reserved_requests -= 1
 
     def pulled(self) -> None:
         self.prefilled()
@@ -135,6 +146,7 @@ class Reservation:
             self._held = False
             self.decode.reserved_blocks -= self.need.decode_blocks
             self.decode.reserved_seqs -= self.need.seqs
+            self.decode.reserved_requests -= 1
 
 
 @dataclass(slots=True)
@@ -146,6 +158,7 @@ class Node:
     queued_tokens: int = 0  # prompt tokens placed here and not yet prefilled (`Reservation`)
     reserved_blocks: int = 0  # KV blocks the router's placed requests hold here (`Reservation`)
     reserved_seqs: int = 0  # samples the router's placed requests run here (decode nodes)
+    reserved_requests: int = 0  # placed requests the node is serving (a prefill node: until it answers)
     capacity: NodeCapacity | None = None  # the node's last load report; None until it reports
     down_until: float = 0.0
     failures: int = 0

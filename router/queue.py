@@ -118,6 +118,7 @@ class RouterQueue:
         self.num_bytes = 0
         self.queued_uncached_tokens = 0
         self.queued_output_tokens = 0  # max_tokens × n, summed
+        self.queued_decode_blocks = 0
         self.output_share = 1.0  # decayed share of max_tokens that finished requests generated
 
     # ------------------------------------------------------------ admission
@@ -243,16 +244,14 @@ class RouterQueue:
         prefill_nodes = [n.capacity for n in nodes.prefill if n.healthy(now) and n.capacity is not None]
         prefill_rate = sum(c.prefill_tokens_per_s for c in (prefill_nodes or decode))
         mean_blocks = max(1.0, self._mean_decode_blocks())
-        decode_rate = sum(min(c.max_num_seqs, max(1.0, c.kv_blocks / mean_blocks)) / c.decode_step_s
+        decode_rate = sum(min(float(c.max_num_seqs), max(1.0, c.kv_blocks / mean_blocks)) / c.decode_step_s
                           for c in decode if c.decode_step_s > 0)
         prefill_s = self.queued_uncached_tokens / prefill_rate if prefill_rate > 0 else 0.0
         decode_s = self.queued_output_tokens * self.output_share / decode_rate if decode_rate > 0 else 0.0
         return max(prefill_s, decode_s) if prefill_nodes else prefill_s + decode_s
 
     def _mean_decode_blocks(self) -> float:
-        if not self.num_queued:
-            return 1.0
-        return sum(t.need.decode_blocks for q in self._tenant_to_tickets.values() for t in q) / self.num_queued
+        return self.queued_decode_blocks / self.num_queued if self.num_queued else 1.0
 
     # ------------------------------------------------------------ bookkeeping
     def _push(self, ticket: Ticket) -> None:
@@ -273,6 +272,7 @@ class RouterQueue:
         self.num_bytes += sign * ticket.num_bytes
         self.queued_uncached_tokens += sign * ticket.uncached_tokens
         self.queued_output_tokens += sign * ticket.max_output_tokens
+        self.queued_decode_blocks += sign * ticket.need.decode_blocks
         self.metrics.queued(self.num_queued)
 
 

@@ -271,6 +271,28 @@ def test_a_sequence_outgrowing_the_pool_ends_alone(tiny_model_dir):
     assert eng.pool.stats().num_in_use == 0
 
 
+def test_a_prompt_waits_for_blocks_a_lease_holds_instead_of_ending(tiny_model_dir):
+    """Issue 28: blocks held outside the scheduler (a prefill node's leases, a pull in progress) come back in
+    bounded time: a prompt that fits the pool once they do waits (``stalled``: the worker then idles until
+    a command arrives) rather than ending, and then gives the reference tokens."""
+    loaded = load_model(tiny_model_dir)
+    prompt = list(range(1, 41))
+    [[want]] = LLMEngine(loaded, EngineConfig(num_blocks=64)).generate([prompt], SamplingParams(max_tokens=4))
+    eng = LLMEngine(loaded, EngineConfig(num_blocks=8))
+    leased = eng.pool.allocate(6)  # what leases for peers hold on a prefill node
+    eng.add_request("r", prompt, SamplingParams(max_tokens=4))  # 3 blocks; 2 free: a first chunk, then it waits
+    outs = [out for _ in range(6) for out in eng.step()]
+    assert outs == [] and eng.stalled and eng.has_unfinished()
+    assert eng.pool.num_free_blocks == 0
+    eng.pool.release(leased)
+    got = []
+    while eng.has_unfinished():
+        got.extend(t for out in eng.step() for t in out.new_token_ids)
+    assert got == want and not eng.stalled
+    eng.check_integrity()
+    assert eng.pool.stats().num_in_use == 0
+
+
 def test_pins_held_by_a_waiting_request_do_not_stall_a_chunked_prefill(tiny_model_dir):
     loaded = load_model(tiny_model_dir)
     a, b = list(range(1, 101)), list(range(1, 70))

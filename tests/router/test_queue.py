@@ -67,13 +67,13 @@ def test_place_reserves_decode_and_prefill_room_and_gives_it_back_step_by_step()
     assert ns.place(Need(56, 1, 1, 1), []) is not None
 
 
-def test_decode_sequences_are_bounded_by_max_num_seqs_and_unreported_nodes_by_nothing():
+def test_decode_sequences_are_bounded_by_twice_the_batch_and_unreported_nodes_by_nothing():
     ns = nodes(prefill=0)
     d = ns.decode[0]
     need = Need(10, 1, 1, 1)
-    held = [ns.place(need, []) for _ in range(5)]
+    held = [ns.place(need, []) for _ in range(6)]
     assert all(r is not None and r.prefill is None for r in held)  # no report yet: not bounded
-    d.capacity = capacity(100, max_num_seqs=5)
+    d.capacity = capacity(100, max_num_seqs=3)  # 3 in the batch, 3 more prefilling or waiting with their KV
     assert ns.place(need, []) is None
     held[0].release()
     assert ns.place(need, []) is not None
@@ -107,7 +107,7 @@ def test_tickets_are_placed_first_come_first_served_and_the_head_is_not_overtake
 def test_turns_go_round_robin_over_tenants():
     async def main() -> None:
         ns = nodes(prefill=0)
-        ns.decode[0].capacity = capacity(1000, max_num_seqs=1)
+        ns.decode[0].capacity = capacity(2)  # one request(4) at a time
         q = await _queue(ns)
         [t0] = q.admit([request(4, rid="a0")], [[]], b"A")
         held = await q.place(t0)
@@ -130,7 +130,7 @@ def test_turns_go_round_robin_over_tenants():
 def test_a_full_queue_gives_a_light_tenant_the_place_of_the_heaviest_one_s_newest_request():
     async def main() -> None:
         ns = nodes(prefill=0)
-        ns.decode[0].capacity = capacity(1000, max_num_seqs=1)
+        ns.decode[0].capacity = capacity(2)  # one request(4) at a time
         q = await _queue(ns, max_requests=4)
         [t0] = q.admit([request(4)], [[]], b"A")
         await q.place(t0)
@@ -156,7 +156,7 @@ def test_predicted_wait_comes_from_reported_rates_and_refuses_beyond_the_deadlin
         # 10 slots (max_num_seqs) at 0.1 s a step: 100 tokens/s of decode
         ns.decode[0].capacity = capacity(1000, max_num_seqs=10, decode_step_s=0.1)
         q = await _queue(ns, timeout_s=5.0)
-        ns.decode[0].reserved_seqs = 10  # busy: everything queues
+        ns.decode[0].reserved_seqs = 20  # busy (twice its batch of 10): everything queues
         ns.decode[0].reserved_blocks = 1
         q.admit([request(200, max_tokens=100)], [[]], b"")  # ahead: 200 prompt tokens, 100 output tokens
         assert q.predicted_wait_s() == pytest.approx(2.0)  # max(200 / 100, 100 / 100): in parallel
@@ -175,7 +175,7 @@ def test_aggregated_prediction_adds_prefill_and_decode_time_of_the_decode_nodes(
     async def main() -> None:
         ns = nodes(prefill=0)
         ns.decode[0].capacity = capacity(1000, max_num_seqs=10, prefill_rate=100.0, decode_step_s=0.1)
-        ns.decode[0].reserved_seqs = 10
+        ns.decode[0].reserved_seqs = 20
         ns.decode[0].reserved_blocks = 1
         q = await _queue(ns)
         q.admit([request(200, max_tokens=100)], [[]], b"")
@@ -187,7 +187,7 @@ def test_aggregated_prediction_adds_prefill_and_decode_time_of_the_decode_nodes(
 def test_a_ticket_that_waits_past_its_deadline_gets_429_and_leaves_the_queue():
     async def main() -> None:
         ns = nodes(prefill=0)
-        ns.decode[0].capacity = capacity(10, max_num_seqs=1)
+        ns.decode[0].capacity = capacity(2)
         q = await _queue(ns, timeout_s=0.2)
         [t0] = q.admit([request(4)], [[]], b"")
         await q.place(t0)
@@ -203,7 +203,7 @@ def test_a_waiter_that_goes_away_leaves_and_a_placed_one_gives_its_room_back():
     async def main() -> None:
         ns = nodes(prefill=0)
         d = ns.decode[0]
-        d.capacity = capacity(10, max_num_seqs=1)
+        d.capacity = capacity(2)
         q = await _queue(ns)
         [t0] = q.admit([request(4)], [[]], b"")
         r0 = await q.place(t0)
@@ -222,3 +222,15 @@ def test_a_waiter_that_goes_away_leaves_and_a_placed_one_gives_its_room_back():
         assert (d.reserved_seqs, d.reserved_blocks) == (0, 0)
 
     asyncio.run(main())
+
+
+def test_a_load_report_becomes_a_capacity_or_is_refused_by_name():
+    report = {"kv_blocks": 182, "free_blocks": 170, "max_num_seqs": 64, "max_num_batched_tokens": 1024,
+              "prefill_tokens_per_s": 950.5, "decode_step_s": 0.09}
+    assert NodeCapacity.from_report(report) == NodeCapacity(182, 170, 64, 1024, 950.5, 0.09)
+    with pytest.raises(ValueError, match="malformed load report: KeyError\\('kv_blocks'"):
+        NodeCapacity.from_report({k: v for k, v in report.items() if k != "kv_blocks"})
+    with pytest.raises(ValueError, match="load report out of range"):
+        NodeCapacity.from_report({**report, "kv_blocks": 0})
+    with pytest.raises(ValueError, match="load report out of range"):
+        NodeCapacity.from_report({**report, "decode_step_s": float("nan")})

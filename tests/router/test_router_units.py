@@ -147,8 +147,10 @@ def test_up_says_which_nodes_it_waits_for():
     health = {"status": "degraded", "nodes": {
         "decode-0": {"healthy": False, "last_error": "NodeUnavailable: timed out"},
         "prefill-0": {"healthy": False, "last_error": ""},
-        "prefill-1": {"healthy": True, "last_error": ""}}}
-    assert _waiting_for(health) == "waiting for decode-0 (NodeUnavailable: timed out), prefill-0 (not answered yet)"
+        "prefill-1": {"healthy": True, "last_error": "", "capacity": {"kv_blocks": 182}},
+        "prefill-2": {"healthy": True, "last_error": "", "capacity": None}}}
+    assert _waiting_for(health) == ("waiting for decode-0 (NodeUnavailable: timed out), prefill-0 (not answered yet), "
+                                    "prefill-2 (no load report yet)")
 
 
 def _first_stop(text: str, stops: tuple[str, ...]) -> int:
