@@ -92,7 +92,8 @@ def test_every_bench_name_resolves_to_its_main() -> None:
         "decode": "benchmarks.decode_bench",
         "dtype": "benchmarks.dtype_bench", "kernel": "benchmarks.kernel_bench", "load": "benchmarks.load",
         "long-context": "benchmarks.long_context_bench", "memory": "benchmarks.memory_bench",
-        "serve": "benchmarks.serve_bench", "tiers": "benchmarks.tier_bench", "transfer": "benchmarks.transfer_bench"}
+        "serve": "benchmarks.serve_bench", "tiers": "benchmarks.tier_bench", "transfer": "benchmarks.transfer_bench",
+            "vllm-client": "benchmarks.vllm_client"}
     with pytest.raises(ValueError, match="unknown benchmark 'nope'"):
         _bench_main("nope")
 

@@ -2,7 +2,8 @@
 64 tokens out with ``ignore_eos``, streaming, a fixed concurrency — through an equivalent client
 (`benchmarks.serve_client`: vLLM's definitions) against a 1P1D deployment, at its default KV sizing and with
 a deliberately small pool. Every request completes with all its tokens, and no lease outlives its request
-by more than a second."""
+by more than a second. The default run covers the real model at its default sizing (concurrency 16) and the
+tiny model with a small pool (64 and 256); the other combinations are marked slow."""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def block_bytes_of(model_dir: Path, itemsize: int) -> int:
     return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * 16 * head_dim * itemsize
 
 
-@pytest.mark.parametrize("kv", ["default", "small"])
+@pytest.mark.parametrize("kv", ["default", pytest.param("small", marks=pytest.mark.slow)])
 def test_bench_serve_at_concurrency_16_on_the_real_model(smollm2, kv):
     block_bytes = block_bytes_of(smollm2.model_dir, 2)
     overrides = {"model": {"name": "smollm2", "dtype": "bfloat16"},  # as `make serve` runs it
@@ -72,7 +73,7 @@ def test_bench_serve_at_concurrency_16_on_the_real_model(smollm2, kv):
         run_bench_serve(c, vocab=49152, concurrency=16, num_prompts=64, seed=16)
 
 
-@pytest.mark.parametrize("kv", ["default", "small"])
+@pytest.mark.parametrize("kv", [pytest.param("default", marks=pytest.mark.slow), "small"])
 def test_bench_serve_at_concurrency_64_and_256_on_the_tiny_model(tiny_model_dir, kv):
     overrides = DEFAULT_KV if kv == "default" else small_kv(block_bytes_of(tiny_model_dir, 4))
     with Cluster(tiny_model_dir, overrides=overrides) as c:
