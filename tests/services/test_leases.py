@@ -91,6 +91,14 @@ def test_the_decode_node_says_whether_it_ended_the_lease(tiny_model_dir):
         assert (status, headers[LEASE_HEADER]) == (200, "open")
         assert failure_reasons(decode) == {"foreign_owner": 1.0}
         assert leases(prefill) == 1  # the decode node did not touch it
+        # what the router does with an open lease
+        from transfer.wire import decode_release_reply, encode_lease_request
+
+        req = urllib.request.Request(prefill + "/kv/lease/release", data=encode_lease_request(b["handle"]["lease_id"]),
+                                     method="POST", headers={TOKEN_HEADER: c.token})
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            assert decode_release_reply(resp.read()) is True
+        assert leases(prefill) == 0
 
 
 def test_a_draining_decode_node_s_refusal_releases_the_lease(tiny_model_dir):
