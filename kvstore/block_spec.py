@@ -14,13 +14,10 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from kvstore.checks import require_int
 from model.dtype import DTYPE_NAME_TO_TORCH
-
-_WORD_OF_SIZE = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}  # a NumPy dtype per element size
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,16 +74,10 @@ class BlockSpec:
         return (num_blocks, *self.block_shape)
 
     def new_pool(self, num_blocks: int, *, device: torch.device | str = "cpu") -> torch.Tensor:
-        """A zeroed pool tensor of `pool_shape(num_blocks)` on ``device``. On CPU its memory comes zeroed from
-        the OS (``calloc``, through NumPy), so a pool sized to a share of free memory costs resident memory
-        only as blocks are written, and starts at once (``torch.zeros`` writes every byte: 0.7 s and 2.6 GB
-        resident for a 2.6 GB pool here)."""
-        shape = self.pool_shape(num_blocks)
-        if torch.device(device).type != "cpu":
-            return torch.zeros(shape, dtype=self.torch_dtype, device=device)
-        itemsize = torch.empty((), dtype=self.torch_dtype).element_size()
-        words = np.zeros(shape, dtype=_WORD_OF_SIZE[itemsize])
-        return torch.from_numpy(words).view(self.torch_dtype)
+        """A zeroed pool tensor of `pool_shape(num_blocks)` on ``device``. Every byte is written now (as vLLM
+        allocates its KV at start): memory left for the OS to zero on first touch (``calloc``) cost ~1.1 ms
+        of page faults per 368 KB block written while serving here, against 0.1 ms per block up front."""
+        return torch.zeros(self.pool_shape(num_blocks), dtype=self.torch_dtype, device=device)
 
     def num_blocks_for(self, num_bytes: int) -> int:
         """How many whole blocks fit in ``num_bytes``."""
