@@ -2,8 +2,10 @@
 
     kvrelay model pull NAME [--dir DIR] | kvrelay model list
     kvrelay tiny-model DIR [--seed S --layers N --hidden N --heads N --kv-heads N --vocab N --intermediate N
-                            --weights-dtype float32|bfloat16|float16]
-    kvrelay generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3) --max-tokens N [--json]
+                            --weights-dtype float32|bfloat16|float16
+                            --arch llama|qwen3|qwen3-moe|mixtral|gpt-oss]
+    kvrelay generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3) --max-tokens N
+                     [--min-tokens N --ignore-eos --json]
     kvrelay store stats|clear|verify --config FILE [--node NAME]
     kvrelay bench memory|decode|cuda-graphs|kernel|tiers|transfer|serve|long-context|load|vllm-client [...]
 """
@@ -20,6 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+TINY_ARCH_CHOICES = ("llama", "qwen3", "qwen3-moe", "mixtral", "gpt-oss")  # model.tiny.TINY_ARCHS (torch-free here)
+
 NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")  # an agent name and a path component
 
 # Before torch is imported: torch's CPU allocator then backs allocations of 2 MiB and more with
@@ -35,8 +39,9 @@ def _cmd_tiny_model(args: argparse.Namespace) -> int:
     out = write_tiny_model(
         args.dir, seed=args.seed, layers=args.layers, hidden=args.hidden, heads=args.heads,
         kv_heads=args.kv_heads, vocab=args.vocab, intermediate=args.intermediate, dtype=args.weights_dtype,
+        arch=args.arch,
     )
-    print(f"wrote tiny model to {out}")
+    print(f"wrote tiny {args.arch} model to {out}")
     return 0
 
 
@@ -76,7 +81,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     try:
         params = SamplingParams(
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-            seed=args.seed,
+            seed=args.seed, ignore_eos=args.ignore_eos, min_tokens=args.min_tokens,
         )
         engine = LLMEngine(loaded, EngineConfig(num_blocks=args.num_blocks, attention_backend=args.attention_backend,
                                                 cuda_graphs=not args.enforce_eager))
@@ -291,6 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab", type=int, default=258)
     p.add_argument("--intermediate", type=int, default=None, help="MLP width (default: 2 x hidden)")
     p.add_argument("--weights-dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--arch", default="llama", choices=TINY_ARCH_CHOICES, help="model family (default: llama)")
     p.set_defaults(func=_cmd_tiny_model)
 
     p = sub.add_parser("generate", help="generate in one process, no network")
@@ -303,6 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
+    p.add_argument("--min-tokens", type=int, default=0, help="no stop token is picked before this many")
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                    help="auto: bfloat16 on CUDA and on CPUs with AMX / AVX512-BF16, else float32")
     p.add_argument("--device", default="cpu")

@@ -190,8 +190,16 @@ class LLMEngine:
             )
 
     def check_long_context(self, config: LongContextConfig) -> None:
-        """Raises ValueError when this engine cannot run ``config`` (budget too small, no host tier)."""
+        """Raises ValueError when this engine cannot run ``config`` (budget too small, no host tier, or a
+        model with sliding-window layers or attention sinks: H2O and InfiniGen keep a subset of rows whose
+        row index is no longer the token's position, which a window mask needs, and their per-token
+        weights do not count the sink)."""
         config.check(self.spec.block_size_tokens)
+        cfg = self.model_config
+        if config.active and (cfg.sliding_window_tokens is not None or cfg.attention_sinks):
+            what = "sliding-window layers" if cfg.sliding_window_tokens is not None else "attention sinks"
+            raise ValueError(f"long_context: policy {config.policy} is not supported for a model with {what} "
+                             f"({cfg.model_type}); use policy none")
         if config.policy == "infinigen" and self.store.host is None:
             raise ValueError("long_context: infinigen offloads to the host tier, and this node has none; "
                              "size kvstore.host.bytes or use policy h2o")

@@ -69,8 +69,6 @@ class ModelRunner:
 
         ``kv_hook``: the long-context policies' calls for this step (`engine.kv_policy`), or None.
 
-        Raises:
-            ValueError: a position is past the model's sliding window (`LlamaForCausalLM.check_positions`).
         """
         if self.graphs is not None and kv_hook is None and step.decodes and not step.prefills:
             replayed = self._replay(step.decodes)
@@ -136,7 +134,6 @@ class ModelRunner:
         rows = [self._decode_row(seq) for seq in decodes]
         if self.graphs.size_for(len(rows)) is None:
             return None
-        self.model.check_positions(max(r.position for r in rows))
         logits = self.graphs.run(rows)
         return None if logits is None else StepLogits(list(decodes), logits)
 

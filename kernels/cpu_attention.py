@@ -27,6 +27,8 @@ from types import ModuleType
 
 import torch
 
+from kernels import reference
+
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "decode_attention.cpp"
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
@@ -58,18 +60,25 @@ def load() -> ModuleType | None:
 
 
 def paged_decode_attention(ext: ModuleType, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor, *, scale: float) -> torch.Tensor:
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, *, scale: float,
+                           window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """`kernels.reference.paged_decode_attention` (no token weights) through ``ext``.
 
     q ``[N, Hq, D]`` and the caches ``[num_blocks, Hkv, B, D]`` (each block's ``[Hkv, B, D]``
     contiguous, as slices of the KV pool are) share one dtype, float32 or bfloat16; tables
-    ``[N, ≥ ceil(len/B)]``; every length ≥ 1. Returns ``[N, Hq, D]`` in q's dtype.
+    ``[N, ≥ ceil(len/B)]``; every length ≥ 1. ``window`` (tokens, >= 1) and ``sinks`` (float32 ``[Hq]``
+    on the CPU) as in the reference: a windowed sequence's loops start at position ``len - window``, so
+    blocks before it are never read; a sink is one more logit in each head's max and sum.
+    Returns ``[N, Hq, D]`` in q's dtype.
 
     Raises:
+        ValueError: ``window`` or ``sinks`` do not fit (`kernels.reference.check_window_and_sinks`).
         RuntimeError: naming the broken condition (a length past its table, a block id out of
             range, mismatched shapes or dtypes).
     """
-    return ext.paged_decode_attention(q.contiguous(), k_cache, v_cache, block_tables, seq_lens, float(scale))
+    reference.check_window_and_sinks(window, sinks, num_q_heads=q.shape[1], device=q.device, token_weights=None)
+    return ext.paged_decode_attention(q.contiguous(), k_cache, v_cache, block_tables, seq_lens, float(scale),
+                                      0 if window is None else window, sinks)
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:

@@ -8,6 +8,20 @@ Cache layout (a view of one layer of the pool, see `kvstore.block_spec`)::
 
 GQA: query head ``h`` reads KV head ``h // (num_q_heads // num_kv_heads)``.
 All attention math accumulates in float32 and returns the query's dtype.
+
+Sliding window and attention sinks (gpt-oss), as Hugging Face transformers computes them::
+
+    window W:  the query at position i sees the key at position j iff  i - W < j <= i
+               (HF: kv_idx > q_idx - sliding_window, and causal); None = full causal attention
+    sinks:     one logit per query head, concatenated to that head's *scaled* logits, softmaxed with them
+               and dropped:  out = sum_j exp(s_j - m) v_j / (sum_j exp(s_j - m) + exp(sink_h - m)),
+               m = max(max_j s_j, sink_h). The sink is not multiplied by the scale.
+
+         positions:  0 ....... i-W | i-W+1 ........ i | i+1 ...
+         query i:       hidden     |     visible      | hidden (causal)
+
+A block wholly before a windowed sequence's window is never read, and its block-table entry may hold
+anything (a freed block's id). Token weights (H2O) are not defined together with a window or sinks.
 """
 
 from __future__ import annotations
@@ -38,34 +52,49 @@ def write_kv(
 
 
 def gather_kv(
-    cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+    cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, *, first_block: int = 0
 ) -> torch.Tensor:
-    """The first ``seq_len`` tokens of one sequence: ``[seq_len, H, D]``."""
+    """Tokens ``first_block * B .. seq_len - 1`` of one sequence: ``[seq_len - first_block * B, H, D]``.
+    Table entries before ``first_block`` are not read."""
     block_size = cache.shape[2]
     num_blocks = (seq_len + block_size - 1) // block_size
-    blocks = cache[block_table[:num_blocks].long()]  # [n, H, B, D]
-    return blocks.permute(0, 2, 1, 3).reshape(num_blocks * block_size, cache.shape[1], cache.shape[3])[:seq_len]
+    blocks = cache[block_table[first_block:num_blocks].long()]  # [n, H, B, D]
+    tokens = blocks.permute(0, 2, 1, 3).reshape(blocks.shape[0] * block_size, cache.shape[1], cache.shape[3])
+    return tokens[: seq_len - first_block * block_size]
+
+
+def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dim of float32 ``scores``, with ``sinks`` (broadcastable to ``scores[..., :1]``)
+    as one more logit per row that takes its share of the weight and is then dropped (HF gpt-oss)."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    column = sinks.float().expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat((scores, column), dim=-1), dim=-1)[..., :-1]
 
 
 def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_offset: int | None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_offset: int, *,
+    key_offset: int = 0, window: int | None = None, sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q ``[Tq, Hq, D]``, k/v ``[S, Hkv, D]`` → (out ``[Tq, Hq, D]``, probs ``[Hq, Tq, S]`` float32).
 
-    ``causal_offset``: query row ``i`` sits at position ``causal_offset + i`` and sees keys ``0..that``;
-    None means every query sees every key.
+    Query row ``i`` sits at position ``causal_offset + i``, key row ``j`` at ``key_offset + j``; a query
+    sees the keys at positions ``(its position - window, its position]`` (no lower bound when None).
+    ``sinks``: float32 ``[Hq]`` or None.
     """
     group = q.shape[1] // k.shape[1]
     qf = q.float().transpose(0, 1)  # [Hq, Tq, D]
     kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, S, D]
     vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
     scores = torch.matmul(qf, kf.transpose(1, 2)) * scale  # [Hq, Tq, S]
-    if causal_offset is not None:
-        tq, s = q.shape[0], k.shape[0]
-        pos_q = torch.arange(tq, device=q.device).unsqueeze(1) + causal_offset
-        pos_k = torch.arange(s, device=q.device).unsqueeze(0)
-        scores = scores.masked_fill(pos_k > pos_q, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    tq, s = q.shape[0], k.shape[0]
+    pos_q = torch.arange(tq, device=q.device).unsqueeze(1) + causal_offset
+    pos_k = torch.arange(s, device=q.device).unsqueeze(0) + key_offset
+    hidden = pos_k > pos_q
+    if window is not None:
+        hidden = hidden | (pos_k <= pos_q - window)
+    scores = scores.masked_fill(hidden, float("-inf"))
+    probs = softmax_with_sinks(scores, None if sinks is None else sinks.view(-1, 1, 1))
     return torch.matmul(probs, vf).transpose(0, 1).to(q.dtype), probs
 
 
@@ -86,6 +115,27 @@ def check_token_weights(
         raise ValueError(f"token_weights is on {token_weights.device}, q on {device}; put them on one device")
 
 
+def check_window_and_sinks(
+    window: int | None, sinks: torch.Tensor | None, *, num_q_heads: int, device: torch.device,
+    token_weights: torch.Tensor | None,
+) -> None:
+    """Raise ValueError unless ``window`` is None or an int >= 1, ``sinks`` is None or a float32 ``[num_q_heads]``
+    tensor on ``device``, and ``token_weights`` is None whenever either is given. Reads no tensor values."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window is {window!r}; use None (full causal attention) or a token count >= 1")
+    if sinks is not None:
+        if sinks.dtype != torch.float32:
+            raise ValueError(f"sinks.dtype is {sinks.dtype}; use torch.float32 (sinks.float())")
+        if tuple(sinks.shape) != (num_q_heads,):
+            raise ValueError(f"sinks shape {tuple(sinks.shape)} does not fit; expected [{num_q_heads}] "
+                             "(one logit per query head)")
+        if sinks.device != device:
+            raise ValueError(f"sinks is on {sinks.device}, q on {device}; put them on one device")
+    if token_weights is not None and (window is not None or sinks is not None):
+        raise ValueError("token weights with a sliding window or attention sinks are not supported; "
+                         "use a KV policy without token weights (not H2O) for this model")
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -95,6 +145,8 @@ def paged_decode_attention(
     *,
     scale: float,
     token_weights: torch.Tensor | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence attending over that sequence's cached tokens.
 
@@ -111,15 +163,21 @@ def paged_decode_attention(
             (for H2O-style eviction). Overwritten: ``token_weights[i, g, j]`` is the softmax weight
             sequence ``i``'s query gives cached token ``j``, summed over KV head ``g``'s query heads
             (so each ``[i, g]`` row sums to ``Hq / Hkv``); ``j >= seq_lens[i]`` is 0.
+        window: sliding window in tokens (>= 1): the query (position ``seq_lens[i] - 1``) sees positions
+            ``seq_lens[i] - window .. seq_lens[i] - 1``; None = every cached token. Table entries of blocks
+            wholly before the window are not read (block 0 is read in their place, and masked).
+        sinks: float32 ``[Hq]`` attention-sink logits on q's device (unscaled), or None (module doc).
 
     Returns:
         ``[N, Hq, D]`` in ``q.dtype``; the same whether or not ``token_weights`` is given.
 
     Raises:
-        ValueError: ``token_weights`` has the wrong dtype, shape, width or device.
+        ValueError: ``token_weights`` has the wrong dtype, shape, width or device; ``window`` or ``sinks``
+            do not fit; ``token_weights`` together with ``window`` or ``sinks``.
     """
     n, hq, d = q.shape
     hkv, bs = k_cache.shape[1], k_cache.shape[2]
+    check_window_and_sinks(window, sinks, num_q_heads=hq, device=q.device, token_weights=token_weights)
     lens = seq_lens.to(q.device).long()
     max_len = int(lens.max()) if n else 0
     if token_weights is not None:
@@ -128,8 +186,12 @@ def paged_decode_attention(
         return torch.empty_like(q)
     num_blocks = (max_len + bs - 1) // bs
     table = block_tables[:, :num_blocks].long().to(q.device)  # [N, nb]
-    used = torch.arange(num_blocks, device=q.device)[None, :] < ((lens + bs - 1) // bs)[:, None]
-    table = torch.where(used, table, torch.zeros_like(table))  # entries past a sequence may be garbage
+    block_idx = torch.arange(num_blocks, device=q.device)[None, :]
+    used = block_idx < ((lens + bs - 1) // bs)[:, None]
+    if window is not None:
+        first = (lens - window).clamp(min=0)  # [N] the first visible position
+        used = used & ((block_idx + 1) * bs > first[:, None])
+    table = torch.where(used, table, torch.zeros_like(table))  # entries outside a sequence may be garbage
 
     def gather(cache: torch.Tensor) -> torch.Tensor:  # → [N, Hkv, nb·B, D] float32
         return cache[table].permute(0, 2, 1, 3, 4).reshape(n, hkv, num_blocks * bs, d).float()
@@ -137,9 +199,12 @@ def paged_decode_attention(
     k, v = gather(k_cache), gather(v_cache)
     qf = q.float().reshape(n, hkv, hq // hkv, d)  # query heads grouped by the KV head they read
     scores = torch.matmul(qf, k.transpose(2, 3)) * scale  # [N, Hkv, group, S]
-    pad = torch.arange(num_blocks * bs, device=q.device)[None, :] >= lens[:, None]
+    positions = torch.arange(num_blocks * bs, device=q.device)[None, :]
+    pad = positions >= lens[:, None]
+    if window is not None:
+        pad = pad | (positions < first[:, None])
     scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    probs = softmax_with_sinks(scores, None if sinks is None else sinks.view(1, hkv, hq // hkv, 1))
     out = torch.matmul(probs, v)  # [N, Hkv, group, D]
     if token_weights is not None:
         width = min(num_blocks * bs, token_weights.shape[2])
@@ -159,6 +224,8 @@ def prefill_attention(
     *,
     scale: float,
     token_weights: torch.Tensor | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of new tokens over a cached prefix plus themselves (chunked prefill).
 
@@ -182,17 +249,22 @@ def prefill_attention(
             is the attention weight all of sequence ``i``'s queries in this step, over KV head ``g``'s
             query heads, give key ``j``; each ``[i, g]`` row sums to ``num_queries * Hq / Hkv``.
             ``j >= seq_lens[i]`` (and a sequence with no queries) is 0.
+        window: sliding window in tokens (>= 1): the query at position ``p`` sees ``p - window + 1 .. p``;
+            None = full causal. Blocks wholly before the first query's window are not read.
+        sinks: float32 ``[Hq]`` attention-sink logits on q's device (unscaled), or None (module doc).
 
     Returns:
         ``[T_total, Hq, D]`` in ``q.dtype``; the same whether or not ``token_weights`` is given.
 
     Raises:
-        ValueError: ``token_weights`` has the wrong dtype, shape, width or device.
+        ValueError: ``token_weights`` has the wrong dtype, shape, width or device; ``window`` or ``sinks``
+            do not fit; ``token_weights`` together with ``window`` or ``sinks``.
     """
+    check_window_and_sinks(window, sinks, num_q_heads=q.shape[1], device=q.device, token_weights=token_weights)
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
-    hkv = k_cache.shape[1]
+    hkv, block_size = k_cache.shape[1], k_cache.shape[2]
     if token_weights is not None:
         check_token_weights(token_weights, num_seqs=len(lens), num_kv_heads=hkv,
                             min_width=max(lens, default=0), device=q.device)
@@ -201,9 +273,12 @@ def prefill_attention(
         a, b = starts[i], starts[i + 1]
         if a == b:
             continue
-        k = gather_kv(k_cache, block_tables[i], seq_len)
-        v = gather_kv(v_cache, block_tables[i], seq_len)
-        out[a:b], probs = _attend(q[a:b], k, v, scale, seq_len - (b - a))  # probs [Hq, Tq, seq_len]
+        ctx_len = seq_len - (b - a)
+        first_block = 0 if window is None else max(0, ctx_len - window + 1) // block_size
+        k = gather_kv(k_cache, block_tables[i], seq_len, first_block=first_block)
+        v = gather_kv(v_cache, block_tables[i], seq_len, first_block=first_block)
+        out[a:b], probs = _attend(q[a:b], k, v, scale, ctx_len, key_offset=first_block * block_size,
+                                  window=window, sinks=sinks)  # probs [Hq, Tq, keys]
         if token_weights is not None:
             token_weights[i, :, :seq_len] = probs.sum(dim=1).reshape(hkv, -1, seq_len).sum(dim=1)
     return out

@@ -152,17 +152,21 @@ def paged_decode_attention(
     *,
     scale: float,
     token_weights: torch.Tensor | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence attending over that sequence's cached tokens (flash-decoding).
 
-    Each sequence's tokens ``[0, seq_len)`` are cut into `decode_num_splits` splits of whole tiles
-    (``ceil(seq_len / S)`` rounded up to the tile), so a short sequence in a wide table — a CUDA graph's
-    tables are as wide as the model's context — still spreads over every split::
+    Each sequence's visible tokens ``[lo, seq_len)`` (``lo = max(0, seq_len - window)``, 0 without a
+    window) are cut into `decode_num_splits` splits of whole tiles (``ceil((seq_len - lo) / S)`` rounded up
+    to the tile), so a short sequence in a wide table — a CUDA graph's tables are as wide as the model's
+    context — still spreads over every split, and nothing before ``lo`` is read::
 
-        tokens:  [ split 0 ...... | split 1 ...... | ... | split S-1 ]   (splits past seq_len are empty)
+        tokens:  [ lo: split 0 ...... | split 1 ...... | ... | split S-1 ]   (splits past seq_len are empty)
         stage 1: grid (N, Hkv, S); one program = all Hq/Hkv query heads of one KV head over one split,
                  online softmax in float32 -> partial (max, sum, acc) in a float32 scratch buffer
-        stage 2: grid (N, Hq); rescales and sums the S partials -> out
+        stage 2: grid (N, Hq); rescales and sums the S partials -> out; a head's sink (base 2:
+                 ``sink * log2(e)``) joins here once, as one more partial with sum 1 and acc 0
 
     With ``token_weights``, stage 1 also stores every scaled logit (base 2) to a float32 scratch
     ``[N, Hq, max_blocks * B]``, stage 2 stores each head's log-sum-exp (base 2), and a stage 3
@@ -180,13 +184,17 @@ def paged_decode_attention(
         token_weights: optional float32 ``[N, Hkv, W]`` output (last dim contiguous), ``W >= max(seq_lens)``,
             overwritten as in `kernels.reference.paged_decode_attention`. Checking the width needs a
             device sync only when ``W < max_blocks * B``; allocate at least that to avoid it.
+        window: sliding window in tokens (>= 1, a plain int kernel argument) or None; table entries of
+            blocks wholly before the window are never read.
+        sinks: float32 ``[Hq]`` attention-sink logits (unscaled) on q's device, or None.
 
     Returns:
         ``[N, Hq, D]`` in ``q.dtype``, newly allocated; the same whether or not ``token_weights`` is
         given. Nothing else is mutated.
 
     Raises:
-        ValueError: a shape, dtype, stride or device does not fit, naming which.
+        ValueError: a shape, dtype, stride or device does not fit, naming which; ``token_weights``
+            together with ``window`` or ``sinks``.
     """
     _check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     _check_caches(k_cache, v_cache)
@@ -204,6 +212,8 @@ def paged_decode_attention(
              f"must equal q's {num_seqs} sequences")
     device = _check_same_device(q=q, k_cache=k_cache, v_cache=v_cache,
                                 block_tables=block_tables, seq_lens=seq_lens)
+    reference.check_window_and_sinks(window, sinks, num_q_heads=num_q_heads, device=device,
+                                     token_weights=token_weights)
     max_tokens = max(1, block_tables.shape[1] * block_size)
     if token_weights is not None:
         _check_token_weights(token_weights, seq_lens, num_kv_heads=num_kv_heads, max_tokens=max_tokens,
@@ -232,16 +242,18 @@ def paged_decode_attention(
     lse = torch.empty((num_seqs, num_q_heads), dtype=torch.float32, device=device) if want_weights else part_max
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, part_max, part_sum, part_acc, logits,
-        scale * LOG2E, block_tables.shape[1], max_tokens,
+        scale * LOG2E, block_tables.shape[1], max_tokens, 0 if window is None else window,
         *q.stride()[:2], *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
         GROUP=group, GROUP_PAD=max(MIN_DOT_DIM, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, DIM_PAD=max(MIN_DOT_DIM, triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=block_size, TILE=tile_tokens, DOT_DTYPE=dot_dtype, STORE_LOGITS=want_weights,
+        HAS_WINDOW=window is not None,
     )
     _reduce_splits_kernel[(num_seqs, num_q_heads)](
-        part_max, part_sum, part_acc, out, lse, *out.stride()[:2],
+        part_max, part_sum, part_acc, out, lse, part_max if sinks is None else sinks, *out.stride()[:2],
         NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
         HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim), STORE_LSE=want_weights,
+        HAS_SINKS=sinks is not None,
     )
     if want_weights:
         width = token_weights.shape[2]
@@ -293,16 +305,18 @@ def _decode_split_kernel(
     q_ptr: tl.tensor, k_cache_ptr: tl.tensor, v_cache_ptr: tl.tensor,
     block_tables_ptr: tl.tensor, seq_lens_ptr: tl.tensor,
     part_max_ptr: tl.tensor, part_sum_ptr: tl.tensor, part_acc_ptr: tl.tensor, logits_ptr: tl.tensor,
-    qk_scale_log2: tl.tensor, max_blocks: tl.tensor, max_tokens: tl.tensor,
+    qk_scale_log2: tl.tensor, max_blocks: tl.tensor, max_tokens: tl.tensor, window: tl.tensor,
     stride_q_seq: tl.tensor, stride_q_head: tl.tensor,
     stride_kc_block: tl.tensor, stride_kc_head: tl.tensor, stride_kc_row: tl.tensor,
     stride_vc_block: tl.tensor, stride_vc_head: tl.tensor, stride_vc_row: tl.tensor,
     stride_bt_seq: tl.tensor,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, DOT_DTYPE: tl.constexpr, STORE_LOGITS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     """Stage 1: partial softmax of one (sequence, KV head, split). Scores are kept in base 2.
 
+    With ``HAS_WINDOW`` the splits cover positions ``[seq_len - window, seq_len)`` only (from 0 if shorter).
     With ``STORE_LOGITS`` each valid score also goes to ``logits[seq, q_head, t]`` (``[N, Hq, max_tokens]``).
     """
     seq = tl.program_id(0)
@@ -310,8 +324,13 @@ def _decode_split_kernel(
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), TILE) * TILE  # from the length: no host read
-    start = split * tokens_per_split
+    if HAS_WINDOW:
+        lo = tl.maximum(seq_len - window, 0)  # the first visible position
+    else:
+        lo = 0
+    # Tiles may start off a block edge (each position finds its own block); from the length: no host read.
+    tokens_per_split = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), TILE) * TILE
+    start = lo + split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seq_len)
 
     g = tl.arange(0, GROUP_PAD)
@@ -355,12 +374,14 @@ def _decode_split_kernel(
 @triton.jit
 def _reduce_splits_kernel(
     part_max_ptr: tl.tensor, part_sum_ptr: tl.tensor, part_acc_ptr: tl.tensor, out_ptr: tl.tensor,
-    lse_ptr: tl.tensor, stride_out_seq: tl.tensor, stride_out_head: tl.tensor,
+    lse_ptr: tl.tensor, sinks_ptr: tl.tensor, stride_out_seq: tl.tensor, stride_out_head: tl.tensor,
     NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-    STORE_LSE: tl.constexpr,
+    STORE_LSE: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     """Stage 2: combine one (sequence, query head)'s split partials into its output row.
 
+    With ``HAS_SINKS`` the head's sink ``sinks[head]`` (natural units) is one more logit: it enters the max
+    and adds ``exp2(sink * log2(e) - max)`` to the sum, nothing to the output.
     With ``STORE_LSE`` also stores the head's base-2 log-sum-exp to ``lse[seq, head]`` (``[N, Hq]``).
     """
     seq = tl.program_id(0)
@@ -374,9 +395,14 @@ def _reduce_splits_kernel(
     acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :],
                   mask=sp_valid[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
     m_max = tl.max(m, axis=0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head) * 1.4426950408889634  # base 2, as the scores
+        m_max = tl.maximum(m_max, sink)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # seq_len 0: all splits empty
     w = tl.exp2(m - m_max)
     total = tl.sum(w * l_s, axis=0)
+    if HAS_SINKS:
+        total += tl.exp2(sink - m_max)
     o = tl.sum(w[:, None] * acc, axis=0) / tl.where(total > 0, total, 1.0)
     out_ptrs = out_ptr + seq.to(tl.int64) * stride_out_seq + head * stride_out_head + d
     tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)

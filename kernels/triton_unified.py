@@ -27,6 +27,11 @@ tensor shapes (no device sync, graph-capturable)::
     first tile of sequence i = query_start_loc[i] // BLOCK_Q + i        (a binary search finds i)
     grid = (T_total // BLOCK_Q + N, Hkv)                                 (spare tiles do nothing)
 
+Sliding window (``window`` W, a plain int argument): a program's KV loop starts at the first query's first
+visible position, ``max(0, ctx_len + tile_q0 - W + 1)`` (tiles may start off a block edge), and rows mask
+keys at or before ``position - W``; nothing before that start is read. Sinks (a pointer, ``HAS_SINKS``):
+each row's online softmax starts at ``(m, l, acc) = (sink * log2(e), 1, 0)`` instead of ``(-inf, 0, 0)``.
+
 With ``token_weights`` the attention pass also stores each (query token, query head)'s base-2
 log-sum-exp, ``[T_total, Hq]`` float32, and a second kernel with one program per (sequence, KV head,
 tile of `WEIGHTS_KEY_TILE_TOKENS` key positions) recomputes the scores of every query that can see the
@@ -42,6 +47,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from kernels import reference
 from kernels.triton_attention import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -82,6 +88,8 @@ def unified_attention(
     *,
     scale: float,
     token_weights: torch.Tensor | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its cached prefix plus themselves.
 
@@ -109,13 +117,18 @@ def unified_attention(
             overwritten as in `kernels.reference.prefill_attention` (column sums of each sequence's causal
             softmax over KV head ``g``'s query heads; 0 past ``seq_lens[i]`` and for a sequence with no
             queries). Checking the width needs a device sync only when ``W < max_blocks * B``.
+        window: sliding window in tokens (>= 1): the query at position ``p`` sees ``p - window + 1 .. p``;
+            None = full causal. Table entries of blocks wholly before a sequence's first query's window are
+            never read.
+        sinks: float32 ``[Hq]`` attention-sink logits (unscaled) on q's device, or None.
 
     Returns:
         ``[T_total, Hq, D]`` in ``q.dtype``, newly allocated; the same whether or not ``token_weights`` is
         given. Nothing else is mutated.
 
     Raises:
-        ValueError: a shape, dtype, stride or device does not fit, naming which.
+        ValueError: a shape, dtype, stride or device does not fit, naming which; ``token_weights``
+            together with ``window`` or ``sinks``.
     """
     _check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     _check_caches(k_cache, v_cache)
@@ -135,6 +148,8 @@ def unified_attention(
              f"query_start_loc has {query_start_loc.shape[0]} entries; expected N + 1 = {num_seqs + 1}")
     device = _check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
                                 seq_lens=seq_lens, query_start_loc=query_start_loc)
+    reference.check_window_and_sinks(window, sinks, num_q_heads=num_q_heads, device=device,
+                                     token_weights=token_weights)
     max_tokens = max(1, block_tables.shape[1] * block_size)
     if token_weights is not None:
         _check_token_weights(token_weights, seq_lens, num_kv_heads=num_kv_heads, max_tokens=max_tokens,
@@ -161,11 +176,12 @@ def unified_attention(
     common = dict(GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
                   BLOCK_SIZE=block_size, DOT_DTYPE=dot_dtype)
     _unified_attention_kernel[(num_tokens // block_q + num_seqs, num_kv_heads)](
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, lse,
-        qk_scale_log2, num_seqs, block_tables.shape[1],
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, lse, out if sinks is None else sinks,
+        qk_scale_log2, num_seqs, block_tables.shape[1], 0 if window is None else window,
         *q.stride()[:2], *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
         *out.stride()[:2],
-        TILE=KV_TILE_TOKENS, STORE_LSE=want_weights, **common,
+        TILE=KV_TILE_TOKENS, STORE_LSE=want_weights, HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None,
+        **common,
     )
     width = token_weights.shape[2] if want_weights else 0
     if width > 0:
@@ -195,17 +211,19 @@ def _find_sequence(query_start_loc_ptr: tl.tensor, q_tile: tl.tensor, num_seqs: 
 def _unified_attention_kernel(
     q_ptr: tl.tensor, k_cache_ptr: tl.tensor, v_cache_ptr: tl.tensor, block_tables_ptr: tl.tensor,
     seq_lens_ptr: tl.tensor, query_start_loc_ptr: tl.tensor, out_ptr: tl.tensor, lse_ptr: tl.tensor,
-    qk_scale_log2: tl.tensor, num_seqs: tl.tensor, max_blocks: tl.tensor,
+    sinks_ptr: tl.tensor, qk_scale_log2: tl.tensor, num_seqs: tl.tensor, max_blocks: tl.tensor, window: tl.tensor,
     stride_q_tok: tl.tensor, stride_q_head: tl.tensor,
     stride_kc_block: tl.tensor, stride_kc_head: tl.tensor, stride_kc_row: tl.tensor,
     stride_vc_block: tl.tensor, stride_vc_head: tl.tensor, stride_vc_row: tl.tensor,
     stride_bt_seq: tl.tensor, stride_out_tok: tl.tensor, stride_out_head: tl.tensor,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_DTYPE: tl.constexpr, TILE: tl.constexpr,
-    STORE_LSE: tl.constexpr,
+    STORE_LSE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     """One (query tile, KV head): online causal softmax over the sequence's KV tiles, scores in base 2.
 
+    ``HAS_WINDOW``: keys from the tile's first query's window on, each row masking those at or before its
+    ``position - window``. ``HAS_SINKS``: rows start from their head's sink ``sinks[q_head]`` (natural units).
     With ``STORE_LSE`` also stores each valid row's base-2 log-sum-exp to ``lse[token, q_head]``
     (``[T_total, Hq]``).
     """
@@ -232,23 +250,37 @@ def _unified_attention_kernel(
     q_ptrs = q_ptr + tokens[:, None] * stride_q_tok + q_heads[:, None] * stride_q_head + d[None, :]
     q = tl.load(q_ptrs, mask=rd_mask, other=0.0).to(DOT_DTYPE)
 
-    m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
+    if HAS_SINKS:  # the sink as a first "key" already seen: m = its logit (base 2), l = exp2(0), acc = 0
+        m_i = tl.load(sinks_ptr + q_heads, mask=g < GROUP, other=float("-inf")) * 1.4426950408889634
+        l_i = tl.where(g < GROUP, 1.0, 0.0)
+    else:
+        m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
     acc = tl.zeros([BLOCK_Q * GROUP_PAD, DIM_PAD], tl.float32)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
-    for tile_start in tl.range(0, kv_end, TILE):
+    if HAS_WINDOW:
+        kv_start = tl.maximum(ctx_len + tile_q0 - window + 1, 0)  # the first query's first visible key
+    else:
+        kv_start = 0
+    for tile_start in tl.range(kv_start, kv_end, TILE):
         t, t_valid, k, v = _load_kv_tile(
             k_cache_ptr, v_cache_ptr, block_table, max_blocks, tile_start, kv_end, kv_head, d,
             stride_kc_block, stride_kc_head, stride_kc_row, stride_vc_block, stride_vc_head, stride_vc_row,
             HEAD_DIM=HEAD_DIM, BLOCK_SIZE=BLOCK_SIZE, TILE=TILE, DOT_DTYPE=DOT_DTYPE)
 
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale_log2  # [rows, TILE]
-        # Every row sees key 0 in the first tile (invalid rows sit past every key), so m_i is finite
-        # after it and a later fully masked row only adds exp2(-inf) = 0.
-        s = tl.where((t[None, :] <= pos[:, None]) & t_valid[None, :], s, float("-inf"))
+        visible = (t[None, :] <= pos[:, None]) & t_valid[None, :]
+        if HAS_WINDOW:
+            visible = visible & (t[None, :] > pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        # Without a window every row sees key 0 in the first tile (invalid rows sit past every key), so
+        # m_i is finite after it and a later fully masked row only adds exp2(-inf) = 0. With one, a row
+        # may have seen no key yet (a padding row past the window): it stays at (-inf, 0, 0), with 0
+        # standing in for its max so that exp2(-inf - -inf) is never taken.
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new) if HAS_WINDOW else m_new
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision="ieee")
         m_i = m_new

@@ -82,19 +82,26 @@ class KvHook(Protocol):
 
 
 class AttentionBackend(Protocol):
-    """The three kernels a model step needs; signatures as in `kernels.reference`."""
+    """The three kernels a model step needs; signatures and contracts as in `kernels.reference`.
+
+    ``window`` (sliding window in tokens, or None) and ``sinks`` (float32 ``[Hq]`` per-head sink logits, or
+    None) follow Hugging Face transformers (gpt-oss); see `kernels.reference`. Every backend raises
+    ValueError for ``token_weights`` together with either.
+    """
 
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor,
                  value: torch.Tensor, slot_mapping: torch.Tensor) -> None: ...
 
     def paged_decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, seq_lens: torch.Tensor, *,
-                               scale: float, token_weights: torch.Tensor | None = None) -> torch.Tensor: ...
+                               scale: float, token_weights: torch.Tensor | None = None,
+                               window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor: ...
 
     def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_tables: torch.Tensor, seq_lens: torch.Tensor,
                           query_start_loc: torch.Tensor, *, scale: float,
-                          token_weights: torch.Tensor | None = None) -> torch.Tensor: ...
+                          token_weights: torch.Tensor | None = None, window: int | None = None,
+                          sinks: torch.Tensor | None = None) -> torch.Tensor: ...
 
     def block_key_summaries(self, kv_pool: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor: ...
 
@@ -117,12 +124,13 @@ class TorchBackend:
     decode); the CPU path.
 
     A step calls each kernel once per layer with the same metadata tensors, so the metadata's derived
-    index tensors (`torch_attention.slot_plan`, `decode_plan`) are computed once per step, for the
-    first layer, and reused while the same tensor objects come back (the model runner builds fresh
+    index tensors (`torch_attention.slot_plan`, `decode_plan`, one per window) are computed once per step,
+    for the first layer, and reused while the same tensor objects come back (the model runner builds fresh
     ones every step and nobody writes into them). One instance per engine, used from one thread.
 
     Decode attention goes through the C++ kernel of `kernels.cpu_attention` where it builds and takes
-    the inputs (CPU, float32/bf16 KV in the query's dtype, no token weights), else through torch ops.
+    the inputs (CPU, float32/bf16 KV in the query's dtype, no token weights; window and sinks included),
+    else through torch ops.
     """
 
     prefill_attention = staticmethod(torch_attention.prefill_attention)
@@ -132,7 +140,8 @@ class TorchBackend:
     def __init__(self) -> None:
         self._cpu_kernels = cpu_attention.load()
         self._slots: tuple[torch.Tensor, int, torch_attention.SlotPlan] | None = None
-        self._decode: tuple[torch.Tensor, torch.Tensor, int, torch_attention.DecodePlan] | None = None
+        # (block_tables, seq_lens, block_size, window -> plan) of the current step
+        self._decode: tuple[torch.Tensor, torch.Tensor, int, dict[int | None, torch_attention.DecodePlan]] | None = None
 
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -144,20 +153,25 @@ class TorchBackend:
 
     def paged_decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, seq_lens: torch.Tensor, *, scale: float,
-                               token_weights: torch.Tensor | None = None) -> torch.Tensor:
+                               token_weights: torch.Tensor | None = None, window: int | None = None,
+                               sinks: torch.Tensor | None = None) -> torch.Tensor:
         if self._cpu_kernels is not None and token_weights is None and cpu_attention.supports(q, k_cache):
             return cpu_attention.paged_decode_attention(self._cpu_kernels, q, k_cache, v_cache, block_tables,
-                                                        seq_lens, scale=scale)
+                                                        seq_lens, scale=scale, window=window, sinks=sinks)
         plan = None
         if token_weights is None and q.shape[0]:
             block_size = k_cache.shape[2]
             memo = self._decode
             if memo is None or memo[0] is not block_tables or memo[1] is not seq_lens or memo[2] != block_size:
-                memo = self._decode = (block_tables, seq_lens, block_size,
-                                       torch_attention.decode_plan(block_tables, seq_lens, block_size, q.device))
-            plan = memo[3]
+                memo = self._decode = (block_tables, seq_lens, block_size, {})
+            window_to_plan = memo[3]
+            if window not in window_to_plan:
+                window_to_plan[window] = torch_attention.decode_plan(block_tables, seq_lens, block_size, q.device,
+                                                                     window)
+            plan = window_to_plan[window]
         return torch_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=scale,
-                                                      token_weights=token_weights, plan=plan)
+                                                      token_weights=token_weights, window=window, sinks=sinks,
+                                                      plan=plan)
 
 
 class TritonBackend:
@@ -212,6 +226,8 @@ def paged_attention(
     *,
     scale: float,
     layer: int = 0,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write this layer's new KV into the pool, then attend (with ``batch.kv_hook``'s calls around it).
 
@@ -220,9 +236,15 @@ def paged_attention(
         layer_cache: ``[num_blocks, 2, Hkv, B, D]``, i.e. ``pool[:, layer]``. Mutated.
         batch: the step's `AttentionBatch`.
         layer: this layer's index (for ``batch.kv_hook``).
+        window: this layer's sliding window in tokens (>= 1), or None for full causal attention.
+        sinks: this layer's float32 ``[Hq]`` attention-sink logits on q's device, or None.
+            Both go to every kernel called (unified, prefill, decode); see `kernels.reference`.
 
     Returns:
         ``[T, Hq, D]``.
+
+    Raises:
+        ValueError: ``window``/``sinks`` do not fit, or the hook asks for token weights with either.
     """
     k_cache, v_cache = layer_cache[:, 0], layer_cache[:, 1]
     backend.write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
@@ -234,7 +256,7 @@ def paged_attention(
             hook.before_decode(layer, q[p:], layer_cache)
         out = backend.unified_attention(  # type: ignore[attr-defined]
             q, k_cache, v_cache, batch.step_block_tables, batch.step_seq_lens, batch.step_query_start_loc,
-            scale=scale)
+            scale=scale, window=window, sinks=sinks)
         if hook is not None:
             hook.after_attention(layer)
         return out
@@ -242,14 +264,14 @@ def paged_attention(
     if p:
         out[:p] = backend.prefill_attention(
             q[:p], k_cache, v_cache, batch.prefill_block_tables, batch.prefill_seq_lens,
-            batch.prefill_query_start_loc, scale=scale, token_weights=prefill_weights,
+            batch.prefill_query_start_loc, scale=scale, token_weights=prefill_weights, window=window, sinks=sinks,
         )
     if batch.num_decode_tokens:
         if hook is not None:
             hook.before_decode(layer, q[p:], layer_cache)
         out[p:] = backend.paged_decode_attention(
             q[p:], k_cache, v_cache, batch.decode_block_tables, batch.decode_seq_lens, scale=scale,
-            token_weights=decode_weights,
+            token_weights=decode_weights, window=window, sinks=sinks,
         )
     if hook is not None:
         hook.after_attention(layer)

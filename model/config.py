@@ -1,7 +1,15 @@
 """`ModelConfig`: the parts of a Hugging Face ``config.json`` the decoder needs.
 
-Supported families: ``llama`` (Llama 2 / 3.x), ``mistral`` and ``qwen2`` — all the same decoder
-(RMSNorm, rotary, GQA attention, SwiGLU MLP) differing only in biases, tying and rope settings.
+Supported families, all one pre-norm decoder (RMSNorm, rotary, GQA attention) with per-family parts::
+
+    llama, mistral, qwen2     SwiGLU MLP; biases, tying and rope settings differ
+    qwen3                     + per-head RMSNorm of q and k before rotary (q_norm, k_norm)
+    qwen3_moe                 + q/k norm; mixture-of-experts MLP (softmax, top-k, optional renormalise)
+                              on the layers `MoeConfig.sparse_layers` names, dense SwiGLU on the others
+    mixtral                   mixture-of-experts MLP (softmax, top-2, renormalised)
+    gpt_oss                   attention biases and learned per-head sinks, alternating sliding/full
+                              layers, yarn rope; experts with biases and a clamped SwiGLU, routed by
+                              a softmax over the top-k router logits (router with a bias)
 
 Rope settings are read from either form a checkpoint may use::
 
@@ -10,21 +18,26 @@ Rope settings are read from either form a checkpoint may use::
     "rope_scaling": {"rope_type": ...}                       "rope_theta": 500000.0, ...}
                    (or {"type": ...})
 
-Sliding-window attention (Mistral v0.1, Qwen2 with ``use_sliding_window``) is not implemented: the
-decoder always attends over the whole sequence, which is exact while every position is inside the
-window. `ModelConfig.sliding_window_tokens` records the window, `max_context_tokens` is capped by it,
-and the model refuses positions at or past it instead of silently computing different attention.
+Sliding-window attention: each layer is ``full_attention`` or ``sliding_attention``
+(`ModelConfig.layer_types`); a sliding layer's query at position i sees keys i − W < j ≤ i with
+W = `ModelConfig.sliding_window_tokens`, as transformers masks them. Mistral and Mixtral (with a window)
+and Qwen3-MoE (``use_sliding_window``) slide on every layer; Qwen2/Qwen3 on the layers from
+``max_window_layers`` on (or as ``layer_types`` says); gpt-oss on the layers ``layer_types`` names.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2")
-SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3")
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gpt_oss")
+SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn")
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+MOE_ACTIVATIONS: tuple[str, ...] = ("silu", "swiglu_oai")
+MOE_ROUTINGS: tuple[str, ...] = ("softmax_topk", "topk_softmax")
 SUPPORTED_ACTIVATIONS: tuple[str, ...] = ("silu",)
 DEFAULT_ROPE_THETA = 10000.0
 
@@ -37,8 +50,13 @@ class RopeConfig:
         theta: the base wavelength (``rope_theta``).
         rope_type: one of `SUPPORTED_ROPE_TYPES`.
         factor: frequency divisor for ``linear`` and ``llama3`` (1.0 for ``default``).
-        low_freq_factor, high_freq_factor, original_max_position_embeddings: ``llama3`` only
-            (see `model.rope.rope_inv_freq`); 0 otherwise.
+        low_freq_factor, high_freq_factor: ``llama3`` only (see `model.rope.rope_inv_freq`); 0 otherwise.
+        original_max_position_embeddings: ``llama3`` and ``yarn``; 0 otherwise.
+        beta_fast, beta_slow, truncate: ``yarn`` only: the ramp between extrapolated and interpolated
+            frequencies (transformers' defaults 32, 1, True).
+        attention_factor: ``yarn`` only: the factor cos and sin are multiplied by (transformers'
+            ``attention_scaling``; from ``factor`` and ``mscale``/``mscale_all_dim`` when the config
+            does not give it); 1.0 for the other types.
     """
 
     theta: float = DEFAULT_ROPE_THETA
@@ -47,6 +65,54 @@ class RopeConfig:
     low_freq_factor: float = 0.0
     high_freq_factor: float = 0.0
     original_max_position_embeddings: int = 0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class MoeConfig:
+    """A mixture-of-experts MLP (`model.moe`).
+
+    Attributes:
+        num_experts: experts per MoE layer (``num_experts`` / ``num_local_experts``).
+        top_k: experts each token is routed to (``num_experts_per_tok``).
+        intermediate_size: one expert's hidden width (``moe_intermediate_size`` for Qwen3-MoE, else
+            ``intermediate_size``).
+        routing: ``softmax_topk`` (Mixtral, Qwen3-MoE: softmax over all router logits in float32, then
+            the top k, renormalised to sum 1 when ``norm_topk_prob``) or ``topk_softmax`` (gpt-oss: the
+            top k logits, then a softmax over those k).
+        norm_topk_prob: renormalise the chosen probabilities (``softmax_topk`` only).
+        router_bias, expert_bias: the router / the experts' projections carry a bias (gpt-oss).
+        activation: ``silu`` (``silu(gate) * up``) or ``swiglu_oai`` (gpt-oss: gate clamped above at
+            ``swiglu_limit``, up clamped to ±``swiglu_limit``, ``(up + 1) * gate * sigmoid(alpha * gate)``).
+        sparse_layers: per layer, True where the MLP is the mixture (Qwen3-MoE's ``mlp_only_layers``
+            and ``decoder_sparse_step`` leave some layers dense).
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    routing: str
+    norm_topk_prob: bool
+    router_bias: bool
+    expert_bias: bool
+    activation: str
+    sparse_layers: tuple[bool, ...]
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"config.json: num_experts_per_tok ({self.top_k}) must be in 1..num_experts "
+                             f"({self.num_experts})")
+        if self.intermediate_size <= 0:
+            raise ValueError(f"config.json: the experts' intermediate size must be positive, got "
+                             f"{self.intermediate_size}")
+        if self.routing not in MOE_ROUTINGS or self.activation not in MOE_ACTIVATIONS:
+            raise ValueError(f"MoE routing {self.routing!r} / activation {self.activation!r}: use one of "
+                             f"{list(MOE_ROUTINGS)} / {list(MOE_ACTIVATIONS)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +123,13 @@ class ModelConfig:
         qkv_bias: q/k/v projections carry a bias (Qwen2 always; Llama when ``attention_bias``).
         o_bias: the output projection carries a bias (Llama ``attention_bias`` only).
         eos_token_ids: every end-of-sequence id (``eos_token_id`` may be an int or a list).
-        sliding_window_tokens: the attention window if any layer uses one, else None (see module doc).
+        sliding_window_tokens: the window of the sliding layers if any layer slides, else None.
+        layer_types: per layer, ``full_attention`` or ``sliding_attention`` (empty: every layer full).
+        qk_norm: per-head RMSNorm of q and k (over ``head_dim``) before rotary (Qwen3).
+        attention_sinks: one learned logit per query head in every softmax (gpt-oss ``sinks``).
+        norm_scale_in_float32: RMSNorm multiplies by its weight in float32 before casting back
+            (gpt-oss keeps its norms in float32); otherwise it casts, then multiplies (Llama).
+        moe: the mixture-of-experts MLP, or None for a dense SwiGLU MLP on every layer.
     """
 
     model_type: str
@@ -78,6 +150,11 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     sliding_window_tokens: int | None = None
+    layer_types: tuple[str, ...] = ()
+    qk_norm: bool = False
+    attention_sinks: bool = False
+    norm_scale_in_float32: bool = False
+    moe: MoeConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -92,13 +169,36 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"config.json: head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.layer_types:
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise ValueError(f"config.json: layer_types has {len(self.layer_types)} entries for "
+                                 f"{self.num_hidden_layers} layers")
+            unknown = sorted(set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION})
+            if unknown:
+                raise ValueError(f"config.json: layer_types {unknown} are not supported; use "
+                                 f"{FULL_ATTENTION!r} or {SLIDING_ATTENTION!r}")
+            if SLIDING_ATTENTION in self.layer_types and not self.sliding_window_tokens:
+                raise ValueError("config.json: layer_types names sliding layers but sliding_window is not set")
+        if self.sliding_window_tokens is not None and self.sliding_window_tokens <= 0:
+            raise ValueError(f"config.json: sliding_window must be positive, got {self.sliding_window_tokens}")
+        if self.moe is not None and len(self.moe.sparse_layers) != self.num_hidden_layers:
+            raise ValueError("MoeConfig.sparse_layers must name every layer")
 
     @property
     def max_context_tokens(self) -> int:
-        """Longest sequence served exactly: ``max_position_embeddings``, capped by a sliding window."""
-        if self.sliding_window_tokens is None:
-            return self.max_position_embeddings
-        return min(self.max_position_embeddings, self.sliding_window_tokens)
+        """Longest sequence served: ``max_position_embeddings`` (sliding layers attend over their window)."""
+        return self.max_position_embeddings
+
+    def layer_window(self, layer: int) -> int | None:
+        """The attention window of ``layer`` in tokens, or None for full attention."""
+        if self.layer_types and self.layer_types[layer] == SLIDING_ATTENTION:
+            return self.sliding_window_tokens
+        return None
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """`layer_window` of every layer, in order."""
+        return tuple(self.layer_window(i) for i in range(self.num_hidden_layers))
 
     @classmethod
     def from_hf_dict(cls, config: dict[str, Any]) -> ModelConfig:
@@ -134,10 +234,11 @@ class ModelConfig:
         if model_type == "qwen2":
             qkv_bias, o_bias = True, False
         else:
-            qkv_bias = o_bias = bool(config.get("attention_bias", False))
+            qkv_bias = o_bias = bool(config.get("attention_bias", model_type == "gpt_oss"))
         eos = config.get("eos_token_id")
         eos_ids = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
         bos = config.get("bos_token_id")
+        window, layer_types = _parse_layer_types(config, model_type, num_layers)
         return cls(
             model_type=model_type,
             vocab_size=int(need("vocab_size")),
@@ -156,7 +257,12 @@ class ModelConfig:
             rope=_parse_rope(config, max_positions),
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=eos_ids,
-            sliding_window_tokens=_parse_sliding_window(config, model_type, num_layers),
+            sliding_window_tokens=window,
+            layer_types=layer_types,
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            attention_sinks=model_type == "gpt_oss",
+            norm_scale_in_float32=model_type == "gpt_oss",
+            moe=_parse_moe(config, model_type, num_layers),
         )
 
 
@@ -193,11 +299,18 @@ def _parse_rope(config: dict[str, Any], max_positions: int) -> RopeConfig:
         raise ValueError(f"config.json: partial_rotary_factor {partial!r} is not supported; only 1.0")
     if rope_type == "default":
         return RopeConfig(theta=theta)
-    factor = float(params["factor"])
+    if rope_type == "yarn":
+        factor = 1.0  # read with the rest of yarn's keys
+    elif params.get("factor") is None:
+        raise ValueError(f"config.json: rope type {rope_type!r} needs a factor")
+    else:
+        factor = float(params["factor"])
     if rope_type == "linear":
         return RopeConfig(theta=theta, rope_type="linear", factor=factor)
     original_key = "original_max_position_embeddings"
     original = params.get(original_key) or config.get(original_key)
+    if rope_type == "yarn":
+        return _parse_yarn(params, theta, max_positions, original)
     return RopeConfig(
         theta=theta,
         rope_type="llama3",
@@ -208,18 +321,75 @@ def _parse_rope(config: dict[str, Any], max_positions: int) -> RopeConfig:
     )
 
 
-def _parse_sliding_window(config: dict[str, Any], model_type: str, num_layers: int) -> int | None:
+def _parse_layer_types(config: dict[str, Any], model_type: str, num_layers: int) -> tuple[int | None, tuple[str, ...]]:
+    """(window of the sliding layers or None, per-layer types or ``()`` when every layer is full), as each
+    family's transformers config derives them."""
     window = config.get("sliding_window")
+    if model_type in ("qwen2", "qwen3", "qwen3_moe") and not config.get("use_sliding_window"):
+        window = None  # transformers drops the window unless use_sliding_window
     if window is None or model_type == "llama":
+        return None, ()
+    window = int(window)
+    given = config.get("layer_types")
+    if model_type in ("mistral", "mixtral", "qwen3_moe"):
+        types = [SLIDING_ATTENTION] * num_layers
+    elif given is not None:
+        types = list(given)
+    elif model_type == "gpt_oss":
+        types = [SLIDING_ATTENTION if i % 2 == 0 else FULL_ATTENTION for i in range(num_layers)]
+    else:  # qwen2, qwen3
+        first = int(config.get("max_window_layers", num_layers))
+        types = [SLIDING_ATTENTION if i >= first else FULL_ATTENTION for i in range(num_layers)]
+    if SLIDING_ATTENTION not in types:
+        return None, ()
+    return window, tuple(types)
+
+
+def _parse_moe(config: dict[str, Any], model_type: str, num_layers: int) -> MoeConfig | None:
+    if model_type not in ("qwen3_moe", "mixtral", "gpt_oss"):
         return None
-    if model_type == "qwen2":
-        layer_types = config.get("layer_types")
-        if layer_types is not None:
-            uses_window = "sliding_attention" in layer_types
-        else:
-            uses_window = bool(config.get("use_sliding_window")) and int(
-                config.get("max_window_layers", num_layers)
-            ) < num_layers
-        if not uses_window:
-            return None
-    return int(window)
+    experts = config.get("num_experts") or config.get("num_local_experts")
+    top_k = config.get("num_experts_per_tok")
+    if experts is None or top_k is None:
+        raise ValueError(f"config.json: a {model_type} model needs num_experts (or num_local_experts) and "
+                         f"num_experts_per_tok")
+    if model_type == "qwen3_moe":
+        step = int(config.get("decoder_sparse_step", 1))
+        dense = set(config.get("mlp_only_layers") or [])
+        sparse = tuple(i not in dense and step > 0 and (i + 1) % step == 0 for i in range(num_layers))
+        inter = config.get("moe_intermediate_size")
+        if inter is None:
+            raise ValueError("config.json: required key 'moe_intermediate_size' is missing")
+        return MoeConfig(num_experts=int(experts), top_k=int(top_k), intermediate_size=int(inter),
+                         routing="softmax_topk", norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+                         router_bias=False, expert_bias=False, activation="silu", sparse_layers=sparse)
+    inter = int(config["intermediate_size"])
+    if model_type == "mixtral":
+        return MoeConfig(num_experts=int(experts), top_k=int(top_k), intermediate_size=inter,
+                         routing="softmax_topk", norm_topk_prob=True, router_bias=False, expert_bias=False,
+                         activation="silu", sparse_layers=(True,) * num_layers)
+    return MoeConfig(num_experts=int(experts), top_k=int(top_k), intermediate_size=inter,
+                     routing="topk_softmax", norm_topk_prob=False, router_bias=True, expert_bias=True,
+                     activation="swiglu_oai", sparse_layers=(True,) * num_layers,
+                     swiglu_alpha=float(config.get("swiglu_alpha", 1.702)),
+                     swiglu_limit=float(config.get("swiglu_limit", 7.0)))
+
+
+def _parse_yarn(params: dict[str, Any], theta: float, max_positions: int, original: Any) -> RopeConfig:
+    """Yarn as ``transformers.modeling_rope_utils._compute_yarn_parameters`` reads it."""
+    if original is None:
+        raise ValueError("config.json: yarn rope needs original_max_position_embeddings")
+    original = int(original)
+    factor = params.get("factor")
+    factor = max_positions / original if factor is None else float(factor)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = params.get("attention_factor")
+    if attention is None:
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return RopeConfig(theta=theta, rope_type="yarn", factor=factor, original_max_position_embeddings=original,
+                      beta_fast=float(params.get("beta_fast") or 32.0), beta_slow=float(params.get("beta_slow") or 1.0),
+                      truncate=bool(params.get("truncate", True)), attention_factor=float(attention))

@@ -1,4 +1,8 @@
-"""`LlamaForCausalLM`: the Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV pool.
+"""`LlamaForCausalLM`: the decoder of every supported family (`model.config`) over a paged KV pool.
+
+Llama, Mistral and Qwen2 are the plain decoder; Qwen3 adds per-head q/k RMSNorm; Qwen3-MoE, Mixtral
+and gpt-oss replace the MLP by a mixture of experts (`model.moe.SparseMoe`); gpt-oss adds attention
+sinks; sliding-window layers pass their window to the attention kernels.
 
 One call of `LlamaForCausalLM.forward` is one model step over a flat batch of tokens (no padding),
 laid out as `model.attention.AttentionBatch` describes. Parameter names are exactly the Hugging Face
@@ -18,24 +22,34 @@ from torch import nn
 from model.attention import AttentionBackend, AttentionBatch, paged_attention
 from model.config import ModelConfig
 from model.linear_kernel import LinearKernel
+from model.moe import SparseMoe
 from model.rope import apply_rotary, rope_inv_freq, rotary_cos_sin
 
 
 class RMSNorm(nn.Module):
-    """``weight * (x / sqrt(mean(x²) + eps))``, normalised in float32 and cast back before scaling."""
+    """``weight * (x / sqrt(mean(x²) + eps))``, normalised in float32 and cast back before scaling (Llama),
+    or scaled in float32 and then cast (``scale_in_float32``: gpt-oss, whose norms stay float32)."""
 
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, *, scale_in_float32: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.scale_in_float32 = scale_in_float32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         normed = F.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=self.eps)  # one fused op, same math
+        if self.scale_in_float32:
+            return (self.weight.float() * normed).to(x.dtype)
         return self.weight * normed.to(x.dtype)
 
 
 class Attention(nn.Module):
-    """GQA self-attention; reads and writes this layer's slice of the KV pool."""
+    """GQA self-attention; reads and writes this layer's slice of the KV pool.
+
+    ``window``: this layer's sliding window in tokens, or None (full attention). ``q_norm``/``k_norm``
+    (Qwen3): RMSNorm over each head's ``head_dim`` before rotary. ``sinks`` (gpt-oss): one logit per
+    query head in every softmax, passed to the kernels in float32.
+    """
 
     def __init__(self, config: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
@@ -49,14 +63,25 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
         self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
+        if config.attention_sinks:
+            self.sinks = nn.Parameter(torch.empty(config.num_attention_heads))
+        self.has_sinks = config.attention_sinks
+        self.window = config.layer_window(layer_idx)
         self.qkv: LinearKernel | None = None  # set by `prepare`
         self.out: LinearKernel | None = None
+        self.sinks_f32: torch.Tensor | None = None
 
     def prepare(self) -> None:
         """One ``[q; k; v]`` weight (and bias) for one matmul a step (q/k/v_proj become views of it), and
         the fastest matmul kernels for it and o_proj."""
         self.qkv = LinearKernel(*_fuse_linears(self.q_proj, self.k_proj, self.v_proj))
         self.out = LinearKernel(self.o_proj.weight, self.o_proj.bias)
+        if self.has_sinks:
+            self.sinks_f32 = self.sinks.detach().float().contiguous()
 
     def forward(
         self,
@@ -69,15 +94,24 @@ class Attention(nn.Module):
         """``x`` ``[T, hidden]`` → ``[T, hidden]``; writes the tokens' KV into ``layer_cache``."""
         t, heads, kv_heads, dim = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         cos, sin = cos_sin
-        if self.qkv is not None:  # q and k side by side: one rotation for both
+        if self.qkv is not None and not self.qk_norm:  # q and k side by side: one rotation for both
             qk, v = self.qkv(x).split([(heads + kv_heads) * dim, kv_heads * dim], dim=-1)
             q, k = apply_rotary(qk.reshape(t, heads + kv_heads, dim), cos, sin).split([heads, kv_heads], dim=1)
         else:
-            q = apply_rotary(self.q_proj(x).reshape(t, heads, dim), cos, sin)
-            k = apply_rotary(self.k_proj(x).reshape(t, kv_heads, dim), cos, sin)
-            v = self.v_proj(x)
+            if self.qkv is not None:
+                q, k, v = self.qkv(x).split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+            else:
+                q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q, k = q.reshape(t, heads, dim), k.reshape(t, kv_heads, dim)
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         v = v.reshape(t, kv_heads, dim)
-        out = paged_attention(backend, q, k, v, layer_cache, batch, scale=self.scale, layer=self.layer_idx)
+        sinks = None
+        if self.has_sinks:
+            sinks = self.sinks_f32 if self.sinks_f32 is not None else self.sinks.float()
+        out = paged_attention(backend, q, k, v, layer_cache, batch, scale=self.scale, layer=self.layer_idx,
+                              window=self.window, sinks=sinks)
         out = out.reshape(t, self.num_heads * self.head_dim)
         return self.out(out) if self.out is not None else self.o_proj(out)
 
@@ -124,14 +158,23 @@ def _fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | Non
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+    """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``. The MLP is dense or a mixture of
+    experts (`model.moe.SparseMoe`), under the checkpoint's name (``block_sparse_moe`` for Mixtral,
+    ``mlp`` otherwise); `ffn` is it whatever its name."""
 
     def __init__(self, config: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
         self.self_attn = Attention(config, layer_idx)
-        self.mlp = MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        sparse = config.moe is not None and config.moe.sparse_layers[layer_idx]
+        self.ffn_name = "block_sparse_moe" if config.model_type == "mixtral" else "mlp"
+        setattr(self, self.ffn_name, SparseMoe(config) if sparse else MLP(config))
+        f32 = config.norm_scale_in_float32
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, scale_in_float32=f32)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, scale_in_float32=f32)
+
+    @property
+    def ffn(self) -> nn.Module:
+        return getattr(self, self.ffn_name)
 
     def forward(
         self,
@@ -145,7 +188,7 @@ class DecoderLayer(nn.Module):
         if hook is not None and batch.num_decode_tokens:
             hook.layer_input(self.self_attn.layer_idx, x[p:], (cos_sin[0][p:], cos_sin[1][p:]))
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, layer_cache, batch, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.ffn(self.post_attention_layernorm(x))
 
 
 class DecoderModel(nn.Module):
@@ -155,7 +198,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, scale_in_float32=config.norm_scale_in_float32)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -181,8 +224,6 @@ class LlamaForCausalLM(nn.Module):
         kv_pool: torch.Tensor,
         batch: AttentionBatch,
         backend: AttentionBackend,
-        *,
-        max_position: int | None = None,
     ) -> torch.Tensor:
         """Run one step and return the final-norm hidden states.
 
@@ -192,49 +233,43 @@ class LlamaForCausalLM(nn.Module):
             kv_pool: ``[num_blocks, num_layers, 2, num_kv_heads, block_size_tokens, head_dim]``.
                 Mutated: every token's key and value are written at ``batch.slot_mapping``.
             batch: the step's attention metadata.
-            backend: the attention kernels (`model.attention.make_backend`).
-            max_position: the largest of ``positions`` when the caller knows it (checked against a sliding
-                window without reading ``positions`` back from the device: a sync, which CUDA-graph capture
-                forbids; the caller that passes it has called `check_positions`).
+            backend: the attention kernels (`model.attention.make_backend`). Nothing here reads a
+                device value back on the host, so a step can be captured in a CUDA graph.
 
         Returns:
             ``[T, hidden_size]`` in the model's dtype, after the final RMSNorm; pass the rows whose
             next token is wanted to `compute_logits`.
 
         Raises:
-            ValueError: the config has a sliding window and a position is at or past it (see
-                `model.config`); the pool has the wrong number of layers.
+            ValueError: the pool has the wrong number of layers.
         """
         config = self.config
         if kv_pool.shape[1] != config.num_hidden_layers:
             raise ValueError(
                 f"kv_pool has {kv_pool.shape[1]} layers; the model has {config.num_hidden_layers}"
             )
-        if config.sliding_window_tokens is not None and positions.numel():
-            self.check_positions(int(positions.max()) if max_position is None else max_position)
         x = self.model.embed_tokens(input_ids)
-        cos_sin = rotary_cos_sin(self.rope_inv_freq, positions, dtype=x.dtype)
+        cos_sin = self.rotary(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos_sin, kv_pool[:, i], batch, backend)
         return self.model.norm(x)
 
-    def check_positions(self, max_position: int) -> None:
-        """Raises ValueError when ``max_position`` is at or past the model's sliding window (sliding-window
-        attention is not implemented, so sequences are limited to the window)."""
-        window = self.config.sliding_window_tokens
-        if window is not None and max_position >= window:
-            raise ValueError(
-                f"position {max_position} is past the model's sliding window of {window} tokens; "
-                f"sliding-window attention is not implemented, so sequences are limited to {window} tokens"
-            )
+    def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos, sin`` ``[T, head_dim]`` of ``positions`` for this model's rope (yarn's factor applied)."""
+        return rotary_cos_sin(self.rope_inv_freq, positions, dtype=dtype, scaling=self.config.rope.attention_factor)
 
     def prepare_for_inference(self) -> None:
         """Merge q/k/v and gate/up into one matmul each (fewer, larger matmuls a step: on a CPU every
         matmul is a parallel region whose threads wait for each other) and pick each weight's fastest
-        matmul kernel (`model.linear_kernel`). Same results; call once, after loading."""
+        matmul kernel (`model.linear_kernel`); restack the experts of MoE layers (`model.moe.SparseMoe`,
+        through the Triton fused-MoE kernel when the weights are on CUDA). Same results; call once,
+        after loading."""
         for layer in self.model.layers:
             layer.self_attn.prepare()
-            layer.mlp.prepare()
+            if isinstance(layer.ffn, SparseMoe):
+                layer.ffn.prepare(use_triton=self.lm_head.weight.is_cuda)
+            else:
+                layer.ffn.prepare()
         self.head = LinearKernel(self.lm_head.weight, None)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

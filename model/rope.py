@@ -25,6 +25,9 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     * ``llama3``: wavelengths longer than ``original / low_freq_factor`` are divided by ``factor``,
       those shorter than ``original / high_freq_factor`` are kept, and the band between is
       interpolated smoothly (Llama 3.1).
+    * ``yarn``: a linear ramp between the default (extrapolated) frequencies and those divided by
+      ``factor`` (interpolated), over the dimensions between the ``beta_fast`` and ``beta_slow``
+      correction points; cos and sin are then scaled by ``rope.attention_factor`` (`rotary_cos_sin`).
 
     Raises:
         ValueError: an unknown ``rope.rope_type``.
@@ -37,6 +40,8 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
         return inv_freq / rope.factor
     if rope.rope_type == "llama3":
         return _llama3_scale(inv_freq, rope)
+    if rope.rope_type == "yarn":
+        return _yarn(rope, head_dim)
     raise ValueError(f"rope type {rope.rope_type!r} is not supported")
 
 
@@ -52,15 +57,38 @@ def _llama3_scale(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _yarn(rope: RopeConfig, dim: int) -> torch.Tensor:
+    """transformers' ``_compute_yarn_parameters`` inverse frequencies (full rotary)."""
+    base, original = rope.theta, rope.original_max_position_embeddings
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no zero-width ramp
+    pos_freqs = base ** (torch.arange(0, dim, 2, device="cpu").to(torch.float32) / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (rope.factor * pos_freqs)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
+    keep = 1 - ramp
+    return interpolation * (1 - keep) + extrapolation * keep
+
+
 def rotary_cos_sin(
-    inv_freq: torch.Tensor, positions: torch.Tensor, *, dtype: torch.dtype
+    inv_freq: torch.Tensor, positions: torch.Tensor, *, dtype: torch.dtype, scaling: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cos, sin``: ``[T, head_dim]`` in ``dtype`` for integer ``positions`` ``[T]``.
+    """``cos, sin``: ``[T, head_dim]`` in ``dtype`` for integer ``positions`` ``[T]``, multiplied by
+    ``scaling`` (yarn's attention factor; 1.0 otherwise) in float32 before the cast.
 
     ``inv_freq`` must be on ``positions.device``. Angles are computed in float32.
     """
     freqs = positions.to(torch.float32)[:, None] * inv_freq.to(torch.float32)[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
+    if scaling != 1.0:
+        return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 

@@ -42,7 +42,7 @@ from safetensors.torch import save_file
 from model.attention import AttentionBatch, make_backend
 from model.llama import LlamaForCausalLM
 from model.loader import LoadedModel
-from model.rope import apply_rotary, rotary_cos_sin
+from model.rope import apply_rotary
 from model.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -134,13 +134,14 @@ def speculation_query(
     model: LlamaForCausalLM, layer: int, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
 ) -> torch.Tensor:
     """Layer ``layer``'s rotary query from a residual-stream hidden state ``x`` ``[T, hidden]``:
-    ``apply_rotary(q_proj(input_layernorm(x)))`` with layer ``layer``'s norm and projection, ``[T, Hq, D]``
-    in ``x``'s dtype. With ``x`` = layer ``layer``'s own input this is its exact query; with an earlier
-    layer's input it is InfiniGen's guess of it. ``cos_sin``: `model.rope.rotary_cos_sin` of the tokens'
-    positions, ``[T, D]`` each."""
+    ``apply_rotary(q_norm(q_proj(input_layernorm(x))))`` (q_norm: Qwen3 only) with layer ``layer``'s norm and
+    projection, ``[T, Hq, D]`` in ``x``'s dtype. With ``x`` = layer ``layer``'s own input this is its exact
+    query; with an earlier layer's input it is InfiniGen's guess of it. ``cos_sin``:
+    `LlamaForCausalLM.rotary` of the tokens' positions, ``[T, D]`` each."""
     attn = model.model.layers[layer].self_attn
     h = model.model.layers[layer].input_layernorm(x)
-    return apply_rotary(attn.q_proj(h).reshape(x.shape[0], attn.num_heads, attn.head_dim), *cos_sin)
+    q = attn.q_proj(h).reshape(x.shape[0], attn.num_heads, attn.head_dim)
+    return apply_rotary(attn.q_norm(q) if attn.qk_norm else q, *cos_sin)
 
 
 def rotary_key(
@@ -150,7 +151,8 @@ def rotary_key(
     (what the layer writes into the KV pool)."""
     attn = model.model.layers[layer].self_attn
     h = model.model.layers[layer].input_layernorm(x)
-    return apply_rotary(attn.k_proj(h).reshape(x.shape[0], attn.num_kv_heads, attn.head_dim), *cos_sin)
+    k = attn.k_proj(h).reshape(x.shape[0], attn.num_kv_heads, attn.head_dim)
+    return apply_rotary(attn.k_norm(k) if attn.qk_norm else k, *cos_sin)
 
 
 @torch.inference_mode()
@@ -199,7 +201,7 @@ def compute_skew(loaded: LoadedModel, calib_token_ids: list[int], *, partial_fra
     r = num_partial_channels(config.head_dim, partial_frac)
     xs = layer_inputs(model, calib_token_ids)
     positions = torch.arange(len(calib_token_ids), device=xs.device)
-    cos_sin = rotary_cos_sin(model.rope_inv_freq, positions, dtype=xs.dtype)
+    cos_sin = model.rotary(positions, xs.dtype)
     kv_heads, dim = config.num_key_value_heads, config.head_dim
     rotations = torch.empty(config.num_hidden_layers, kv_heads, dim, dim, dtype=torch.float32)
     channels = torch.empty(config.num_hidden_layers, kv_heads, r, dtype=torch.int64)

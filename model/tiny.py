@@ -1,4 +1,14 @@
-"""`write_tiny_model`: a small deterministic random-weight Llama in Hugging Face format.
+"""`write_tiny_model`: a small deterministic random-weight model of each family, in Hugging Face format.
+
+``arch`` picks the family (`TINY_ARCHS`), each written as its published checkpoints are (config keys and
+tensor names), so loading one exercises what loading the real model does::
+
+    llama      the plain decoder (the default)
+    qwen3      + q/k RMSNorm, head_dim 2·hidden/heads (independent of hidden/heads), tied embeddings
+    qwen3-moe  + 8 experts, top 2, norm_topk_prob; layer 0 dense (mlp_only_layers), the others MoE
+    mixtral    4 experts, top 2 (per-expert w1/w2/w3 tensors)
+    gpt-oss    4 experts, top 2, fused interleaved expert tensors with biases, router bias, attention
+               biases and sinks, yarn rope, sliding (window 32) and full layers alternating
 
 The directory loads with `model.loader.load_model`, `model.tokenizer.load_tokenizer` and with
 transformers' ``AutoModelForCausalLM`` / ``AutoTokenizer``. The tokenizer is byte-level::
@@ -25,6 +35,8 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 
 BOS_TOKEN, EOS_TOKEN = "<s>", "</s>"
 BOS_ID, EOS_ID = 256, 257
+TINY_ARCHS: tuple[str, ...] = ("llama", "qwen3", "qwen3-moe", "mixtral", "gpt-oss")
+TINY_WINDOW = 32  # gpt-oss's sliding window here: short, so test prompts reach past it
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
@@ -46,10 +58,11 @@ def write_tiny_model(
     intermediate: int | None = None,
     max_position_embeddings: int = 2048,
     dtype: str = "float32",
+    arch: str = "llama",
 ) -> Path:
     """Write the model files into ``out_dir`` (created if needed) and return it as a Path.
 
-    Files: ``config.json`` (classic form, ``model_type: llama``), ``model.safetensors`` (``dtype``),
+    Files: ``config.json`` (classic form, the ``model_type`` of ``arch``), ``model.safetensors`` (``dtype``),
     ``generation_config.json``, ``tokenizer.json``, ``tokenizer_config.json`` (with a plain-text chat
     template ``<|role|>\\ncontent\\n``), ``special_tokens_map.json``. ``intermediate`` defaults to
     ``2 * hidden``; ``head_dim`` is ``hidden // heads``. ``dtype`` (``float32`` | ``bfloat16`` | ``float16``):
@@ -57,8 +70,11 @@ def write_tiny_model(
     Llama-3.1-8B's, for GPU checks).
 
     Raises:
-        ValueError: ``vocab < 258``, or ``hidden`` / ``heads`` / ``kv_heads`` do not divide.
+        ValueError: ``vocab < 258``, or ``hidden`` / ``heads`` / ``kv_heads`` do not divide, or an
+            unknown ``arch`` (the known ones are named).
     """
+    if arch not in TINY_ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; use one of {list(TINY_ARCHS)}")
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
     if vocab < 258:
@@ -93,6 +109,7 @@ def write_tiny_model(
         "torch_dtype": dtype,
         "use_cache": True,
     }
+    config.update(_arch_config(arch, config))
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json",
                 {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "do_sample": False})
@@ -145,8 +162,35 @@ def _bytes_to_unicode() -> dict[int, str]:
     return table
 
 
+def _arch_config(arch: str, base: dict[str, Any]) -> dict[str, Any]:
+    """The config keys ``arch`` adds to or changes in the Llama ``base``."""
+    hidden, heads, layers = base["hidden_size"], base["num_attention_heads"], base["num_hidden_layers"]
+    if arch == "llama":
+        return {}
+    if arch == "qwen3":
+        return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 2 * hidden // heads,
+                "tie_word_embeddings": True, "use_sliding_window": False, "sliding_window": None,
+                "max_window_layers": layers}
+    if arch == "qwen3-moe":
+        return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": 8,
+                "num_experts_per_tok": 2, "moe_intermediate_size": hidden // 2, "norm_topk_prob": True,
+                "decoder_sparse_step": 1, "mlp_only_layers": [0], "use_sliding_window": False,
+                "sliding_window": None, "max_window_layers": layers}
+    if arch == "mixtral":
+        return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": 4,
+                "num_experts_per_tok": 2, "sliding_window": None, "router_jitter_noise": 0.0}
+    return {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "num_local_experts": 4,
+            "num_experts_per_tok": 2, "experts_per_token": 2, "attention_bias": True,
+            "sliding_window": TINY_WINDOW, "swiglu_alpha": 1.702, "swiglu_limit": 7.0,
+            "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+            "rope_theta": 150000.0,
+            "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                             "original_max_position_embeddings": 64, "truncate": False}}
+
+
 def _random_weights(config: dict[str, Any], seed: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """HF-named tensors of ``dtype``, drawn in float32 in a fixed order from one seeded generator."""
+    """HF-named tensors of ``dtype``, drawn in float32 in a fixed order from one seeded generator (the
+    Llama tensors first, in the order they always were, so a Llama model is the same as before)."""
     gen = torch.Generator().manual_seed(seed)
     hidden, inter = config["hidden_size"], config["intermediate_size"]
     q_size = config["num_attention_heads"] * config["head_dim"]
@@ -158,8 +202,14 @@ def _random_weights(config: dict[str, Any], seed: int, dtype: torch.dtype = torc
     def linear(out_features: int, in_features: int) -> torch.Tensor:
         return normal(out_features, in_features, std=in_features**-0.5)
 
-    def norm() -> torch.Tensor:
-        return 1.0 + normal(hidden, std=0.1)
+    def norm(size: int = hidden) -> torch.Tensor:
+        return 1.0 + normal(size, std=0.1)
+
+    model_type = config["model_type"]
+    head_dim = config["head_dim"]
+    moe_layers = set()
+    if model_type in ("qwen3_moe", "mixtral", "gpt_oss"):
+        moe_layers = set(range(config["num_hidden_layers"])) - set(config.get("mlp_only_layers", []))
 
     weights = {"model.embed_tokens.weight": normal(config["vocab_size"], hidden, std=1.0)}
     for i in range(config["num_hidden_layers"]):
@@ -170,12 +220,50 @@ def _random_weights(config: dict[str, Any], seed: int, dtype: torch.dtype = torc
         weights[p + "self_attn.v_proj.weight"] = linear(kv_size, hidden)
         weights[p + "self_attn.o_proj.weight"] = linear(hidden, q_size)
         weights[p + "post_attention_layernorm.weight"] = norm()
-        weights[p + "mlp.gate_proj.weight"] = linear(inter, hidden)
-        weights[p + "mlp.up_proj.weight"] = linear(inter, hidden)
-        weights[p + "mlp.down_proj.weight"] = linear(hidden, inter)
+        if i in moe_layers:
+            weights.update(_moe_weights(config, p, normal, linear))
+        else:
+            weights[p + "mlp.gate_proj.weight"] = linear(inter, hidden)
+            weights[p + "mlp.up_proj.weight"] = linear(inter, hidden)
+            weights[p + "mlp.down_proj.weight"] = linear(hidden, inter)
+        if model_type in ("qwen3", "qwen3_moe"):
+            weights[p + "self_attn.q_norm.weight"] = norm(head_dim)
+            weights[p + "self_attn.k_norm.weight"] = norm(head_dim)
+        if model_type == "gpt_oss":
+            for name, size in (("q_proj", q_size), ("k_proj", kv_size), ("v_proj", kv_size), ("o_proj", hidden)):
+                weights[p + f"self_attn.{name}.bias"] = normal(size, std=0.1)
+            weights[p + "self_attn.sinks"] = normal(config["num_attention_heads"], std=1.0)
     weights["model.norm.weight"] = norm()
-    weights["lm_head.weight"] = linear(config["vocab_size"], hidden) * 4.0  # peaked next-token distribution
+    if not config["tie_word_embeddings"]:
+        weights["lm_head.weight"] = linear(config["vocab_size"], hidden) * 4.0  # peaked next-token distribution
     return dict(sorted(weights.items()))
+
+
+def _moe_weights(config: dict[str, Any], prefix: str, normal: Any, linear: Any) -> dict[str, torch.Tensor]:
+    """One MoE layer's tensors under the family's checkpoint names (see `model.moe`)."""
+    hidden, model_type = config["hidden_size"], config["model_type"]
+    experts = config.get("num_experts") or config["num_local_experts"]
+    inter = config.get("moe_intermediate_size") or config["intermediate_size"]
+    out: dict[str, torch.Tensor] = {}
+    if model_type == "gpt_oss":
+        p = prefix + "mlp."
+        out[p + "router.weight"] = linear(experts, hidden) * 2.0  # varied routing
+        out[p + "router.bias"] = normal(experts, std=0.5)
+        out[p + "experts.gate_up_proj"] = normal(experts, hidden, 2 * inter, std=2 * hidden**-0.5)  # reach the clamp
+        out[p + "experts.gate_up_proj_bias"] = normal(experts, 2 * inter, std=0.1)
+        out[p + "experts.down_proj"] = normal(experts, inter, hidden, std=inter**-0.5)
+        out[p + "experts.down_proj_bias"] = normal(experts, hidden, std=0.1)
+        return out
+    if model_type == "mixtral":
+        p, names = prefix + "block_sparse_moe.", ("w1", "w3", "w2")
+    else:
+        p, names = prefix + "mlp.", ("gate_proj", "up_proj", "down_proj")
+    out[p + "gate.weight"] = linear(experts, hidden) * 2.0
+    for e in range(experts):
+        out[p + f"experts.{e}.{names[0]}.weight"] = linear(inter, hidden)
+        out[p + f"experts.{e}.{names[1]}.weight"] = linear(inter, hidden)
+        out[p + f"experts.{e}.{names[2]}.weight"] = linear(hidden, inter)
+    return out
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

@@ -16,6 +16,8 @@ HF_CONFIGS: dict[str, tuple[str, dict]] = {
     "qwen2_bias_tied": ("Qwen2Config", dict(
         _COMMON, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
     "mistral": ("MistralConfig", dict(_COMMON, num_attention_heads=4, num_key_value_heads=1)),
+    "mistral_window_40": ("MistralConfig", dict(_COMMON, num_attention_heads=4, num_key_value_heads=2,
+                                                sliding_window=40)),
     "llama_head_dim_32": ("LlamaConfig", dict(
         _COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
         rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})),

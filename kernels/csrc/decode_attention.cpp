@@ -5,6 +5,9 @@
 //   k/v_cache    [num_blocks, Hkv, B, D] same dtype as q (strided over the block dimension allowed:
 //                                        each block's [Hkv, B, D] must be contiguous)
 //   block_tables [N, W] int32, seq_lens [N] int32 or int64; seq_lens[n] >= 1, ceil(len/B) <= W
+//   window       sliding window in tokens, or 0 for none: sequence n reads positions max(0, len - window) .. len-1
+//                only (table entries of blocks wholly before them are not read, not even checked)
+//   sinks        None, or float32 [Hq] contiguous: one more softmax logit per query head, not scaled (gpt-oss)
 //   returns      [N, Hq, D] in q's dtype
 // Work is split over (sequence, kv head) pairs with at::parallel_for (torch's thread pool).
 #include <torch/extension.h>
@@ -22,18 +25,20 @@ inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 template <typename T>
 void decode_kernel(const T* q, const T* k_cache, const T* v_cache, int64_t block_stride, const int32_t* tables,
                    int64_t table_width, const int64_t* lens, T* out, int64_t n_seqs, int64_t hq, int64_t hkv,
-                   int64_t block_size, int64_t d, float scale) {
+                   int64_t block_size, int64_t d, float scale, int64_t window, const float* sinks) {
   const int64_t group = hq / hkv;
   at::parallel_for(0, n_seqs * hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * d), acc(group * d), row(d), scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t n = item / hkv, h = item % hkv, len = lens[n];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t span = len - first;  // keys seen: positions first .. len-1, stored from index 0
       const int64_t head0 = h * group;
       for (int64_t g = 0; g < group; ++g)
         for (int64_t i = 0; i < d; ++i) qf[g * d + i] = to_float(q[(n * hq + head0 + g) * d + i]) * scale;
-      scores.assign(group * len, 0.0f);
-      // Pass 1: scores[g, t] = (scale q_g) . k_t
-      for (int64_t t = 0; t < len; ++t) {
+      scores.assign(group * span, 0.0f);
+      // Pass 1: scores[g, t - first] = (scale q_g) . k_t
+      for (int64_t t = first; t < len; ++t) {
         const int64_t block = tables[n * table_width + t / block_size];
         const T* kp = k_cache + block * block_stride + (h * block_size + t % block_size) * d;
         float* kf = row.data();
@@ -44,32 +49,34 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, int64_t block
           float s = 0.0f;
 #pragma omp simd reduction(+ : s)
           for (int64_t i = 0; i < d; ++i) s += qg[i] * kf[i];
-          scores[g * len + t] = s;
+          scores[g * span + t - first] = s;
         }
       }
-      // Softmax per query head, in float32.
+      // Softmax per query head, in float32; a sink is one more logit in the max and the sum.
       for (int64_t g = 0; g < group; ++g) {
-        float* sg = scores.data() + g * len;
-        const float mx = *std::max_element(sg, sg + len);
+        float* sg = scores.data() + g * span;
+        float mx = *std::max_element(sg, sg + span);
+        if (sinks != nullptr) mx = std::max(mx, sinks[head0 + g]);
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; ++t) {
+        for (int64_t t = 0; t < span; ++t) {
           sg[t] = std::exp(sg[t] - mx);  // vectorized through glibc's libmvec
           sum += sg[t];
         }
+        if (sinks != nullptr) sum += std::exp(sinks[head0 + g] - mx);
         const float inv = 1.0f / sum;
-        for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
+        for (int64_t t = 0; t < span; ++t) sg[t] *= inv;
       }
       // Pass 2: out_g = sum_t p[g, t] v_t
       std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t t = 0; t < len; ++t) {
+      for (int64_t t = first; t < len; ++t) {
         const int64_t block = tables[n * table_width + t / block_size];
         const T* vp = v_cache + block * block_stride + (h * block_size + t % block_size) * d;
         float* vf = row.data();
 #pragma omp simd
         for (int64_t i = 0; i < d; ++i) vf[i] = to_float(vp[i]);
         for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * len + t];
+          const float p = scores[g * span + t - first];
           float* ag = acc.data() + g * d;
 #pragma omp simd
           for (int64_t i = 0; i < d; ++i) ag[i] += p * vf[i];
@@ -91,7 +98,8 @@ void check_cache(const torch::Tensor& cache, const torch::Tensor& q, const char*
 }  // namespace
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
+                                     int64_t window, c10::optional<torch::Tensor> sinks) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [N, Hq, D]");
   TORCH_CHECK(q.device().is_cpu(), "q must be on the CPU");
   check_cache(k_cache, q, "k_cache");
@@ -105,22 +113,32 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == n && lens.numel() == n, "one table row and length per sequence");
   const int64_t* lp = lens.data_ptr<int64_t>();
   const int32_t* tp = tables.data_ptr<int32_t>();
+  TORCH_CHECK(window >= 0, "window must be >= 1, or 0 for none; got ", window);
+  const float* sp = nullptr;
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->scalar_type() == torch::kFloat32 && sinks->device().is_cpu() && sinks->is_contiguous() &&
+                    sinks->dim() == 1 && sinks->size(0) == hq,
+                "sinks must be a contiguous float32 [Hq] CPU tensor");
+    sp = sinks->data_ptr<float>();
+  }
   const int64_t num_blocks = k_cache.size(0);
   for (int64_t i = 0; i < n; ++i) {
     TORCH_CHECK(lp[i] >= 1 && (lp[i] + block_size - 1) / block_size <= tables.size(1),
                 "sequence ", i, ": length ", lp[i], " does not fit its block table");
-    for (int64_t b = 0; b < (lp[i] + block_size - 1) / block_size; ++b)
+    const int64_t first_block = window > 0 ? std::max<int64_t>(0, lp[i] - window) / block_size : 0;
+    for (int64_t b = first_block; b < (lp[i] + block_size - 1) / block_size; ++b)
       TORCH_CHECK(tp[i * tables.size(1) + b] >= 0 && tp[i * tables.size(1) + b] < num_blocks,
                   "sequence ", i, ": block id out of range");
   }
   auto out = torch::empty_like(q);
   if (q.scalar_type() == torch::kFloat32) {
     decode_kernel<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), k_cache.stride(0),
-                         tp, tables.size(1), lp, out.data_ptr<float>(), n, hq, hkv, block_size, d, float(scale));
+                         tp, tables.size(1), lp, out.data_ptr<float>(), n, hq, hkv, block_size, d, float(scale),
+                         window, sp);
   } else if (q.scalar_type() == torch::kBFloat16) {
     using T = c10::BFloat16;
     decode_kernel<T>(q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), k_cache.stride(0), tp,
-                     tables.size(1), lp, out.data_ptr<T>(), n, hq, hkv, block_size, d, float(scale));
+                     tables.size(1), lp, out.data_ptr<T>(), n, hq, hkv, block_size, d, float(scale), window, sp);
   } else {
     TORCH_CHECK(false, "paged_decode_attention: dtype must be float32 or bfloat16, got ", q.scalar_type());
   }

@@ -81,25 +81,28 @@ def test_qwen2_classic_config_has_qkv_bias_and_no_window() -> None:
     assert windowed.sliding_window_tokens == 32768
 
 
-def test_mistral_sliding_window_caps_the_context() -> None:
+def test_mistral_sliding_window_slides_every_layer_and_no_longer_caps_the_context() -> None:
     raw = MistralConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=1,
-                        num_hidden_layers=1, vocab_size=100, max_position_embeddings=32768,
+                        num_hidden_layers=2, vocab_size=100, max_position_embeddings=32768,
                         sliding_window=4096).to_dict()
     c = ModelConfig.from_hf_dict(raw)
-    assert (c.sliding_window_tokens, c.max_context_tokens) == (4096, 4096)
-    assert ModelConfig.from_hf_dict({**raw, "sliding_window": None}).max_context_tokens == 32768
+    assert (c.sliding_window_tokens, c.max_context_tokens, c.layer_windows) == (4096, 32768, (4096, 4096))
+    plain = ModelConfig.from_hf_dict({**raw, "sliding_window": None})
+    assert plain.layer_windows == (None, None) and plain.layer_types == ()
 
 
 def test_unknown_model_type_lists_supported_ones() -> None:
-    expected = r"model_type 'gemma2'.*supported model types: \['llama', 'mistral', 'qwen2'\]"
+    expected = (r"model_type 'gemma2'.*supported model types: \['llama', 'mistral', 'qwen2', 'qwen3', "
+                r"'qwen3_moe', 'mixtral', 'gpt_oss'\]")
     with pytest.raises(ValueError, match=expected):
         ModelConfig.from_hf_dict({**LLAMA31_CLASSIC, "model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"]})
 
 
-@pytest.mark.parametrize("rope_type", ["dynamic", "yarn", "longrope"])
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
 def test_unsupported_rope_type_is_named(rope_type: str) -> None:
     raw = {**LLAMA31_CLASSIC, "rope_scaling": {"rope_type": rope_type, "factor": 2.0}}
-    with pytest.raises(ValueError, match=rf"rope type '{rope_type}' is not supported.*'default', 'linear', 'llama3'"):
+    expected = rf"rope type '{rope_type}' is not supported.*'default', 'linear', 'llama3', 'yarn'"
+    with pytest.raises(ValueError, match=expected):
         ModelConfig.from_hf_dict(raw)
 
 

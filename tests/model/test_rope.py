@@ -16,6 +16,10 @@ ROPE_PARAMETERS = {
     "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
     "llama3": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    "yarn": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+             "original_max_position_embeddings": 4096, "truncate": False},  # gpt-oss's
+    "yarn_truncated_mscale": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "mscale": 1.0,
+                              "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096},
 }
 
 
@@ -32,10 +36,11 @@ def test_inv_freq_equals_transformers(rope_type: str, head_dim: int) -> None:
     if rope_type == "default":
         expected, scaling = LlamaRotaryEmbedding.compute_default_rope_parameters(hf_config)
     else:
-        expected, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+        expected, scaling = ROPE_INIT_FUNCTIONS[rope_type.split("_")[0]](hf_config, torch.device("cpu"))
     ours = ModelConfig.from_hf_dict(hf_config.to_dict())
     got = rope_inv_freq(ours.rope, ours.head_dim)
-    assert scaling == 1.0
+    assert scaling == ours.rope.attention_factor
+    assert (scaling == 1.0) == (not rope_type.startswith("yarn"))
     assert got.dtype == torch.float32 and got.shape == (head_dim // 2,)
     assert torch.equal(got, expected)
 
