@@ -60,15 +60,18 @@ def machine_label() -> dict[str, str | int]:
     }
 
 
-def ensure_tiny_model(model_dir: str | None, *, seed: int = 0) -> str:
-    """``model_dir`` if given, else a tiny model written (once) under ``.models/bench-tiny``."""
+def ensure_tiny_model(model_dir: str | None, *, seed: int = 0, arch: str = "llama", **shape: int) -> str:
+    """``model_dir`` if given, else a tiny model of family ``arch`` (`model.tiny.write_tiny_model`, with
+    ``shape``'s layers/hidden/... overrides) written once under ``.models/bench-tiny-…``."""
     if model_dir:
         return model_dir
     from model.tiny import write_tiny_model
 
-    out = Path(".models") / f"bench-tiny-{seed}"
+    name = f"bench-tiny-{seed}" if arch == "llama" and not shape else f"bench-tiny-{arch}-{seed}"
+    name += "".join(f"-{k}{v}" for k, v in sorted(shape.items()))
+    out = Path(".models") / name
     if not (out / "config.json").exists():
-        write_tiny_model(out, seed=seed)
+        write_tiny_model(out, seed=seed, arch=arch, **shape)
     return str(out)
 
 

@@ -178,25 +178,31 @@ def experts_grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     """The experts' weighted sum ``[T, H]`` for ``x`` ``[T, H]`` routed as ``(weights, ids)`` ``[T, k]``.
 
     The T·k (token, expert) pairs are sorted by expert (stable, so each expert's tokens stay in order);
-    each expert that received any is one ``gate_up`` matmul, the activation and one ``down`` matmul over
-    its rows. Each row is weighted in float32, cast to ``x.dtype`` and added to its token's output in
-    expert order, as transformers' eager experts add them.
+    each expert that received any is one ``gate_up`` matmul and one ``down`` matmul over its rows, the
+    activation one pass over all rows between them. Each row is weighted in float32, cast to ``x.dtype``
+    and added to its token's output in expert order, as transformers' eager experts add them.
     """
     t, k = ids.shape
     if t == 0:
         return torch.zeros_like(x)
+    if t == 1:  # one token (batch-1 decode): its k experts in expert order, without the sort
+        pairs = sorted(zip(ids[0].tolist(), range(k), strict=True))
+        acc = None
+        for e, j in pairs:
+            gate_up, down = kernels[e]
+            y = (down(activate(gate_up(x), moe)).float() * weights[:, j : j + 1]).to(x.dtype)
+            acc = y if acc is None else acc + y
+        return acc
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=len(kernels)).tolist()
+    used = [(e, n) for e, n in enumerate(counts) if n]
+    sizes = [n for _, n in used]
     rows = order // k
-    xs = x.index_select(0, rows)
-    out = torch.empty_like(xs)
-    start = 0
-    for expert, n in enumerate(counts):
-        if n:
-            gate_up, down = kernels[expert]
-            out[start : start + n] = down(activate(gate_up(xs[start : start + n]), moe))
-            start += n
+    segments = x.index_select(0, rows).split(sizes)
+    hidden = torch.cat([kernels[e][0](seg) for (e, _), seg in zip(used, segments, strict=True)])
+    acts = activate(hidden, moe).split(sizes)
+    out = torch.cat([kernels[e][1](seg) for (e, _), seg in zip(used, acts, strict=True)])
     out = (out.float() * weights.reshape(-1)[order, None]).to(x.dtype)
     return torch.zeros_like(x).index_add_(0, rows, out)
 
