@@ -27,6 +27,7 @@ from typing import Any
 from deploy.cpu_budget import available_cpus, format_cpus, split_cpus
 from deploy.memory import format_bytes, free_host_bytes
 from deploy.service_config import TOKEN_ENV
+from deploy.sizes import ConfigError
 
 GRACE_S = 10.0  # beyond internal.drain_timeout_s, before SIGKILL
 RESTART_BACKOFF_S = 2.0
@@ -97,6 +98,29 @@ def _stop(procs: list[subprocess.Popen], grace_s: float = GRACE_S) -> None:
             p.wait()
 
 
+def check_model_fits_config(config: Any) -> None:
+    """Refuse, before any node starts, what the model's ``config.json`` rules out: a long-context policy
+    (H2O, InfiniGen) for a model with sliding-window layers or attention sinks (the engine refuses it too,
+    but from inside each node's start).
+
+    Raises:
+        ConfigError: naming ``decode.long_context.policy`` and the model's family.
+    """
+    from model.config import read_model_config  # no torch: config parsing only
+
+    policy = config.decode.long_context.policy
+    if policy == "none" or not (Path(config.model.path) / "config.json").is_file():
+        return
+    try:
+        model = read_model_config(config.model.path)
+    except ValueError:
+        return  # the node reports an unsupported model itself, with the path
+    if model.sliding_window_tokens is not None or model.attention_sinks:
+        what = "sliding-window layers" if model.sliding_window_tokens is not None else "attention sinks"
+        raise ConfigError(f"decode.long_context.policy: {policy} is not supported for a model with {what} "
+                          f"({model.model_type}, {config.model.path}); use none")
+
+
 def up(config: Any, config_path: Path, *, overrides: list[str], startup_timeout_s: float = 300.0,
        lend_cpus: bool = True) -> int:
     """Run the whole deployment until a signal; returns the exit code.
@@ -108,6 +132,7 @@ def up(config: Any, config_path: Path, *, overrides: list[str], startup_timeout_
     With ``lend_cpus`` (and more than one engine node, no more nodes than CPUs) a node's CPUs are lent
     to the others while it has nothing to compute (`deploy.cpu_budget.CoreLending`).
     """
+    check_model_fits_config(config)
     plan = [("prefill", i) for i in range(len(config.prefill.ports))]
     plan += [("decode", i) for i in range(len(config.decode.ports))]
     cpus = available_cpus()

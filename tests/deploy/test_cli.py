@@ -176,3 +176,29 @@ def test_tiny_model_with_real_shapes_in_bf16_loads_and_generates(tmp_path: Path)
     run = kvrelay("generate", "--model", str(tmp_path / "m"), "--prompt-ids", "1,2,3", "--max-tokens", "3", "--json")
     assert run.returncode == 0, run.stderr
     assert len(json.loads(run.stdout)["token_ids"]) == 3
+
+
+def test_up_refuses_a_long_context_policy_for_a_windowed_model_before_any_node_starts(tmp_path: Path):
+    import yaml
+
+    from model.tiny import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "gpt-oss", arch="gpt-oss")
+    cfg = tmp_path / "kv.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "model": {"path": str(model)}, "prefill": {"ports": [0]},
+        "kvstore": {"device": {"bytes": "8MiB"}, "host": {"bytes": "8MiB", "fraction_of_free": None}},
+        "decode": {"ports": [0], "long_context": {"policy": "h2o"}},
+    }))
+    run = kvrelay("up", "--config", str(cfg))
+    assert run.returncode == 2
+    assert ("kvrelay: config error: decode.long_context.policy: h2o is not supported for a model with "
+            f"sliding-window layers (gpt_oss, {model}); use none") in run.stderr
+    assert "kvrelay up:" not in run.stdout  # refused before sizing memory or starting a node
+
+
+def test_tiny_model_arch_choices_are_the_families_model_tiny_writes():
+    from deploy.cli import TINY_ARCH_CHOICES
+    from model.tiny import TINY_ARCHS
+
+    assert TINY_ARCH_CHOICES == TINY_ARCHS
