@@ -9,7 +9,8 @@ its prefill forward).
 
 ``--arch`` benchmarks a tiny model of another family (`kvrelay tiny-model --arch`), e.g. the mixture-of-
 experts ones; ``--layers``/``--hidden`` size it. transformers runs SDPA attention where the family has it
-(gpt-oss has only eager attention, for its sinks).
+(gpt-oss has only eager attention, for its sinks). ``--dtype bfloat16`` runs both in bf16 (kvrelay
+through oneDNN's packed bf16 matmuls, as it serves on CPUs with AMX; transformers through ``F.linear``).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def _hf_generate(hf_model: torch.nn.Module, prompts: list[list[int]], max_new: i
 
 
 def run(*, model_dir: str | None, prompt_len: int, max_out: int, seed: int, repeats: int = 3,
-        arch: str = "llama", shape: dict[str, int] | None = None) -> dict:
+        arch: str = "llama", shape: dict[str, int] | None = None, dtype: str = "float32") -> dict:
     from transformers import AutoModelForCausalLM
 
     from engine.engine import EngineConfig, LLMEngine
@@ -44,9 +45,9 @@ def run(*, model_dir: str | None, prompt_len: int, max_out: int, seed: int, repe
     from model.sampling import SamplingParams
 
     path = ensure_tiny_model(model_dir, arch=arch, **(shape or {}))
-    loaded = load_model(path)
+    loaded = load_model(path, dtype=dtype)
     attn = "eager" if loaded.config.attention_sinks else "sdpa"
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn).eval()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation=attn).eval()
     vocab = loaded.config.vocab_size
     rng = random.Random(seed)
     results: dict[str, dict] = {}
@@ -81,7 +82,7 @@ def run(*, model_dir: str | None, prompt_len: int, max_out: int, seed: int, repe
             "transformers_prefill_tok_per_s": round(prompt_tokens / min(pre_theirs), 1),
             "prefill_kvrelay_vs_transformers": round(min(pre_theirs) / min(pre_ours), 2),
         }
-    return {"bench": "decode", **machine_label(), "model": path, "arch": loaded.config.model_type,
+    return {"bench": "decode", **machine_label(), "model": path, "arch": loaded.config.model_type, "dtype": dtype,
             "prompt_tokens": prompt_len, "repeats": repeats, "max_output_tokens": max_out,
             "threads": torch.get_num_threads(), **results}
 
@@ -97,9 +98,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=None, help="tiny model layers (default: kvrelay tiny-model's)")
     p.add_argument("--hidden", type=int, default=None, help="tiny model width (default: kvrelay tiny-model's)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="weights and activations of both engines (bfloat16: what kvrelay serves on CPUs with AMX)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     shape = {k: v for k, v in (("layers", a.layers), ("hidden", a.hidden)) if v is not None}
     emit(run(model_dir=a.model, prompt_len=a.prompt_len, max_out=a.max_out, seed=a.seed, repeats=a.repeats,
-             arch=a.arch, shape=shape), a.out)
+             arch=a.arch, shape=shape, dtype=a.dtype), a.out)
     return 0
