@@ -81,7 +81,7 @@ class DecodeService(EngineNode):
                                                      "which is not a prefill node of this deployment")
         n = len(handle.keys)
         if keys is None or n > len(keys) or list(handle.keys) != keys[:n] or \
-                handle.num_tokens != n * self.engine.spec.block_size_tokens:
+                handle.num_tokens != self.engine.spec.tokens_held(n):
             raise TransferError("key_mismatch", "the KV handle's block keys are not those of this request's "
                                                 "prompt and salt")
 

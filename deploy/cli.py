@@ -7,7 +7,8 @@
     kvrelay generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3) --max-tokens N
                      [--min-tokens N --ignore-eos --json]
     kvrelay store stats|clear|verify --config FILE [--node NAME]
-    kvrelay bench memory|decode|cuda-graphs|kernel|tiers|transfer|serve|long-context|load|vllm-client [...]
+    kvrelay bench memory|decode|cuda-graphs|hybrid-kv|kernel|tiers|transfer|serve|long-context|load|vllm-client
+                  [...]
 """
 
 from __future__ import annotations
@@ -226,8 +227,8 @@ def _cmd_role(args: argparse.Namespace) -> int:
                     cpu_lock_dir=args.cpu_lock_dir, memory_budget_bytes=args.memory_budget)
 
 
-BENCH_NAMES = ("bandwidth", "cache-policies", "cuda-graphs", "decode", "dtype", "kernel", "load", "long-context",
-               "memory", "serve", "tiers", "transfer", "vllm-client")
+BENCH_NAMES = ("bandwidth", "cache-policies", "cuda-graphs", "decode", "dtype", "hybrid-kv", "kernel", "load",
+               "long-context", "memory", "serve", "tiers", "transfer", "vllm-client")
 
 
 def _bench_main(name: str) -> Callable[[list[str]], int]:
@@ -243,6 +244,8 @@ def _bench_main(name: str) -> Callable[[list[str]], int]:
         from benchmarks.decode_bench import main
     elif name == "dtype":
         from benchmarks.dtype_bench import main
+    elif name == "hybrid-kv":
+        from benchmarks.hybrid_kv_bench import main
     elif name == "kernel":
         from benchmarks.kernel_bench import main
     elif name == "load":

@@ -131,7 +131,7 @@ def node_block_spec(config: Config) -> BlockSpec:
     Raises:
         ConfigError: ``model.path`` is not a readable model directory.
     """
-    from kvstore.block_spec import BlockSpec
+    from engine.engine import kv_block_spec
     from model.config import read_model_config
     from model.dtype import resolve_dtype
     from model.loader import model_fingerprint
@@ -142,11 +142,8 @@ def node_block_spec(config: Config) -> BlockSpec:
         fingerprint = model_fingerprint(m.path)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"model.path: {exc}") from None
-    return BlockSpec(
-        num_layers=model.num_hidden_layers, num_kv_heads=model.num_key_value_heads, head_dim=model.head_dim,
-        block_size_tokens=kv.block_size_tokens, dtype=kv.dtype or resolve_dtype(m.dtype, m.device),
-        model_fingerprint=fingerprint,
-    )
+    return kv_block_spec(model, fingerprint=fingerprint, block_size_tokens=kv.block_size_tokens,
+                         dtype=kv.dtype or resolve_dtype(m.dtype, m.device))
 
 
 def store_verify(config: Config, node: str, spec: Callable[[], BlockSpec], *, delete: bool = True) -> dict[str, Any]:

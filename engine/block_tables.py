@@ -7,6 +7,10 @@ moves a block reference in the `BlockPool`. Doing both here, and only here, keep
 each entry of a table holds exactly one pool reference. A test checks that no other module assigns to
 ``block_table`` or mutates it in place.
 
+A table may hold `NULL_BLOCK` entries: blocks of a sliding-window group that fell out of the window and
+were given back (`drop`); they hold no reference, and no kernel reads them (every attention backend
+starts at the window's first block).
+
 Runs on the engine thread (the pool is not thread-safe).
 """
 
@@ -16,6 +20,13 @@ from collections.abc import Sequence as Seq
 
 from engine.sequence import Sequence
 from kvstore.block_pool import BlockPool
+
+NULL_BLOCK = -1  # a table entry whose block was given back (see module doc)
+
+
+def held(block_ids: Seq[int]) -> list[int]:
+    """The entries of ``block_ids`` that hold a block (not `NULL_BLOCK`)."""
+    return [b for b in block_ids if b != NULL_BLOCK]
 
 
 class BlockTables:
@@ -54,19 +65,28 @@ class BlockTables:
         """Release the references of ``block_table[start:stop]`` and put ``new_ids`` in their place
         (their references move into the table). ``stop == start`` inserts; empty ``new_ids`` deletes."""
         assert 0 <= start <= stop <= len(seq.block_table), (start, stop, len(seq.block_table))
-        removed = seq.block_table[start:stop]
+        removed = held(seq.block_table[start:stop])
         seq.block_table[start:stop] = list(new_ids)
         if removed:
             self.pool.release(removed)
+
+    def drop(self, seq: Sequence, index: int) -> None:
+        """Give back the block at ``block_table[index]`` (a sliding group's block out of the window) and
+        leave `NULL_BLOCK` in its place; a `NULL_BLOCK` entry stays as it is."""
+        block = seq.block_table[index]
+        if block != NULL_BLOCK:
+            seq.block_table[index] = NULL_BLOCK
+            self.pool.release([block])
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Give ``child`` the blocks of ``parent`` (shared: one more reference each)."""
         assert not child.block_table, f"sequence {child.seq_id} already has blocks"
         child.block_table = list(parent.block_table)
-        self.pool.acquire(child.block_table)
+        self.pool.acquire(held(child.block_table))
 
     def free(self, seq: Sequence) -> None:
         """Release every block of ``seq``'s table and empty it."""
-        if seq.block_table:
-            self.pool.release(seq.block_table)
+        blocks = held(seq.block_table)
+        if blocks:
+            self.pool.release(blocks)
         seq.block_table = []

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from prometheus_client import CollectorRegistry
 
-from engine.block_tables import BlockTables
+from engine.block_tables import BlockTables, held
 from engine.cuda_graphs import try_capture
 from engine.engine_config import EngineConfig
 from engine.kv_policy import KvPolicies
@@ -28,10 +28,11 @@ from engine.model_runner import ModelRunner
 from engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from engine.sequence import Sequence, SequenceStatus
 from engine.step_rates import StepRates
-from kvstore.block_key import BlockKey, block_keys
+from kvstore.block_key import BlockKey, extend_group_keys
 from kvstore.block_spec import BlockSpec
 from kvstore.tiered_store import TieredStore, TieredStoreConfig
 from model.attention import default_backend_name, make_backend
+from model.config import ModelConfig
 from model.loader import LoadedModel
 from model.sampling import SamplingParams, TokenLogprobs, sample, token_generator
 from model.skew import SkewTables, load_or_compute_skew
@@ -75,6 +76,15 @@ class _Request:
     seqs: list[Sequence] = field(default_factory=list)
 
 
+def kv_block_spec(cfg: ModelConfig, *, fingerprint: str, block_size_tokens: int, dtype: str) -> BlockSpec:
+    """The KV block layout of a model: every layer of each `ModelConfig.kv_groups` group in one block (the
+    one builder: the engine and ``kvrelay store`` both call it)."""
+    groups = cfg.kv_groups
+    return BlockSpec(num_layers=len(groups[0].layers), num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                     block_size_tokens=block_size_tokens, dtype=dtype, model_fingerprint=fingerprint,
+                     num_groups=len(groups))
+
+
 class LLMEngine:
     """Continuous-batching engine over a paged KV pool with a prefix cache.
 
@@ -106,9 +116,11 @@ class LLMEngine:
         device = next(self.model.parameters()).device
         if spec is None:
             spec = self.block_spec_for(loaded, self.config.block_size_tokens, kv_dtype=self.config.kv_dtype)
-        elif (spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.model_fingerprint) != (
-                cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, loaded.fingerprint):
-            raise ValueError(f"the block spec ({spec.num_layers} layers, {spec.num_kv_heads} KV heads of "
+        elif (spec.num_layers * spec.num_groups, spec.num_groups, spec.num_kv_heads, spec.head_dim,
+              spec.model_fingerprint) != (cfg.num_hidden_layers, len(cfg.kv_groups), cfg.num_key_value_heads,
+                                          cfg.head_dim, loaded.fingerprint):
+            groups = f" × {spec.num_groups} groups" if spec.num_groups > 1 else ""
+            raise ValueError(f"the block spec ({spec.num_layers} layers{groups}, {spec.num_kv_heads} KV heads of "
                              f"{spec.head_dim}, model {spec.model_fingerprint[:12]}) is not this model's")
         self.spec = spec
         self.max_model_len = self.config.max_model_len or cfg.max_context_tokens
@@ -120,8 +132,12 @@ class LLMEngine:
         self.kv_pool = self.store.device_pool
         self.attention_backend = self.config.attention_backend or default_backend_name(device)  # the one in use
         backend = make_backend(self.attention_backend)
-        self.runner = ModelRunner(self.model, self.kv_pool, backend, block_size_tokens=self.spec.block_size_tokens)
-        if self.config.cuda_graphs and device.type == "cuda" and getattr(backend, "supports_cuda_graphs", False):
+        self.runner = ModelRunner(self.model, self.kv_pool, backend, block_size_tokens=self.spec.block_size_tokens,
+                                  num_groups=self.spec.num_groups)
+        if self.spec.num_groups > 1:
+            log.info("CUDA graphs are off for a model with %d KV block groups (graph inputs hold one block table "
+                     "per sequence)", self.spec.num_groups)
+        elif self.config.cuda_graphs and device.type == "cuda" and getattr(backend, "supports_cuda_graphs", False):
             self.runner.graphs = try_capture(self.model, self.kv_pool, backend, sizes=self.config.graph_batch_sizes,
                                              max_model_len=self.max_model_len)
         tables = BlockTables(self.store.block_pool)  # the one writer of block tables, shared below
@@ -134,7 +150,7 @@ class LLMEngine:
                 enable_prefix_caching=self.config.enable_prefix_caching,
             ),
             self.store, tables=tables, spec=self.spec, copy_block=self.runner.copy_block,
-            on_free=self.policies.on_free,
+            on_free=self.policies.on_free, group_windows=tuple(g.window for g in cfg.kv_groups),
         )
         self.stats = EngineStats()
         self.rates = StepRates()
@@ -156,18 +172,17 @@ class LLMEngine:
     @staticmethod
     def block_spec_for(loaded: LoadedModel, block_size_tokens: int, *, kv_dtype: str | None = None) -> BlockSpec:
         """The KV block layout of ``loaded``; its KV dtype is ``kv_dtype``, by default its parameters' dtype."""
-        cfg = loaded.config
         dtype = kv_dtype or str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
-        return BlockSpec(
-            num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
-            block_size_tokens=block_size_tokens, dtype=dtype, model_fingerprint=loaded.fingerprint,
-        )
+        return kv_block_spec(loaded.config, fingerprint=loaded.fingerprint, block_size_tokens=block_size_tokens,
+                             dtype=dtype)
 
     def prompt_block_keys(self, prompt_token_ids: Seq[int], salt: bytes) -> list[BlockKey]:
-        """The keys of the full blocks of a prompt under this engine's `BlockSpec` (a pure function:
-        safe to call from any thread). Raises ValueError for a token id outside ``[0, 2**32)``."""
-        return block_keys(prompt_token_ids, block_size_tokens=self.spec.block_size_tokens,
-                          spec_fingerprint=self.spec.fingerprint, salt=salt)
+        """The keys of the full blocks of a prompt under this engine's `BlockSpec`: one per 16-token block,
+        or, with G block groups, G per 16-token block (`kvstore.block_key.extend_group_keys`). A pure
+        function: safe to call from any thread. Raises ValueError for a token id outside ``[0, 2**32)``."""
+        return extend_group_keys([], prompt_token_ids, num_groups=self.spec.num_groups,
+                                 block_size_tokens=self.spec.block_size_tokens,
+                                 spec_fingerprint=self.spec.fingerprint, salt=salt)
 
     # ------------------------------------------------------------------ inputs
     def validate_prompt(self, prompt_token_ids: Seq[int]) -> None:
@@ -183,7 +198,7 @@ class LLMEngine:
                 f"prompt has {len(prompt_token_ids)} tokens but the context window is {self.max_model_len} "
                 f"tokens (including at least one generated token)"
             )
-        needed = -(-(len(prompt_token_ids) + 1) // self.spec.block_size_tokens)
+        needed = -(-(len(prompt_token_ids) + 1) // self.spec.block_size_tokens) * self.spec.num_groups
         if needed > self.pool.num_blocks:
             raise RequestError(
                 f"prompt needs {needed} KV blocks but the pool holds {self.pool.num_blocks}; shorten the prompt"
@@ -255,9 +270,11 @@ class LLMEngine:
         except ValueError as exc:
             raise RequestError(str(exc)) from None
         prompt = list(prompt_token_ids)
-        if block_keys is not None and len(block_keys) != len(prompt) // self.spec.block_size_tokens:
+        full_blocks = len(prompt) // self.spec.block_size_tokens
+        if block_keys is not None and len(block_keys) != full_blocks * self.spec.num_groups:
+            groups = f" × {self.spec.num_groups} block groups" if self.spec.num_groups > 1 else ""
             raise ValueError(f"{len(block_keys)} block keys for a prompt of {len(prompt)} tokens "
-                             f"({len(prompt) // self.spec.block_size_tokens} full blocks)")
+                             f"({full_blocks} full blocks{groups})")
         req = _Request(request_id, params)
         if first_token_ids is None:
             req.seqs.append(self._new_sequence(request_id, 0, prompt, len(prompt), params, salt))
@@ -500,7 +517,7 @@ class LLMEngine:
         for req in self._requests.values():
             for seq in req.seqs:
                 if seq.status is not SequenceStatus.FINISHED:
-                    for b in seq.block_table + seq.pinned_block_ids:
+                    for b in held(seq.block_table) + seq.pinned_block_ids:
                         expected[b] += 1
         for b, n in enumerate(expected):
             assert self.pool.ref_count(b) == n, f"block {b}: ref count {self.pool.ref_count(b)}, sequences hold {n}"

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
+from engine.block_tables import NULL_BLOCK
 from engine.cuda_graphs import DecodeGraphs, DecodeRow
 from engine.scheduler import ScheduledStep
 from engine.sequence import Sequence
@@ -28,14 +30,20 @@ class ModelRunner:
         kv_pool: ``[num_blocks, L, 2, Hkv, B, D]`` on the model's device; written by the model.
         backend: attention backend.
         block_size_tokens: B.
+        num_groups: G, the table entries per 16-token block (`kvstore.block_spec`): with G > 1 each group
+            gets its own tables and slots (entries ``g::G`` of a sequence's table), in
+            `AttentionBatch.group_batches`. `engine.block_tables.NULL_BLOCK` entries (out-of-window blocks
+            given back) go to the kernels as block 0, which they never read.
 
     ``graphs``: captured decode steps (`engine.cuda_graphs.DecodeGraphs`), set by the engine on CUDA; a
     decode-only step without a long-context policy replays one when its batch fits, else runs eagerly.
     """
 
     def __init__(
-        self, model: torch.nn.Module, kv_pool: torch.Tensor, backend: AttentionBackend, *, block_size_tokens: int
+        self, model: torch.nn.Module, kv_pool: torch.Tensor, backend: AttentionBackend, *, block_size_tokens: int,
+        num_groups: int = 1,
     ) -> None:
+        self.num_groups = num_groups
         self.model = model
         self.kv_pool = kv_pool
         self.backend = backend
@@ -46,10 +54,15 @@ class ModelRunner:
     def _tensor(self, values: list[int], dtype: torch.dtype = torch.int32) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
 
-    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
-        width = max((len(s.block_table) for s in seqs), default=0)
-        rows = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
-        return torch.tensor(rows, dtype=torch.int32, device=self.device).reshape(len(seqs), width)
+    def _block_tables(self, seqs: list[Sequence], group: int = 0) -> torch.Tensor:
+        g = self.num_groups
+        tables = [s.block_table[group::g] if g > 1 else s.block_table for s in seqs]
+        width = max((len(t) for t in tables), default=0)
+        rows = [t + [0] * (width - len(t)) for t in tables]
+        out = torch.tensor(rows, dtype=torch.int32).reshape(len(seqs), width)
+        if NULL_BLOCK in out:  # given-back blocks: never read, any valid id does (see class doc)
+            out.clamp_(min=0)
+        return out.to(self.device)
 
     def _step_tables(self, step: ScheduledStep, prefill_lens: list[int], query_start: list[int]
                      ) -> dict[str, torch.Tensor]:
@@ -60,8 +73,8 @@ class ModelRunner:
         seqs = [c.seq for c in step.prefills] + list(step.decodes)
         lens = prefill_lens + [s.num_kv_tokens + 1 for s in step.decodes]
         starts = query_start + [query_start[-1] + i for i in range(1, len(step.decodes) + 1)]
-        return {"step_block_tables": self._block_tables(seqs), "step_seq_lens": self._tensor(lens),
-                "step_query_start_loc": self._tensor(starts)}
+        return {"step_block_tables": [self._block_tables(seqs, g) for g in range(self.num_groups)],
+                "step_seq_lens": self._tensor(lens), "step_query_start_loc": self._tensor(starts)}
 
     @torch.inference_mode()
     def run(self, step: ScheduledStep, *, kv_hook: KvHook | None = None) -> StepLogits:
@@ -74,10 +87,10 @@ class ModelRunner:
             replayed = self._replay(step.decodes)
             if replayed is not None:
                 return replayed
-        bs = self.block_size_tokens
+        bs, g = self.block_size_tokens, self.num_groups
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
+        slots: list[list[int]] = [[] for _ in range(g)]  # per group
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
         prefill_lens: list[int] = []
@@ -88,7 +101,8 @@ class ModelRunner:
             end = start + chunk.num_tokens
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
-            slots.extend(seq.block_table[p // bs] * bs + p % bs for p in range(start, end))
+            for group in range(g):
+                slots[group].extend(seq.block_table[p // bs * g + group] * bs + p % bs for p in range(start, end))
             prefill_lens.append(end)
             query_start.append(query_start[-1] + chunk.num_tokens)
             if end == len(seq.token_ids):
@@ -99,20 +113,29 @@ class ModelRunner:
             r = self._decode_row(seq)
             input_ids.append(r.token_id)
             positions.append(r.position)
-            slots.append(r.slot)
+            row = seq.num_kv_tokens
+            for group in range(g):
+                slots[group].append(seq.block_table[row // bs * g + group] * bs + row % bs)
             sample_rows.append(len(input_ids) - 1)
             sample_seqs.append(seq)
-        batch = AttentionBatch(
-            slot_mapping=self._tensor(slots, torch.int64),
-            num_prefill_tokens=num_prefill_tokens,
-            prefill_block_tables=self._block_tables([c.seq for c in step.prefills]),
-            prefill_seq_lens=self._tensor(prefill_lens),
-            prefill_query_start_loc=self._tensor(query_start),
-            decode_block_tables=self._block_tables(step.decodes),
-            decode_seq_lens=self._tensor([s.num_kv_tokens + 1 for s in step.decodes]),
-            kv_hook=kv_hook,
-            **self._step_tables(step, prefill_lens, query_start),
-        )
+        common = dict(num_prefill_tokens=num_prefill_tokens, prefill_seq_lens=self._tensor(prefill_lens),
+                      prefill_query_start_loc=self._tensor(query_start),
+                      decode_seq_lens=self._tensor([s.num_kv_tokens + 1 for s in step.decodes]), kv_hook=kv_hook)
+        step_tables = self._step_tables(step, prefill_lens, query_start)
+
+        def of_group(group: int) -> dict:  # the unified kernel's tables, with this group's block tables
+            return {**step_tables, "step_block_tables": step_tables["step_block_tables"][group]} if step_tables else {}
+
+        batches = [
+            AttentionBatch(
+                slot_mapping=self._tensor(slots[group], torch.int64),
+                prefill_block_tables=self._block_tables([c.seq for c in step.prefills], group),
+                decode_block_tables=self._block_tables(step.decodes, group),
+                **common, **of_group(group),
+            )
+            for group in range(g)
+        ]
+        batch = batches[0] if g == 1 else dataclasses.replace(batches[0], group_batches=tuple(batches))
         hidden = self.model(
             self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), self.kv_pool, batch,
             self.backend,

@@ -15,9 +15,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.block_tables import BlockTables
+from engine.block_tables import BlockTables, held
 from engine.sequence import Sequence, SequenceStatus
-from kvstore.block_key import BlockKey, extend_block_keys
+from kvstore.block_key import BlockKey, extend_group_keys
 from kvstore.block_spec import BlockSpec
 from kvstore.tiered_store import TieredStore
 
@@ -66,9 +66,13 @@ class Scheduler:
 
     def __init__(
         self, config: SchedulerConfig, store: TieredStore, *, tables: BlockTables, spec: BlockSpec,
-        copy_block: CopyBlock, on_free: FreeHook | None = None,
+        copy_block: CopyBlock, on_free: FreeHook | None = None, group_windows: tuple[int | None, ...] = (None,),
     ) -> None:
+        if len(group_windows) != spec.num_groups:
+            raise ValueError(f"{len(group_windows)} group windows for {spec.num_groups} KV block groups")
         self.config = config
+        self.groups = spec.num_groups  # G: table entries per 16-token block (kvstore.block_spec)
+        self.sliding = [(g, w) for g, w in enumerate(group_windows) if w is not None]
         self.store = store
         self.pool = store.block_pool
         self.tables = tables
@@ -94,8 +98,8 @@ class Scheduler:
 
     def keys_of(self, seq: Sequence) -> list[BlockKey]:
         """Keys of every full block of ``seq.token_ids`` (computed incrementally, cached on the sequence)."""
-        return extend_block_keys(
-            seq.block_keys, seq.token_ids, block_size_tokens=self.spec.block_size_tokens,
+        return extend_group_keys(
+            seq.block_keys, seq.token_ids, num_groups=self.groups, block_size_tokens=self.spec.block_size_tokens,
             spec_fingerprint=self.spec.fingerprint, salt=seq.salt,
         )
 
@@ -108,18 +112,21 @@ class Scheduler:
         seq.prefix_matched = True
         if not self.config.enable_prefix_caching and not seq.pinned_block_ids:
             return
-        bs = self.spec.block_size_tokens
-        keys = self.keys_of(seq)[: (len(seq.token_ids) - 1) // bs]
+        bs, g = self.spec.block_size_tokens, self.groups
+        keys = self.keys_of(seq)[: (len(seq.token_ids) - 1) // bs * g]
         self.num_prefix_query_tokens += len(seq.token_ids)
         hit = self.store.load(keys, self.store.match_prefix(keys))  # acquired; lower tiers promoted
+        if len(hit) % g:  # every group's block of a 16-token block, or none of them
+            self.pool.release(hit[len(hit) - len(hit) % g :])
+            hit = hit[: len(hit) - len(hit) % g]
         if seq.num_output_tokens == 0:
-            self.store.record_prompt(len(seq.token_ids), len(hit) * bs)
+            self.store.record_prompt(len(seq.token_ids), len(hit) // g * bs)
             if not seq.tail_scored:  # a prompt matched again after a preemption is not replayed twice
                 seq.cold_from = self.store.cold_from(keys, len(hit))
                 seq.tail_scored = True
         self.tables.assign(seq, hit)
         seq.num_keyed_blocks = len(hit)
-        seq.num_computed_tokens = len(hit) * bs
+        seq.num_computed_tokens = len(hit) // g * bs
         self.num_prefix_hit_tokens += seq.num_computed_tokens
         if seq.num_output_tokens == 0:
             seq.num_cached_prompt_tokens = seq.num_computed_tokens
@@ -178,7 +185,7 @@ class Scheduler:
         """Keys of the full blocks of ``seq``'s tokens so far (empty with prefix caching off)."""
         if not self.config.enable_prefix_caching:
             return []
-        return self.keys_of(seq)[: len(seq.token_ids) // self.spec.block_size_tokens]
+        return self.keys_of(seq)[: len(seq.token_ids) // self.spec.block_size_tokens * self.groups]
 
     def _inflight_keys(self) -> set[BlockKey]:
         """Keys of full prompt blocks that running prefills will compute but have not keyed yet."""
@@ -193,40 +200,58 @@ class Scheduler:
         return bool(inflight) and not seq.pinned_block_ids and any(k in inflight for k in self._prompt_keys(seq))
 
     def _reserve_decode_slot(self, seq: Sequence) -> bool:
-        """Make sure the block for KV row ``num_kv_tokens`` exists and is private."""
-        bs = self.spec.block_size_tokens
+        """Make sure the blocks (one per group) for KV row ``num_kv_tokens`` exist and are private, after
+        giving back the sliding groups' blocks the row's window no longer reaches."""
+        bs, g = self.spec.block_size_tokens, self.groups
         pos = seq.num_kv_tokens
-        if pos // bs >= len(seq.block_table):
-            return self.tables.grow(seq, 1)
-        tail = seq.block_table[pos // bs]
-        if self.pool.ref_count(tail) > 1:  # shared partial tail after a fork: copy on write
-            new = self.pool.try_allocate(1)
-            if new is None:
-                return False
-            self.copy_block(tail, new[0])
-            self.tables.replace(seq, pos // bs, pos // bs + 1, new)
+        self.drop_out_of_window(seq, pos)
+        if pos // bs * g >= len(seq.block_table):
+            return self.tables.grow(seq, g)
+        for index in range(pos // bs * g, pos // bs * g + g):
+            tail = seq.block_table[index]
+            if self.pool.ref_count(tail) > 1:  # shared partial tail after a fork: copy on write
+                new = self.pool.try_allocate(1)
+                if new is None:
+                    return False
+                self.copy_block(tail, new[0])
+                self.tables.replace(seq, index, index + 1, new)
         return True
+
+    def drop_out_of_window(self, seq: Sequence, pos: int) -> None:
+        """Give back each sliding group's blocks that hold only rows before the window of a query at row
+        ``pos`` (every later query's window starts later): block i is out once ``(i + 1)·B <= pos − W + 1``.
+        The full groups keep theirs. Only decode steps call it: a prefill node publishes every block of the
+        prompt, and a prompt's next chunk may still read the window before it."""
+        if not self.sliding or seq.num_absent_tokens:
+            return
+        bs, g = self.spec.block_size_tokens, self.groups
+        for group, window in self.sliding:
+            dead = max(0, (pos - window + 1) // bs)
+            for i in range(seq.num_dropped_blocks, dead):
+                self.tables.drop(seq, i * g + group)
+        seq.num_dropped_blocks = max(seq.num_dropped_blocks,
+                                     min(max(0, (pos - w + 1) // bs) for _, w in self.sliding))
 
     def _grow_for_prefill(self, seq: Sequence, budget: int) -> int:
         """Allocate blocks for the next chunk of ``seq``; returns the chunk size (0: nothing fits)."""
-        bs = self.spec.block_size_tokens
+        bs, g = self.spec.block_size_tokens, self.groups
         chunk = min(seq.num_pending_tokens, budget)
         start = seq.num_computed_tokens
-        have = len(seq.block_table)
+        have = len(seq.block_table) // g  # 16-token blocks (each a block per group)
         # Only forked samples share a partial tail block, and they fork after the prompt is computed,
         # so a prefill chunk never writes into a shared block.
-        free_slots = have * bs - start + self.pool.num_free_blocks * bs
+        free_slots = have * bs - start + self.pool.num_free_blocks // g * bs
         chunk = min(chunk, free_slots)
         if chunk <= 0:
             return 0
-        need = -(-(start + chunk) // bs) - have
+        need = (-(-(start + chunk) // bs) - have) * g
         self.tables.grow(seq, need, required=True)
         return chunk
 
     def preempt(self, seq: Sequence) -> None:
         """Release a running sequence's blocks (full ones stay cached) and queue it for recompute."""
         self.running.remove(seq)
-        self.pool.warm(seq.block_table)  # recomputed soon: its cold tail must not go first
+        self.pool.warm(held(seq.block_table))  # recomputed soon: its cold tail must not go first
         self.free_blocks(seq)
         seq.num_computed_tokens = 0
         seq.num_keyed_blocks = 0
@@ -237,8 +262,8 @@ class Scheduler:
         """Whether ``seq``, the one sequence left that cannot get blocks, would fit the pool but for blocks
         held outside the scheduler (a lease for a peer, a pull in progress): those come back in bounded
         time, so it should wait rather than end."""
-        held_outside = self.pool.stats().num_in_use - len(set(seq.block_table))
-        needed = -(-(len(seq.token_ids) + 1) // self.spec.block_size_tokens)
+        held_outside = self.pool.stats().num_in_use - len(set(held(seq.block_table)))
+        needed = -(-(len(seq.token_ids) + 1) // self.spec.block_size_tokens) * self.groups
         return held_outside > 0 and needed <= self.pool.num_blocks
 
     def release_waiting_holds(self) -> bool:
@@ -261,7 +286,7 @@ class Scheduler:
         seq.num_computed_tokens += num_tokens
         if not self.config.enable_prefix_caching or seq.keys_stopped:
             return
-        full = seq.num_computed_tokens // self.spec.block_size_tokens
+        full = seq.num_computed_tokens // self.spec.block_size_tokens * self.groups  # table entries
         if full > seq.num_keyed_blocks:
             keys = self.keys_of(seq)
             cold_from = seq.cold_from if seq.cold_from is not None else full
@@ -280,6 +305,7 @@ class Scheduler:
             self.on_free(seq)
         self.tables.free(seq)
         seq.num_absent_tokens = 0
+        seq.num_dropped_blocks = 0
         seq.keys_stopped = False
 
     def finish(self, seq: Sequence, reason: str) -> None:

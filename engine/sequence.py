@@ -50,6 +50,7 @@ class Sequence:
     num_computed_tokens: int = 0
     prefix_matched: bool = False  # the prefix cache was consulted since the last (re)admission
     num_keyed_blocks: int = 0  # leading blocks of block_table already offered to the prefix cache
+    num_dropped_blocks: int = 0  # leading 16-token blocks whose sliding-group blocks were given back
     cold_from: int | None = None  # blocks from this index on are keyed cold (kvstore.policy); None: none
     tail_scored: bool = False  # the store's TailCap has seen this prompt (once per prompt)
     num_cached_prompt_tokens: int = 0  # prompt tokens reused from the prefix cache at admission

@@ -18,6 +18,7 @@ from typing import NewType
 BlockKey = NewType("BlockKey", bytes)
 
 KEY_DOMAIN = b"kvrelay.block.v1"
+GROUP_DOMAIN = b"kvrelay.group.v1"
 MAX_TOKEN_ID = 2**32 - 1
 
 
@@ -78,4 +79,29 @@ def extend_block_keys(
     for i in range(len(keys), num_full):
         chunk = token_ids[i * block_size_tokens : (i + 1) * block_size_tokens]
         keys.append(BlockKey(hashlib.sha256(KEY_DOMAIN + keys[-1] + _tokens_bytes(chunk)).digest()))
+    return keys
+
+
+def group_key(key: BlockKey, group: int) -> BlockKey:
+    """The key of group ``group``'s block of the 16-token block ``key`` names (`BlockSpec.num_groups`):
+    ``key`` itself for group 0, ``sha256(b"kvrelay.group.v1" ‖ key ‖ group as u32-LE)`` for the others."""
+    if group == 0:
+        return key
+    return BlockKey(hashlib.sha256(GROUP_DOMAIN + key + struct.pack("<I", group)).digest())
+
+
+def extend_group_keys(keys: list[BlockKey], token_ids: Sequence[int], *, num_groups: int, block_size_tokens: int,
+                      spec_fingerprint: bytes, salt: bytes = b"") -> list[BlockKey]:
+    """`extend_block_keys` for a table of ``num_groups`` blocks per 16-token block: ``keys`` holds, for each
+    full token block i, the keys of its groups in order (entry ``i·G + g`` is ``group_key(key_i, g)``).
+    Mutates and returns ``keys``."""
+    if num_groups == 1:
+        return extend_block_keys(keys, token_ids, block_size_tokens=block_size_tokens,
+                                 spec_fingerprint=spec_fingerprint, salt=salt)
+    base = keys[::num_groups]
+    known = len(base)
+    extend_block_keys(base, token_ids, block_size_tokens=block_size_tokens, spec_fingerprint=spec_fingerprint,
+                      salt=salt)
+    for key in base[known:]:
+        keys.extend(group_key(key, g) for g in range(num_groups))
     return keys

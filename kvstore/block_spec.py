@@ -7,6 +7,11 @@ A pool of blocks on any tier is one tensor of shape::
 
 so block ``b`` is one contiguous byte range of ``block_bytes`` bytes, and inside it each
 ``(layer, k|v, head)`` is a contiguous ``block_size_tokens x head_dim`` tile.
+
+With ``num_groups`` G > 1 (a hybrid model: `model.config.ModelConfig.kv_groups`) a block holds one
+group's ``num_layers`` layers, and a sequence's 16-token block i is G blocks: its table lists them
+group by group (entry ``i·G + g``), each under its own key (`kvstore.block_key.group_key`), so a
+sliding group's blocks can be freed while the full group keeps its own.
 """
 
 from __future__ import annotations
@@ -38,9 +43,10 @@ class BlockSpec:
     block_size_tokens: int = 16
     dtype: str = "float32"
     model_fingerprint: str = ""
+    num_groups: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size_tokens"):
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size_tokens", "num_groups"):
             require_int(f"BlockSpec.{name}", getattr(self, name))
         if self.dtype not in DTYPE_NAME_TO_TORCH:
             raise ValueError(
@@ -62,13 +68,20 @@ class BlockSpec:
 
     @property
     def block_bytes(self) -> int:
-        """Bytes in one block: ``2·L·H·B·D·itemsize``."""
+        """Bytes in one block: ``2·L·H·B·D·itemsize`` (L: the layers of one group)."""
         return 2 * self.num_layers * self.num_kv_heads * self.block_size_tokens * self.head_dim * self.itemsize
 
     @property
     def token_bytes(self) -> int:
-        """KV bytes of one token across all layers."""
-        return self.block_bytes // self.block_size_tokens
+        """KV bytes of one token across all layers (every group)."""
+        return self.num_groups * self.block_bytes // self.block_size_tokens
+
+    def tokens_held(self, num_blocks: int) -> int | None:
+        """Tokens that a sequence's first ``num_blocks`` table entries hold (``num_groups`` entries per
+        16-token block), or None when ``num_blocks`` is not a whole number of token blocks."""
+        if num_blocks % self.num_groups:
+            return None
+        return num_blocks // self.num_groups * self.block_size_tokens
 
     def pool_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (num_blocks, *self.block_shape)
@@ -90,4 +103,6 @@ class BlockSpec:
             f"kvrelay.spec.v1|layers={self.num_layers}|kv_heads={self.num_kv_heads}|head_dim={self.head_dim}"
             f"|block={self.block_size_tokens}|dtype={self.dtype}|model={self.model_fingerprint}"
         )
+        if self.num_groups > 1:  # one group: the v1 text, so existing disk tiers and peers stay valid
+            text += f"|groups={self.num_groups}"
         return hashlib.sha256(text.encode()).digest()

@@ -40,6 +40,8 @@ class AttentionBatch:
         step_block_tables, step_seq_lens, step_query_start_loc: every sequence of the step, prefill ones
             then decode ones (one query each), for a backend's ``unified_attention``; None when the
             step has no prefill or no decode token, or the backend has no such kernel.
+        group_batches: with several KV block groups, one batch per group (group 0 is this one's
+            content); None with one group. See `for_group`.
     """
 
     slot_mapping: torch.Tensor
@@ -53,6 +55,12 @@ class AttentionBatch:
     step_block_tables: torch.Tensor | None = None
     step_seq_lens: torch.Tensor | None = None
     step_query_start_loc: torch.Tensor | None = None
+    group_batches: tuple[AttentionBatch, ...] | None = None
+
+    def for_group(self, group: int) -> AttentionBatch:
+        """The batch of KV block group ``group`` (`kvstore.block_spec`: its own tables and slots; the same
+        sequences, lengths and tokens): ``group_batches[group]``, or this batch when there is one group."""
+        return self if self.group_batches is None else self.group_batches[group]
 
     @property
     def num_decode_tokens(self) -> int:

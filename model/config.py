@@ -72,6 +72,20 @@ class RopeConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class KvGroup:
+    """Layers whose KV shares block tables (`ModelConfig.kv_groups`).
+
+    Attributes:
+        layers: the model's layer indices, ascending; the i-th is the block's local layer i.
+        window: the sliding window every layer of the group attends over, or None (full attention, or a
+            group whose blocks are never freed early).
+    """
+
+    layers: tuple[int, ...]
+    window: int | None
+
+
+@dataclass(frozen=True, slots=True)
 class MoeConfig:
     """A mixture-of-experts MLP (`model.moe`).
 
@@ -199,6 +213,29 @@ class ModelConfig:
     def layer_windows(self) -> tuple[int | None, ...]:
         """`layer_window` of every layer, in order."""
         return tuple(self.layer_window(i) for i in range(self.num_hidden_layers))
+
+    @property
+    def kv_groups(self) -> tuple[KvGroup, ...]:
+        """How the layers' KV is paged (`kvstore.block_spec`): one block of a sequence holds one group's
+        layers for 16 tokens, so a sliding group's blocks that fell out of its window can be freed while
+        the full group keeps its own (vLLM's hybrid KV cache manager, with groups of equal layer count so
+        that every block has one size).
+
+        * every layer full, or every layer sliding with one window: one group of all layers;
+        * as many full as sliding layers (gpt-oss): two groups, the full layers first (group 0: its block
+          keys are the plain prefix keys the router indexes), then the sliding ones;
+        * any other mix (Qwen2 with ``max_window_layers``): one group of all layers, never freed early
+          (each layer still attends over its own window).
+        """
+        windows = self.layer_windows
+        layers = tuple(range(self.num_hidden_layers))
+        if len(set(windows)) == 1:
+            return (KvGroup(layers, windows[0]),)
+        full = tuple(i for i in layers if windows[i] is None)
+        sliding = tuple(i for i in layers if windows[i] is not None)
+        if len(full) == len(sliding) and len({windows[i] for i in sliding}) == 1:
+            return (KvGroup(full, None), KvGroup(sliding, windows[sliding[0]]))
+        return (KvGroup(layers, None),)
 
     @classmethod
     def from_hf_dict(cls, config: dict[str, Any]) -> ModelConfig:

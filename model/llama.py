@@ -216,6 +216,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.head: LinearKernel | None = None  # set by `prepare_for_inference`
         self.register_buffer("rope_inv_freq", rope_inv_freq(config.rope, config.head_dim), persistent=False)
+        self.kv_place = {layer: (g, local) for g, group in enumerate(config.kv_groups)
+                         for local, layer in enumerate(group.layers)}  # layer -> (KV block group, local layer)
 
     def forward(
         self,
@@ -230,8 +232,11 @@ class LlamaForCausalLM(nn.Module):
         Args:
             input_ids: ``[T]`` int64 token ids, laid out as ``batch`` describes.
             positions: ``[T]`` int64 position of each token in its sequence.
-            kv_pool: ``[num_blocks, num_layers, 2, num_kv_heads, block_size_tokens, head_dim]``.
-                Mutated: every token's key and value are written at ``batch.slot_mapping``.
+            kv_pool: ``[num_blocks, layers per block, 2, num_kv_heads, block_size_tokens, head_dim]``: a
+                block holds the layers of one `ModelConfig.kv_groups` group (all layers with one group);
+                layer i is local layer ``kv_place[i][1]`` of group ``kv_place[i][0]``'s blocks, read and
+                written through ``batch.for_group(group)``. Mutated: every token's key and value are
+                written at the slot mappings.
             batch: the step's attention metadata.
             backend: the attention kernels (`model.attention.make_backend`). Nothing here reads a
                 device value back on the host, so a step can be captured in a CUDA graph.
@@ -243,15 +248,14 @@ class LlamaForCausalLM(nn.Module):
         Raises:
             ValueError: the pool has the wrong number of layers.
         """
-        config = self.config
-        if kv_pool.shape[1] != config.num_hidden_layers:
-            raise ValueError(
-                f"kv_pool has {kv_pool.shape[1]} layers; the model has {config.num_hidden_layers}"
-            )
+        per_block = len(self.config.kv_groups[0].layers)
+        if kv_pool.shape[1] != per_block:
+            raise ValueError(f"kv_pool blocks hold {kv_pool.shape[1]} layers; the model's hold {per_block}")
         x = self.model.embed_tokens(input_ids)
         cos_sin = self.rotary(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos_sin, kv_pool[:, i], batch, backend)
+            group, local = self.kv_place[i]
+            x = layer(x, cos_sin, kv_pool[:, local], batch.for_group(group), backend)
         return self.model.norm(x)
 
     def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

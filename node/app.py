@@ -326,10 +326,12 @@ class EngineNode:
 
     def load_report(self) -> dict[str, Any]:
         """The room and speed the router places requests by (`router.nodes.NodeCapacity`): the device pool's
-        blocks (all, and free or evictable now), the batch and admission limits, and the rates the engine measured
-        (`engine.step_rates`; 0.0 before the first step of a kind). A snapshot read off the engine's thread."""
+        16-token blocks (all, and free or evictable now; pool blocks / `BlockSpec.num_groups`), the batch and
+        admission limits, and the rates the engine measured (`engine.step_rates`; 0.0 before the first step of a
+        kind). A snapshot read off the engine's thread."""
         engine, rates = self.engine, self.engine.rates
-        return {"kv_blocks": engine.pool.num_blocks, "free_blocks": self.worker.num_free_blocks,
+        groups = engine.spec.num_groups  # in 16-token blocks: a hybrid model's token block is one per group
+        return {"kv_blocks": engine.pool.num_blocks // groups, "free_blocks": self.worker.num_free_blocks // groups,
                 "max_num_seqs": engine.config.max_num_seqs,
                 "max_num_batched_tokens": engine.config.max_num_batched_tokens,
                 "prefill_tokens_per_s": rates.prefill_tokens_per_s, "decode_step_s": rates.decode_step_s,

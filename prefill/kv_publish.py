@@ -40,11 +40,12 @@ class PrefillTransfer:
         keys of the prompt's full blocks, computed once for the request) that the pool holds. None if none."""
         spec = engine.spec
         block_ids = engine.pool.match_prefix(keys)
+        block_ids = block_ids[: len(block_ids) - len(block_ids) % spec.num_groups]  # whole 16-token blocks
         if not block_ids:
             return None
         digests = [engine.pool.digest_of(b) for b in block_ids]
         handle = self.owner.offer(keys[: len(block_ids)], [TierBlock("device", b) for b in block_ids],
-                                  num_tokens=len(block_ids) * spec.block_size_tokens,
+                                  num_tokens=spec.tokens_held(len(block_ids)),
                                   digests=[] if None in digests else digests)  # type: ignore[arg-type]
         if self.faults:
             self._inject(engine, handle)

@@ -9,7 +9,8 @@
     keys[i] ── is held by the owner at ── blocks[i] = (tier, block id on that tier) ── with digest digests[i]
 
 All blocks are full and keyed (a tail block shorter than ``block_size_tokens`` is never shared), so
-``num_tokens == len(keys) * block_size_tokens``. The owner pins the blocks under ``lease_id`` until the
+``num_tokens == len(keys) * block_size_tokens`` (``len(keys) / G * block_size_tokens`` for a model with G
+block groups: `BlockSpec.tokens_held`). The owner pins the blocks under ``lease_id`` until the
 reader's completion notification, or until the lease expires (``lease_ttl_s`` after the last renew).
 ``owner_url`` is the base of the owner's transfer endpoints (``/kv/meta``, ``/kv/lease/renew``).
 ``digests`` (`kvstore.digest`, u64 each) are what the reader checks the READ's bytes against; empty when the

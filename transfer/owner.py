@@ -73,9 +73,10 @@ class KvOwner:
             raise ValueError(f"offer needs one block per key, got {len(keys)} keys and {len(blocks)} blocks")
         if len(digests) not in (0, len(keys)):
             raise ValueError(f"offer needs no digest or one per key, got {len(digests)} for {len(keys)} keys")
-        if num_tokens != len(keys) * self.agent.spec.block_size_tokens:
-            raise ValueError(f"{len(keys)} full blocks hold {len(keys) * self.agent.spec.block_size_tokens} tokens, "
-                             f"not {num_tokens}")
+        held = self.agent.spec.tokens_held(len(keys))
+        if held is None or num_tokens != held:
+            raise ValueError(f"{len(keys)} full blocks ({self.agent.spec.num_groups} per 16-token block) hold "
+                             f"{held} tokens, not {num_tokens}")
         readable = {t.name for t in self.agent.meta.tiers}
         for tier, _ in blocks:
             if tier not in readable:

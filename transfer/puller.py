@@ -243,8 +243,8 @@ class Puller:
         return kept, num_bad, told
 
     def _check_shape(self, handle: KvHandle) -> None:
-        expected = handle.num_blocks * self._agent.spec.block_size_tokens
-        if handle.num_tokens != expected:
+        expected = self._agent.spec.tokens_held(handle.num_blocks)
+        if expected is None or handle.num_tokens != expected:
             raise TransferError("bad_handle", f"handle covers {handle.num_tokens} tokens with {handle.num_blocks} "
                                 f"full blocks of {self._agent.spec.block_size_tokens}; expected {expected}")
 

@@ -282,3 +282,41 @@ def test_configs_of_each_family_parse_as_transformers_builds_them():
                                   "num_local_experts": 4})
     with pytest.raises(ValueError, match="layer_types"):
         ModelConfig.from_hf_dict({**GptOssConfig(**common).to_dict(), "layer_types": ["sliding_attention"]})
+
+
+# ---- hybrid KV: the sliding layers' blocks are given back ----
+
+def test_gpt_oss_sliding_blocks_out_of_the_window_go_back_to_the_pool_while_full_ones_stay(family_dirs):
+    """gpt-oss (tiny: 2 full + 2 sliding layers, window 32) pages its KV in two groups: 16-token block i
+    of a sequence is table entries 2i (full layers) and 2i + 1 (sliding layers). Before the decode step of
+    row p, the sliding blocks wholly before p − 31 are given back; the full ones never are."""
+    from engine.block_tables import NULL_BLOCK, held
+
+    loaded = load_model(family_dirs["gpt-oss"])
+    assert [g.window for g in loaded.config.kv_groups] == [None, TINY_WINDOW]
+    engine = LLMEngine(loaded, EngineConfig(num_blocks=64, max_num_batched_tokens=128,
+                                            enable_prefix_caching=False))
+    assert engine.spec.num_groups == 2 and engine.spec.num_layers == 2
+    prompt = _prompts((100,))[0]
+    engine.add_request("r", prompt, GREEDY)
+    seq = engine._requests["r"].seqs[0]
+    seen = []
+    while engine.has_unfinished():
+        engine.step()
+        if seq.status.value == "running":
+            seen.append((seq.num_computed_tokens, list(seq.block_table), engine.pool.stats().num_in_use))
+    for computed, table, in_use in seen:
+        blocks = -(-computed // 16)  # 16-token blocks with KV so far
+        last_decoded = computed - 1  # the row the last decode step wrote (the prefill step: the prompt)
+        dropped = max(0, (last_decoded - TINY_WINDOW + 1) // 16) if computed > len(prompt) else 0
+        assert len(table) == 2 * blocks, computed
+        assert [table[2 * i + 1] == NULL_BLOCK for i in range(blocks)] == [i < dropped for i in range(blocks)]
+        assert NULL_BLOCK not in table[0::2]  # the full layers keep every block
+        assert in_use == len(held(table)) == 2 * blocks - dropped, computed
+    final_computed, final_table, _ = seen[-1]
+    assert final_computed == 100 + OUT_TOKENS - 2  # the step of the last token finishes the sequence
+    # at 138 rows: 9 blocks of the full layers, 3 of the sliding layers (the window of row 137, rows
+    # 106..137, spans blocks 6..8): 12 blocks where an all-full layout holds 18
+    assert len(held(final_table)) == 12
+    assert engine.pool.stats().num_in_use == 0
+    engine.check_integrity()

@@ -37,9 +37,9 @@ def _hf_configs() -> dict[str, PretrainedConfig]:
             **common, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
             sliding_window=24,
         ),
-        "qwen2_window_on_the_upper_layer": Qwen2Config(
-            **common, hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2,
-            use_sliding_window=True, sliding_window=20, max_window_layers=1,
+        "qwen2_window_on_the_upper_layers": Qwen2Config(  # 1 full + 2 sliding layers: one KV block group
+            **{**common, "num_hidden_layers": 3}, hidden_size=64, intermediate_size=160, num_attention_heads=4,
+            num_key_value_heads=2, use_sliding_window=True, sliding_window=20, max_window_layers=1,
         ),
         "llama_head_dim_linear_bias": LlamaConfig(
             **common, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,

@@ -61,8 +61,11 @@ def complete(url: str, prompt: list[int]) -> list[int]:
     return [int(t.removeprefix("token_id:")) for t in choice["logprobs"]["tokens"]]
 
 
-def block_bytes(model_dir: Path) -> int:
-    return LLMEngine.block_spec_for(load_model(model_dir), BLOCK_TOKENS).block_bytes
+def block_shape(model_dir: Path) -> tuple[int, int]:
+    """(bytes of one 16-token block, pool blocks per 16-token block): a hybrid model (gpt-oss) pages its
+    full and its sliding layers in blocks of their own (`BlockSpec.num_groups`)."""
+    spec = LLMEngine.block_spec_for(load_model(model_dir), BLOCK_TOKENS)
+    return spec.block_bytes * spec.num_groups, spec.num_groups
 
 
 def idle(c: Cluster) -> bool:
@@ -87,7 +90,8 @@ def test_each_family_through_prefill_and_decode_equals_transformers(family, arch
     """The short and the long prompt cold; then the extended one: the prefill node reuses the long prompt's 4
     blocks and computes the rest, the decode node holds those 4 and pulls only the fifth."""
     path, expected = family(arch)
-    one_block = block_bytes(path)
+    one_block, groups = block_shape(path)
+    assert groups == (2 if arch == "gpt-oss" else 1)
     with Cluster(path, overrides={"kvstore": {"integrity": "all"}}) as c:
         prefill, decode = c.prefill_urls[0], c.decode_urls[0]
         for n in (SHORT, LONG):
@@ -101,7 +105,7 @@ def test_each_family_through_prefill_and_decode_equals_transformers(family, arch
         # and computes the 8-token tail and the first token, which came from the prefill node without its KV.
         grew = {u: tuple(a - b for a, b in zip(work(u), before[u], strict=True)) for u in (prefill, decode)}
         assert grew == {prefill: (64, 24), decode: (80, 9)}
-        assert metrics(decode)['kvrelay_kv_integrity_checks_total{where="nixl_read"}'] == 6
+        assert metrics(decode)['kvrelay_kv_integrity_checks_total{where="nixl_read"}'] == 6 * groups
         assert integrity_failures(decode) == 0
         wait_for(lambda: idle(c), what="leases released and pools idle")
 
@@ -130,7 +134,7 @@ def test_gpt_oss_prefix_hits_from_host_and_disk_equal_the_cold_tokens(family):
     blocks) pushes every cached device block to host; three more overflow the host, oldest (the prompt's) first,
     on to disk."""
     path, expected = family("gpt-oss")
-    one_block = block_bytes(path)
+    one_block, groups = block_shape(path)  # 2 pool blocks (full layers, sliding layers) per 16-token block
     lru = {"policy": "lru"}
     overrides = {"kvstore": {"integrity": "all", "device": {"bytes": 8 * one_block, **lru},
                              "host": {"bytes": 8 * one_block, **lru}, "disk": lru}}
@@ -155,10 +159,10 @@ def test_gpt_oss_prefix_hits_from_host_and_disk_equal_the_cold_tokens(family):
         cold = serve(prompt)
         assert cold == Served(expected[str(LONG)], {"device": 0, "host": 0, "disk": 0}, 0, 4)
         filler(fillers[0])
-        assert serve(prompt) == Served(cold.tokens, {"device": 0, "host": 4, "disk": 0}, 4 * BLOCK_TOKENS, 4)
+        assert serve(prompt) == Served(cold.tokens, {"device": 0, "host": 4 * groups, "disk": 0}, 4 * BLOCK_TOKENS, 4)
         for p in fillers[1:]:
             filler(p)
-        assert serve(prompt) == Served(cold.tokens, {"device": 0, "host": 0, "disk": 4}, 4 * BLOCK_TOKENS, 4)
+        assert serve(prompt) == Served(cold.tokens, {"device": 0, "host": 0, "disk": 4 * groups}, 4 * BLOCK_TOKENS, 4)
         assert integrity_failures(prefill) == 0 and integrity_failures(decode) == 0
         assert transfer(decode)[1] == 0
 
