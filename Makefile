@@ -8,7 +8,7 @@ MODEL_DIR ?= .models/$(MODEL)
 TINY_DIR := .models/tiny
 PYTEST_ARGS ?=
 
-.PHONY: serve model test bench bench-real bench-long-context bench-load bench-first-run lint gpu-check clean
+.PHONY: serve model test bench bench-real bench-long-context bench-families bench-load bench-first-run lint gpu-check clean
 
 $(BIN)/kvrelay: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -61,6 +61,17 @@ bench-long-context: $(BIN)/kvrelay model
 	mkdir -p bench-out
 	$(BIN)/kvrelay bench long-context --plot bench-out/long-context.png --out bench-out/long-context.json
 	$(BIN)/kvrelay bench long-context --model real --real-model-dir $(MODEL_DIR) --out bench-out/long-context-real.json
+
+# The model families (tiny, random): decode and prefill against transformers for each mixture of experts, float32
+# and bf16; the KV a hybrid (gpt-oss) sequence holds against all-full paging (~6 min).
+bench-families: $(BIN)/kvrelay
+	mkdir -p bench-out
+	for arch in qwen3-moe mixtral gpt-oss; do \
+		$(BIN)/kvrelay bench decode --arch $$arch --layers 4 --hidden 128 --out bench-out/decode-$$arch.json || exit 1; \
+		$(BIN)/kvrelay bench decode --arch $$arch --layers 4 --hidden 128 --dtype bfloat16 \
+			--out bench-out/decode-$$arch-bf16.json || exit 1; \
+	done
+	$(BIN)/kvrelay bench hybrid-kv --out bench-out/hybrid-kv.json
 
 # 4,000 clients at once against 1P1D and 2P2D (tiny model): completions, 429s, latency against the ideal (~3 min).
 bench-load: $(BIN)/kvrelay $(TINY_DIR)/config.json
