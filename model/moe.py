@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.moe_reference import ACTIVATIONS
 from model.config import ModelConfig, MoeConfig
 from model.linear_kernel import LinearKernel
 
@@ -53,14 +54,10 @@ def route(logits: torch.Tensor, moe: MoeConfig) -> tuple[torch.Tensor, torch.Ten
 
 
 def activate(gate_up: torch.Tensor, moe: MoeConfig) -> torch.Tensor:
-    """``[n, 2I]`` (gate columns then up columns) → ``[n, I]`` (see `MoeConfig.activation`)."""
+    """``[n, 2I]`` (gate columns then up columns) → ``[n, I]`` (see `MoeConfig.activation`; the functions of
+    `kernels.moe_reference`, which the Triton kernel is tested against)."""
     gate, up = gate_up.chunk(2, dim=-1)
-    if moe.activation == "silu":
-        return F.silu(gate) * up
-    limit = moe.swiglu_limit
-    gate = gate.clamp(max=limit)
-    up = up.clamp(min=-limit, max=limit)
-    return (up + 1) * (gate * torch.sigmoid(gate * moe.swiglu_alpha))
+    return ACTIVATIONS[moe.activation](gate, up, alpha=moe.swiglu_alpha, limit=moe.swiglu_limit)
 
 
 class _Expert(nn.Module):
