@@ -61,7 +61,8 @@ def load_model(
 
     Raises:
         FileNotFoundError: no ``config.json``, no weights file, or a shard the index names is absent.
-        ValueError: unsupported architecture or dtype (``auto``: see `model.dtype.resolve_dtype`); a
+        ValueError: unsupported architecture or dtype (``auto``: see `model.dtype.resolve_dtype`); quantized
+            (MXFP4) expert tensors; a
             parameter has no tensor in the checkpoint (named, with the directory); a tensor's shape
             differs from the parameter's (named, with expected and found shapes and the file).
     """
@@ -69,6 +70,10 @@ def load_model(
     torch_dtype = DTYPE_NAME_TO_TORCH[resolve_dtype(dtype, device)]
     config = read_model_config(model_dir)
     name_to_file = _tensor_files(model_dir)
+    quantized = sorted(n for n in name_to_file if n.endswith(("_blocks", "_scales")) and ".experts." in n)
+    if quantized:
+        raise ValueError(f"{model_dir}: the experts are stored quantized ({quantized[0]!r}, MXFP4 as gpt-oss "
+                         f"releases them), which kvrelay does not read; use a bf16 checkpoint of the model")
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     name_to_param = dict(model.named_parameters())

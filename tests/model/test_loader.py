@@ -178,3 +178,15 @@ def test_fingerprint_covers_every_weight_byte_and_caches_by_size_and_mtime(tiny_
     data[middle] ^= 0xFF
     weights.write_bytes(bytes(data))
     assert model_fingerprint(model) == base  # the same bytes again: the same name
+
+
+def test_mxfp4_experts_are_refused_by_name(tmp_path: Path) -> None:
+    from model.tiny import write_tiny_model
+
+    model_dir = write_tiny_model(tmp_path / "gpt-oss", arch="gpt-oss")
+    blocks = torch.zeros(4, 128, 2, 16, dtype=torch.uint8)
+    _rewrite_weights(model_dir, {"model.layers.0.mlp.experts.gate_up_proj": None,
+                                 "model.layers.0.mlp.experts.gate_up_proj_blocks": blocks})
+    with pytest.raises(ValueError, match=r"the experts are stored quantized \('model.layers.0.mlp.experts."
+                                         r"gate_up_proj_blocks', MXFP4 as gpt-oss releases them\)"):
+        load_model(model_dir)
