@@ -303,6 +303,10 @@ class EngineNode:
             "role": self.config.role, "node": self.config.name, "model": self.config.model_name,
             "vocab_size": self.engine.model_config.vocab_size, "max_model_len": self.engine.max_model_len,
             "block_size_tokens": spec.block_size_tokens, "spec_fingerprint": spec.fingerprint,
+            # what a block holds: one group's layers (a hybrid model has a group of full and one of sliding
+            # layers; `ModelConfig.kv_groups`), keyed group by group (`kvstore.block_key.group_key`)
+            "kv_block_groups": [{"layers": list(g.layers), "window": g.window}
+                                for g in self.engine.model_config.kv_groups],
             "eos_token_ids": sorted(self.engine.eos_token_ids), "attention_backend": self.engine.attention_backend,
             "cuda_graph_batch_sizes": list(self.engine.cuda_graph_sizes),
         })

@@ -165,6 +165,21 @@ def test_gpt_oss_prefix_hits_from_host_and_disk_equal_the_cold_tokens(family):
         assert serve(prompt) == Served(cold.tokens, {"device": 0, "host": 0, "disk": 4 * groups}, 4 * BLOCK_TOKENS, 4)
         assert integrity_failures(prefill) == 0 and integrity_failures(decode) == 0
         assert transfer(decode)[1] == 0
+        assert node_info(c, decode)["kv_block_groups"] == [{"layers": [1, 3], "window": None},
+                                                           {"layers": [0, 2], "window": 32}]
+
+
+def node_info(c: Cluster, url: str) -> dict:
+    """A node's ``/info`` (msgpack, behind the internal token)."""
+    import urllib.request
+
+    import msgpack
+
+    from transfer.config import TOKEN_HEADER
+
+    req = urllib.request.Request(url + "/info", headers={TOKEN_HEADER: c.token})
+    with urllib.request.urlopen(req, timeout=5) as resp:
+        return msgpack.unpackb(resp.read())
 
 
 def test_gpt_oss_mixed_lengths_sent_together_equal_one_by_one(family):
