@@ -4,6 +4,7 @@ family names; exact expert routing against a plain reference."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -320,3 +321,30 @@ def test_gpt_oss_sliding_blocks_out_of_the_window_go_back_to_the_pool_while_full
     assert len(held(final_table)) == 12
     assert engine.pool.stats().num_in_use == 0
     engine.check_integrity()
+
+
+def test_gpt_oss_samples_and_preemption_with_given_back_blocks_equal_single_runs(family_dirs):
+    """n = 3 samples fork the prompt's blocks of both groups and copy on write each group's tail; in a pool
+    too small for four sequences at once some are preempted and recomputed. Every stream equals its run
+    alone, and the references add up after every step."""
+    loaded = load_model(family_dirs["gpt-oss"])
+    prompt, *others = _prompts((70, 70, 71, 100), seed=4)
+    sampled = SamplingParams(max_tokens=60, temperature=1.0, seed=40)
+    [[alone]] = LLMEngine(loaded, EngineConfig(num_blocks=64)).generate([prompt], sampled)
+    eng = LLMEngine(loaded, EngineConfig(num_blocks=64))
+    eng.add_request("n3", prompt, dataclasses.replace(sampled, n=3))
+    seqs = eng._requests["n3"].seqs
+    while eng.has_unfinished():
+        eng.step()
+        eng.check_integrity()
+    outputs = [s.output_token_ids for s in seqs]
+    assert outputs[0] == alone and len({tuple(o) for o in outputs}) == 3
+    assert eng.pool.stats().num_in_use == 0
+
+    greedy = SamplingParams(max_tokens=60, min_tokens=60)
+    alone = [LLMEngine(loaded, EngineConfig(num_blocks=64)).generate([p], greedy)[0][0] for p in others]
+    small = LLMEngine(loaded, EngineConfig(num_blocks=24, max_num_seqs=8))
+    assert [o[0] for o in small.generate(others, greedy)] == alone
+    assert small.stats.preemptions > 0
+    small.check_integrity()
+    assert small.pool.stats().num_in_use == 0
