@@ -81,7 +81,6 @@ class ModelRunner:
         """One forward. Sequences whose pending tokens all get computed this step also get logits.
 
         ``kv_hook``: the long-context policies' calls for this step (`engine.kv_policy`), or None.
-
         """
         if self.graphs is not None and kv_hook is None and step.decodes and not step.prefills:
             replayed = self._replay(step.decodes)

@@ -127,6 +127,9 @@ class ReferenceBackend:
     score_blocks = staticmethod(reference.score_blocks)
 
 
+MAX_STEP_GROUPS = 4  # slot plans TorchBackend keeps: one per KV block group of the step
+
+
 class TorchBackend:
     """Batched plain-torch attention (`kernels.torch_attention`: fused SDPA in prefill, block-wise matmuls in
     decode); the CPU path.
@@ -147,16 +150,18 @@ class TorchBackend:
 
     def __init__(self) -> None:
         self._cpu_kernels = cpu_attention.load()
-        self._slots: tuple[torch.Tensor, int, torch_attention.SlotPlan] | None = None
+        # (slot_mapping, block_size, plan) of the current step, one per KV block group (`AttentionBatch.for_group`)
+        self._slots: list[tuple[torch.Tensor, int, torch_attention.SlotPlan]] = []
         # (block_tables, seq_lens, block_size, window -> plan) of the current step
         self._decode: tuple[torch.Tensor, torch.Tensor, int, dict[int | None, torch_attention.DecodePlan]] | None = None
 
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
         block_size = k_cache.shape[2]
-        memo = self._slots
-        if memo is None or memo[0] is not slot_mapping or memo[1] != block_size:
-            memo = self._slots = (slot_mapping, block_size, torch_attention.slot_plan(slot_mapping, block_size))
+        memo = next((m for m in self._slots if m[0] is slot_mapping and m[1] == block_size), None)
+        if memo is None:
+            memo = (slot_mapping, block_size, torch_attention.slot_plan(slot_mapping, block_size))
+            self._slots = [*self._slots[-(MAX_STEP_GROUPS - 1):], memo]
         torch_attention.write_kv(k_cache, v_cache, key, value, slot_mapping, plan=memo[2])
 
     def paged_decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
