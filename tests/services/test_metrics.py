@@ -5,7 +5,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 from tests.services.cluster import Cluster, metrics
-from tests.services.test_faults import post
+from tests.services.test_faults import post, wait_for
 
 COUNTERS = ("vllm:num_preemptions_total", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
             "vllm:prompt_tokens_total", "vllm:generation_tokens_total")
@@ -27,6 +27,12 @@ def test_vllm_named_metrics_move_as_a_run_proceeds(tiny_model_dir):
         with ThreadPoolExecutor(6) as pool:
             results = list(pool.map(lambda i: post(c.url, {**body, "prompt": shared + [100 + i]}), range(6)))
         assert [code for code, _ in results] == [200] * 6
+
+        def settled() -> bool:  # the last stream's end reaches the client before the engine's next gauges
+            m = metrics(decode)
+            return m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0
+
+        wait_for(settled, what="decode gauges back to idle")
         after = {u: metrics(u) for u in (prefill, decode, c.url)}
 
         def grew(url: str, name: str) -> float:
