@@ -152,10 +152,10 @@ def model_fingerprint(model_dir: str | Path) -> str:
     fingerprint, so KV computed with the old ones (in any tier, on disk too) is never served again.
 
     Hashing a large checkpoint takes a while (about a second per GiB), so each file's digest is cached
-    in ``FINGERPRINT_CACHE`` next to the files, keyed by name, size and modification time (nanoseconds):
-    a file rewritten in place gets a new mtime and is hashed again. (A rewrite that restores the old
-    mtime defeats the cache; delete the cache file after such surgery.) An unwritable directory is
-    hashed at every load.
+    in ``FINGERPRINT_CACHE`` next to the files, keyed by name, size, inode and modification and status-change
+    times (nanoseconds): a file rewritten in place, or replaced by a copy that keeps the old size and mtime
+    (``cp -p``, ``rsync -t``, ``os.utime``), has a new ctime (which no user call can set back) or inode and is
+    hashed again. An unwritable directory is hashed at every load.
 
     Raises:
         FileNotFoundError: no ``config.json`` or no weights (see `load_model`).
@@ -178,11 +178,11 @@ def model_fingerprint(model_dir: str | Path) -> str:
     for path in _weight_files(model_dir):
         st = path.stat()
         entry = cache.get(path.name)
-        if not (isinstance(entry, dict) and entry.get("size") == st.st_size and entry.get("mtime_ns") == st.st_mtime_ns
+        stamp = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "inode": st.st_ino}
+        if not (isinstance(entry, dict) and all(entry.get(k) == v for k, v in stamp.items())
                 and isinstance(entry.get("sha256"), str)):
             with path.open("rb") as f:
-                entry = {"size": st.st_size, "mtime_ns": st.st_mtime_ns,
-                         "sha256": hashlib.file_digest(f, "sha256").hexdigest()}
+                entry = {**stamp, "sha256": hashlib.file_digest(f, "sha256").hexdigest()}
         fresh[path.name] = entry
         name = path.name.encode()
         h.update(len(name).to_bytes(8, "little") + name + st.st_size.to_bytes(8, "little")

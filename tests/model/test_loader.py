@@ -190,3 +190,28 @@ def test_mxfp4_experts_are_refused_by_name(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"the experts are stored quantized \('model.layers.0.mlp.experts."
                                          r"gate_up_proj_blocks', MXFP4 as gpt-oss releases them\)"):
         load_model(model_dir)
+
+
+def test_same_size_weights_with_the_old_mtime_are_hashed_again(tiny_dir: Path, tmp_path: Path) -> None:
+    """Issue 30 (9): weights replaced by same-size ones whose mtime is set back (``os.utime``, as ``cp -p``
+    and ``rsync -t`` do) used to hit the digest cache, so KV of the old weights was served; the cache is
+    also keyed by ctime and inode now."""
+    import os
+    import shutil
+
+    model = _copy(tiny_dir, tmp_path / "m")
+    base = model_fingerprint(model)
+    weights = model / "model.safetensors"
+    st = weights.stat()
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))  # same size, same mtime
+    assert weights.stat().st_size == st.st_size and weights.stat().st_mtime_ns == st.st_mtime_ns
+    edited = model_fingerprint(model)
+    assert edited != base
+    other = _copy(tiny_dir, tmp_path / "other")  # the original bytes, copied over with their metadata
+    os.utime(other / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns))
+    shutil.copy2(other / "model.safetensors", weights)
+    assert weights.stat().st_mtime_ns == st.st_mtime_ns
+    assert model_fingerprint(model) == base
