@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import tempfile
 from pathlib import Path
@@ -60,7 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizings", default=",".join(SIZINGS), help=f"comma-separated of {SIZINGS}")
     p.add_argument("--servers", default="kvrelay,vllm", help="comma-separated of kvrelay, vllm")
     p.add_argument("--peer-script", default=str(DEFAULT_PEER_SCRIPT))
-    p.add_argument("--vllm-venv", default="/tmp/vllm-cpu", help="the peer's venv (its bin/vllm is the client)")
+    p.add_argument("--vllm-venv", default=os.environ.get("VLLM_CPU_VENV", "/tmp/vllm-cpu"),
+                   help="the peer's venv (its bin/vllm is the client); default: where the peer script puts it "
+                        "($VLLM_CPU_VENV, else /tmp/vllm-cpu)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)

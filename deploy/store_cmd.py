@@ -131,7 +131,7 @@ def node_block_spec(config: Config) -> BlockSpec:
     Raises:
         ConfigError: ``model.path`` is not a readable model directory.
     """
-    from engine.engine import kv_block_spec
+    from engine.kv_layout import kv_block_spec
     from model.config import read_model_config
     from model.dtype import resolve_dtype
     from model.loader import model_fingerprint

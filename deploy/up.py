@@ -115,10 +115,9 @@ def check_model_fits_config(config: Any) -> None:
         model = read_model_config(config.model.path)
     except ValueError:
         return  # the node reports an unsupported model itself, with the path
-    if model.sliding_window_tokens is not None or model.attention_sinks:
-        what = "sliding-window layers" if model.sliding_window_tokens is not None else "attention sinks"
-        raise ConfigError(f"decode.long_context.policy: {policy} is not supported for a model with {what} "
-                          f"({model.model_type}, {config.model.path}); use none")
+    if model.long_context_refusal is not None:
+        raise ConfigError(f"decode.long_context.policy: {policy} is not supported for {model.long_context_refusal}, "
+                          f"{config.model.path}; use none")
 
 
 def up(config: Any, config_path: Path, *, overrides: list[str], startup_timeout_s: float = 300.0,

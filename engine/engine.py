@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry
 from engine.block_tables import BlockTables, held
 from engine.cuda_graphs import try_capture
 from engine.engine_config import EngineConfig
+from engine.kv_layout import kv_block_spec
 from engine.kv_policy import KvPolicies
 from engine.long_context import LongContextConfig
 from engine.model_runner import ModelRunner
@@ -32,7 +33,6 @@ from kvstore.block_key import BlockKey, extend_group_keys
 from kvstore.block_spec import BlockSpec
 from kvstore.tiered_store import TieredStore, TieredStoreConfig
 from model.attention import default_backend_name, make_backend
-from model.config import ModelConfig
 from model.loader import LoadedModel
 from model.sampling import SamplingParams, TokenLogprobs, sample, token_generator
 from model.skew import SkewTables, load_or_compute_skew
@@ -74,15 +74,6 @@ class _Request:
     request_id: str
     params: SamplingParams
     seqs: list[Sequence] = field(default_factory=list)
-
-
-def kv_block_spec(cfg: ModelConfig, *, fingerprint: str, block_size_tokens: int, dtype: str) -> BlockSpec:
-    """The KV block layout of a model: every layer of each `ModelConfig.kv_groups` group in one block (the
-    one builder: the engine and ``kvrelay store`` both call it)."""
-    groups = cfg.kv_groups
-    return BlockSpec(num_layers=len(groups[0].layers), num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
-                     block_size_tokens=block_size_tokens, dtype=dtype, model_fingerprint=fingerprint,
-                     num_groups=len(groups))
 
 
 class LLMEngine:
@@ -133,7 +124,8 @@ class LLMEngine:
         self.attention_backend = self.config.attention_backend or default_backend_name(device)  # the one in use
         backend = make_backend(self.attention_backend)
         self.runner = ModelRunner(self.model, self.kv_pool, backend, block_size_tokens=self.spec.block_size_tokens,
-                                  num_groups=self.spec.num_groups)
+                                  num_groups=self.spec.num_groups,
+                                  gives_back_blocks=any(g.window is not None for g in cfg.kv_groups))
         if self.spec.num_groups > 1:
             log.info("CUDA graphs are off for a model with %d KV block groups (graph inputs hold one block table "
                      "per sequence)", self.spec.num_groups)
@@ -205,16 +197,12 @@ class LLMEngine:
             )
 
     def check_long_context(self, config: LongContextConfig) -> None:
-        """Raises ValueError when this engine cannot run ``config`` (budget too small, no host tier, or a
-        model with sliding-window layers or attention sinks: H2O and InfiniGen keep a subset of rows whose
-        row index is no longer the token's position, which a window mask needs, and their per-token
-        weights do not count the sink)."""
+        """Raises ValueError when this engine cannot run ``config`` (budget too small, no host tier, or a model
+        the policies cannot serve: `ModelConfig.long_context_refusal`)."""
         config.check(self.spec.block_size_tokens)
-        cfg = self.model_config
-        if config.active and (cfg.sliding_window_tokens is not None or cfg.attention_sinks):
-            what = "sliding-window layers" if cfg.sliding_window_tokens is not None else "attention sinks"
-            raise ValueError(f"long_context: policy {config.policy} is not supported for a model with {what} "
-                             f"({cfg.model_type}); use policy none")
+        refusal = self.model_config.long_context_refusal
+        if config.active and refusal is not None:
+            raise ValueError(f"long_context: policy {config.policy} is not supported for {refusal}; use policy none")
         if config.policy == "infinigen" and self.store.host is None:
             raise ValueError("long_context: infinigen offloads to the host tier, and this node has none; "
                              "size kvstore.host.bytes or use policy h2o")

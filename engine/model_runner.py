@@ -34,6 +34,8 @@ class ModelRunner:
             gets its own tables and slots (entries ``g::G`` of a sequence's table), in
             `AttentionBatch.group_batches`. `engine.block_tables.NULL_BLOCK` entries (out-of-window blocks
             given back) go to the kernels as block 0, which they never read.
+        gives_back_blocks: some group has a sliding window (`engine.scheduler.Scheduler.drop_out_of_window`),
+            so tables may hold `NULL_BLOCK`.
 
     ``graphs``: captured decode steps (`engine.cuda_graphs.DecodeGraphs`), set by the engine on CUDA; a
     decode-only step without a long-context policy replays one when its batch fits, else runs eagerly.
@@ -41,9 +43,10 @@ class ModelRunner:
 
     def __init__(
         self, model: torch.nn.Module, kv_pool: torch.Tensor, backend: AttentionBackend, *, block_size_tokens: int,
-        num_groups: int = 1,
+        num_groups: int = 1, gives_back_blocks: bool = False,
     ) -> None:
         self.num_groups = num_groups
+        self.gives_back_blocks = gives_back_blocks  # tables may hold NULL_BLOCK (a sliding group's blocks)
         self.model = model
         self.kv_pool = kv_pool
         self.backend = backend
@@ -60,7 +63,7 @@ class ModelRunner:
         width = max((len(t) for t in tables), default=0)
         rows = [t + [0] * (width - len(t)) for t in tables]
         out = torch.tensor(rows, dtype=torch.int32).reshape(len(seqs), width)
-        if NULL_BLOCK in out:  # given-back blocks: never read, any valid id does (see class doc)
+        if self.gives_back_blocks and NULL_BLOCK in out:  # never read: any valid id does (see class doc)
             out.clamp_(min=0)
         return out.to(self.device)
 
@@ -109,10 +112,9 @@ class ModelRunner:
                 sample_seqs.append(seq)
         num_prefill_tokens = len(input_ids)
         for seq in step.decodes:
-            r = self._decode_row(seq)
-            input_ids.append(r.token_id)
-            positions.append(r.position)
-            row = seq.num_kv_tokens
+            p, row = seq.num_computed_tokens, seq.num_kv_tokens  # the KV row is behind p once a policy dropped KV
+            input_ids.append(seq.token_ids[p])
+            positions.append(p)
             for group in range(g):
                 slots[group].append(seq.block_table[row // bs * g + group] * bs + row % bs)
             sample_rows.append(len(input_ids) - 1)

@@ -225,12 +225,11 @@ class Scheduler:
         if not self.sliding or seq.num_absent_tokens:
             return
         bs, g = self.spec.block_size_tokens, self.groups
-        for group, window in self.sliding:
-            dead = max(0, (pos - window + 1) // bs)
-            for i in range(seq.num_dropped_blocks, dead):
+        dead = {group: max(0, (pos - window + 1) // bs) for group, window in self.sliding}
+        for group, end in dead.items():
+            for i in range(seq.num_dropped_blocks, end):
                 self.tables.drop(seq, i * g + group)
-        seq.num_dropped_blocks = max(seq.num_dropped_blocks,
-                                     min(max(0, (pos - w + 1) // bs) for _, w in self.sliding))
+        seq.num_dropped_blocks = max(seq.num_dropped_blocks, min(dead.values()))
 
     def _grow_for_prefill(self, seq: Sequence, budget: int) -> int:
         """Allocate blocks for the next chunk of ``seq``; returns the chunk size (0: nothing fits)."""

@@ -215,6 +215,17 @@ class ModelConfig:
         return tuple(self.layer_window(i) for i in range(self.num_hidden_layers))
 
     @property
+    def long_context_refusal(self) -> str | None:
+        """Why H2O and InfiniGen cannot run on this model, or None: they keep a subset of rows whose row index
+        is no longer the token's position (a window mask needs it), and their per-token weights do not count
+        a sink."""
+        if self.sliding_window_tokens is not None:
+            return f"a model with sliding-window layers ({self.model_type})"
+        if self.attention_sinks:
+            return f"a model with attention sinks ({self.model_type})"
+        return None
+
+    @property
     def kv_groups(self) -> tuple[KvGroup, ...]:
         """How the layers' KV is paged (`kvstore.block_spec`): one block of a sequence holds one group's
         layers for 16 tokens, so a sliding group's blocks that fell out of its window can be freed while

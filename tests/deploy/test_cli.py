@@ -194,7 +194,7 @@ def test_up_refuses_a_long_context_policy_for_a_windowed_model_before_any_node_s
     run = kvrelay("up", "--config", str(cfg))
     assert run.returncode == 2
     assert ("kvrelay: config error: decode.long_context.policy: h2o is not supported for a model with "
-            f"sliding-window layers (gpt_oss, {model}); use none") in run.stderr
+            f"sliding-window layers (gpt_oss), {model}; use none") in run.stderr
     assert "kvrelay up:" not in run.stdout  # refused before sizing memory or starting a node
 
 
