@@ -3,7 +3,9 @@ continuous batch and streams tokens back to the router.
 
     POST /generate   msgpack request (`transfer.wire.GenerationMessage`) → a stream of msgpack frames
 
-A request without a KV handle is prefilled here (aggregated mode, and the recompute fallback).
+A request without a KV handle is prefilled here (aggregated mode, and the recompute fallback). A request
+the router moved here mid-stream (`GenerationMessage.resume_token_ids`) continues from the tokens already
+sent: the prompt's KV from its handle, this node's cache, or recomputed; the generated tokens' recomputed.
 
 Every answer to a request with a KV handle says whether this node ended the handle's lease
 (`transfer.config.LEASE_HEADER`: "ended" once the pull told the owner "done" or "abort"; "open" when it
@@ -155,8 +157,8 @@ class DecodeService(EngineNode):
         log.info("request %s: joining the batch (%d prompt tokens, %d pulled blocks%s)", rid, len(prompt),
                  len(pinned or []), ", recompute after a failed pull" if pinned is None else "")
         stream = self.worker.submit(rid, prompt, params, salt=salt, first_token_ids=first,
-                                    pinned_block_ids=pinned or [], long_context=long_context,
-                                    block_keys=keys)
+                                    resume_token_ids=msg.resume_token_ids, pinned_block_ids=pinned or [],
+                                    long_context=long_context, block_keys=keys)
         lease = _lease_header(pulled.lease_ended)
         resp = web.StreamResponse(headers={"Content-Type": "application/msgpack", **lease})
         done = False

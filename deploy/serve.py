@@ -127,7 +127,7 @@ def build_app(config: Any, role: str, index: int, *, name: str | None = None,
             connect_timeout_s=r.connect_timeout_s, prefill_dns=r.prefill_dns, decode_dns=r.decode_dns,
             dns_interval_s=r.dns_interval_s, max_queued_requests=r.max_queued_requests,
             max_queued_bytes=r.max_queued_bytes, queue_timeout_s=r.queue_timeout_s,
-            decode_reserve_tokens=r.decode_reserve_tokens,
+            decode_reserve_tokens=r.decode_reserve_tokens, migration_limit=r.migration_limit,
         ))
         return router.make_app(), r.host, r.port
     from engine.worker import EngineWorker

@@ -14,7 +14,7 @@
     router:   {host, port, api_keys, api_keys_env, max_body_bytes, request_timeout_s, max_n, load_weight_tokens,
                max_concurrent_requests, max_connections_per_node, connect_timeout_s, prefill_urls, decode_urls,
                prefill_dns, decode_dns, dns_interval_s, max_queued_requests, max_queued_bytes, queue_timeout_s,
-               decode_reserve_tokens}
+               decode_reserve_tokens, migration_limit}
 """
 
 from __future__ import annotations
@@ -100,6 +100,7 @@ class RouterSection:
     max_queued_bytes: int = 256 * 1024 * 1024
     queue_timeout_s: float = 300.0
     decode_reserve_tokens: int = 256
+    migration_limit: int = 3  # times one request may move to another decode node mid-stream; 0: never
 
 
 class Section:
@@ -137,6 +138,12 @@ class Section:
 def positive_int(v: Any) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
         raise ValueError("is not a positive integer")
+    return v
+
+
+def non_negative_int(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ValueError("is not an integer >= 0")
     return v
 
 
@@ -271,7 +278,8 @@ def parse_services(root: Section, *, base_dir: Path, env: Mapping[str, str] | No
                            r.take("max_queued_requests", positive_int, 8192),
                            r.take("max_queued_bytes", size, 256 * 1024 * 1024),
                            r.take("queue_timeout_s", positive_float, 300.0),
-                           r.take("decode_reserve_tokens", positive_int, 256))
+                           r.take("decode_reserve_tokens", positive_int, 256),
+                           r.take("migration_limit", non_negative_int, 3))
     r.done()
     return {"model": model, "engine": engine, "internal": InternalSection(bind, token, drain_timeout_s),
             "prefill": prefill, "decode": decode, "router": router}

@@ -227,6 +227,7 @@ class LLMEngine:
         *,
         salt: bytes = b"",
         first_token_ids: Seq[int] | None = None,
+        resume_token_ids: Seq[Seq[int] | None] | None = None,
         pinned_block_ids: Seq[int] = (),
         long_context: LongContextConfig | None = None,
         block_keys: Seq[BlockKey] | None = None,
@@ -237,6 +238,11 @@ class LLMEngine:
             first_token_ids: one first token per sample, already sampled elsewhere (the prefill
                 service); each sample then continues from ``prompt + [first]``. A sample that its
                 first token already finishes is reported by the next `step`.
+            resume_token_ids: instead of ``first_token_ids``, a request that moved here mid-stream (its decode
+                node died): per sample, every token it generated so far (it continues from ``prompt +
+                tokens``, their KV recomputed here, sampling at the same output positions; none yet: an
+                empty list), or None for a sample that had already finished (the next `step` reports it
+                finished, with reason ``"resumed"``, and it never runs).
             pinned_block_ids: blocks the caller holds a reference on (KV pulled from a peer, keyed
                 in this pool). The engine takes over those references and drops them once the
                 request's last sample has been admitted (its prefix match has acquired them) or ends.
@@ -246,7 +252,7 @@ class LLMEngine:
                 scheduler computes them.
 
         Raises:
-            RequestError: invalid prompt or first tokens, or a duplicate ``request_id``.
+            RequestError: invalid prompt, first or resumed tokens, or a duplicate ``request_id``.
             ValueError: ``block_keys`` does not hold one key per full prompt block.
         """
         if request_id in self._requests:
@@ -264,26 +270,30 @@ class LLMEngine:
             raise ValueError(f"{len(block_keys)} block keys for a prompt of {len(prompt)} tokens "
                              f"({full_blocks} full blocks{groups})")
         req = _Request(request_id, params)
-        if first_token_ids is None:
+        outputs = _given_outputs(first_token_ids, resume_token_ids, params.n)
+        done_elsewhere: list[int] = []
+        if outputs is None:
             req.seqs.append(self._new_sequence(request_id, 0, prompt, len(prompt), params, salt))
         else:
-            if len(first_token_ids) != params.n:
-                raise RequestError(f"got {len(first_token_ids)} first tokens for n={params.n} samples")
-            self.validate_prompt(prompt + list(first_token_ids))
-            for index, tok in enumerate(first_token_ids):
-                seq = self._new_sequence(request_id, index, prompt + [tok], len(prompt), params, salt)
+            for index, toks in enumerate(outputs):
+                if toks is None:
+                    done_elsewhere.append(index)
+                    continue
+                self.validate_prompt(prompt + toks)
+                seq = self._new_sequence(request_id, index, prompt + toks, len(prompt), params, salt)
                 seq.forked = True
                 req.seqs.append(seq)
         if block_keys is not None:
             for seq in req.seqs:
-                seq.block_keys = list(block_keys)  # the prompt's full blocks are the same in prompt + [first]
+                seq.block_keys = list(block_keys)  # the prompt's full blocks are the same in prompt + outputs
         self._requests[request_id] = req
         self.stats.prompt_tokens += len(prompt)
         req.seqs[-1].pinned_block_ids = list(pinned_block_ids)
+        self._pending_outputs.extend(StepOutput(request_id, i, [], True, "resumed") for i in done_elsewhere)
         for seq in req.seqs:
             seq.long_context = policy if policy.active else None
             self.scheduler.add(seq)
-            if first_token_ids is not None:
+            if seq.num_output_tokens > 0:  # arrived with output tokens: the last may already end it
                 reason = self._finish_reason(seq, seq.token_ids[-1])
                 if reason is not None:
                     self.scheduler.finish(seq, reason)
@@ -511,3 +521,25 @@ class LLMEngine:
             assert self.pool.ref_count(b) == n, f"block {b}: ref count {self.pool.ref_count(b)}, sequences hold {n}"
         self.policies.check_integrity([s for req in self._requests.values() for s in req.seqs
                                        if s.status is not SequenceStatus.FINISHED])
+
+
+def _given_outputs(first_token_ids: Seq[int] | None, resume_token_ids: Seq[Seq[int] | None] | None,
+                   n: int) -> list[list[int] | None] | None:
+    """Per sample, the output tokens a request arrives with (`LLMEngine.add_request`); None: none.
+
+    Raises:
+        RequestError: both given, not one entry per sample, or every sample already finished.
+    """
+    if first_token_ids is not None and resume_token_ids is not None:
+        raise RequestError("a request gives either first tokens or resumed tokens, not both")
+    if first_token_ids is not None:
+        if len(first_token_ids) != n:
+            raise RequestError(f"got {len(first_token_ids)} first tokens for n={n} samples")
+        return [[int(t)] for t in first_token_ids]
+    if resume_token_ids is None:
+        return None
+    if len(resume_token_ids) != n:
+        raise RequestError(f"got resumed tokens for {len(resume_token_ids)} samples, n={n}")
+    if all(toks is None for toks in resume_token_ids):
+        raise RequestError("a resumed request has no unfinished sample")
+    return [None if toks is None else list(toks) for toks in resume_token_ids]

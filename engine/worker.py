@@ -76,6 +76,7 @@ class _Submit:
     params: SamplingParams
     salt: bytes
     first_token_ids: list[int] | None
+    resume_token_ids: list[list[int] | None] | None
     pinned_block_ids: list[int]
     on_finish: FinishHook | None
     long_context: LongContextConfig | None = None
@@ -187,6 +188,7 @@ class EngineWorker:
         *,
         salt: bytes = b"",
         first_token_ids: Sequence[int] | None = None,
+        resume_token_ids: Sequence[Sequence[int] | None] | None = None,
         pinned_block_ids: Sequence[int] = (),
         on_finish: FinishHook | None = None,
         long_context: LongContextConfig | None = None,
@@ -197,6 +199,7 @@ class EngineWorker:
         before the stream yields its last output."""
         stream = RequestStream(request_id, params.n)
         cmd = _Submit(stream, list(prompt), params, salt, None if first_token_ids is None else list(first_token_ids),
+                      None if resume_token_ids is None else [None if t is None else list(t) for t in resume_token_ids],
                       list(pinned_block_ids), on_finish, long_context,
                       None if block_keys is None else list(block_keys))
         assert self._loop is not None, "EngineWorker.start() was not called"
@@ -274,7 +277,8 @@ class EngineWorker:
         rid = cmd.stream.request_id
         try:
             self.engine.add_request(rid, cmd.prompt, cmd.params, salt=cmd.salt,
-                                    first_token_ids=cmd.first_token_ids, pinned_block_ids=cmd.pinned_block_ids,
+                                    first_token_ids=cmd.first_token_ids, resume_token_ids=cmd.resume_token_ids,
+                                    pinned_block_ids=cmd.pinned_block_ids,
                                     long_context=cmd.long_context, block_keys=cmd.block_keys)
         except (RequestError, ValueError) as exc:  # ValueError: the caller's block keys do not fit (a bug)
             if cmd.pinned_block_ids:

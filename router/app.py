@@ -74,6 +74,10 @@ class RouterMetrics:
                                     "queue for room", registry=self.registry, buckets=buckets + (120, 300))
         self.refused = Counter("kvrelay_router_refused", "Requests the router's queue refused (429), by reason: "
                                "queue_full, fair_share, predicted_wait, deadline", ["reason"], registry=self.registry)
+        self.migrations = Counter("kvrelay_router_migrations", "Moves of a request to another decode node after its "
+                                  "own failed mid-stream (moved), and requests that could not move (limit: "
+                                  "router.migration_limit reached; no_node: no other decode node)", ["outcome"],
+                                  registry=self.registry)
 
     def queue_metrics(self) -> QueueMetrics:
         return QueueMetrics(queued=self.queued.set, waited=self.queue_wait.observe,
@@ -125,7 +129,8 @@ class Router:
                              load_weight_tokens=cfg.load_weight_tokens, retry_after_s=cfg.node_retry_s)
         self.dispatcher = Dispatcher(self.nodes, self.backends, info, queue=QueueConfig(
             max_requests=cfg.max_queued_requests, max_bytes=cfg.max_queued_bytes, timeout_s=cfg.queue_timeout_s,
-            decode_reserve_tokens=cfg.decode_reserve_tokens), queue_metrics=self.metrics.queue_metrics())
+            decode_reserve_tokens=cfg.decode_reserve_tokens), queue_metrics=self.metrics.queue_metrics(),
+            migration_limit=cfg.migration_limit, migrated=lambda outcome: self.metrics.migrations.labels(outcome).inc())
         self.served = ServedModel(cfg.model_name, info.vocab_size, info.max_model_len, cfg.max_n,
                                   load_tokenizer(cfg.model_dir))
         self.membership.start(self.nodes, on_change=self.dispatcher.queue.pump)

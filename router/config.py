@@ -40,6 +40,7 @@ class RouterConfig:
     decode_reserve_tokens: int = 256  # output tokens a decode node's room is reserved for, at most
     max_connections_per_node: int = 1024  # pooled request connections to each node
     connect_timeout_s: float = 5.0  # the TCP connect to a node (not the wait for a pooled connection)
+    migration_limit: int = 3  # times one request may move to another decode node mid-stream (`router.dispatch`)
     long_context: LongContextConfig = LongContextConfig()  # the decode nodes' default (decode.long_context)
 
     def __post_init__(self) -> None:
@@ -60,6 +61,7 @@ class RouterConfig:
         require_int("max_queued_requests", self.max_queued_requests)
         require_int("max_queued_bytes", self.max_queued_bytes)
         require_int("decode_reserve_tokens", self.decode_reserve_tokens)
+        require_int("migration_limit", self.migration_limit, minimum=0)
         for name in ("request_timeout_s", "node_retry_s", "startup_timeout_s", "connect_timeout_s", "dns_interval_s",
                      "queue_timeout_s"):
             if not getattr(self, name) > 0:

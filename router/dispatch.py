@@ -7,7 +7,13 @@
 No prefill node (aggregated deployment, or all prefill nodes down): the decode node prefills the
 request itself. The reserved nodes are tried first. A prefill node that fails is taken out and the
 next one is tried; a decode node that fails before its first frame is taken out and the next one is
-tried; one that fails mid-stream ends the request with 503 (its tokens so far were already sent). A
+tried. One that fails mid-stream (connection lost, found unreachable, or a 5xx error frame) is taken
+out and the request moves (at most ``migration_limit`` times) to another decode node, which continues
+every unfinished sample from the tokens already sent (`GenerationMessage.resume_token_ids`): the client
+sees one stream, no token repeated or lost, and a greedy or seeded sample continues with the tokens an
+undisturbed run gives (sampling is keyed by seed, sample and output position: `model.sampling`). The
+prompt's KV comes from the request's handle while its lease is open, else from a fresh prefill (the
+prefill node's cache holds the prompt, usually), else the decode node recomputes it. A
 node that answers 429 (full: another router's requests, or a node restarted smaller) is not taken out:
 the next one is tried; when every decode node is full the request waits up to `DECODE_FULL_WAIT_S` for
 a slot, then gets 429.
@@ -26,7 +32,7 @@ import dataclasses
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvstore.block_key import block_keys
@@ -75,10 +81,16 @@ class Dispatcher:
     """Admits requests to the queue (`admit`) and runs them (`run`). Owned by the router's event loop."""
 
     def __init__(self, nodes: NodeSet, backends: Backends, info: ClusterInfo, *, queue: QueueConfig | None = None,
-                 queue_metrics: QueueMetrics | None = None) -> None:
+                 queue_metrics: QueueMetrics | None = None, migration_limit: int = 3,
+                 migrated: Callable[[str], None] = lambda outcome: None) -> None:
+        """``migration_limit``: times one request may move to another decode node mid-stream (0: never);
+        ``migrated(outcome)`` hears each move ("moved") and each request that could not move ("limit",
+        "no_node")."""
         self.nodes = nodes
         self.backends = backends
         self.info = info
+        self.migration_limit = migration_limit
+        self._migrated = migrated
         self.queue = RouterQueue(nodes, queue or QueueConfig(), metrics=queue_metrics or QueueMetrics())
         self._releases: set[asyncio.Future] = set()  # lease releases in flight (fire and forget)
 
@@ -156,18 +168,17 @@ class Dispatcher:
         finished = [False] * n
         generated = 0  # tokens yielded, all samples
         handle: KvHandle | None = None
-        owner: Node | None = None  # the prefill node that holds the handle's lease
-        lease = _Lease()  # lease.lease_id: what the router releases unless a decode node ended it
+        lease = _Lease()  # lease.lease_id (on lease.owner): what the router releases unless a decode node ended it
         try:
             prefilled = await self._prefill(req, salt, ticket.keys, reservation.prefill)
             reservation.prefilled()
             first = None
             if prefilled is not None:
-                pre, owner = prefilled
+                pre, lease.owner = prefilled
                 first = pre.first_token_ids
                 # The owner's URL as this router reached it (configured, so decode nodes accept it), not
                 # the name the prefill node gave itself (another name for the same node, e.g. its FQDN).
-                handle = None if pre.handle is None else dataclasses.replace(pre.handle, owner_url=owner.url)
+                handle = None if pre.handle is None else dataclasses.replace(pre.handle, owner_url=lease.owner.url)
                 # a malformed handle's too (by its readable lease id): nobody can pull it
                 lease.lease_id = handle.lease_id if handle is not None else pre.lease_id
                 if handle is None:
@@ -185,21 +196,51 @@ class Dispatcher:
                 yield delta
         finally:
             self.queue.finish(ticket, reservation, generated)
-            if lease.lease_id is not None and owner is not None and not lease.ended:
-                task = asyncio.ensure_future(self.backends.release_lease(owner, lease.lease_id))
-                self._releases.add(task)
-                task.add_done_callback(self._releases.discard)
+            self._release(lease)
+
+    def _release(self, lease: _Lease) -> None:
+        """Release ``lease`` on its owner (fire and forget) unless a decode node ended it."""
+        if lease.lease_id is not None and lease.owner is not None and not lease.ended:
+            task = asyncio.ensure_future(self.backends.release_lease(lease.owner, lease.lease_id))
+            self._releases.add(task)
+            task.add_done_callback(self._releases.discard)
+        lease.lease_id = None
+
+    async def _resume_handle(self, req: GenerationRequest, salt: bytes, keys: Sequence[bytes],
+                             handle: KvHandle | None, lease: _Lease) -> KvHandle | None:
+        """The prompt's KV for a request moving to another decode node: ``handle`` while its lease is open
+        (no decode node ended it), else a fresh handle from a prefill node (whose cache holds the prompt,
+        usually; its first tokens are not used), else None (the decode node recomputes)."""
+        if handle is not None and not lease.ended:
+            return handle
+        node = self.nodes.pick_prefill(keys, len(req.prompt_token_ids))
+        try:
+            prefilled = await self._prefill(req, salt, keys, node)
+        except ApiError as exc:
+            log.warning("request %s: no fresh KV handle to resume with (%s); the decode node recomputes",
+                        req.request_id, exc.message)
+            return None
+        if prefilled is None:
+            return None
+        pre, owner = prefilled
+        self._release(lease)
+        lease.owner, lease.ended = owner, False
+        lease.lease_id = pre.handle.lease_id if pre.handle is not None else pre.lease_id
+        return None if pre.handle is None else dataclasses.replace(pre.handle, owner_url=owner.url)
 
     async def _decode(self, req: GenerationRequest, salt: bytes, keys: Sequence[bytes], first: list[int] | None,
                       handle: KvHandle | None, finished: list[bool], started: _Started,
                       reserved: Node) -> AsyncIterator[SampleDelta]:
         """The decode phase of `run`, on ``reserved`` first; ``started`` hears each answer's headers."""
         n = req.params.n
+        sent: list[list[int]] = [[t] for t in first] if first is not None else [[] for _ in range(n)]
+        migrations = 0
+        failure = ""  # why the last decode node that began failed
         tried: set[str] = set()
         full: NodeRefused | None = None
         wait_until = time.monotonic() + DECODE_FULL_WAIT_S
         pause = 0.02
-        body = encode_generation(GenerationMessage(  # the same for every node tried
+        body = encode_generation(GenerationMessage(  # the same for every node tried, until a move
             req.request_id, req.prompt_token_ids, req.params, salt, first_token_ids=first, handle=handle,
             long_context=req.long_context))
         node: Node | None = reserved
@@ -217,16 +258,22 @@ class Dispatcher:
             if node is None:
                 if full is not None:
                     raise ApiError(429, full.message)
+                if migrations:
+                    self._migrated("no_node")
+                    raise ApiError(503, f"{failure}; no other decode node is available to continue it, retry later")
                 raise ApiError(503, "no decode node is available; retry later")
             tried.add(node.name)
             began = False
             node.in_flight += 1
-            log.info("request %s: decoding on %s (KV handle: %s)", req.request_id, node.name, handle is not None)
+            log.info("request %s: decoding on %s (KV handle: %s%s)", req.request_id, node.name, handle is not None,
+                     f", move {migrations}" if migrations else "")
             try:
                 async for obj in self.backends.stream(node, "/generate", body, on_headers=started.headers):
                     try:
                         frame = decode_frame(obj)
                     except StreamError as exc:
+                        if exc.status >= 500 and exc.status != 502:  # the node failed, not the request
+                            raise NodeUnavailable(exc.message) from None
                         raise ApiError(exc.status, exc.message) from None
                     except WireError as exc:
                         raise NodeUnavailable(f"{node.name}: malformed frame: {exc}") from None
@@ -237,15 +284,30 @@ class Dispatcher:
                     if finished[i]:
                         continue
                     finished[i] = frame.finished
+                    sent[i].extend(frame.tokens)
                     yield SampleDelta(i, frame.tokens, finished[i], frame.reason, frame.logprobs)
                 if not all(finished):
                     raise NodeUnavailable(f"{node.name} ended the stream before every sample finished")
                 return
             except NodeUnavailable as exc:
                 self.nodes.mark_down(node, str(exc))
-                if began:
-                    raise ApiError(503, f"the decode node failed mid-request: {exc}") from None
-                log.warning("request %s: %s; trying another decode node", req.request_id, exc)
+                if not began:
+                    log.warning("request %s: %s; trying another decode node", req.request_id, exc)
+                elif migrations >= self.migration_limit:
+                    self._migrated("limit")
+                    raise ApiError(503, f"the decode node failed mid-request ({migrations} of "
+                                        f"router.migration_limit={self.migration_limit} moves made): {exc}") from None
+                else:
+                    migrations += 1
+                    failure = str(exc)
+                    self._migrated("moved")
+                    log.warning("request %s: %s; moving it to another decode node (move %d of %d, %d tokens sent)",
+                                req.request_id, exc, migrations, self.migration_limit, sum(map(len, sent)))
+                    handle = await self._resume_handle(req, salt, keys, handle, started.lease)
+                    body = encode_generation(GenerationMessage(
+                        req.request_id, req.prompt_token_ids, req.params, salt, handle=handle,
+                        long_context=req.long_context,
+                        resume_token_ids=[None if done else list(toks) for toks, done in zip(sent, finished)]))
             except NodeRefused as exc:
                 if exc.status != 429:
                     raise ApiError(exc.status, exc.message) from None
@@ -258,6 +320,7 @@ class Dispatcher:
 @dataclass(slots=True)
 class _Lease:
     lease_id: str | None = None  # the prefill node's lease for this request, if it granted one
+    owner: Node | None = None  # the prefill node that holds it
     ended: bool = False  # a decode node said it ended the handle's lease (LEASE_HEADER)
 
 

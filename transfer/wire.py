@@ -22,7 +22,8 @@ minor sender may add some); a different ``v`` raises `WireVersionError`.
     renew    {"v", "lease_id"}  →  {"v", "ttl_s": float}            (POST /kv/lease/renew)
     release  {"v", "lease_id"}  →  {"v", "released": bool}          (POST /kv/lease/release, from the router)
 
-    generation request  {"request_id", "prompt", "params", "salt", "first_token_ids"?, "handle"?, "long_context"?}
+    generation request  {"request_id", "prompt", "params", "salt", "first_token_ids"?, "resume_token_ids"?,
+                         "handle"?, "long_context"?}
     prefill reply       {"first_token_ids", "finish_reasons", "handle", "num_cached_tokens"}
     decode stream       frames {"index", "tokens", "finished", "reason"} | {"error", "status"}
 
@@ -425,6 +426,9 @@ class GenerationMessage:
 
     ``handle``: the KV to pull (decode only). A handle that arrives malformed is not a malformed
     request: ``handle`` is then None and ``handle_error`` says why (decode counts it and recomputes).
+    ``first_token_ids``: one per sample, sampled by the prefill node. ``resume_token_ids`` (decode only,
+    instead): a request the router moved here from a decode node that failed mid-stream, per sample
+    every token generated so far (none yet: empty), or None for a sample already finished.
     """
 
     request_id: str
@@ -435,13 +439,14 @@ class GenerationMessage:
     handle: KvHandle | None = None
     long_context: dict[str, Any] | None = None  # the request's overrides of decode.long_context
     handle_error: str | None = None
+    resume_token_ids: list[list[int] | None] | None = None
 
 
 def encode_generation(msg: GenerationMessage) -> bytes:
     return _pack({
         "request_id": msg.request_id, "prompt": msg.prompt, "params": params_to_wire(msg.params), "salt": msg.salt,
         "first_token_ids": msg.first_token_ids, "handle": handle_to_wire(msg.handle) if msg.handle else None,
-        "long_context": msg.long_context,
+        "long_context": msg.long_context, "resume_token_ids": msg.resume_token_ids,
     })
 
 
@@ -467,11 +472,17 @@ def decode_generation(data: Any) -> GenerationMessage:
     handle, handle_error = _handle_or_error(msg, what)
     prompt = _token_ids(msg, "prompt", what)
     assert prompt is not None
+    resumed = _opt(msg, "resume_token_ids", list, what)
+    if resumed is not None:
+        resumed = [None if s is None else _token_ids({"sample": s}, "sample", f"{what}.resume_token_ids")
+                   for s in resumed]
+        if len(prompt) + sum(len(s or ()) for s in resumed) > MAX_PROMPT_TOKENS:
+            raise WireError(f"{what}.resume_token_ids: over {MAX_PROMPT_TOKENS} tokens with the prompt")
     return GenerationMessage(
         request_id=_str(msg, "request_id", what, MAX_TEXT_CHARS), prompt=prompt,
         params=params_from_wire(_field(msg, "params", dict, what), f"{what}.params"), salt=salt,
         first_token_ids=_token_ids(msg, "first_token_ids", what, optional=True), handle=handle,
-        long_context=_opt(msg, "long_context", dict, what), handle_error=handle_error,
+        long_context=_opt(msg, "long_context", dict, what), handle_error=handle_error, resume_token_ids=resumed,
     )
 
 

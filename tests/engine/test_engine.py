@@ -339,3 +339,57 @@ def test_an_engine_takes_the_block_spec_it_is_given_and_refuses_another_models(t
     assert eng.spec is spec and eng.scheduler.spec is spec and eng.kv_pool.shape[4] == 32
     with pytest.raises(ValueError, match=r"the block spec \(3 layers"):
         LLMEngine(loaded, EngineConfig(num_blocks=8), spec=dataclasses.replace(spec, num_layers=3))
+
+
+def _run_all(eng: LLMEngine) -> tuple[dict[int, list[int]], dict[int, str]]:
+    tokens: dict[int, list[int]] = {}
+    reasons: dict[int, str] = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            tokens.setdefault(out.index, []).extend(out.new_token_ids)
+            if out.finished:
+                reasons[out.index] = out.finish_reason
+    return tokens, reasons
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=40, ignore_eos=True, n=2, temperature=0),
+    SamplingParams(max_tokens=40, ignore_eos=True, n=3, temperature=1.0, top_p=0.9, seed=1234,
+                   presence_penalty=0.5, frequency_penalty=0.3),
+], ids=["greedy", "seeded"])
+def test_a_resumed_request_continues_with_the_undisturbed_tokens(tiny_model_dir, params):
+    """A request moved mid-stream (`resume_token_ids`) to a fresh engine: every sample continues with exactly
+    the tokens of an undisturbed run (penalties count the resumed tokens as output; sampling is keyed by output
+    position); a sample given as None is reported finished at once and never runs; a sample with no tokens
+    yet starts from the prompt."""
+    model = load_model(tiny_model_dir)
+    prompt = list(range(3, 40))
+    whole = LLMEngine(model, EngineConfig(num_blocks=64))
+    whole.add_request("r", prompt, params)
+    full, reasons = _run_all(whole)
+    assert reasons == {i: "length" for i in range(params.n)} and all(len(full[i]) == 40 for i in range(params.n))
+    cut = [17, 0, 5][: params.n]  # tokens each sample had sent when its node died
+    resume: list[list[int] | None] = [full[i][:cut[i]] for i in range(params.n)]
+    if params.n == 3:
+        resume[2] = None  # this sample had finished already
+    moved = LLMEngine(model, EngineConfig(num_blocks=64))
+    moved.add_request("r", prompt, params, resume_token_ids=resume)
+    rest, rest_reasons = _run_all(moved)
+    for i in range(params.n):
+        if resume[i] is None:
+            assert rest[i] == [] and rest_reasons[i] == "resumed"
+        else:
+            assert resume[i] + rest[i] == full[i] and rest_reasons[i] == "length"
+    assert moved.pool.stats().num_in_use == 0
+    moved.check_integrity()
+
+
+def test_resumed_tokens_are_checked(tiny_model_dir):
+    eng = LLMEngine(load_model(tiny_model_dir), EngineConfig(num_blocks=8))
+    with pytest.raises(RequestError, match="resumed tokens for 1 samples, n=2"):
+        eng.add_request("a", [5, 6], SamplingParams(n=2), resume_token_ids=[[7]])
+    with pytest.raises(RequestError, match="no unfinished sample"):
+        eng.add_request("b", [5, 6], SamplingParams(n=2), resume_token_ids=[None, None])
+    with pytest.raises(RequestError, match="either first tokens or resumed tokens"):
+        eng.add_request("c", [5, 6], SamplingParams(), first_token_ids=[7], resume_token_ids=[[7]])
+    assert not eng.has_unfinished()

@@ -175,6 +175,8 @@ def test_router_node_messages_round_trip_typed():
     assert decode_generation(encode_generation(GEN)) == GEN
     bare = GenerationMessage("r2", [5], SamplingParams(), b"")
     assert decode_generation(encode_generation(bare)) == bare
+    moved = GenerationMessage("r3", [5, 6], SamplingParams(n=3), b"", resume_token_ids=[[7, 8], None, []])
+    assert decode_generation(encode_generation(moved)) == moved
     reply = PrefillReply([4, 5], ["stop", None], HANDLE, 16)
     assert decode_prefill_reply(encode_prefill_reply(reply)) == reply
     frame = DecodeFrame(1, [3, 4], True, "length")
@@ -219,6 +221,9 @@ def test_a_malformed_handle_in_a_request_is_reported_not_fatal():
     ({"params": {"max_tokens": 3, "min_tokens": 4}}, r"params: min_tokens must be an integer in \[0, max_tokens=3\]"),
     ({"first_token_ids": [True]}, "first_token_ids: must be a list of token ids"),
     ({"long_context": [1]}, "long_context: expected dict"),
+    ({"resume_token_ids": [[1], "x"]}, "resume_token_ids.sample: expected list"),
+    ({"resume_token_ids": [[1, -2]]}, "resume_token_ids.sample: must be a list of token ids"),
+    ({"resume_token_ids": [[1] * (4 << 20)]}, "resume_token_ids: over 4194304 tokens with the prompt"),
 ])
 def test_generation_request_violations_name_the_field(changes, match):
     with pytest.raises(WireError, match=match):

@@ -1,0 +1,26 @@
+"""Test-only hooks for node processes started by a test (on ``PYTHONPATH`` through `Cluster`'s ``env``).
+
+``KVRELAY_TEST_HOLD_PULLS=FILE``: while FILE exists, a decode node holds each request that has a KV handle
+before its pull begins, and touches ``FILE.seen`` when it holds one (a test then kills the prefill node
+that holds the handle's KV, and removes FILE).
+"""
+
+import os
+import sys
+
+_hold = os.environ.get("KVRELAY_TEST_HOLD_PULLS")
+if _hold and sys.argv[1:2] == ["decode"]:
+    import asyncio
+
+    import decode.service as _service
+
+    _pinned_blocks = _service.DecodeService._pinned_blocks
+
+    async def _held(self, msg, keys):  # type: ignore[no-untyped-def]
+        if msg.handle is not None and os.path.exists(_hold):
+            open(_hold + ".seen", "w").close()
+            while os.path.exists(_hold):
+                await asyncio.sleep(0.05)
+        return await _pinned_blocks(self, msg, keys)
+
+    _service.DecodeService._pinned_blocks = _held

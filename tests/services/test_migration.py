@@ -1,0 +1,167 @@
+"""Issue 30: a decode node that dies mid-stream — its requests move to another decode node and finish there.
+
+The client sees one uninterrupted stream: greedy and seeded samples end with exactly the tokens an
+undisturbed run gives, and the streamed text has no piece repeated or lost.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from engine.engine import EngineConfig, LLMEngine
+from model.loader import load_model
+from model.sampling import SamplingParams
+from model.tokenizer import load_tokenizer
+from tests.services.cluster import Cluster, get_json, metrics
+from tests.services.test_faults import post, wait_for
+
+STREAMS = 50
+MAX_TOKENS = 300
+PREFIX_TOKENS = 128  # 8 blocks, cached on the first decode node before the streams start
+
+
+def reference(model_dir, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
+    """The requests in one in-process engine (float32, like the cluster; a sample's tokens do not depend on
+    its batch: `tests/engine/test_engine.py`)."""
+    eng = LLMEngine(load_model(model_dir), EngineConfig(num_blocks=2048, max_model_len=1024, max_num_seqs=64))
+    out: dict[str, list[int]] = {}
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        eng.add_request(f"r{i}", prompt, p)
+        out[f"r{i}"] = []
+    while eng.has_unfinished():
+        for o in eng.step():
+            out[o.request_id].extend(o.new_token_ids)
+    return [out[f"r{i}"] for i in range(len(prompts))]
+
+
+class Stream:
+    """One streaming completion read in a thread: its text pieces and how many chunks came."""
+
+    def __init__(self, client: openai.OpenAI, prompt: list[int], body: dict) -> None:
+        self.pieces: list[str] = []
+        self.finish: str | None = None
+        self.usage = None
+        self.error: Exception | None = None
+        self.started = threading.Event()
+        self._args = (client, prompt, body)
+
+    def __call__(self) -> Stream:
+        client, prompt, body = self._args
+        try:
+            for chunk in client.completions.create(model="tiny", prompt=prompt, stream=True,
+                                                   stream_options={"include_usage": True}, **body):
+                if chunk.usage is not None:
+                    self.usage = chunk.usage
+                for choice in chunk.choices:
+                    self.pieces.append(choice.text)
+                    if len("".join(self.pieces)) >= 10:
+                        self.started.set()
+                    if choice.finish_reason is not None:
+                        self.finish = choice.finish_reason
+        except Exception as exc:  # noqa: BLE001 - reported by the test
+            self.error = exc
+        self.started.set()
+        return self
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_killing_a_decode_node_under_50_streams_moves_them_all(tiny_model_dir, sampling):
+    rng = random.Random(7)
+    prefix = [rng.randrange(3, 256) for _ in range(PREFIX_TOKENS)]
+    prompts = [prefix + [rng.randrange(3, 256) for _ in range(8)] for _ in range(STREAMS)]
+    bodies = [{"max_tokens": MAX_TOKENS, "extra_body": {"ignore_eos": True}, "temperature": 0}
+              if sampling == "greedy" else
+              {"max_tokens": MAX_TOKENS, "extra_body": {"ignore_eos": True}, "temperature": 1.0, "top_p": 0.95,
+               "seed": 1000 + i} for i in range(STREAMS)]
+    params = [SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=b["temperature"],
+                             top_p=b.get("top_p", 1.0), seed=b.get("seed")) for b in bodies]
+    expected = reference(tiny_model_dir, prompts, params)
+    tok = load_tokenizer(tiny_model_dir)
+    assert tok is not None
+    overrides = {"engine": {"max_num_seqs": 64}, "kvstore": {"device": {"bytes": "256MiB"}},
+                 # Load weighs little against a cached prefix: every stream goes to the decode node holding it.
+                 "router": {"load_weight_tokens": 1}}
+    with Cluster(tiny_model_dir, prefill=1, decode=2, overrides=overrides) as c:
+        victim, survivor = c.decode_urls
+        warm = {"model": "tiny", "prompt": prefix, "max_tokens": 2, "temperature": 0}
+        assert post(c.url, warm)[0] == 200
+
+        def indexed() -> bool:
+            nodes = get_json(c.url + "/health")["nodes"]
+            return nodes["decode-0"]["kv_keys"] >= PREFIX_TOKENS // 16
+
+        wait_for(indexed, what="the victim's prefix blocks indexed")
+        client = openai.OpenAI(base_url=c.url + "/v1", api_key="none", max_retries=0, timeout=300)
+        streams = [Stream(client, p, b) for p, b in zip(prompts, bodies, strict=True)]
+        with ThreadPoolExecutor(STREAMS) as pool:
+            futures = [pool.submit(s) for s in streams]
+            for s in streams:
+                assert s.started.wait(120), "a stream sent no text"
+            running = [get_json(u + "/health")["running"] for u in (victim, survivor)]
+            assert running == [STREAMS, 0], f"running on each decode node: {running}"  # all on the victim
+            os.kill(c.node_pid(victim), signal.SIGKILL)
+            done = [f.result(timeout=600) for f in futures]
+        for i, s in enumerate(done):
+            assert s.error is None, f"stream {i}: {s.error!r}"
+            assert s.finish == "length" and s.usage.completion_tokens == MAX_TOKENS
+            assert "".join(s.pieces) == tok.decode(expected[i]), f"stream {i} differs from an undisturbed run"
+        m = metrics(c.url)
+        assert m['kvrelay_router_migrations_total{outcome="moved"}'] == STREAMS
+        assert m.get('kvrelay_router_migrations_total{outcome="limit"}', 0.0) == 0
+        assert get_json(survivor + "/health")["running"] == 0
+        wait_for(lambda: idle([*c.prefill_urls, survivor]), what="every block given back")
+
+
+def idle(urls: list[str]) -> bool:
+    return all(get_json(u + "/health")["in_use_blocks"] == 0 for u in urls)
+
+
+def test_no_move_past_the_migration_limit(tiny_model_dir):
+    """``router.migration_limit: 0``: a stream whose decode node dies ends with 503, as before migration."""
+    with Cluster(tiny_model_dir, prefill=1, decode=2, overrides={"router": {"migration_limit": 0}}) as c:
+        client = openai.OpenAI(base_url=c.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        s = Stream(client, [5, 6, 7], {"max_tokens": 1500, "temperature": 0, "extra_body": {"ignore_eos": True}})
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(s)
+            assert s.started.wait(60)
+            victim = next(u for u in c.decode_urls if get_json(u + "/health")["running"] > 0)
+            os.kill(c.node_pid(victim), signal.SIGKILL)
+            fut.result(timeout=120)
+        assert s.finish is None and "router.migration_limit=0" in str(s.error)
+        assert metrics(c.url)['kvrelay_router_migrations_total{outcome="limit"}'] == 1
+        survivor = next(u for u in c.decode_urls if u != victim)
+        wait_for(lambda: idle([*c.prefill_urls, survivor]), what="every block given back")
+
+
+def test_a_prefill_node_that_dies_before_its_kv_is_pulled_costs_a_recompute(tiny_model_dir, tmp_path):
+    """The prefill node answered (first token, KV handle) and died before the decode node pulled: the decode
+    node's pull fails and it recomputes the prompt; the client gets the undisturbed run's tokens."""
+    hold = tmp_path / "hold"
+    hooks = os.path.join(os.path.dirname(__file__), "hooks")
+    env = {"KVRELAY_TEST_HOLD_PULLS": str(hold), "PYTHONPATH": os.pathsep.join(
+        [hooks, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    prompt = list(range(3, 3 + 40))
+    expected = reference(tiny_model_dir, [prompt], [SamplingParams(max_tokens=24, temperature=0)])[0]
+    with Cluster(tiny_model_dir, prefill=1, decode=1, env=env,
+                 overrides={"decode": {"transfer_timeout_s": 10}}) as c:
+        (prefill,), (decode,) = c.prefill_urls, c.decode_urls
+        hold.touch()
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(post, c.url, {"model": "tiny", "prompt": prompt, "max_tokens": 24, "temperature": 0})
+            wait_for(lambda: os.path.exists(str(hold) + ".seen"), what="the decode node holding the pull")
+            os.kill(c.node_pid(prefill), signal.SIGKILL)
+            hold.unlink()
+            code, body = fut.result(timeout=120)
+        assert code == 200, body
+        assert body["choices"][0]["text"] == load_tokenizer(tiny_model_dir).decode(expected)
+        m = metrics(decode)
+        assert sum(v for k, v in m.items() if k.startswith("kvrelay_kv_transfer_failures_total{")) == 1
+        assert m.get("kvrelay_kv_transfer_bytes_total", 0.0) == 0
+        wait_for(lambda: idle([decode]), what="the decode node's blocks given back")
