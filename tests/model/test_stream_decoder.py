@@ -86,6 +86,8 @@ def tiny_with_added(tiny_model_dir: Path) -> Tokenizer:
 
 @dataclass(frozen=True)
 class ByteFallback:
+    """A byte-fallback tokenizer and the ids of its byte tokens."""
+
     tok: Tokenizer
     byte_ids: list[int]  # byte_ids[b]: the id of token ``<0xXX>``
 
@@ -99,7 +101,7 @@ def _byte_fallback(decoder: decoders.Decoder) -> ByteFallback:
     raw = tokenizers.Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
     raw.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
     raw.train_from_iterator(CORPUS, trainer=trainers.BpeTrainer(
-        vocab_size=200, special_tokens=["<unk>", "<s>", "</s>"], limit_alphabet=60))
+        vocab_size=200, special_tokens=["<unk>", "<s>", "</s>"], limit_alphabet=60, show_progress=False))
     spec = json.loads(raw.to_str())
     vocab = spec["model"]["vocab"]
     for b in range(256):
