@@ -33,6 +33,8 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
+from model.tokenizer import byte_level_alphabet
+
 BOS_TOKEN, EOS_TOKEN = "<s>", "</s>"
 BOS_ID, EOS_ID = 256, 257
 TINY_ARCHS: tuple[str, ...] = ("llama", "qwen3", "qwen3-moe", "mixtral", "gpt-oss")
@@ -135,7 +137,7 @@ def byte_level_tokenizer() -> Tokenizer:
     pre-tokenizer and decoder without prefix space or regex split; a post-processor that prepends
     BOS (``encode(text)`` in both transformers and `model.tokenizer.Tokenizer`).
     """
-    byte_to_char = _bytes_to_unicode()
+    byte_to_char = byte_level_alphabet()
     vocab = {byte_to_char[b]: b for b in range(256)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -146,20 +148,6 @@ def byte_level_tokenizer() -> Tokenizer:
         single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B", special_tokens=[(BOS_TOKEN, BOS_ID)]
     )
     return tok
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte → printable character table (the ByteLevel alphabet)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
-        range(ord("®"), ord("ÿ") + 1)
-    )
-    table: dict[int, str] = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
 
 
 def _arch_config(arch: str, base: dict[str, Any]) -> dict[str, Any]:

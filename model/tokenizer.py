@@ -16,7 +16,6 @@ the template writes, so it is encoded with ``add_special_tokens=False``, as
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,8 @@ class Tokenizer:
     Attributes:
         eos_token_ids: ids that end generation (the tokenizer's EOS plus ``config.json``'s).
         chat_template: the Jinja source, or None when the model has none.
+        byte_level: the decoder is GPT-2's ByteLevel (`token_bytes` says what each id decodes to).
+        special_ids: the ids that ``skip_special_tokens`` drops.
     """
 
     def __init__(
@@ -49,6 +50,10 @@ class Tokenizer:
         self.eos_token_ids = eos_token_ids
         self.chat_template = chat_template
         self._compiled_template: jinja2.Template | None = None
+        self.byte_level = isinstance(tokenizer.decoder, tokenizers.decoders.ByteLevel)
+        self.special_ids = frozenset(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
+        self._char_to_byte = {c: b for b, c in byte_level_alphabet().items()}
+        self._id_to_bytes: dict[int, bytes] = {}  # token_bytes' memo; only token_bytes writes it
 
     @property
     def vocab_size(self) -> int:
@@ -68,6 +73,33 @@ class Tokenizer:
         """Text of ``ids``; an incomplete UTF-8 sequence at the end decodes to U+FFFD."""
         return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a `byte_level` tokenizer's decoder makes of ``token_id``.
+
+        ``decode(ids)`` of a `byte_level` tokenizer is these bytes of each id joined (without
+        `special_ids` when they are skipped) as UTF-8, each ill-formed part as U+FFFD: ByteLevel maps
+        a token's characters back through GPT-2's byte alphabet, or, when a character is outside it
+        (an added token such as ``"日x"``), takes the token's own UTF-8; an id the tokenizer does not
+        know decodes to nothing (``b""``).
+
+        Raises:
+            ValueError: the tokenizer is not `byte_level` (its decoder does not work on bytes).
+        """
+        data = self._id_to_bytes.get(token_id)
+        if data is None:
+            if not self.byte_level:
+                raise ValueError("token_bytes needs a ByteLevel decoder; this tokenizer's is "
+                                 f"{type(self._tokenizer.decoder).__name__}")
+            token = self._tokenizer.id_to_token(token_id)
+            if token is None:
+                data = b""
+            elif all(c in self._char_to_byte for c in token):
+                data = bytes(self._char_to_byte[c] for c in token)
+            else:
+                data = token.encode()
+            self._id_to_bytes[token_id] = data
+        return data
+
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         """Render ``messages`` (``[{"role": ..., "content": ...}, ...]``) with the chat template.
 
@@ -85,40 +117,16 @@ class Tokenizer:
         )
 
 
-@dataclass(slots=True)
-class StreamDecoder:
-    """Turns a growing list of ids into text deltas, holding back an incomplete UTF-8 tail.
-
-    Decodes a short window of the previous ids together with the new ones (so tokenizers whose
-    pieces depend on their neighbours, e.g. SentencePiece's leading space, come out right) and
-    emits only what is new. Concatenated deltas equal ``tokenizer.decode(all_ids)`` once the ids
-    end on a character boundary.
-    """
-
-    tokenizer: Tokenizer
-    skip_special_tokens: bool = True
-    ids: list[int] = field(default_factory=list)
-    prefix_offset: int = 0  # start of the context window decoded along with new ids
-    read_offset: int = 0  # ids before this are already emitted
-
-    def push(self, new_ids: list[int]) -> str:
-        """Append ``new_ids`` and return the newly completed text (possibly empty)."""
-        self.ids.extend(new_ids)
-        skip = self.skip_special_tokens
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset], skip)
-        full = self.tokenizer.decode(self.ids[self.prefix_offset :], skip)
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
-            return ""
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return full[len(prefix) :]
-
-    def flush(self) -> str:
-        """The text still held back (an incomplete UTF-8 tail decodes to U+FFFD, as ``decode`` does)."""
-        skip = self.skip_special_tokens
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset], skip)
-        full = self.tokenizer.decode(self.ids[self.prefix_offset :], skip)
-        self.prefix_offset = self.read_offset = len(self.ids)
-        return full[len(prefix) :]
+def byte_level_alphabet() -> dict[int, str]:
+    """GPT-2's reversible byte → printable character table (the alphabet of ByteLevel tokens)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table: dict[int, str] = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
 
 
 def compile_chat_template(source: str) -> jinja2.Template:

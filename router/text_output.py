@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from model.tokenizer import StreamDecoder, Tokenizer
+from model.stream_decoder import stream_decoder
+from model.tokenizer import Tokenizer
 
 
 class StopScanner:
@@ -63,7 +64,7 @@ class SampleText:
     """
 
     def __init__(self, tokenizer: Tokenizer | None, stops: tuple[str, ...]) -> None:
-        self._decoder = StreamDecoder(tokenizer) if tokenizer is not None else None
+        self._decoder = stream_decoder(tokenizer) if tokenizer is not None else None
         self._scanner = StopScanner(stops)
         self._text = ""
         self._emitted = 0

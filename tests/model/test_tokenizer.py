@@ -10,8 +10,9 @@ import jinja2
 import pytest
 from transformers import AutoTokenizer
 
+from model.stream_decoder import stream_decoder
 from model.tiny import BOS_ID, EOS_ID, write_tiny_model
-from model.tokenizer import StreamDecoder, load_tokenizer
+from model.tokenizer import load_tokenizer
 
 LLAMA3_STYLE_TEMPLATE = """{{- bos_token }}
 {%- if messages[0]['role'] == 'system' %}
@@ -128,7 +129,7 @@ def test_no_tokenizer_json_gives_none(tmp_path: Path) -> None:
 def test_stream_decoder_holds_back_partial_utf8(tiny_dir: Path) -> None:
     tok = load_tokenizer(tiny_dir)
     text = "héllo 😀 wörld"
-    stream = StreamDecoder(tok)
+    stream = stream_decoder(tok)
     deltas = [stream.push([i]) for i in tok.encode(text)]
     assert "".join(deltas) == text
     assert all("\ufffd" not in d for d in deltas)

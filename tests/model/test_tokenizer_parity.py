@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer
 
-from model.tokenizer import StreamDecoder, load_tokenizer
+from model.stream_decoder import stream_decoder
+from model.tokenizer import load_tokenizer
 from tests.real_model import RealModel
 
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -121,7 +122,7 @@ def test_streamed_text_equals_decode_of_the_whole_output(smollm2: RealModel) -> 
     @given(TEXT)
     def check(text: str) -> None:
         ids = tok.encode(text)
-        stream = StreamDecoder(tok)
+        stream = stream_decoder(tok)
         streamed = "".join(stream.push([i]) for i in ids) + stream.flush()
         assert streamed == tok.decode(ids)
 

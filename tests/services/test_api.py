@@ -234,3 +234,16 @@ def test_the_offline_llm_gives_the_server_s_tokens_for_the_same_seed(client, tin
     served = client.completions.create(model="tiny", prompt="same seed, same words", max_tokens=12, temperature=1.0,
                                        seed=21, n=2)
     assert [c.text for c in served.choices] == [o.text for o in offline.outputs]
+
+
+def test_forced_continuation_bytes_stream_as_they_come(client):
+    """Issue 30 (3 of 9): ``logit_bias`` forcing UTF-8 continuation byte 0x80 (the tiny tokenizer's id
+    128) for 2,000 tokens. The old decoder held all of it back (every SSE event empty, the last one
+    with all 2,000 characters), re-decoding the held ids per token; now each byte's U+FFFD goes out
+    with the event of its token, and the streamed text equals the non-streamed one."""
+    kwargs = {"model": "tiny", "prompt": "x", "max_tokens": 2000, "temperature": 0, "logit_bias": {"128": 100}}
+    whole = client.completions.create(**kwargs)
+    assert whole.choices[0].text == "\ufffd" * 2000 and whole.usage.completion_tokens == 2000
+    events = [c.choices[0].text for c in client.completions.create(**kwargs, stream=True) if c.choices]
+    assert "".join(events) == whole.choices[0].text
+    assert len(events) > 100 and all(t and set(t) == {"\ufffd"} for t in events)
