@@ -74,6 +74,9 @@ class RouterMetrics:
                                     "queue for room", registry=self.registry, buckets=buckets + (120, 300))
         self.refused = Counter("kvrelay_router_refused", "Requests the router's queue refused (429), by reason: "
                                "queue_full, fair_share, predicted_wait, deadline", ["reason"], registry=self.registry)
+        self.slow_polls = Counter("kvrelay_router_slow_node_polls", "Health polls a node answered late (or not "
+                                  "in time) while it took connections: counted, the node stays in", ["node"],
+                                  registry=self.registry)
 
     def queue_metrics(self) -> QueueMetrics:
         return QueueMetrics(queued=self.queued.set, waited=self.queue_wait.observe,
@@ -100,7 +103,8 @@ class Router:
         self.nodes: NodeSet | None = None
         self.dispatcher: Dispatcher | None = None
         self.served: ServedModel | None = None
-        self.membership = Membership(config, self.backends, resolver=resolver)
+        self.membership = Membership(config, self.backends, resolver=resolver,
+                                     on_slow=lambda node: self.metrics.slow_polls.labels(node.name).inc())
         self._pump_task: asyncio.Task | None = None
 
     # ------------------------------------------------------------ lifecycle
@@ -397,7 +401,7 @@ class Router:
                           "reserved_requests": n.reserved_requests,
                           "capacity": None if n.capacity is None else dataclasses.asdict(n.capacity),
                           "kv_keys": self.nodes.index.num_keys(n.name), "last_error": n.last_error,
-                          "times_down": n.times_down}
+                          "times_down": n.times_down, "slow_polls": n.slow_polls}
                  for n in self.nodes.all}
         ok = any(n.healthy(now) for n in self.nodes.decode)
         queue = self.dispatcher.queue if self.dispatcher is not None else None
