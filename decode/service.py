@@ -164,31 +164,64 @@ class DecodeService(EngineNode):
         done = False
         try:
             async for out in stream:
-                if not resp.prepared:
-                    await resp.prepare(request)
-                await resp.write(encode_frame(DecodeFrame(out.index, out.new_token_ids, out.finished,
-                                                          out.finish_reason, out.logprobs)))
+                await self._write(request, resp, encode_frame(DecodeFrame(
+                    out.index, out.new_token_ids, out.finished, out.finish_reason, out.logprobs)))
             done = True
         except RequestError as exc:
             self.metrics.request_done("bad_request")
             if not resp.prepared:
                 return msgpack_response({"error": str(exc)}, status=400, headers=lease)
-            await resp.write(encode_error_frame(str(exc), 400))
+            await self._write_last(request, resp, encode_error_frame(str(exc), 400), rid)
             return resp
         except EngineFailure as exc:
             self.metrics.request_done("error")
             if not resp.prepared:
                 return msgpack_response({"error": str(exc)}, status=exc.status, headers=lease)
-            await resp.write(encode_error_frame(str(exc), exc.status))
+            await self._write_last(request, resp, encode_error_frame(str(exc), exc.status), rid)
+            return resp
+        except _ReaderStalled as exc:
+            self.metrics.request_done("reader_stalled")
+            log.warning("request %s: %s", rid, exc)
             return resp
         finally:
             if not done:
-                self.worker.abort(rid)  # client gone or error: give the blocks back now
+                self.worker.abort(rid)  # client gone, stalled or error: give the blocks back now
         self.metrics.request_done("ok")
-        if not resp.prepared:
-            await resp.prepare(request)
-        await resp.write_eof()
+        await self._write_last(request, resp, b"", rid)
         return resp
+
+    async def _write_last(self, request: web.Request, resp: web.StreamResponse, data: bytes, rid: str) -> None:
+        """The stream's last bytes and its end; a router that stopped reading is only logged (and cut off)."""
+        try:
+            await self._write(request, resp, data, eof=True)
+        except _ReaderStalled as exc:
+            log.warning("request %s: %s", rid, exc)
+
+    async def _write(self, request: web.Request, resp: web.StreamResponse, data: bytes = b"", *,
+                     eof: bool = False) -> None:
+        """Write ``data`` to the router (then end the answer if ``eof``), each step within
+        ``write_stall_timeout_s``.
+
+        Raises:
+            _ReaderStalled: the router stopped reading; the connection is cut (aborted).
+        """
+        timeout_s = self.decode_config.write_stall_timeout_s
+        try:
+            if not resp.prepared:
+                await asyncio.wait_for(resp.prepare(request), timeout_s)
+            if data:
+                await asyncio.wait_for(resp.write(data), timeout_s)
+            if eof:
+                await asyncio.wait_for(resp.write_eof(), timeout_s)
+        except asyncio.TimeoutError:
+            if request.transport is not None:
+                request.transport.abort()
+            raise _ReaderStalled(f"the router did not read the stream for {timeout_s:g} s "
+                                 "(decode.write_stall_timeout_s); dropped and aborted") from None
+
+
+class _ReaderStalled(Exception):
+    """The router stopped reading a stream (`DecodeConfig.write_stall_timeout_s`)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -128,6 +128,8 @@ def build_app(config: Any, role: str, index: int, *, name: str | None = None,
             dns_interval_s=r.dns_interval_s, max_queued_requests=r.max_queued_requests,
             max_queued_bytes=r.max_queued_bytes, queue_timeout_s=r.queue_timeout_s,
             decode_reserve_tokens=r.decode_reserve_tokens, migration_limit=r.migration_limit,
+            body_read_timeout_s=r.body_read_timeout_s,
+            write_stall_timeout_s=r.write_stall_timeout_s,
         ))
         return router.make_app(), r.host, r.port
     from engine.worker import EngineWorker
@@ -167,7 +169,8 @@ def build_app(config: Any, role: str, index: int, *, name: str | None = None,
     reader = DecodeTransfer(worker, transfer_config)
     service = DecodeService(node, DecodeConfig(config.decode.on_transfer_failure, config.decode.transfer_timeout_s,
                                                allowed_owners=frozenset(node_urls(config, "prefill")),
-                                               owner_dns=config.router.prefill_dns),
+                                               owner_dns=config.router.prefill_dns,
+                                               write_stall_timeout_s=config.decode.write_stall_timeout_s),
                             worker, pull=reader.pull, metrics=metrics)
     app = service.make_app()
     reader.install(app)
@@ -187,7 +190,8 @@ def run_role(config: Any, role: str, index: int = 0, *, name: str | None = None,
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
     if role == "router":
         app, host, port = build_app(config, role, index)
-        asyncio.run(_serve(app, host, port, name=name, access_log=True, stop=_Stop()))
+        asyncio.run(_serve(app, host, port, name=name, access_log=True, stop=_Stop(),
+                           keepalive_timeout_s=config.router.keepalive_timeout_s))
         return 0
     cores: CoreLending | None = None
     if cpu_pool is not None and cpu_lock_dir is not None and cpus is not None:
@@ -211,7 +215,8 @@ def run_role(config: Any, role: str, index: int = 0, *, name: str | None = None,
         try:
             # Nodes answer the router's event polls: no access log for those.
             asyncio.run(_serve(app, host, port, name=name, access_log=False, stop=stop,
-                               drain_timeout_s=config.internal.drain_timeout_s))
+                               drain_timeout_s=config.internal.drain_timeout_s,
+                               keepalive_timeout_s=config.internal.keepalive_timeout_s))
         except BaseException as exc:  # noqa: BLE001 - re-raised on the main thread
             failures.append(exc)
 
@@ -264,10 +269,12 @@ class _Stop:
 
 
 async def _serve(app: web.Application, host: str, port: int, *, name: str, access_log: bool, stop: _Stop,
-                 drain_timeout_s: float = 0.0) -> None:
+                 drain_timeout_s: float = 0.0, keepalive_timeout_s: float = 75.0) -> None:
     """Serve ``app`` until ``stop``, drain it (an engine node: `node.app.EngineNode.drain`), then run its
-    cleanup (which stops an engine node's worker); the cleanup runs however this ends."""
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=log if access_log else None)
+    cleanup (which stops an engine node's worker); the cleanup runs however this ends. An idle keep-alive
+    connection is closed after ``keepalive_timeout_s`` (aiohttp's own default is an hour)."""
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=log if access_log else None,
+                           keepalive_timeout=keepalive_timeout_s)
     await runner.setup()
     try:
         site = web.TCPSite(runner, host, port)

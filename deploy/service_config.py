@@ -7,14 +7,22 @@
               (attention_backend: torch | reference | triton; unset: triton on CUDA, torch on CPU; triton on
               CPU runs under Triton's interpreter, for tests. cuda_graphs (default true): capture decode steps
               on CUDA for cuda_graph_batch_sizes (default 1, 2, 4, 8, 16, … up to max_num_seqs))
-    internal: {bind, token, token_env, drain_timeout_s}
+    internal: {bind, token, token_env, drain_timeout_s, keepalive_timeout_s}
+              (keepalive_timeout_s, default 75: an idle HTTP connection to a node is closed after it)
     prefill:  {ports: [8100, ...], lease_ttl_s, max_pending_requests, devices: [0, ...], inject_faults: []}
               (devices: CUDA devices per node, for up; inject_faults: tests only, transfer.config.PUBLISH_FAULTS)
-    decode:   {ports: [8200, ...], on_transfer_failure, max_pending_requests, transfer_timeout_s, devices}
+    decode:   {ports: [8200, ...], on_transfer_failure, max_pending_requests, transfer_timeout_s, devices,
+               write_stall_timeout_s}
+              (write_stall_timeout_s, default 60: a router that takes no frame of a stream for that long is cut
+              off and the request aborted, its blocks freed)
     router:   {host, port, api_keys, api_keys_env, max_body_bytes, request_timeout_s, max_n, load_weight_tokens,
                max_concurrent_requests, max_connections_per_node, connect_timeout_s, prefill_urls, decode_urls,
                prefill_dns, decode_dns, dns_interval_s, max_queued_requests, max_queued_bytes, queue_timeout_s,
-               decode_reserve_tokens, migration_limit}
+               decode_reserve_tokens, migration_limit, body_read_timeout_s, write_stall_timeout_s, keepalive_timeout_s}
+              (body_read_timeout_s, default 30: a request body not in within it gets 408, and holds no admission
+              slot meanwhile; write_stall_timeout_s, default 30: a client that takes no write of its answer for
+              that long is dropped and its request ended; keepalive_timeout_s, default 75: an idle client
+              connection is closed after it)
 """
 
 from __future__ import annotations
@@ -58,6 +66,7 @@ class InternalSection:
     bind: str = "127.0.0.1"
     token: str | None = None
     drain_timeout_s: float = 30.0  # on SIGTERM: how long admitted requests may take to finish
+    keepalive_timeout_s: float = 75.0  # an idle connection to a node is closed after this
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +86,7 @@ class DecodeSection:
     transfer_timeout_s: float = 10.0
     long_context: LongContextConfig = LongContextConfig()
     devices: tuple[str, ...] = ()  # as PrefillSection.devices
+    write_stall_timeout_s: float = 60.0  # decode.config.DecodeConfig.write_stall_timeout_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +111,9 @@ class RouterSection:
     queue_timeout_s: float = 300.0
     decode_reserve_tokens: int = 256
     migration_limit: int = 3  # times one request may move to another decode node mid-stream; 0: never
+    body_read_timeout_s: float = 30.0  # router.config.RouterConfig
+    write_stall_timeout_s: float = 30.0
+    keepalive_timeout_s: float = 75.0  # an idle client connection is closed after this (aiohttp's default: 3630)
 
 
 class Section:
@@ -243,6 +256,7 @@ def parse_services(root: Section, *, base_dir: Path, env: Mapping[str, str] | No
     token = (i.take("token", string, None) or _env(i.take("token_env", string, None), env)
              or env.get(TOKEN_ENV) or None)
     drain_timeout_s = i.take("drain_timeout_s", positive_float, 30.0)
+    node_keepalive_s = i.take("keepalive_timeout_s", positive_float, 75.0)
     i.done()
     p = root.section("prefill")
     prefill_ports = p.take("ports", port_list, ())
@@ -258,7 +272,8 @@ def parse_services(root: Section, *, base_dir: Path, env: Mapping[str, str] | No
                            d.take("on_transfer_failure", one_of(FAILURE_POLICIES), "recompute"),
                            d.take("max_pending_requests", positive_int, 256),
                            d.take("transfer_timeout_s", positive_float, 10.0),
-                           _long_context(d.section("long_context")), _devices(d, len(decode_ports)))
+                           _long_context(d.section("long_context")), _devices(d, len(decode_ports)),
+                           d.take("write_stall_timeout_s", positive_float, 60.0))
     d.done()
     r = root.section("router")
     keys = r.take("api_keys", _string_list, ())
@@ -279,9 +294,13 @@ def parse_services(root: Section, *, base_dir: Path, env: Mapping[str, str] | No
                            r.take("max_queued_bytes", size, 256 * 1024 * 1024),
                            r.take("queue_timeout_s", positive_float, 300.0),
                            r.take("decode_reserve_tokens", positive_int, 256),
-                           r.take("migration_limit", non_negative_int, 3))
+                           r.take("migration_limit", non_negative_int, 3),
+                           r.take("body_read_timeout_s", positive_float, 30.0),
+                           r.take("write_stall_timeout_s", positive_float, 30.0),
+                           r.take("keepalive_timeout_s", positive_float, 75.0))
     r.done()
-    return {"model": model, "engine": engine, "internal": InternalSection(bind, token, drain_timeout_s),
+    internal = InternalSection(bind, token, drain_timeout_s, node_keepalive_s)
+    return {"model": model, "engine": engine, "internal": internal,
             "prefill": prefill, "decode": decode, "router": router}
 
 

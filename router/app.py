@@ -52,6 +52,10 @@ RETRY_AFTER_S = 1  # what a 429 or 503 answer tells the client to wait, in secon
 PUMP_INTERVAL_S = 0.25
 
 
+class ClientStalled(Exception):
+    """The client stopped reading its answer (`RouterConfig.write_stall_timeout_s`); its connection is cut."""
+
+
 class RouterMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -77,6 +81,9 @@ class RouterMetrics:
         self.migrations = Counter("kvrelay_router_migrations", "Moves of a request to another decode node after its "
                                   "own failed mid-stream (moved), and requests that could not move (limit: "
                                   "router.migration_limit reached; no_node: no other decode node)", ["outcome"],
+                                  registry=self.registry)
+        self.slow_polls = Counter("kvrelay_router_slow_node_polls", "Health polls a node answered late (or not "
+                                  "in time) while it took connections: counted, the node stays in", ["node"],
                                   registry=self.registry)
 
     def queue_metrics(self) -> QueueMetrics:
@@ -104,7 +111,8 @@ class Router:
         self.nodes: NodeSet | None = None
         self.dispatcher: Dispatcher | None = None
         self.served: ServedModel | None = None
-        self.membership = Membership(config, self.backends, resolver=resolver)
+        self.membership = Membership(config, self.backends, resolver=resolver,
+                                     on_slow=lambda node: self.metrics.slow_polls.labels(node.name).inc())
         self._pump_task: asyncio.Task | None = None
 
     # ------------------------------------------------------------ lifecycle
@@ -164,10 +172,16 @@ class Router:
                        kind="authentication_error")
 
     async def _body(self, request: web.Request) -> Any:
+        """The JSON body, read within ``body_read_timeout_s`` (a client trickling it gets 408).
+        Raises ApiError."""
+        timeout_s = self.config.body_read_timeout_s
         try:
-            raw = await request.read()
+            raw = await asyncio.wait_for(request.read(), timeout_s)
         except web.HTTPRequestEntityTooLarge:
             raise ApiError(413, f"request body exceeds the {self.config.max_body_bytes}-byte limit") from None
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {timeout_s:g} s "
+                                "(router.body_read_timeout_s); send the whole body at once") from None
         try:
             return json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -179,7 +193,32 @@ class Router:
         self.metrics.requests.labels("router", str(exc.status)).inc()
         retry_after_s = RETRY_AFTER_S if exc.retry_after_s is None else exc.retry_after_s
         headers = {"Retry-After": str(retry_after_s)} if exc.status in (429, 503) else None
-        return web.json_response(exc.body(), status=exc.status, headers=headers)
+        resp = web.json_response(exc.body(), status=exc.status, headers=headers)
+        if exc.status == 408:  # the rest of the body may still trickle in: do not wait to read it
+            resp.force_close()
+        return resp
+
+    async def _write(self, request: web.Request, resp: web.StreamResponse, data: bytes = b"", *,
+                     eof: bool = False) -> None:
+        """Write ``data`` to the client (then end the answer if ``eof``), within ``write_stall_timeout_s``.
+
+        Raises:
+            ClientStalled: the client stopped reading; its connection is cut (aborted).
+        """
+        timeout_s = self.config.write_stall_timeout_s
+        try:
+            if not resp.prepared:
+                await asyncio.wait_for(resp.prepare(request), timeout_s)
+            if data:
+                await asyncio.wait_for(resp.write(data), timeout_s)
+            if eof:
+                await asyncio.wait_for(resp.write_eof(), timeout_s)
+        except asyncio.TimeoutError:
+            if request.transport is not None:
+                request.transport.abort()
+            self.metrics.requests.labels("router", "client_stalled").inc()
+            raise ClientStalled(f"the client did not read its answer for {timeout_s:g} s "
+                                "(router.write_stall_timeout_s); dropped") from None
 
     # ------------------------------------------------------------- handlers
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -189,7 +228,12 @@ class Router:
         return await self._handle(request, parse_chat)
 
     async def _handle(self, request: web.Request, parse: Any) -> web.StreamResponse:
-        if self.num_admitted >= self.config.max_concurrent_requests:  # before reading or parsing anything
+        try:
+            salt = self._auth(request)
+            body = await self._body(request)  # before a slot is taken: a client trickling its body holds none
+        except ApiError as exc:
+            return self._error(exc)
+        if self.num_admitted >= self.config.max_concurrent_requests:  # before parsing anything
             return self._error(ApiError(429, f"the router is serving {self.num_admitted} requests, its limit "
                                              "(router.max_concurrent_requests); retry later"))
         self.num_admitted += 1
@@ -197,9 +241,7 @@ class Router:
         tickets: list[Ticket] = []
         try:
             try:
-                salt = self._auth(request)
                 assert self.served is not None and self.dispatcher is not None
-                body = await self._body(request)
                 # Tokenizing and templating can take a while for a long prompt: off the event loop.
                 parsed = await asyncio.get_running_loop().run_in_executor(None, parse, body, self.served)
                 reqs: list[GenerationRequest] = parsed if isinstance(parsed, list) else [parsed]
@@ -210,7 +252,12 @@ class Router:
                 return self._error(exc)
             if reqs[0].stream:
                 return await self._stream(request, reqs, salt, tickets)
-            return await self._complete(reqs, salt, tickets)
+            resp = await self._complete(reqs, salt, tickets)
+            try:
+                await self._write(request, resp, eof=True)  # here, so that a client that never reads is cut off
+            except ClientStalled as exc:
+                log.info("%s: %s", request.remote, exc)
+            return resp
         finally:
             assert self.dispatcher is not None
             for ticket in tickets:  # a request that ended before its run began gives its place back
@@ -320,7 +367,7 @@ class Router:
         try:
             async for i, delta in _with_deadline(gen, self.config.request_timeout_s):
                 if not resp.prepared:
-                    await resp.prepare(request)
+                    await self._write(request, resp)
                 timer.tokens(len(delta.token_ids))
                 if reasons[i] is not None:
                     continue
@@ -337,25 +384,34 @@ class Router:
                 lp = logprobs_body(req, self.served.tokenizer, delta.token_ids, delta.logprobs, offsets[i])
                 if lp is not None and req.kind == "completion" and lp["tokens"]:
                     offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
-                await _sse(resp, stream_chunk(req, name, i, text, reasons[i], first=first, logprobs=lp))
+                await self._write(request, resp, _sse(stream_chunk(req, name, i, text, reasons[i], first=first,
+                                                                   logprobs=lp)))
                 if all(r is not None for r in reasons):
                     break
         except ApiError as exc:
             if not resp.prepared:
                 return self._error(exc)
             self.metrics.requests.labels("router", str(exc.status)).inc()
-            await _sse(resp, exc.body())
-            await resp.write(b"data: [DONE]\n\n")
+            try:
+                await self._write(request, resp, _sse(exc.body()) + b"data: [DONE]\n\n", eof=True)
+            except ClientStalled as stalled:
+                log.info("request %s: %s", req.request_id, stalled)
+            return resp
+        except ClientStalled as exc:  # its connection is cut; closing the decode stream aborts the request
+            log.info("request %s: %s", req.request_id, exc)
             return resp
         except (ConnectionResetError, asyncio.CancelledError):
             self.metrics.requests.labels("router", "client_closed").inc()
             raise
         finally:
             await gen.aclose()  # closes the decode stream: the decode node aborts the request
-        if req.include_usage:
-            await _sse(resp, usage_chunk(req, name, sum(t.num_tokens for t in texts),
-                                         sum(len(r.prompt_token_ids) for r in reqs)))
-        await resp.write(b"data: [DONE]\n\n")
+        tail = _sse(usage_chunk(req, name, sum(t.num_tokens for t in texts),
+                                sum(len(r.prompt_token_ids) for r in reqs))) if req.include_usage else b""
+        try:
+            await self._write(request, resp, tail + b"data: [DONE]\n\n", eof=True)
+        except ClientStalled as exc:
+            log.info("request %s: %s", req.request_id, exc)
+            return resp
         timer.observe(self.metrics)
         self.metrics.requests.labels("router", "200").inc()
         return resp
@@ -402,7 +458,7 @@ class Router:
                           "reserved_requests": n.reserved_requests,
                           "capacity": None if n.capacity is None else dataclasses.asdict(n.capacity),
                           "kv_keys": self.nodes.index.num_keys(n.name), "last_error": n.last_error,
-                          "times_down": n.times_down}
+                          "times_down": n.times_down, "slow_polls": n.slow_polls}
                  for n in self.nodes.all}
         ok = any(n.healthy(now) for n in self.nodes.decode)
         queue = self.dispatcher.queue if self.dispatcher is not None else None
@@ -457,5 +513,6 @@ async def _with_deadline(gen: AsyncIterator[T], timeout_s: float) -> AsyncIterat
         yield item
 
 
-async def _sse(resp: web.StreamResponse, obj: dict[str, Any]) -> None:
-    await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+def _sse(obj: dict[str, Any]) -> bytes:
+    """One server-sent event."""
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"

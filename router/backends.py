@@ -15,11 +15,20 @@ from transfer.wire import WireError, decode_release_reply, encode_lease_request,
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-CONTROL_CONNECTIONS_PER_NODE = 4  # an event long poll and a few /info or lease calls at a time
+CONTROL_CONNECTIONS_PER_NODE = 4  # a few /info or lease calls at a time
+HEALTH_CONNECTIONS_PER_NODE = 2  # the event long poll (one at a time), on connections nothing else waits for
 
 
 class NodeUnavailable(Exception):
     """The node did not answer, broke the connection, or failed with a 5xx: route elsewhere."""
+
+
+class NodeUnreachable(NodeUnavailable):
+    """No connection to the node could be made (refused, or the connect timed out): it is gone."""
+
+
+class NodeSlow(NodeUnavailable):
+    """The node took the connection but did not answer in time: slow, not gone."""
 
 
 class NodeRefused(Exception):
@@ -32,9 +41,10 @@ class NodeRefused(Exception):
 
 
 class Backends:
-    """The router's internal HTTP clients: one session for requests (prefill, decode streams) and one
-    for control calls (``/info``, ``/kv/events`` long polls), so that a saturated request pool never
-    delays the polls that decide whether a node is alive.
+    """The router's internal HTTP clients: one session for requests (prefill, decode streams), one for
+    control calls (``/info``, lease releases) and one for the ``/kv/events`` health polls (`poll`), so that
+    neither a saturated request pool nor lease releases queued on a slow node ever delay the polls that
+    decide whether a node is alive.
 
     Args:
         internal_token: sent to the nodes in `transfer.config.TOKEN_HEADER`.
@@ -51,9 +61,11 @@ class Backends:
         if internal_token:
             self._headers[TOKEN_HEADER] = internal_token
         self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s, sock_read=timeout_s)
+        self._connect_timeout_s = connect_timeout_s
         self._limit = max_connections_per_node
         self._session: aiohttp.ClientSession | None = None
         self._control: aiohttp.ClientSession | None = None
+        self._health: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(
@@ -62,9 +74,12 @@ class Backends:
         self._control = aiohttp.ClientSession(
             timeout=self._timeout, headers=self._headers,
             connector=aiohttp.TCPConnector(limit=0, limit_per_host=CONTROL_CONNECTIONS_PER_NODE))
+        self._health = aiohttp.ClientSession(
+            timeout=self._timeout, headers=self._headers,
+            connector=aiohttp.TCPConnector(limit=0, limit_per_host=HEALTH_CONNECTIONS_PER_NODE))
 
     async def close(self) -> None:
-        for session in (self._session, self._control):
+        for session in (self._session, self._control, self._health):
             if session is not None:
                 await session.close()
 
@@ -96,6 +111,30 @@ class Backends:
                 await self._check(node, resp)
                 return unpack(await resp.read())
         except (aiohttp.ClientError, TimeoutError, WireError) as exc:
+            raise NodeUnavailable(f"{node.name}: GET {path} failed: {exc!r}") from None
+
+    async def poll(self, node: Node, path: str, *, timeout_s: float) -> Any:
+        """GET ``path`` (a health poll) on connections of its own: the connect within ``connect_timeout_s``,
+        the answer within ``timeout_s`` after it.
+
+        Raises:
+            NodeUnreachable: the connect failed (refused, or timed out).
+            NodeSlow: connected, but no whole answer in time.
+            NodeUnavailable: the node broke the connection, answered a 5xx or a malformed body.
+            NodeRefused: a 4xx.
+        """
+        assert self._health is not None, "Backends.start() was not called"
+        timeout = aiohttp.ClientTimeout(total=self._connect_timeout_s + timeout_s,
+                                        sock_connect=self._connect_timeout_s)
+        try:
+            async with self._health.get(node.url + path, timeout=timeout) as resp:
+                await self._check(node, resp)
+                return unpack(await resp.read())
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+            raise NodeUnreachable(f"{node.name}: cannot connect to {node.url}: {exc!r}") from None
+        except TimeoutError:  # asyncio.TimeoutError: no answer in time on a connection that was made
+            raise NodeSlow(f"{node.name}: GET {path} was not answered within {timeout_s:g} s") from None
+        except (aiohttp.ClientError, WireError) as exc:
             raise NodeUnavailable(f"{node.name}: GET {path} failed: {exc!r}") from None
 
     async def release_lease(self, node: Node, lease_id: str, *, timeout_s: float = 5.0) -> bool:

@@ -41,6 +41,11 @@ class RouterConfig:
     max_connections_per_node: int = 1024  # pooled request connections to each node
     connect_timeout_s: float = 5.0  # the TCP connect to a node (not the wait for a pooled connection)
     migration_limit: int = 3  # times one request may move to another decode node mid-stream (`router.dispatch`)
+    # A client's whole request body must arrive within this (else 408); no admission slot is held meanwhile.
+    body_read_timeout_s: float = 30.0
+    # A client that takes longer than this to take one write of its answer (it stopped reading) is dropped,
+    # and its request ended on the nodes.
+    write_stall_timeout_s: float = 30.0
     long_context: LongContextConfig = LongContextConfig()  # the decode nodes' default (decode.long_context)
 
     def __post_init__(self) -> None:
@@ -63,7 +68,7 @@ class RouterConfig:
         require_int("decode_reserve_tokens", self.decode_reserve_tokens)
         require_int("migration_limit", self.migration_limit, minimum=0)
         for name in ("request_timeout_s", "node_retry_s", "startup_timeout_s", "connect_timeout_s", "dns_interval_s",
-                     "queue_timeout_s"):
+                     "queue_timeout_s", "body_read_timeout_s", "write_stall_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
         if not self.event_poll_interval_s >= 0:

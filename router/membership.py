@@ -1,9 +1,12 @@
 """`Membership`: which nodes the router has, over time, and what their caches hold.
 
 * At start, the model and block layout from the first node that answers ``/info`` (`cluster_info`).
-* One long poll per node of its ``/kv/events``: it feeds the KV index and is the router's health
-  check; a node it cannot reach is taken out and the requests waiting on it are ended
-  (`router.nodes.NodeSet.mark_unreachable`).
+* One long poll per node of its ``/kv/events``, on connections of its own (`Backends.poll`): it feeds the
+  KV index and is the router's health check. A node it cannot connect to is taken out and the requests
+  waiting on it are ended (`router.nodes.NodeSet.mark_unreachable`); one that breaks the connection or
+  answers wrongly is taken out for ``node_retry_s`` (its requests go on); one that is merely slow (connected,
+  no answer in time) stays in and is counted (`Node.slow_polls`). A host that vanished without a reset is
+  first slow, then unreachable: the poll after a slow one connects afresh.
 * With DNS names configured, discovery every ``dns_interval_s``: a new address joins once it answers
   ``/info`` (under the name it gives itself); one that vanished gets no new requests, and its poller
   stays only while requests are in flight there.
@@ -17,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from router.backends import Backends, NodeUnavailable
+from router.backends import Backends, NodeSlow, NodeUnavailable, NodeUnreachable
 from router.config import RouterConfig
 from router.dispatch import ClusterInfo
 from router.nodes import Node, NodeCapacity, NodeSet
@@ -26,14 +29,16 @@ from transfer.discovery import NodeAddresses, Resolver
 log = logging.getLogger(__name__)
 # A node that has never answered is polled every round; say so at these failure counts (not at every try).
 UNSEEN_WARN_AFTER = frozenset({50, 300, 1200})
-EVENT_ANSWER_TIMEOUT_S = 5.0  # beyond the long-poll wait: a node slower than this is taken out
+EVENT_ANSWER_TIMEOUT_S = 5.0  # beyond the long-poll wait: a node slower than this is counted slow
+SLOW_WARN_EVERY = 100  # after the first slow poll of a node, say so again every this many
 
 
 class Membership:
     """The router's nodes; owned by its event loop. `cluster_info`, then `start` with the `NodeSet`
     built from it, then `stop`."""
 
-    def __init__(self, config: RouterConfig, backends: Backends, *, resolver: Resolver) -> None:
+    def __init__(self, config: RouterConfig, backends: Backends, *, resolver: Resolver,
+                 on_slow: Callable[[Node], None] = lambda node: None) -> None:
         self.config = config
         self.backends = backends
         self._addresses = {"prefill": NodeAddresses(config.prefill_urls, config.prefill_dns, resolver=resolver),
@@ -42,6 +47,7 @@ class Membership:
         self._on_change: Callable[[], None] = lambda: None
         self._pollers: dict[str, asyncio.Task] = {}  # node URL -> its event poller
         self._discovery: asyncio.Task | None = None
+        self._on_slow = on_slow  # hears each slow poll (the router counts them in its metrics)
 
     def start(self, nodes: NodeSet, *, on_change: Callable[[], None] = lambda: None) -> None:
         """Poll every node of ``nodes``, and follow the DNS names if any. ``on_change()`` runs after each
@@ -140,15 +146,23 @@ class Membership:
             after = self.nodes.index.node_to_last_seq.get(node.name, 0)
             wait_s = cfg.event_wait_s if node.seen else 0.0
             try:
-                batch = await self.backends.get_msgpack(node, f"/kv/events?after={after}&wait_s={wait_s:g}",
-                                                        timeout_s=wait_s + EVENT_ANSWER_TIMEOUT_S)
+                batch = await self.backends.poll(node, f"/kv/events?after={after}&wait_s={wait_s:g}",
+                                                 timeout_s=wait_s + EVENT_ANSWER_TIMEOUT_S)
                 self._apply_events(node, batch)
+            except NodeSlow as exc:  # it took the connection: slow, not gone; the next poll connects afresh
+                node.slow_polls += 1
+                self._on_slow(node)
+                if node.slow_polls % SLOW_WARN_EVERY == 1:
+                    log.warning("node %s is slow (%d slow polls): %s; it stays in", node.name, node.slow_polls, exc)
             except Exception as exc:  # noqa: BLE001 - one bad node must not stop its poller
                 if node.seen and node.healthy(now):
                     log.warning("node %s: %s; taken out for %.0f s", node.name, exc, cfg.node_retry_s)
                 elif not node.seen and node.failures + 1 in UNSEEN_WARN_AFTER:
                     log.warning("node %s has not answered yet (%d tries): %s", node.name, node.failures + 1, exc)
-                self.nodes.mark_unreachable(node, f"{type(exc).__name__}: {exc}")
+                if isinstance(exc, NodeUnreachable):
+                    self.nodes.mark_unreachable(node, f"{type(exc).__name__}: {exc}")
+                else:  # it answered, wrongly, or broke the connection: out for a while, its requests go on
+                    self.nodes.mark_down(node, f"{type(exc).__name__}: {exc}")
             await asyncio.sleep(cfg.event_poll_interval_s)
 
     def _apply_events(self, node: Node, batch: Any) -> None:

@@ -22,7 +22,8 @@ A node with nothing reserved always takes one request (one larger than the node 
 itself, with its reason). A node that has not reported yet is not bounded.
 
 A node that fails a call is taken out for ``retry_after_s`` and then tried again. A node the health
-poll cannot reach is also cut off from the requests in flight to it (`Node.lost`).
+poll cannot connect to is also cut off from the requests in flight to it (`Node.lost`); a node that is
+only slow to answer it stays in (`Node.slow_polls`).
 """
 
 from __future__ import annotations
@@ -165,6 +166,7 @@ class Node:
     seen: bool = False  # answered at least once; until then it is polled at every round
     last_error: str = ""  # why the last call failed; cleared when it answers
     times_down: int = 0  # how often it was taken out after it had answered (never reset)
+    slow_polls: int = 0  # health polls it took but did not answer in time (it stays in; never reset)
     # Set when the health poll finds the node unreachable, and at once replaced by a fresh one: the
     # requests waiting on it then give up (`router.backends.Backends`) instead of waiting out their read
     # timeout on a host that is gone (it sends no reset); later requests wait on the fresh one.

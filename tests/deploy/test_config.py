@@ -259,3 +259,20 @@ def test_the_config_knows_every_attention_backend_the_engine_has():
     from model.attention import BACKEND_NAME_TO_CLASS
 
     assert sorted(ATTENTION_BACKENDS) == sorted(BACKEND_NAME_TO_CLASS)
+
+
+def test_slow_client_timeouts_default_and_are_read(tmp_path):
+    """Issue 30: the body-read, write-stall and keep-alive bounds (router, decode nodes, internal plane)."""
+    base = "model: {path: m}\nkvstore: {device: {bytes: 1GiB}}\n"
+    default = load_config(write(tmp_path, base))
+    assert (default.router.body_read_timeout_s, default.router.write_stall_timeout_s,
+            default.router.keepalive_timeout_s, default.decode.write_stall_timeout_s,
+            default.internal.keepalive_timeout_s) == (30.0, 30.0, 75.0, 60.0, 75.0)
+    cfg = load_config(write(tmp_path, base + "router: {body_read_timeout_s: 5, write_stall_timeout_s: 2.5, "
+                                             "keepalive_timeout_s: 10}\ndecode: {write_stall_timeout_s: 7}\n"
+                                             "internal: {keepalive_timeout_s: 20}\n"))
+    assert (cfg.router.body_read_timeout_s, cfg.router.write_stall_timeout_s, cfg.router.keepalive_timeout_s,
+            cfg.decode.write_stall_timeout_s, cfg.internal.keepalive_timeout_s) == (5.0, 2.5, 10.0, 7.0, 20.0)
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, base + "router: {write_stall_timeout_s: 0}\n"))
+    assert str(err.value) == "router.write_stall_timeout_s: 0 is not a positive number"

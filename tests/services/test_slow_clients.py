@@ -1,0 +1,157 @@
+"""Issue 30, failure mode 2: slow clients do not hold the router's slots or a decode node's room.
+
+* A client that trickles its body holds no admission slot, and gets 408 after ``router.body_read_timeout_s``.
+* An idle keep-alive connection is closed after ``router.keepalive_timeout_s``.
+* A client that stops reading its stream is dropped after ``router.write_stall_timeout_s``: its request is
+  aborted on the decode node (blocks freed), so the requests queued behind it are served.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+
+from tests.services.cluster import Cluster, get_json, metrics
+
+TRICKLERS = 1024
+UNREAD_STREAMS = 256
+
+
+def _post(url: str, body: dict, timeout: float = 300.0) -> tuple[int, dict]:
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def _host_port(url: str) -> tuple[str, int]:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    return host, int(port)
+
+
+def _wait_for(cond, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+        threading.Event().wait(0.2)
+
+
+def _raise_fd_limit(wanted: int) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < wanted:
+        assert hard == resource.RLIM_INFINITY or hard >= wanted, f"need {wanted} file descriptors, hard limit {hard}"
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+
+
+def _fds(pid: int) -> int:
+    import os
+
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def _read_all(s: socket.socket, timeout_s: float) -> bytes:
+    """What the peer sends until it closes (or resets) the connection."""
+    s.settimeout(timeout_s)
+    got = b""
+    try:
+        while chunk := s.recv(65536):
+            got += chunk
+    except ConnectionResetError:
+        pass
+    return got
+
+
+def test_trickled_bodies_hold_no_slot_and_get_408(tiny_model_dir):
+    _raise_fd_limit(TRICKLERS + 512)
+    with Cluster(tiny_model_dir, overrides={"router": {
+            "max_concurrent_requests": TRICKLERS, "body_read_timeout_s": 90, "keepalive_timeout_s": 2}}) as c:
+        host, port = _host_port(c.url)
+        router_pid = get_json(c.url + "/health")["pid"]
+        before = _fds(router_pid)
+        head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 100000\r\n\r\n")
+        socks = []
+        try:
+            for _ in range(TRICKLERS):
+                s = socket.create_connection((host, port), timeout=30)
+                s.sendall(head + b'{"model": ')  # 10 of the 100,000 bytes promised; the rest never comes
+                socks.append(s)
+            _wait_for(lambda: _fds(router_pid) >= before + TRICKLERS, 60, "the router to accept every trickler")
+            threading.Event().wait(1.0)  # for it to read their headers (unfixed, each then held a slot)
+            # Every trickler is held open, without a slot: a normal request is served.
+            code, body = _post(c.url, {"model": "tiny", "prompt": "hello", "max_tokens": 4, "temperature": 0,
+                                       "ignore_eos": True})
+            assert (code, body.get("usage", {}).get("completion_tokens")) == (200, 4), body
+            assert get_json(c.url + "/health")["admitted"] == 0
+            # Each trickler gets its 408 once its body is overdue, and its connection is closed.
+            answers = [_read_all(s, 120) for s in socks]
+        finally:
+            for s in socks:
+                s.close()
+        assert sum(a.startswith(b"HTTP/1.1 408 ") for a in answers) == TRICKLERS, answers[0][:300]
+        assert b"the request body did not arrive within 90 s (router.body_read_timeout_s)" in answers[0]
+
+        # An idle keep-alive connection is closed after keepalive_timeout_s (aiohttp's default: an hour).
+        with socket.create_connection((host, port), timeout=30) as s:
+            s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+            first = s.recv(65536)
+            assert first.startswith(b"HTTP/1.1 200 ")
+            t0 = time.monotonic()
+            rest = _read_all(s, 30)  # ends when the router closes the idle connection
+            assert rest == b"" or rest.startswith(b"{") or b"tiny" in rest  # the rest of the answer, if any
+            assert time.monotonic() - t0 < 30
+
+
+def _unread_stream(host: str, port: int, path: str, body: bytes, content_type: str,
+                   headers: dict[str, str] | None = None) -> socket.socket:
+    """A connection that sends a streaming request and never reads (a small receive buffer)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.settimeout(30)
+    s.connect((host, port))
+    extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+    s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: {content_type}\r\n{extra}"
+              f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    return s
+
+
+def test_streams_that_are_not_read_are_dropped_and_their_blocks_freed(tiny_model_dir):
+    _raise_fd_limit(UNREAD_STREAMS + 512)
+    # Room for all of them at once (n = 4: four samples each, as the reviewer's), so that each stalls.
+    overrides = {"engine": {"max_num_seqs": 4 * UNREAD_STREAMS}, "kvstore": {"device": {"bytes": "512MiB"}},
+                 "router": {"write_stall_timeout_s": 3, "request_timeout_s": 600, "queue_timeout_s": 600},
+                 "decode": {"write_stall_timeout_s": 5}}
+    with Cluster(tiny_model_dir, overrides=overrides) as c:
+        decode = c.decode_urls[0]
+        # Clients of the router that never read: each is dropped, its request aborted on the decode node.
+        host, port = _host_port(c.url)
+        body = json.dumps({"model": "tiny", "prompt": "never read me", "max_tokens": 2000, "temperature": 0,
+                           "ignore_eos": True, "logprobs": 20, "n": 4, "stream": True}).encode()
+        socks = [_unread_stream(host, port, "/v1/completions", body, "application/json")
+                 for _ in range(UNREAD_STREAMS)]
+        try:
+            # All of them are placed on the decode node: it has room for no more (max_pending_requests 256).
+            _wait_for(lambda: get_json(c.url + "/health")["nodes"]["decode-0"]["reserved_requests"]
+                      == UNREAD_STREAMS, 180, "every stream to be placed")
+            # A normal request waits for room, and gets it once the stalled clients are dropped.
+            code, answer = _post(c.url, {"model": "tiny", "prompt": "hello", "max_tokens": 4, "temperature": 0,
+                                         "ignore_eos": True})
+            assert (code, answer.get("usage", {}).get("completion_tokens")) == (200, 4), answer
+            stalled = 'kvrelay_requests_total{role="router",status="client_stalled"}'
+            _wait_for(lambda: metrics(c.url).get(stalled) == UNREAD_STREAMS, 120, "every stalled client dropped")
+            _wait_for(lambda: get_json(decode + "/health")["in_use_blocks"] == 0, 60, "the decode node's blocks")
+            assert get_json(c.url + "/health")["admitted"] == 0
+            cut = [_read_all(s, 30) for s in socks]  # what the buffers held, then the cut: no [DONE]
+        finally:
+            for s in socks:
+                s.close()
+        assert all(a.startswith(b"HTTP/1.1 200 ") and b"data: [DONE]" not in a for a in cut)
