@@ -259,3 +259,12 @@ def test_the_config_knows_every_attention_backend_the_engine_has():
     from model.attention import BACKEND_NAME_TO_CLASS
 
     assert sorted(ATTENTION_BACKENDS) == sorted(BACKEND_NAME_TO_CLASS)
+
+
+def test_engine_stall_timeout_defaults_to_a_minute_and_must_be_positive(tmp_path):
+    base = "model: {path: m}\nkvstore: {device: {bytes: 1GiB}}\n"
+    assert load_config(write(tmp_path, base)).engine.stall_timeout_s == 60.0
+    assert load_config(write(tmp_path, base + "engine: {stall_timeout_s: 2.5}\n")).engine.stall_timeout_s == 2.5
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, base + "engine: {stall_timeout_s: 0}\n"))
+    assert str(err.value).startswith("engine.stall_timeout_s: 0 is not a positive number"), str(err.value)
