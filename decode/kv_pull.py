@@ -13,7 +13,7 @@ from aiohttp import web
 from engine.worker import EngineWorker
 from transfer.config import TransferConfig
 from transfer.handle import KvHandle
-from transfer.node_agent import make_agent, worker_pool_call
+from transfer.node_agent import make_agent, worker_pool_calls
 from transfer.peer_cache import PeerCache
 from transfer.puller import Puller, PullResult
 
@@ -46,7 +46,7 @@ class DecodeTransfer:
         self._session = aiohttp.ClientSession()
         self._peers = PeerCache(self.agent, self._session, config=self.config)
         self._puller = Puller(self.agent, self.worker.engine.pool, self._peers, config=self.config,
-                              pool_call=worker_pool_call(self.worker), store=self.worker.engine.store)
+                              pool_calls=worker_pool_calls(self.worker), store=self.worker.engine.store)
 
     async def _close(self, app: web.Application) -> None:
         if self._puller is not None:

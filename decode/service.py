@@ -133,7 +133,7 @@ class DecodeService(EngineNode):
             return
         block_ids = task.result().block_ids
         if block_ids:
-            asyncio.ensure_future(self.worker.call(lambda engine: engine.pool.release(block_ids)))
+            asyncio.ensure_future(self.worker.must_run(lambda engine: engine.pool.release(block_ids)))
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         msg = await self.read_request(request)

@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # engine nodes import these where they are built: the router 
 log = logging.getLogger(__name__)
 ROLES = ("router", "prefill", "decode")
 ENGINE_DIED_EXIT = 3  # a node's exit code when its engine loop died (`kvrelay up` restarts it)
+ENGINE_STALLED_EXIT = 4  # ... when its engine thread was stuck past engine.stall_timeout_s (restarted too)
 
 
 def node_url(host: str, port: int) -> str:
@@ -145,7 +146,8 @@ def build_app(config: Any, role: str, index: int, *, name: str | None = None,
     section = config.prefill if role == "prefill" else config.decode
     node = NodeConfig(role=role, name=name, model_name=config.model.name, host=internal.bind, port=port,
                       max_pending_requests=section.max_pending_requests, internal_token=internal.token,
-                      cpus=tuple(cores.home) if cores is not None else ())
+                      cpus=tuple(cores.home) if cores is not None else (),
+                      stall_timeout_s=config.engine.stall_timeout_s)
     worker = EngineWorker(engine, host=worker_host, cores=cores)
     from transfer.config import TransferConfig
     from transfer.node_agent import advertised_host, restrict_transfer_to
@@ -206,6 +208,9 @@ def run_role(config: Any, role: str, index: int = 0, *, name: str | None = None,
     worker_host = CallerThreadHost()
     app, host, port = build_app(config, role, index, name=name, worker_host=worker_host, cores=cores,
                                 memory_budget_bytes=memory_budget_bytes)
+    from node.app_keys import ENGINE_STALLED
+
+    app[ENGINE_STALLED] = _exit_stalled
     stop = _Stop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop.set())
@@ -234,6 +239,19 @@ def run_role(config: Any, role: str, index: int = 0, *, name: str | None = None,
     if failures:
         raise failures[0]
     return 0
+
+
+def _exit_stalled(reason: str) -> None:
+    """The node gave its stuck engine up (`node.app.EngineNode`): exit now, non-zero, so that `kvrelay up`
+    (or the pod's restart policy) starts a fresh node. Not a clean stop: the main thread is stuck in the
+    engine, so nothing can be joined or closed; LMDB keeps what it committed."""
+    log.critical("%s: exiting with code %d", reason, ENGINE_STALLED_EXIT)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(ENGINE_STALLED_EXIT)
 
 
 def _sizing(frac: float | None, memory: str, budget: int | None) -> str:

@@ -3,10 +3,15 @@
 
     model:    {path, name, dtype (auto | float32 | bfloat16 | float16), device}
     engine:   {max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching, attention_backend,
-               cuda_graphs, cuda_graph_batch_sizes}
+               cuda_graphs, cuda_graph_batch_sizes, stall_timeout_s}
               (attention_backend: torch | reference | triton; unset: triton on CUDA, torch on CPU; triton on
               CPU runs under Triton's interpreter, for tests. cuda_graphs (default true): capture decode steps
-              on CUDA for cuda_graph_batch_sizes (default 1, 2, 4, 8, 16, … up to max_num_seqs))
+              on CUDA for cuda_graph_batch_sizes (default 1, 2, 4, 8, 16, … up to max_num_seqs).
+              stall_timeout_s (default 60): an engine step (or pool call) that has not finished after this
+              long, while the engine has work, marks the node stalled: /ready and /health answer 503, its
+              requests end with 503, and the node exits to be restarted (`node.app`). Keep it above the
+              longest legitimate step: a max_num_batched_tokens prefill chunk on a slow CPU, first-step
+              kernel compiles.)
     internal: {bind, token, token_env, drain_timeout_s, keepalive_timeout_s}
               (keepalive_timeout_s, default 75: an idle HTTP connection to a node is closed after it)
     prefill:  {ports: [8100, ...], lease_ttl_s, max_pending_requests, devices: [0, ...], inject_faults: []}
@@ -59,6 +64,7 @@ class EngineSection:
     attention_backend: str | None = None  # model.attention.BACKEND_NAME_TO_CLASS; None: by device
     cuda_graphs: bool = True
     cuda_graph_batch_sizes: tuple[int, ...] | None = None  # None: engine.cuda_graphs.default_batch_sizes
+    stall_timeout_s: float = 60.0  # node.app.NodeConfig.stall_timeout_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,7 +252,8 @@ def parse_services(root: Section, *, base_dir: Path, env: Mapping[str, str] | No
                            e.take("max_num_batched_tokens", positive_int, 1024),
                            e.take("max_model_len", positive_int, None), e.take("enable_prefix_caching", boolean, True),
                            e.take("attention_backend", one_of(ATTENTION_BACKENDS), None),
-                           e.take("cuda_graphs", boolean, True), e.take("cuda_graph_batch_sizes", _batch_sizes, None))
+                           e.take("cuda_graphs", boolean, True), e.take("cuda_graph_batch_sizes", _batch_sizes, None),
+                           e.take("stall_timeout_s", positive_float, 60.0))
     if engine.cuda_graph_batch_sizes and max(engine.cuda_graph_batch_sizes) > engine.max_num_seqs:
         raise ConfigError(f"engine.cuda_graph_batch_sizes: {max(engine.cuda_graph_batch_sizes)} is above "
                           f"engine.max_num_seqs ({engine.max_num_seqs}); a step never holds that many sequences")

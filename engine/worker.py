@@ -2,7 +2,9 @@
 
 The engine and its `BlockPool` are touched only by the worker thread. Callers on the event loop
 submit requests and read their outputs from an async iterator, or run a function on the worker
-thread between two steps with `call` (pool operations of the transfer layer go through there).
+thread between two steps: `call` (skipped if its caller stopped waiting before it started: for
+functions that take blocks or only read) or `must_run` (runs however long the caller waited: for
+functions that give blocks back). Commands run in the order they were queued.
 
     worker = EngineWorker(engine); worker.start()
     stream = worker.submit("r1", prompt_ids, params)
@@ -15,6 +17,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -156,6 +159,11 @@ class EngineWorker:
         # event loop a step instead of one per token.
         self._outbox: list[tuple[RequestStream, StepOutput | BaseException]] = []  # worker thread only
         self.failure: str | None = None  # why the loop died (set once, on its thread); /health reports it
+        # Why the loop was given up as stuck (`give_up`; set once, by the node's watchdog on the event loop).
+        self.stall_reason: str | None = None
+        # time.monotonic() when the loop began its current pass of work (commands, a step); None while it
+        # waits for work. Written by the worker thread, read anywhere (`busy_for_s`).
+        self.busy_since_s: float | None = None
         self.num_running = 0  # written by the worker thread, read anywhere (a snapshot for load reports)
         self.num_waiting = 0
         self.num_free_blocks = engine.pool.num_free_blocks
@@ -226,25 +234,77 @@ class EngineWorker:
         """Run ``fn(engine)`` on the worker thread between steps and return its result (or raise its error).
 
         If the caller stops waiting (``timeout_s``, cancellation) before ``fn`` starts, ``fn`` never runs,
-        so a call that mutates the pool cannot take effect unseen.
-        """
-        assert self._loop is not None, "EngineWorker.start() was not called"
-        fut: asyncio.Future[T] = self._loop.create_future()
+        so a call that takes blocks cannot take them for nobody. A function that gives blocks back goes
+        through `must_run` instead: skipped, its blocks would be lost for good.
 
-        loop = self._loop
+        Raises:
+            TimeoutError: ``fn`` did not finish within ``timeout_s`` (it will not start after that).
+            EngineFailure: (503) the loop is gone or was given up (`give_up`).
+        """
+        fut = self._future()
 
         def run() -> None:
             if fut.done():  # the caller stopped waiting (timeout, cancellation): do not act for nobody
                 return
-            try:
-                result: Any = fn(self.engine)
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                loop.call_soon_threadsafe(_set_exception, fut, exc)
-            else:
-                loop.call_soon_threadsafe(_set_result, fut, result)
+            self._run_into(fut, fn)
 
-        self._put(_Command(run, lambda exc: loop.call_soon_threadsafe(_set_exception, fut, exc)))
+        self._put(_Command(run, self._refuser(fut)))
         return await asyncio.wait_for(fut, timeout_s)
+
+    async def must_run(self, fn: Callable[[LLMEngine], T], *, timeout_s: float = 30.0) -> T:
+        """Run ``fn(engine)`` on the worker thread between steps, even if the caller stops waiting
+        (``timeout_s``, cancellation) first: for functions that give blocks back (lease releases, frees of
+        blocks, keying blocks read for a pull), which a skip would lose for good. It runs once, in queue
+        order; the caller gets its result (or error) if still waiting.
+
+        Raises:
+            TimeoutError: ``fn`` did not finish within ``timeout_s`` (it still runs, later).
+            EngineFailure: (503) the loop is gone or was given up: ``fn`` never runs (the pools went with it).
+        """
+        fut = self._future()
+        self._put(_Command(lambda: self._run_into(fut, fn), self._refuser(fut)))
+        return await asyncio.wait_for(fut, timeout_s)
+
+    def _future(self) -> asyncio.Future:
+        assert self._loop is not None, "EngineWorker.start() was not called"
+        return self._loop.create_future()
+
+    def _run_into(self, fut: asyncio.Future, fn: Callable[[LLMEngine], Any]) -> None:
+        """On the worker thread: run ``fn`` and hand its result or error to ``fut`` (dropped if nobody waits)."""
+        assert self._loop is not None
+        try:
+            result: Any = fn(self.engine)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            self._loop.call_soon_threadsafe(_set_exception, fut, exc)
+        else:
+            self._loop.call_soon_threadsafe(_set_result, fut, result)
+
+    def _refuser(self, fut: asyncio.Future) -> Callable[[BaseException], None]:
+        loop = self._loop
+        assert loop is not None
+        return lambda exc: loop.call_soon_threadsafe(_set_exception, fut, exc)
+
+    # ------------------------------------------------------------- stalls
+    def busy_for_s(self) -> float:
+        """How long the loop has been in its current pass of work (commands, a step); 0.0 while it waits
+        for work (idle, or waiting for blocks that leases or pulls hold). Any thread."""
+        since = self.busy_since_s
+        return 0.0 if since is None else max(0.0, time.monotonic() - since)
+
+    def give_up(self, reason: str) -> int:
+        """Give the loop up as stuck in a pass (the node's watchdog, `node.app.EngineNode`); call on the
+        event loop's thread. Every request in the engine, every queued command and everything submitted
+        later ends now with ``EngineFailure(reason, status=503)`` (a retry may go to another node), and
+        `alive` turns False. Nothing can stop the stuck thread: should it come back, its loop ends its
+        requests (freeing their blocks) and returns. Returns how many requests it ended.
+        """
+        self.stall_reason = reason
+        exc = EngineFailure(reason, status=503)
+        streams = list(self._streams.values())  # the worker thread's dict, read while that thread is stuck
+        for stream in streams:
+            stream._queue.put_nowait(exc)
+        self._refuse_queued(exc)
+        return len(streams)
 
     def _put(self, cmd: _Command) -> None:
         """Queue ``cmd``; once the loop is gone, refuse it instead. The dying loop refuses what was queued
@@ -252,9 +312,11 @@ class EngineWorker:
         self._commands.put(cmd)
         if self._stopped.is_set():
             self._refuse_queued()
+        elif self.stall_reason is not None:
+            self._refuse_queued(EngineFailure(self.stall_reason, status=503))
 
-    def _refuse_queued(self) -> None:
-        exc = EngineFailure(f"the engine is not running ({self.failure or 'stopped'})", status=503)
+    def _refuse_queued(self, exc: EngineFailure | None = None) -> None:
+        exc = exc or EngineFailure(f"the engine is not running ({self.failure or 'stopped'})", status=503)
         while True:
             try:
                 cmd = self._commands.get_nowait()
@@ -340,8 +402,9 @@ class EngineWorker:
 
     @property
     def alive(self) -> bool:
-        """Started, and its loop has neither died nor been stopped."""
-        return (self._loop is not None) and self.failure is None and not self._stopped.is_set()
+        """Started, and its loop has neither died, nor been stopped, nor been given up (`give_up`)."""
+        return ((self._loop is not None) and self.failure is None and self.stall_reason is None
+                and not self._stopped.is_set())
 
     def _loop_until_stopped(self) -> None:
         while True:
@@ -349,7 +412,9 @@ class EngineWorker:
             idle = not self.engine.has_unfinished() or self.engine.stalled
             if idle and self._cores is not None:
                 self._cores.idle()
-            for cmd in self._drain(wait=idle):
+            cmds = self._drain(wait=idle)
+            self.busy_since_s = time.monotonic()
+            for cmd in cmds:
                 if cmd is None:
                     self._flush()
                     return
@@ -375,6 +440,12 @@ class EngineWorker:
                     self._after_step(self.engine)
             self._flush()
             self._snapshot()
+            self.busy_since_s = None
+            if self.stall_reason is not None:  # given up while stuck in this pass: end what is left, and stop
+                self._fail_all(EngineFailure(self.stall_reason, status=503))
+                self._flush()
+                self._snapshot()
+                return
 
     def _fail_all(self, exc: EngineFailure) -> None:
         for rid, stream in list(self._streams.items()):

@@ -1,12 +1,20 @@
 """`EngineNode`: what every engine-backed service (prefill, decode) serves besides its own API.
 
     GET /health       liveness and load (no token needed: for probes)
+    GET /ready        readiness: 200 while the node takes new requests (no token needed)
     GET /metrics      Prometheus text (no token needed)
     GET /info         model and block layout the router needs to compute block keys (msgpack)
     GET /kv/events    ?after=SEQ[&wait_s=W]: block stored/removed events, or a snapshot on a gap (msgpack);
                       with nothing new, waits up to W s (≤ MAX_EVENT_WAIT_S) for an event first
 
-Every path but /health and /metrics requires ``X-Kvrelay-Token`` when an internal token is set.
+Every path but /health, /ready and /metrics requires ``X-Kvrelay-Token`` when an internal token is set.
+
+A node whose engine thread is stuck in one pass of its loop (a step, a pool call) for more than
+``stall_timeout_s`` while it has work — a hung NIXL call, a CPU lock a neighbour never gives back — is
+given up (`EngineNode._watch_engine`): /health and /ready answer 503 with the reason, the requests
+waiting on it end with a 503 naming the stall, and after `STALL_EXIT_AFTER_S` the app's `ENGINE_STALLED`
+hook runs (`deploy.serve` exits the process, for `kvrelay up` or Kubernetes to start a fresh one).
+An idle engine, or one waiting for blocks that leases or pulls hold, is not in a pass: never stalled.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from engine.worker import EngineWorker
 from kvstore.block_key import BlockKey
 from kvstore.kv_events import KvEventLog
-from node.app_keys import DRAIN, DRAINABLES, HEALTH_EXTRAS, Drainable
+from node.app_keys import DRAIN, DRAINABLES, ENGINE_STALLED, HEALTH_EXTRAS, Drainable
 from transfer.config import TOKEN_HEADER
 from transfer.wire import GenerationMessage, WireError, decode_generation, pack
 
@@ -37,6 +45,9 @@ MAX_EVENT_WAIT_S = 30.0
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 ADMITTED_PATHS = frozenset({"/prefill", "/generate"})  # counted against max_pending_requests
 CUT_OFF_GRACE_S = 5.0  # after a drain cuts requests off: time for their handlers to send the error frames
+# A stalled node answers 503 (and says why) at least this long before its ENGINE_STALLED hook, so that
+# probes and the router see the reason; it waits up to CUT_OFF_GRACE_S for its handlers' error answers.
+STALL_EXIT_AFTER_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +60,10 @@ class NodeConfig:
         max_pending_requests: requests waiting or running beyond which new ones get 429.
         internal_token: shared secret for internal endpoints; None leaves them open (loopback only).
         cpus: the CPUs the node owns (`deploy.cpu_budget`); empty: every CPU it may run on.
+        stall_timeout_s: one pass of the engine loop (a step, a pool call) running longer than this, while
+            the engine has work, gives the engine up as stalled (see the module docstring). Above the
+            longest legitimate step: a ``max_num_batched_tokens`` prefill chunk on a slow CPU, the first
+            step's kernel compiles.
     """
 
     role: str
@@ -59,6 +74,7 @@ class NodeConfig:
     max_pending_requests: int = 256
     internal_token: str | None = None
     cpus: tuple[int, ...] = ()
+    stall_timeout_s: float = 60.0
 
 
 class NodeMetrics:
@@ -102,6 +118,12 @@ class NodeMetrics:
         self.computed_tokens = Counter("kvrelay_engine_prefill_tokens", "Prompt tokens computed",
                                        registry=self.registry)
 
+        self.engine_stalls = Counter("kvrelay_engine_stalls", "Times the engine thread was given up as stuck "
+                                     "(one pass past engine.stall_timeout_s); the node exits after each",
+                                     registry=self.registry)
+        self.engine_busy_seconds = Gauge("kvrelay_engine_busy_seconds", "How long the engine thread has been in "
+                                         "its current step or pool call (0 while it waits for work)",
+                                         registry=self.registry)
         self.long_context = Counter("kvrelay_long_context", "Long-context policy work: evicted_tokens (h2o), "
                                     "offloaded_blocks, recalled_layer_blocks (infinigen), deferred, copy_fallbacks",
                                     ["what"], registry=self.registry)
@@ -137,6 +159,7 @@ class EngineNode:
         self.drainables: list[Drainable] = []  # what `drain` also waits for (services add theirs: DRAINABLES)
         self._seen: dict[str, int] = {}  # engine counters as of the last scrape (`prometheus`)
         self._long_context_seen: dict[str, int] = {}
+        self._watchdog: asyncio.Task[None] | None = None
 
     def make_app(self, *, client_max_size: int) -> web.Application:
         app = web.Application(middlewares=[token_middleware(self.config.internal_token), self._admission],
@@ -207,17 +230,45 @@ class EngineNode:
 
     async def _start(self, app: web.Application) -> None:
         self.worker.start()
+        self._watchdog = asyncio.create_task(self._watch_engine(app.get(ENGINE_STALLED)))
 
     async def _stop(self, app: web.Application) -> None:
+        if self.worker.stall_reason is not None:  # nothing stops a stuck thread, nor closes its engine under it
+            return
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         await self.worker.stop()
+
+    async def _watch_engine(self, on_stall: Callable[[str], None] | None) -> None:
+        """Every ``stall_timeout_s / 4`` (at most 1 s): is the engine thread past ``stall_timeout_s`` in one
+        pass? Then give it up (`EngineWorker.give_up`), answer 503 for a while, and call ``on_stall``.
+        Stops watching once the node drains (a planned stop has bounded waits of its own)."""
+        timeout_s = self.config.stall_timeout_s
+        interval_s = min(1.0, timeout_s / 4)
+        while self.worker.busy_for_s() <= timeout_s:
+            await asyncio.sleep(interval_s)
+            if self.draining or not self.worker.alive:
+                return
+        reason = (f"{self.config.name}'s engine stalled: no step finished in {timeout_s:g} s "
+                  f"(engine.stall_timeout_s) while it had work; the node exits, to be restarted")
+        self.metrics.engine_stalls.inc()
+        ended = self.worker.give_up(reason)
+        log.critical("%s; %d requests ended with 503", reason, ended)
+        loop = asyncio.get_running_loop()
+        until = loop.time() + CUT_OFF_GRACE_S
+        await asyncio.sleep(STALL_EXIT_AFTER_S)
+        while self.num_admitted and loop.time() < until:
+            await asyncio.sleep(0.02)
+        if on_stall is not None:
+            on_stall(reason)
 
     async def read_request(self, request: web.Request) -> GenerationMessage | web.Response:
         """The request's message, or the response refusing it: 400 malformed, 503 when
         the engine loop is not running."""
         if not self.worker.alive:
             self.metrics.request_done("error")
-            return msgpack_response({"error": f"{self.config.role} node's engine is not running "
-                                              f"({self.worker.failure or 'stopped'})"}, status=503)
+            return msgpack_response({"error": self.worker.stall_reason or f"{self.config.role} node's engine is not "
+                                              f"running ({self.worker.failure or 'stopped'})"}, status=503)
         try:
             msg = decode_generation(await request.read())
         except WireError as exc:
@@ -237,12 +288,14 @@ class EngineNode:
         """200 with the node's state, or 503 once its engine loop has died or stopped (so probes and the
         router take it out)."""
         alive = self.worker.alive
+        stall = self.worker.stall_reason
         extras: dict[str, Any] = {}
         for extra in request.app.get(HEALTH_EXTRAS, []):
             extras.update(extra())
         return web.json_response(status=200 if alive else 503, data={
             **extras,
-            "status": "ok" if alive else "engine_down", "error": self.worker.failure, "role": self.config.role,
+            "status": "ok" if alive else "engine_stalled" if stall else "engine_down",
+            "error": stall or self.worker.failure, "role": self.config.role,
             "node": self.config.name, "pid": os.getpid(),
             "cpus": list(self.config.cpus) or sorted(os.sched_getaffinity(0)),
             "cpu_pool": sorted(os.sched_getaffinity(0)), "threads": torch.get_num_threads(),
@@ -264,8 +317,11 @@ class EngineNode:
 
     async def ready(self, request: web.Request) -> web.Response:
         """Readiness (a k8s probe, a load balancer): 200 while the node takes new requests; 503 while it
-        drains or once its engine loop is down. `health` stays 200 during a drain (liveness: the
-        process is fine, only leaving)."""
+        drains, once its engine loop is down, or once its engine stalled (with the reason). `health`
+        stays 200 during a drain (liveness: the process is fine, only leaving)."""
+        if self.worker.stall_reason is not None:
+            return web.json_response({"ready": False, "why": "engine_stalled", "error": self.worker.stall_reason},
+                                     status=503)
         if not self.worker.alive:
             return web.json_response({"ready": False, "why": "engine_down"}, status=503)
         if self.draining:
@@ -279,6 +335,7 @@ class EngineNode:
         m.vllm_running.set(self.worker.num_running)
         m.vllm_waiting.set(self.worker.num_waiting)
         m.vllm_kv_usage.set(self.worker.num_in_use_blocks / max(1, engine.pool.num_blocks))
+        m.engine_busy_seconds.set(self.worker.busy_for_s())
         stats, sched = engine.stats, engine.scheduler
         now = {  # counters since start, read from the engine thread's plain ints
             "hit_tokens": sched.num_prefix_hit_tokens, "computed_tokens": stats.computed_prefill_tokens,

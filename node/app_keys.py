@@ -13,6 +13,10 @@ HEALTH_EXTRAS: web.AppKey[list[Callable[[], dict[str, Any]]]] = web.AppKey("heal
 # ``await app[DRAIN](timeout_s)`` before the app's cleanup on a planned stop (`deploy.serve`).
 DRAIN: web.AppKey[Callable[[float], Awaitable[None]]] = web.AppKey("drain", object)
 
+# ``app[ENGINE_STALLED](reason)`` once the node gave its stuck engine up (`node.app.EngineNode`): `deploy.serve`
+# exits the process there (nothing else can end a thread stuck in a step). Unset: the node stays, answering 503.
+ENGINE_STALLED: web.AppKey[Callable[[str], None]] = web.AppKey("engine_stalled", object)
+
 
 class Drainable(Protocol):
     """Work a stopping node lets finish before it stops, beyond its admitted requests (the prefill

@@ -20,7 +20,7 @@ from node.app_keys import DRAINABLES, HEALTH_EXTRAS
 from transfer.config import TransferConfig
 from transfer.handle import KvHandle
 from transfer.lease import LeaseTable, TierBlock
-from transfer.node_agent import make_agent, worker_pool_call
+from transfer.node_agent import make_agent, worker_pool_calls
 from transfer.owner import KvOwner
 from transfer.server import add_transfer_routes
 
@@ -32,7 +32,7 @@ class PrefillTransfer:
         engine = worker.engine
         self.agent = make_agent(engine, config.agent_name)
         self.owner = KvOwner(self.agent, LeaseTable({"device": engine.pool}), owner_url=owner_url, config=config,
-                             pool_call=worker_pool_call(worker))
+                             pool_calls=worker_pool_calls(worker))
         self.faults = config.inject_faults
 
     def publish(self, engine: LLMEngine, keys: list[BlockKey]) -> KvHandle | None:

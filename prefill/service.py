@@ -65,10 +65,14 @@ class PrefillService(EngineNode):
         release = self._release
 
         async def later() -> None:
-            try:
-                await self.worker.call(lambda engine: None)
-            except Exception:  # noqa: BLE001 - the engine is gone: its pools and leases with it
-                return
+            while True:  # commands run in queue order: once this one has run, so has the abort
+                try:
+                    await self.worker.must_run(lambda engine: None)
+                    break
+                except TimeoutError:  # the engine thread is busy or stuck (its watchdog ends a stuck node)
+                    continue
+                except Exception:  # noqa: BLE001 - the engine is gone: its pools and leases with it
+                    return
             handle = published.get("handle")
             if handle is not None:
                 await release(handle)

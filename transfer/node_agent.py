@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from transfer.nixl_agent import KvAgent
+from transfer.pool_call import PoolCalls
 
 if TYPE_CHECKING:  # types only: transfer/ does not need engine/ at run time
     from engine.engine import LLMEngine
@@ -55,13 +56,16 @@ def restrict_transfer_to(bind: str, environ: dict[str, str] | None = None) -> st
     return device
 
 
-def worker_pool_call(worker: EngineWorker) -> Callable[[Callable[[], Any]], Awaitable[Any]]:
-    """A `transfer.pool_call.PoolCall` that runs on ``worker``'s engine thread (the pool's one owner)."""
+def worker_pool_calls(worker: EngineWorker) -> PoolCalls:
+    """`transfer.pool_call.PoolCalls` that run on ``worker``'s engine thread (the pool's one owner)."""
 
     async def call(fn: Callable[[], Any]) -> Any:
         return await worker.call(lambda _engine: fn())
 
-    return call
+    async def must_run(fn: Callable[[], Any]) -> Any:
+        return await worker.must_run(lambda _engine: fn())
+
+    return PoolCalls(call, must_run)
 
 
 def make_agent(engine: LLMEngine, name: str) -> KvAgent:

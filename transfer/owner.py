@@ -23,7 +23,7 @@ from transfer.config import TransferConfig
 from transfer.handle import KvHandle
 from transfer.lease import LeaseTable, TierBlock
 from transfer.nixl_agent import KvAgent
-from transfer.pool_call import PoolCall, run_inline
+from transfer.pool_call import INLINE, PoolCalls
 from transfer.wire import WireError, decode_notif
 
 log = logging.getLogger(__name__)
@@ -34,16 +34,17 @@ class KvOwner:
 
     Args:
         agent: this node's agent (its `meta` is what ``/kv/meta`` serves).
-        leases: the lease table over this node's pools; touched only through ``pool_call`` (or, for
+        leases: the lease table over this node's pools; touched only through ``pool_calls`` (or, for
             `offer`, by a caller already where the pools live).
         owner_url: base URL readers reach this node's transfer endpoints at (goes into handles).
         config: ``lease_ttl_s``, ``reap_interval_s``, ``notif_poll_interval_s``, ``internal_token``.
-        pool_call: runs lease operations where the pools live.
+        pool_calls: run lease operations where the pools live: renewals by ``call``; releases and reaps,
+            which unpin blocks, by ``must_run`` (they take effect even if their caller stopped waiting).
     """
 
     def __init__(
         self, agent: KvAgent, leases: LeaseTable, *, owner_url: str, config: TransferConfig,
-        pool_call: PoolCall = run_inline,
+        pool_calls: PoolCalls = INLINE,
     ) -> None:
         if not owner_url.startswith(("http://", "https://")):
             raise ValueError(f"owner_url must be an http(s) URL, got {owner_url!r}")
@@ -51,7 +52,7 @@ class KvOwner:
         self.leases = leases
         self.owner_url = owner_url.rstrip("/")
         self.config = config
-        self._pool_call = pool_call
+        self._pool_calls = pool_calls
         self.num_notifs = 0
         self.num_bad_notifs = 0
         self.num_reaped = 0
@@ -92,15 +93,17 @@ class KvOwner:
 
     async def renew(self, lease_id: str) -> float | None:
         """Extend a lease; its ttl in seconds, or None if it is gone."""
-        return await self._pool_call(lambda: self.leases.renew(lease_id))
+        return await self._pool_calls.call(lambda: self.leases.renew(lease_id))
 
     async def release(self, lease_id: str) -> bool:
-        return await self._pool_call(lambda: self.leases.release(lease_id))
+        """Unpin a lease's blocks; whether it was still held. It takes effect even if the caller stops
+        waiting (raises TimeoutError then: the engine thread is busy, and runs it when it is back)."""
+        return await self._pool_calls.must_run(lambda: self.leases.release(lease_id))
 
     async def release_all(self) -> int:
         """Release every lease (the node is stopping); returns how many there were. A reader still
         reading gets an error and recomputes (or, after a read, finds the lease gone: harmless)."""
-        return await self._pool_call(self.leases.release_all)
+        return await self._pool_calls.must_run(self.leases.release_all)
 
     async def drain_notifications(self) -> int:
         """Apply the notifications received so far; returns how many leases they released.
@@ -117,13 +120,16 @@ class KvOwner:
                     self.num_bad_notifs += 1
                     log.warning("dropped a malformed notification from %r: %s", str(sender)[:128], exc)
                     continue
-                if await self.release(notif.lease_id):
-                    released += 1
+                try:
+                    if await self.release(notif.lease_id):
+                        released += 1
+                except TimeoutError:  # the release still runs, once the engine thread is back
+                    log.warning("releasing lease %s waits for the engine thread", notif.lease_id)
         return released
 
     async def reap(self) -> list[str]:
         """Unpin expired leases; returns their ids."""
-        expired: list[str] = await self._pool_call(self.leases.reap)
+        expired: list[str] = await self._pool_calls.must_run(self.leases.reap)
         self.num_reaped += len(expired)
         for lease_id in expired:
             log.info("lease %s expired; its blocks are unpinned", lease_id)

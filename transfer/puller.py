@@ -62,7 +62,7 @@ from transfer.handle import KvHandle
 from transfer.lease_keeper import LeaseKeeper
 from transfer.nixl_agent import KvAgent, PeerLink, XferRequest
 from transfer.peer_cache import PeerCache
-from transfer.pool_call import PoolCall, run_inline
+from transfer.pool_call import INLINE, PoolCalls
 from transfer.wire import encode_notif
 
 log = logging.getLogger(__name__)
@@ -120,22 +120,23 @@ class Puller:
 
     Args:
         agent: this node's agent; its ``local_tier`` pool tensor backs ``pool``.
-        pool: the device `BlockPool`; mutated only through ``pool_call``.
+        pool: the device `BlockPool`; mutated only through ``pool_calls``.
         peers: the handshake cache (also renews leases).
         config: ``renew_timeout_s``, ``max_quarantined_blocks``.
-        pool_call: runs pool operations where the pool lives (`transfer.pool_call`).
+        pool_calls: run pool operations where the pool lives (`transfer.pool_call`): reserving blocks by
+            ``call``; giving them back, and keying the blocks read, by ``must_run``.
         store: checks read blocks against the handle's digests (None: no check).
     """
 
     def __init__(
         self, agent: KvAgent, pool: BlockPool, peers: PeerCache, *, config: TransferConfig,
-        pool_call: PoolCall = run_inline, store: IntegrityChecker | None = None,
+        pool_calls: PoolCalls = INLINE, store: IntegrityChecker | None = None,
     ) -> None:
         self._agent = agent
         self._pool = pool
         self._peers = peers
         self._config = config
-        self._pool_call = pool_call
+        self._pool_calls = pool_calls
         self._store = store
         self._rng = random.Random()
         self.local_tier = "device"
@@ -190,7 +191,7 @@ class Puller:
         link = await self._peers.link(handle, timeout_s=min(self._config.handshake_timeout_s, deadline_s))
         try:
             self._check_blocks(handle, link)
-            res: _Reservation = await self._pool_call(lambda: self._reserve(handle.keys))
+            res: _Reservation = await self._pool_calls.call(lambda: self._reserve(handle.keys))
         except TransferError as exc:
             exc.lease_ended = await self._notify(link, "abort", handle)
             raise
@@ -221,7 +222,7 @@ class Puller:
             # The caller gave up after the bytes arrived: the blocks it would have kept go back to the pool
             # (a `_finish` that failed has given back all of them).
             finish.add_done_callback(lambda f: None if f.cancelled() or f.exception() else asyncio.ensure_future(
-                self._pool_call(lambda: self._pool.release(f.result()[0]))))
+                self._pool_calls.must_run(lambda: self._pool.release(f.result()[0]))))
             raise
         return PullResult(kept, len(res.missing), len(res.held), sum(x.num_bytes for x in xfers),
                           loop.time() - t0, num_bad, lease_ended=ended)
@@ -237,9 +238,24 @@ class Puller:
                             link.name, handle.lease_id)
         except Exception:  # noqa: BLE001 - the READs are over: their blocks go back unkeyed
             log.exception("completing the READs of lease %s failed", handle.lease_id)
-            await self._pool_call(lambda: self._pool.release(res.block_ids))
+            await self._pool_calls.must_run(lambda: self._pool.release(res.block_ids))
             raise TransferError("internal", "completing the READs failed; the blocks were given back") from None
-        kept, num_bad = await self._pool_call(lambda: self._register(handle, res))
+        registered: list[list[int]] = []  # the kept ids, once `_register` ran
+
+        def register() -> tuple[list[int], int]:
+            kept, num_bad = self._register(handle, res)
+            registered.append(kept)
+            return kept, num_bad
+
+        try:
+            kept, num_bad = await self._pool_calls.must_run(register)
+        except TimeoutError:
+            # `register` still runs when the engine thread is back; this runs after it (queue order) and
+            # gives back what it kept, since nobody is left to take it.
+            asyncio.ensure_future(self._pool_calls.must_run(
+                lambda: self._pool.release(registered.pop() if registered else [])))
+            raise TransferError("timeout", f"the engine thread did not key the {len(res.block_ids)} blocks read "
+                                "in time (busy or stalled); they go back to the pool once it does") from None
         return kept, num_bad, told
 
     def _check_shape(self, handle: KvHandle) -> None:
@@ -354,7 +370,7 @@ class Puller:
             stuck_ids = [b for x in in_flight for b in x.local_ids]
             stuck = set(stuck_ids)
             to_free = [b for b in res.block_ids if b not in stuck]
-            await self._pool_call(lambda: self._pool.release(to_free))
+            await self._pool_calls.must_run(lambda: self._pool.release(to_free))
             if in_flight:
                 self._quarantine(_Quarantined(in_flight, stuck_ids))
         reason = exc.reason if isinstance(exc, TransferError) else type(exc).__name__
@@ -384,7 +400,7 @@ class Puller:
             for q in finished:
                 self._quarantined.remove(q)
                 await self._agent.release(q.xfers)
-                await self._pool_call(lambda q=q: self._pool.release(q.block_ids))
+                await self._pool_calls.must_run(lambda q=q: self._pool.release(q.block_ids))
                 log.info("late READ finished (%s); %d quarantined blocks back in the pool, bytes ignored",
                          ",".join(x.state for x in q.xfers), len(q.block_ids))
 

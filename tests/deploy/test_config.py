@@ -276,3 +276,12 @@ def test_slow_client_timeouts_default_and_are_read(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_config(write(tmp_path, base + "router: {write_stall_timeout_s: 0}\n"))
     assert str(err.value) == "router.write_stall_timeout_s: 0 is not a positive number"
+
+
+def test_engine_stall_timeout_defaults_to_a_minute_and_must_be_positive(tmp_path):
+    base = "model: {path: m}\nkvstore: {device: {bytes: 1GiB}}\n"
+    assert load_config(write(tmp_path, base)).engine.stall_timeout_s == 60.0
+    assert load_config(write(tmp_path, base + "engine: {stall_timeout_s: 2.5}\n")).engine.stall_timeout_s == 2.5
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, base + "engine: {stall_timeout_s: 0}\n"))
+    assert str(err.value).startswith("engine.stall_timeout_s: 0 is not a positive number"), str(err.value)

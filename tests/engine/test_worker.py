@@ -207,3 +207,94 @@ def test_cut_off_ends_running_requests_with_503_and_frees_their_blocks(tiny_mode
         await worker.stop()
 
     asyncio.run(main())
+
+
+async def _wait_until(cond, timeout_s: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def test_must_run_runs_after_its_caller_stopped_waiting_and_call_does_not(tiny_model_dir):
+    """Issue 30 (5): a release queued behind a stuck engine thread runs once the thread is back, though its
+    caller stopped waiting; a plain `call` (one that might take blocks) is skipped then. In queue order."""
+    loaded = load_model(tiny_model_dir)
+
+    async def main() -> None:
+        worker = EngineWorker(LLMEngine(loaded, EngineConfig(num_blocks=16)))
+        worker.start()
+        blocks = await worker.call(lambda e: e.pool.allocate(2))
+        assert worker.busy_for_s() == 0.0  # waiting for work: not busy
+        stuck = threading.Event()
+        hold = asyncio.ensure_future(worker.call(lambda e: stuck.wait(30), timeout_s=40))  # the thread is stuck
+        await asyncio.sleep(0)
+        ran: list[str] = []
+        with pytest.raises(TimeoutError):
+            await worker.call(lambda e: ran.append("call"), timeout_s=0.2)
+        with pytest.raises(TimeoutError):
+            await worker.must_run(lambda e: (e.pool.release(blocks[:1]), ran.append("release 1")), timeout_s=0.2)
+        cancelled = asyncio.ensure_future(worker.must_run(lambda e: (e.pool.release(blocks[1:]),
+                                                                     ran.append("release 2"))))
+        await asyncio.sleep(0.05)
+        cancelled.cancel()
+        assert ran == [] and worker.busy_for_s() >= 0.2
+        assert worker.alive  # slow is not dead: only the node's watchdog gives a stuck thread up
+        stuck.set()
+        assert await hold is True
+        in_use = await worker.call(lambda e: (e.check_integrity(), e.pool.stats().num_in_use)[1])
+        assert in_use == 0 and ran == ["release 1", "release 2"]
+        await _wait_until(lambda: worker.busy_for_s() == 0.0)
+        await worker.stop()
+
+    asyncio.run(main())
+
+
+def test_give_up_ends_every_request_with_503_and_a_thread_that_comes_back_frees_their_blocks(tiny_model_dir):
+    """Issue 30 (1): the node's watchdog gives a stuck loop up: the request in the engine, the one queued and
+    everything after end at once with the reason (503); the stuck thread, once back, frees their blocks and
+    returns."""
+    loaded = load_model(tiny_model_dir)
+
+    async def main() -> None:
+        engine = LLMEngine(loaded, EngineConfig(num_blocks=64))
+        real_step, steps = engine.step, [0]
+        entered, stuck = threading.Event(), threading.Event()
+
+        def step():
+            steps[0] += 1
+            if steps[0] == 3:
+                entered.set()
+                stuck.wait(30)
+            return real_step()
+
+        engine.step = step
+        worker = EngineWorker(engine)
+        worker.start()
+        running = worker.submit("r1", [5, 6, 7], SamplingParams(max_tokens=500, ignore_eos=True))
+        assert await asyncio.to_thread(entered.wait, 10)
+        queued = worker.submit("r2", [5, 6], SamplingParams(max_tokens=3))
+        release = asyncio.ensure_future(worker.must_run(lambda e: 1))
+        await asyncio.sleep(0.3)
+        assert worker.alive and worker.busy_for_s() >= 0.3
+        reason = "node-0's engine stalled"
+        assert worker.give_up(reason) == 1
+        assert not worker.alive and worker.stall_reason == reason
+        for stream in (running, queued):
+            with pytest.raises(EngineFailure) as err:
+                await _collect(stream)
+            assert str(err.value) == reason and err.value.status == 503
+        with pytest.raises(EngineFailure, match=reason):
+            await release
+        with pytest.raises(EngineFailure, match=reason):
+            await worker.call(lambda e: 1, timeout_s=5.0)
+        with pytest.raises(EngineFailure, match=reason):
+            await _collect(worker.submit("r3", [5, 6], SamplingParams(max_tokens=3)))
+        stuck.set()
+        assert await asyncio.to_thread(worker._stopped.wait, 10)  # the loop came back and returned
+        engine.check_integrity()
+        assert engine.pool.stats().num_in_use == 0
+        assert steps[0] == 3  # no step after the one it was stuck in
+        await worker.stop()
+
+    asyncio.run(main())

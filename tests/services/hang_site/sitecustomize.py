@@ -1,0 +1,90 @@
+"""Test-side hangs for real node processes: on the PYTHONPATH of a `Cluster`'s env (the product has no such
+knob). With ``KVRELAY_TEST_HANG_DIR`` set, the engine node started with ``--name NAME``:
+
+* before an engine step, finds ``DIR/NAME.hang`` (its text: seconds), renames it to ``NAME.hanging`` (the
+  test's sign that the hang began) and sleeps that long on the engine thread, then steps: the engine thread
+  hangs as in a stuck NIXL call or a CPU lock never given back;
+* when its puller has reserved blocks for a pull (on the engine thread), finds ``DIR/NAME.hang-after-reserve``
+  and renames it to ``NAME.hang``: the next step hangs, with the pull's later pool calls queued behind it.
+
+The patches go in when ``engine.engine`` / ``transfer.puller`` are first imported, not before (a node sets
+its environment up first; the router and ``kvrelay up`` never import them).
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def _trigger(name: str) -> Path | None:
+    argv = sys.argv
+    if "--name" not in argv:
+        return None
+    return Path(os.environ["KVRELAY_TEST_HANG_DIR"]) / f"{argv[argv.index('--name') + 1]}.{name}"
+
+
+def _patch_engine(module) -> None:
+    step = module.LLMEngine.step
+
+    def hanging_step(self):
+        trigger = _trigger("hang")
+        if trigger is not None and trigger.exists():
+            seconds = float(trigger.read_text())
+            trigger.rename(trigger.with_suffix(".hanging"))
+            time.sleep(seconds)
+        return step(self)
+
+    module.LLMEngine.step = hanging_step
+
+
+def _patch_puller(module) -> None:
+    reserve = module.Puller._reserve
+
+    def arming_reserve(self, keys):
+        res = reserve(self, keys)
+        trigger = _trigger("hang-after-reserve")
+        if trigger is not None and trigger.exists():
+            trigger.rename(trigger.with_suffix(".hang"))
+        return res
+
+    module.Puller._reserve = arming_reserve
+
+
+PATCHES = {"engine.engine": _patch_engine, "transfer.puller": _patch_puller}
+
+
+class _PatchAfterImport(importlib.abc.MetaPathFinder):
+    def __init__(self) -> None:
+        self._finding: set[str] = set()
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in PATCHES or fullname in self._finding:
+            return None
+        self._finding.add(fullname)
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            self._finding.discard(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        loader, patch = spec.loader, PATCHES[fullname]
+
+        class Loader(importlib.abc.Loader):
+            def create_module(self, spec):
+                return loader.create_module(spec)
+
+            def exec_module(self, module):
+                loader.exec_module(module)
+                patch(module)
+
+        spec.loader = Loader()
+        return spec
+
+
+if os.environ.get("KVRELAY_TEST_HANG_DIR") and "--name" in sys.argv:
+    sys.meta_path.insert(0, _PatchAfterImport())
