@@ -6,7 +6,9 @@
     ---------    -----------------------------------------------------------------
     handshake    /kv/meta could not be fetched or decoded in time
     mismatch     the peer's BlockSpec fingerprint or protocol version differs (PeerMismatchError)
-    bad_handle   the handle names tiers or blocks the owner does not have, or is inconsistent
+    bad_handle   the handle names tiers or blocks the owner does not have, is inconsistent, names blocks or
+                 digests the owner did not lease for its keys (the owner refused its binding), or carries no
+                 digests while this node checks integrity
     no_blocks    the local pool has too few free blocks for the missing keys
     peer_gone    the owner disconnected, or restarted since it issued the handle
     read_error   NIXL reported an error for the READ

@@ -14,15 +14,43 @@ block groups: `BlockSpec.tokens_held`). The owner pins the blocks under ``lease_
 reader's completion notification, or until the lease expires (``lease_ttl_s`` after the last renew).
 ``owner_url`` is the base of the owner's transfer endpoints (``/kv/meta``, ``/kv/lease/renew``).
 ``digests`` (`kvstore.digest`, u64 each) are what the reader checks the READ's bytes against; empty when the
-owner runs with ``kvstore.integrity: off`` or holds a block without one (then nothing is checked).
+owner runs with ``kvstore.integrity: off`` (a reader that checks integrity refuses such a handle).
+
+The binding. The owner records, with the lease, the `binding` of what it leased: one SHA-256 over every
+``(key, tier, block id, digest)`` of the handle it built. The reader names the binding of the handle it
+holds in every lease renewal, and the owner refuses a renewal whose binding is not the lease's
+(`transfer.lease.BindingMismatch`, HTTP 409). A handle that was altered on its way (other block ids for the
+same keys, other digests, other keys) thus cannot be confirmed, and the reader confirms it before it
+posts a READ (`transfer.puller`): NIXL READs are one-sided, so the owner could not refuse the READ itself.
 """
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvstore.block_key import BlockKey
 from transfer.lease import TierBlock
+
+BINDING_BYTES = 32
+_BINDING_DOMAIN = b"kvrelay.lease-binding.v1"
+
+
+def binding_of(keys: Sequence[BlockKey], blocks: Sequence[TierBlock], digests: Sequence[int]) -> bytes:
+    """The binding (32 bytes) of ``keys[i]`` held at ``blocks[i]`` with digest ``digests[i]`` (none: integrity off)::
+
+        sha256("kvrelay.lease-binding.v1" ‖ u32 n ‖ u8 has_digests ‖ for each i:
+               key_i ‖ u16 len(tier_i) ‖ tier_i ‖ u64 block_id_i ‖ u64 digest_i (if has_digests))   (LE ints)
+    """
+    h = hashlib.sha256(_BINDING_DOMAIN)
+    h.update(len(keys).to_bytes(4, "little") + bytes([1 if digests else 0]))
+    for i, (key, (tier, block_id)) in enumerate(zip(keys, blocks, strict=True)):
+        name = tier.encode()
+        h.update(bytes(key) + len(name).to_bytes(2, "little") + name + block_id.to_bytes(8, "little"))
+        if digests:
+            h.update(digests[i].to_bytes(8, "little"))
+    return h.digest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +70,11 @@ class KvHandle:
     @property
     def num_blocks(self) -> int:
         return len(self.keys)
+
+    @property
+    def binding(self) -> bytes:
+        """`binding_of` this handle's keys, blocks and digests: what a renewal asks the owner to confirm."""
+        return binding_of(self.keys, self.blocks, self.digests)
 
     @property
     def meta_url(self) -> str:

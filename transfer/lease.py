@@ -2,13 +2,16 @@
 
 ::
 
-    grant(blocks, ttl_s) ──▶ lease L: one ref on each block (BlockPool.acquire), expires at now + ttl_s
-        │  renew(L)          expires_at = now + ttl_s again (a lease that has expired stays gone)
+    grant(blocks, ttl_s, binding) ──▶ lease L: one ref on each block (BlockPool.acquire), expires at now + ttl_s
+        │  renew(L, binding) expires_at = now + ttl_s again (a lease that has expired stays gone);
+        │                    another binding than L's: BindingMismatch, nothing changes
         │  release(L)        one ref dropped from each block (BlockPool.release); idempotent
         └─ reap(now)         releases every lease with expires_at <= now
 
 Leases never come back once released or expired, so a reader that confirms its lease after its READ
-completed knows the blocks were pinned for the whole READ.
+completed knows the blocks were pinned for the whole READ. A lease also keeps the ``binding`` of the
+handle it was granted for (`transfer.handle.binding_of`: its keys, block ids and digests), so a reader that
+confirms its lease knows its handle names exactly the blocks the owner pinned for those keys.
 
 Not thread-safe: it mutates the pools, so it runs where they live (see `transfer.pool_call`).
 """
@@ -41,12 +44,18 @@ class Pinnable(Protocol):
     def ref_count(self, block_id: int) -> int: ...
 
 
+class BindingMismatch(ValueError):
+    """A renewal named a live lease with a binding other than the one it was granted with: the reader's
+    handle does not describe the blocks the lease pins for its keys."""
+
+
 @dataclass(slots=True)
 class Lease:
     lease_id: str
     blocks: tuple[TierBlock, ...]
     ttl_s: float
     expires_at: float  # clock() seconds
+    binding: bytes  # `transfer.handle.binding_of` the handle the lease was granted for
 
 
 class LeaseTable:
@@ -75,8 +84,9 @@ class LeaseTable:
     def get(self, lease_id: str) -> Lease | None:
         return self._leases.get(lease_id)
 
-    def grant(self, blocks: Sequence[TierBlock], *, ttl_s: float) -> str:
-        """Pin ``blocks`` (one ref each) under a new lease; returns its id (32 hex characters).
+    def grant(self, blocks: Sequence[TierBlock], *, ttl_s: float, binding: bytes) -> str:
+        """Pin ``blocks`` (one ref each) under a new lease for the handle whose binding is ``binding``; returns
+        the lease's id (32 hex characters).
 
         Raises:
             ValueError: ``ttl_s`` is not positive, a tier is unknown, a block id is out of range, or a
@@ -100,13 +110,17 @@ class LeaseTable:
             self._unpin(pinned)
             raise
         lease_id = secrets.token_hex(16)
-        self._leases[lease_id] = Lease(lease_id, blocks, float(ttl_s), self._clock() + ttl_s)
+        self._leases[lease_id] = Lease(lease_id, blocks, float(ttl_s), self._clock() + ttl_s, bytes(binding))
         return lease_id
 
-    def renew(self, lease_id: str) -> float | None:
+    def renew(self, lease_id: str, *, binding: bytes) -> float | None:
         """Extend a live lease to ``now + ttl_s``; returns that ttl, or None if the lease is gone.
 
         A lease past its expiry is reaped here rather than renewed.
+
+        Raises:
+            BindingMismatch: the lease is live but was granted for another ``binding`` (it is not extended;
+                the reader is told to abort, or it expires).
         """
         lease = self._leases.get(lease_id)
         if lease is None:
@@ -115,6 +129,9 @@ class LeaseTable:
         if lease.expires_at <= now:
             self.release(lease_id)
             return None
+        if binding != lease.binding:
+            raise BindingMismatch(f"lease {lease_id} pins other blocks for these keys: the handle's block ids or "
+                                  "digests are not what the owner leased (altered on its way, or forged)")
         lease.expires_at = now + lease.ttl_s
         return lease.ttl_s
 

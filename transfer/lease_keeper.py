@@ -6,7 +6,11 @@ owner surely held it.
     start ──renew──▶ owner answers ttl ──▶ valid_until = (time the renew was sent) + ttl
       │   every ttl/3: renew again (each one bounded by renew_timeout_s; a timeout just retries)
       │   owner answers 404 (lease gone)       ──▶ failure = TransferError("lease_lost")
+      │   owner answers 409 (another binding)  ──▶ failure = TransferError("bad_handle")
       └── owner unreachable (refused/dropped)  ──▶ failure = TransferError("peer_gone")
+
+Every renew names the handle's binding (`transfer.handle`), so any answered renew also confirms that the
+owner leased exactly the handle's blocks and digests for its keys (`wait_confirmed`).
 
 The owner sets expiry = (its now) + ttl after it received the renew, and a lease never comes back once
 gone, so ``valid_until`` is a lower bound on the lease's life on any common time axis: a READ that
@@ -60,6 +64,11 @@ class LeaseKeeper:
     def _fail(self, exc: TransferError) -> None:
         self.failure = exc
         self._changed.set()
+
+    async def wait_confirmed(self, t_end: float) -> None:
+        """Return once the owner has answered a renew (the lease is live, and was granted for exactly this
+        handle's keys, blocks and digests). Raises TransferError (``bad_handle`` for another binding)."""
+        await self.wait_covers(asyncio.get_running_loop().time(), t_end)
 
     async def wait_covers(self, t: float, t_end: float) -> None:
         """Return once the lease is known to have been held at loop time ``t``. Raises TransferError."""

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from transfer.errors import PeerMismatchError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: a lease renewal names the binding of the handle (transfer.handle)
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,10 +4,12 @@
 
     offer(keys, blocks, num_tokens) ──▶ LeaseTable.grant ──▶ KvHandle (to the reader, via the router)
     reader's NIXL notification {"done"|"abort", lease_id} ──▶ drain_notifications ──▶ LeaseTable.release
-    POST /kv/lease/renew                                  ──▶ renew
+    POST /kv/lease/renew {lease_id, binding}              ──▶ renew (refused for another binding)
     every reap_interval_s                                 ──▶ reap (expired leases unpin)
 
-The reader READs the blocks one-sidedly; the owner does nothing per READ but keep them pinned.
+The reader READs the blocks one-sidedly; the owner does nothing per READ but keep them pinned. What it can
+do is refuse to confirm a lease for a handle other than the one it built (`transfer.handle.binding_of`),
+and the reader confirms before it reads (`transfer.puller`).
 `run` drives the notification drain and the reaper until cancelled (`transfer.server` starts it).
 With no lease outstanding there is nothing to drain or reap, so `run` sleeps until `offer` grants one.
 """
@@ -20,7 +22,7 @@ from collections.abc import Sequence
 
 from kvstore.block_key import BlockKey
 from transfer.config import TransferConfig
-from transfer.handle import KvHandle
+from transfer.handle import KvHandle, binding_of
 from transfer.lease import LeaseTable, TierBlock
 from transfer.nixl_agent import KvAgent
 from transfer.pool_call import INLINE, PoolCalls
@@ -82,18 +84,23 @@ class KvOwner:
         for tier, _ in blocks:
             if tier not in readable:
                 raise ValueError(f"tier {tier!r} is not readable by peers (registered: {sorted(readable)})")
-        lease_id = self.leases.grant(blocks, ttl_s=self.config.lease_ttl_s)
+        blocks = [TierBlock(t, b) for t, b in blocks]
+        lease_id = self.leases.grant(blocks, ttl_s=self.config.lease_ttl_s, binding=binding_of(keys, blocks, digests))
         if self._loop is not None and self._wake is not None:
             self._loop.call_soon_threadsafe(self._wake.set)
         return KvHandle(
             owner_agent=self.agent.name, owner_incarnation=self.agent.incarnation, owner_url=self.owner_url,
-            keys=tuple(keys), blocks=tuple(TierBlock(t, b) for t, b in blocks), num_tokens=num_tokens,
+            keys=tuple(keys), blocks=tuple(blocks), num_tokens=num_tokens,
             lease_id=lease_id, lease_ttl_s=self.config.lease_ttl_s, digests=tuple(digests),
         )
 
-    async def renew(self, lease_id: str) -> float | None:
-        """Extend a lease; its ttl in seconds, or None if it is gone."""
-        return await self._pool_calls.call(lambda: self.leases.renew(lease_id))
+    async def renew(self, lease_id: str, binding: bytes) -> float | None:
+        """Extend a lease for the handle whose binding is ``binding``; its ttl in seconds, or None if it is gone.
+
+        Raises:
+            BindingMismatch: the lease was granted for another handle (`LeaseTable.renew`).
+        """
+        return await self._pool_calls.call(lambda: self.leases.renew(lease_id, binding=binding))
 
     async def release(self, lease_id: str) -> bool:
         """Unpin a lease's blocks; whether it was still held. It takes effect even if the caller stops

@@ -36,7 +36,7 @@ from transfer.wire import (
     WireVersionError,
     decode_meta,
     decode_renew_reply,
-    encode_lease_request,
+    encode_renew_request,
     read_body,
 )
 
@@ -172,19 +172,25 @@ class PeerCache:
             await self._agent.remove_peer(link)
 
     async def renew(self, handle: KvHandle, *, timeout_s: float) -> float | None:
-        """Renew the handle's lease. Returns the owner's new ttl in seconds, or None if the lease is gone.
+        """Renew the handle's lease, naming the handle's binding (`transfer.handle`). Returns the owner's new
+        ttl in seconds, or None if the lease is gone.
 
         Raises:
-            TransferError: ``peer_gone`` (connection refused or dropped: the owner is down), ``timeout``,
+            TransferError: ``bad_handle`` (409: the owner leased other blocks or digests for these keys than
+                the handle names), ``peer_gone`` (connection refused or dropped: the owner is down), ``timeout``,
                 or ``lease_lost`` for a malformed answer or an unexpected status (the lease cannot be confirmed).
         """
         try:
-            async with self._session.post(handle.renew_url, data=encode_lease_request(handle.lease_id),
+            async with self._session.post(handle.renew_url,
+                                          data=encode_renew_request(handle.lease_id, handle.binding),
                                           headers=self._headers,
                                           timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
                 body = await read_body(resp.content, max_bytes=MAX_SMALL_MESSAGE_BYTES, what="lease renew reply")
                 if resp.status == 404:
                     return None
+                if resp.status == 409:
+                    raise TransferError("bad_handle", f"owner {handle.owner_agent!r} refused to confirm the KV "
+                                        f"handle: {body[:300].decode('utf-8', 'replace')}")
                 if resp.status != 200:
                     raise TransferError("lease_lost", f"POST {handle.renew_url} answered {resp.status}: "
                                         f"{body[:200].decode('utf-8', 'replace')}")

@@ -3,23 +3,34 @@
 ::
 
     pull(handle, deadline_s)
+      0 check the handle alone: tokens per block; digests present if this node checks integrity
+        (else raise "bad_handle" before any contact: the lease stays open for the forwarder)
       1 link = PeerCache.link(handle)                    handshake on first contact (bounded)
       2 reserve (on the pool's thread):  keys held locally → acquire;  missing → allocate
         (a handle naming blocks the owner lacks, or too few free blocks: notify "abort", raise)
       3 nothing missing?  notify "done" → return
-      4 one NIXL READ per remote tier for the missing blocks, posted on the nixl thread;
-        meanwhile the lease is renewed (now, then every ttl/3) over HTTP
-      5 poll from asyncio (200 µs → 5 ms backoff) until every READ is DONE, one is ERR, or the deadline
-      6 confirm the lease was held when the READ completed (a renew sent before completion that
+      4 renew the lease now, then every ttl/3, over HTTP, naming the handle's binding; wait for the first
+        answer: the owner confirms it leased exactly these block ids and digests for these keys under
+        this lease (409 → "bad_handle": notify "abort", raise; not a byte was read)
+      5 one NIXL READ per remote tier for the missing blocks, posted on the nixl thread
+      6 poll from asyncio (200 µs → 5 ms backoff) until every READ is DONE, one is ERR, or the deadline
+      7 confirm the lease was held when the READ completed (a renew sent before completion that
         returned ttl covers it), so the bytes are the ones the owner pinned
-      7 release the READs and notify "done" (the owner unpins); check the read blocks against the
+      8 release the READs and notify "done" (the owner unpins); check the read blocks against the
         handle's digests (`kvstore.digest`); key the blocks before the first mismatch → PullResult
 
-Integrity. With a ``store`` whose ``integrity`` is on and a handle that carries digests, the blocks read
-are hashed where they landed (all of them, or a sample). A mismatch is a miss, not an error: that block and
-every block after it go back to the pool unkeyed (held ones lose the pull's reference), the failures are
-counted (``kvrelay_kv_integrity_failures_total{where="nixl_read"}``) and logged, and the pull returns the
-verified prefix, so the engine computes the rest.
+The binding (step 4). NIXL READs are one-sided: the owner cannot refuse one, and a range check cannot tell a
+block leased for a key from any other block of the owner's pool. So the reader reads nothing until the owner
+has confirmed the handle's `KvHandle.binding` (`transfer.handle`): a handle for one prompt that names another
+prompt's blocks, with or without digests that look right, is refused and nothing is read or keyed. It costs
+the first renew's round trip before the READ (it used to overlap it).
+
+Integrity. With a ``store`` whose ``integrity`` is on, a handle must carry digests (one per block; step 0),
+and the blocks read are hashed where they landed (all of them under ``all``; under ``sampled`` each with
+probability ``sample_rate``, so a damaged block goes unseen with ``1 - sample_rate``). A mismatch is a miss,
+not an error: that block and every block after it go back to the pool unkeyed (held ones lose the pull's
+reference), the failures are counted (``kvrelay_kv_integrity_failures_total{where="nixl_read"}``) and logged,
+and the pull returns the verified prefix, so the engine computes the rest.
 
 Failure (read error, timeout, vanished or restarted owner, lost lease, cancellation) raises one
 `TransferError` after: released handles of finished READs, blocks held for keys back to the pool,
@@ -185,6 +196,7 @@ class Puller:
         t0 = loop.time()
         t_end = t0 + deadline_s
         self._check_shape(handle)
+        self._check_digests(handle)
         if self.num_quarantined_blocks > self._config.max_quarantined_blocks:
             raise TransferError("no_blocks", f"{self.num_quarantined_blocks} blocks are held back for reads from "
                                 "stalled peers; refusing new pulls until they finish")
@@ -201,6 +213,7 @@ class Puller:
         keeper = LeaseKeeper(self._peers, handle, renew_timeout_s=self._config.renew_timeout_s)
         xfers: list[XferRequest] = []
         try:
+            await keeper.wait_confirmed(t_end)
             xfers = await self._agent.read(link, [handle.blocks[i] for i in res.missing], self.local_tier,
                                            [res.block_ids[i] for i in res.missing])
             self.num_reads_in_flight += 1
@@ -264,6 +277,14 @@ class Puller:
             raise TransferError("bad_handle", f"handle covers {handle.num_tokens} tokens with {handle.num_blocks} "
                                 f"full blocks of {self._agent.spec.block_size_tokens}; expected {expected}")
 
+    def _check_digests(self, handle: KvHandle) -> None:
+        store = self._store
+        if store is not None and store.integrity.enabled and not handle.digests:
+            raise TransferError(
+                "bad_handle", f"the KV handle from {handle.owner_agent!r} carries no block digests, but this node "
+                f"checks KV integrity (kvstore.integrity: {store.integrity.mode}), so nothing it would read could be "
+                "checked; run the prefill nodes with kvstore.integrity on too (sampled or all)")
+
     def _check_blocks(self, handle: KvHandle, link: PeerLink) -> None:
         for tier, block_id in handle.blocks:
             region = link.meta.tier(tier)
@@ -298,7 +319,7 @@ class Puller:
         on = store is not None and store.integrity.enabled
         digests = handle.digests if on else ()  # integrity off here: nothing is checked or carried
         end, num_bad = len(keys), 0
-        if store is not None and digests:
+        if store is not None and digests:  # on: `_check_digests` refused a handle without them
             picked = [res.missing[j] for j in store.integrity.pick(len(res.missing), self._rng)]
             try:
                 got = store.digest_device_blocks([res.block_ids[i] for i in picked], [keys[i] for i in picked])

@@ -1,7 +1,8 @@
 """The owner's transfer endpoints, mountable in any aiohttp app (the prefill service mounts them).
 
     GET  /kv/meta           msgpack `AgentMeta` (see `transfer.wire`)
-    POST /kv/lease/renew    msgpack {"v", "lease_id"} → 200 {"v", "ttl_s"} | 404 (lease gone) | 400 | 413
+    POST /kv/lease/renew    msgpack {"v", "lease_id", "binding"} → 200 {"v", "ttl_s"} | 404 (lease gone) |
+                            409 (the lease was granted for another handle: `transfer.handle`) | 400 | 413
     POST /kv/lease/release  msgpack {"v", "lease_id"} → 200 {"v", "released"} | 400 | 413  (the router, for
                             a handle no decode node will read: refused, or no decode node left)
 
@@ -27,11 +28,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from aiohttp import web
 
 from transfer.config import TOKEN_HEADER
+from transfer.lease import BindingMismatch
 from transfer.owner import KvOwner
 from transfer.wire import (
     MAX_SMALL_MESSAGE_BYTES,
     WireError,
     decode_lease_request,
+    decode_renew_request,
     encode_meta,
     encode_release_reply,
     encode_renew_reply,
@@ -60,26 +63,36 @@ def add_transfer_routes(app: web.Application, owner: KvOwner) -> None:
     async def get_meta(request: web.Request) -> web.Response:
         return web.Response(body=meta_body, content_type=MSGPACK)
 
-    async def lease_id_of(request: web.Request) -> str | web.Response:
+    async def lease_body(request: web.Request) -> bytes | web.Response:
         if request.content_length is not None and request.content_length > MAX_SMALL_MESSAGE_BYTES:
             return web.Response(status=413, text=f"a lease request is at most {MAX_SMALL_MESSAGE_BYTES} bytes")
         try:
-            body = await read_body(request.content, max_bytes=MAX_SMALL_MESSAGE_BYTES, what="lease request")
-            return decode_lease_request(body)
+            return await read_body(request.content, max_bytes=MAX_SMALL_MESSAGE_BYTES, what="lease request")
         except WireError as exc:
             return web.Response(status=400, text=str(exc))
 
     async def release(request: web.Request) -> web.Response:
-        lease_id = await lease_id_of(request)
-        if isinstance(lease_id, web.Response):
-            return lease_id
+        body = await lease_body(request)
+        if isinstance(body, web.Response):
+            return body
+        try:
+            lease_id = decode_lease_request(body)
+        except WireError as exc:
+            return web.Response(status=400, text=str(exc))
         return web.Response(body=encode_release_reply(await owner.release(lease_id)), content_type=MSGPACK)
 
     async def renew(request: web.Request) -> web.Response:
-        lease_id = await lease_id_of(request)
-        if isinstance(lease_id, web.Response):
-            return lease_id
-        ttl_s = await owner.renew(lease_id)
+        body = await lease_body(request)
+        if isinstance(body, web.Response):
+            return body
+        try:
+            req = decode_renew_request(body)
+        except WireError as exc:
+            return web.Response(status=400, text=str(exc))
+        try:
+            ttl_s = await owner.renew(req.lease_id, req.binding)
+        except BindingMismatch as exc:
+            return web.Response(status=409, text=str(exc))
         if ttl_s is None:
             return web.Response(status=404, text="lease expired or released")
         return web.Response(body=encode_renew_reply(ttl_s), content_type=MSGPACK)

@@ -19,7 +19,8 @@ minor sender may add some); a different ``v`` raises `WireVersionError`.
     handle   {"v", "owner_agent", "owner_incarnation", "owner_url", "keys": [bin32], "tiers": [str],
               "block_ids": [int], "num_tokens", "lease_id", "lease_ttl_s"}
     notif    {"v", "kind": "done"|"abort", "lease_id"}             (NIXL notification, reader → owner)
-    renew    {"v", "lease_id"}  →  {"v", "ttl_s": float}            (POST /kv/lease/renew)
+    renew    {"v", "lease_id", "binding": bin32}  →  {"v", "ttl_s": float}   (POST /kv/lease/renew;
+             binding: `KvHandle.binding` of the reader's handle, which the owner's lease must have)
     release  {"v", "lease_id"}  →  {"v", "released": bool}          (POST /kv/lease/release, from the router)
 
     generation request  {"request_id", "prompt", "params", "salt", "first_token_ids"?, "resume_token_ids"?,
@@ -45,7 +46,7 @@ import msgpack
 
 from kvstore.block_key import BlockKey
 from model.sampling_params import MAX_LOGPROBS, SamplingParams, TokenLogprobs
-from transfer.handle import KvHandle
+from transfer.handle import BINDING_BYTES, KvHandle
 from transfer.lease import TierBlock
 from transfer.metadata import PROTOCOL_VERSION, AgentMeta, TierRegion
 
@@ -81,6 +82,14 @@ class LeaseNotif:
 
     kind: str
     lease_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class RenewRequest:
+    """A reader's renewal: the lease, and the binding of the handle it holds (`transfer.handle.binding_of`)."""
+
+    lease_id: str
+    binding: bytes
 
 
 def _pack(obj: dict[str, Any]) -> bytes:
@@ -277,8 +286,22 @@ def encode_lease_request(lease_id: str) -> bytes:
     return _pack({"v": PROTOCOL_VERSION, "lease_id": lease_id})
 
 
+def encode_renew_request(lease_id: str, binding: bytes) -> bytes:
+    return _pack({"v": PROTOCOL_VERSION, "lease_id": lease_id, "binding": bytes(binding)})
+
+
+def decode_renew_request(data: Any) -> RenewRequest:
+    """A renew request: the lease id and the binding of the reader's handle. Raises WireError."""
+    what = "lease renew request"
+    msg = _unpack(data, what, max_bytes=MAX_SMALL_MESSAGE_BYTES, max_array_len=0, max_bin_len=BINDING_BYTES)
+    binding = _field(msg, "binding", bytes, what)
+    if len(binding) != BINDING_BYTES:
+        raise WireError(f"{what}.binding: expected {BINDING_BYTES} bytes, got {len(binding)}")
+    return RenewRequest(_str(msg, "lease_id", what, MAX_LEASE_ID_CHARS), binding)
+
+
 def decode_lease_request(data: Any) -> str:
-    """The lease id of a renew or release request. Raises WireError."""
+    """The lease id of a release request. Raises WireError."""
     what = "lease request"
     msg = _unpack(data, what, max_bytes=MAX_SMALL_MESSAGE_BYTES, max_array_len=0, max_bin_len=0)
     return _str(msg, "lease_id", what, MAX_LEASE_ID_CHARS)

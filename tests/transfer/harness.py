@@ -122,9 +122,13 @@ class OwnerProc:
         with urllib.request.urlopen(req, timeout=10) as resp:
             return msgpack.unpackb(resp.read())
 
-    def offer(self, toks: list[int], *, tier: str = "device") -> KvHandle:
-        req = urllib.request.Request(self.url + "/test/offer", data=msgpack.packb({"tokens": toks, "tier": tier}),
-                                     method="POST")
+    def offer(self, toks: list[int], *, tier: str = "device", digests: list[int] | None = None) -> KvHandle:
+        """Lease the blocks of ``toks``; the handle carries their digests (``digests``: these instead, as an
+        owner whose digests are wrong would)."""
+        body: dict[str, Any] = {"tokens": toks, "tier": tier}
+        if digests is not None:
+            body["digests"] = digests
+        req = urllib.request.Request(self.url + "/test/offer", data=msgpack.packb(body), method="POST")
         with urllib.request.urlopen(req, timeout=10) as resp:
             return decode_handle(resp.read())
 
@@ -216,6 +220,21 @@ async def open_reader(*, token: str | None = TOKEN, spec: BlockSpec = SPEC, **co
         await peers.close()
         await session.close()
         agent.close()
+
+
+def pause_owner_once_renewed(r: Reader, owner: OwnerProc) -> None:
+    """Stop ``owner`` (SIGSTOP) right after it answers ``r``'s next lease renewal, so that the pull, whose
+    lease (and handle) the owner has just confirmed, posts its READ against a stopped owner: the puller
+    reads nothing before that confirmation (`transfer.puller`, step 4)."""
+    renew = r.peers.renew
+
+    async def renew_then_pause(handle: KvHandle, *, timeout_s: float) -> float | None:
+        ttl = await renew(handle, timeout_s=timeout_s)
+        r.peers.renew = renew  # type: ignore[method-assign]
+        await in_thread(owner.pause)
+        return ttl
+
+    r.peers.renew = renew_then_pause  # type: ignore[method-assign]
 
 
 async def in_thread(fn: Callable[[], Any]) -> Any:

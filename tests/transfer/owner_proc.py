@@ -6,8 +6,9 @@ It registers a ``device`` and a ``host`` pool with a real `KvAgent`, serves the 
 (`transfer.server`) on 127.0.0.1 and prints one JSON line ``{"port", "pid", "agent", "incarnation"}``
 once it is ready. Two test-only routes drive it:
 
-    POST /test/offer  {"tokens": [...], "tier": "device"|"host"|"split"}  → encoded KvHandle
-                      (blocks are filled with `expected_block(key)` the first time a key is seen)
+    POST /test/offer  {"tokens": [...], "tier": "device"|"host"|"split", "digests"?: [...]}  → encoded KvHandle
+                      (blocks are filled with `expected_block(key)` the first time a key is seen; the
+                      handle carries their digests, or the ``digests`` given)
     GET  /test/state  → {"leases", "pinned_refs", "integrity", "notifs", "bad_notifs", "reaped",
                          "rss_kib", "hwm_kib"}
 """
@@ -29,6 +30,7 @@ from aiohttp import web
 from kvstore.block_key import BlockKey, block_keys
 from kvstore.block_pool import BlockPool
 from kvstore.block_spec import BlockSpec
+from kvstore.digest import block_digest
 from transfer.config import TransferConfig
 from transfer.lease import LeaseTable, TierBlock
 from transfer.nixl_agent import KvAgent
@@ -89,7 +91,8 @@ class OwnerNode:
             blocks += [TierBlock("host", b) for b in self._ensure("host", keys[half:])]
         else:
             blocks = [TierBlock(tier, b) for b in self._ensure(tier, keys)]
-        handle = self.owner.offer(keys, blocks, num_tokens=len(keys) * self.spec.block_size_tokens)
+        digests = msg.get("digests") or [block_digest(k, expected_block(self.spec, k)) for k in keys]
+        handle = self.owner.offer(keys, blocks, num_tokens=len(keys) * self.spec.block_size_tokens, digests=digests)
         for t, b in blocks:  # the lease holds them now
             self.tier_to_pool[t].release([b])
         return web.Response(body=encode_handle(handle))

@@ -23,6 +23,7 @@ from tests.transfer.harness import (
     in_thread,
     keys_of,
     open_reader,
+    pause_owner_once_renewed,
     run,
     tokens,
     wait_until,
@@ -81,7 +82,7 @@ def test_owner_killed_during_a_read_raises_within_the_deadline_and_frees_blocks(
             await _warm_pull(r, owner)
             handle = await in_thread(lambda: owner.offer(tokens(11, 512)))  # 64 MiB
             free_before = r.pool.num_free_blocks
-            owner.pause()
+            pause_owner_once_renewed(r, owner)
             task = asyncio.create_task(r.puller.pull(handle, deadline_s=30))
             await await_until(lambda: r.puller.num_reads_in_flight == 1, 10, "the READ to be posted")
             t_kill = time.monotonic()
@@ -107,7 +108,7 @@ def test_owner_stopped_deadline_fires_and_the_late_completion_is_ignored(start_o
             toks = tokens(12, 64)
             handle = await in_thread(lambda: owner.offer(toks))
             free_before = r.pool.num_free_blocks
-            owner.pause()
+            pause_owner_once_renewed(r, owner)
             t0 = time.monotonic()
             with pytest.raises(TransferError) as err:
                 await r.puller.pull(handle, deadline_s=1.0)

@@ -6,7 +6,9 @@ import pytest
 
 from kvstore.block_key import BlockKey
 from kvstore.block_pool import BlockPool
-from transfer.lease import LeaseTable, TierBlock
+from transfer.lease import BindingMismatch, LeaseTable, TierBlock
+
+B = b"\x01" * 32  # a lease's binding (transfer.handle.binding_of); these tests grant and renew with one
 
 
 class Clock:
@@ -31,20 +33,20 @@ def test_grant_renew_release_and_reap():
     clock = Clock()
     device, host = keyed_pool(8, 4), keyed_pool(4, 2)
     table = LeaseTable({"device": device, "host": host}, clock=clock)
-    a = table.grant([TierBlock("device", 0), TierBlock("device", 1), TierBlock("host", 1)], ttl_s=10)
-    b = table.grant([TierBlock("device", 1)], ttl_s=2)
+    a = table.grant([TierBlock("device", 0), TierBlock("device", 1), TierBlock("host", 1)], ttl_s=10, binding=B)
+    b = table.grant([TierBlock("device", 1)], ttl_s=2, binding=B)
     assert len(a) == 32 and a != b
     assert [device.ref_count(i) for i in range(4)] == [1, 2, 0, 0] and host.ref_count(1) == 1
     assert (table.num_leases, table.num_pinned_blocks) == (2, 4)
     table.check_integrity()
 
     clock.now += 1.5
-    assert table.renew(b) == 2  # b now expires at 103.5
+    assert table.renew(b, binding=B) == 2  # b now expires at 103.5
     clock.now += 1.9
     assert table.reap() == []
     clock.now += 0.1
     assert table.reap() == [b]
-    assert table.renew(b) is None and table.release(b) is False
+    assert table.renew(b, binding=B) is None and table.release(b) is False
     assert [device.ref_count(i) for i in range(4)] == [1, 1, 0, 0]
 
     assert table.release(a) is True
@@ -60,9 +62,9 @@ def test_an_expired_lease_is_not_renewed_back_to_life():
     clock = Clock()
     pool = keyed_pool(4, 1)
     table = LeaseTable({"device": pool}, clock=clock)
-    lease = table.grant([TierBlock("device", 0)], ttl_s=1)
+    lease = table.grant([TierBlock("device", 0)], ttl_s=1, binding=B)
     clock.now += 1.0
-    assert table.renew(lease) is None
+    assert table.renew(lease, binding=B) is None
     assert pool.ref_count(0) == 0 and table.num_leases == 0
 
 
@@ -70,13 +72,13 @@ def test_grant_refuses_free_blocks_unknown_tiers_and_bad_ids_and_pins_nothing():
     pool = keyed_pool(4, 2)
     table = LeaseTable({"device": pool}, clock=Clock())
     with pytest.raises(ValueError, match="block 3 is free"):
-        table.grant([TierBlock("device", 0), TierBlock("device", 1), TierBlock("device", 3)], ttl_s=5)
+        table.grant([TierBlock("device", 0), TierBlock("device", 1), TierBlock("device", 3)], ttl_s=5, binding=B)
     with pytest.raises(ValueError, match="no pool for tier 'disk'"):
-        table.grant([TierBlock("disk", 0)], ttl_s=5)
+        table.grant([TierBlock("disk", 0)], ttl_s=5, binding=B)
     with pytest.raises(ValueError, match="out of range"):
-        table.grant([TierBlock("device", 4)], ttl_s=5)
+        table.grant([TierBlock("device", 4)], ttl_s=5, binding=B)
     with pytest.raises(ValueError, match="ttl must be positive"):
-        table.grant([TierBlock("device", 0)], ttl_s=0)
+        table.grant([TierBlock("device", 0)], ttl_s=0, binding=B)
     assert [pool.ref_count(i) for i in range(4)] == [0] * 4
     assert table.num_leases == 0
     pool.check_integrity()
@@ -85,7 +87,20 @@ def test_grant_refuses_free_blocks_unknown_tiers_and_bad_ids_and_pins_nothing():
 def test_check_integrity_catches_a_pin_released_behind_the_tables_back():
     pool = keyed_pool(4, 2)
     table = LeaseTable({"device": pool}, clock=Clock())
-    table.grant([TierBlock("device", 0)], ttl_s=5)
+    table.grant([TierBlock("device", 0)], ttl_s=5, binding=B)
     pool.release([0])
     with pytest.raises(AssertionError, match="device block 0 is pinned by 1 leases but has 0 refs"):
         table.check_integrity()
+
+
+def test_a_renewal_for_another_binding_is_refused_and_extends_nothing():
+    """Issue 30, failure mode 4: the lease confirms only the handle it was granted for."""
+    clock = Clock()
+    table = LeaseTable({"device": keyed_pool(4, 2)}, clock=clock)
+    lease = table.grant([TierBlock("device", 0)], ttl_s=2, binding=B)
+    clock.now += 1.5
+    with pytest.raises(BindingMismatch, match=f"lease {lease} pins other blocks for these keys"):
+        table.renew(lease, binding=b"\x02" * 32)
+    clock.now += 0.5
+    assert table.reap() == [lease]  # the refused renewal did not extend it
+    assert table.renew(lease, binding=B) is None

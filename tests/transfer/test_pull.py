@@ -8,7 +8,16 @@ import signal
 
 import pytest
 
-from tests.transfer.harness import SPEC, await_until, in_thread, keys_of, open_reader, run, tokens
+from tests.transfer.harness import (
+    SPEC,
+    await_until,
+    in_thread,
+    keys_of,
+    open_reader,
+    pause_owner_once_renewed,
+    run,
+    tokens,
+)
 from transfer.errors import TransferError
 
 
@@ -118,7 +127,7 @@ def test_a_cancelled_pull_gives_its_blocks_back_once_the_read_settles(owner):
             r.pool.release(warm.block_ids)
             handle = await in_thread(lambda: owner.offer(tokens(7, 32)))
             free_before = r.pool.num_free_blocks
-            owner.pause()
+            pause_owner_once_renewed(r, owner)
             try:
                 task = asyncio.create_task(r.puller.pull(handle, deadline_s=30))
                 await await_until(lambda: r.puller.num_reads_in_flight == 1, 10, "the READ to be posted")
@@ -140,10 +149,10 @@ def test_a_cancelled_pull_gives_its_blocks_back_once_the_read_settles(owner):
 class _Checker:
     """What `Puller` checks read blocks with (`puller.IntegrityChecker`; the tiered store in a node)."""
 
-    def __init__(self, pool_tensor) -> None:
+    def __init__(self, pool_tensor, mode: str = "all", sample_rate: float = 0.05) -> None:
         from kvstore.digest import IntegrityPolicy
 
-        self.integrity = IntegrityPolicy("all")
+        self.integrity = IntegrityPolicy(mode, sample_rate)
         self.pool_tensor = pool_tensor
         self.checked = 0
         self.failures: list[tuple[str, bytes, int]] = []
@@ -163,8 +172,6 @@ class _Checker:
 def test_a_read_block_failing_its_digest_keeps_only_the_verified_prefix(owner):
     """Issue 16: blocks 2 and 6 of 8 do not match the handle's digests and block 5 is held already: the pull
     returns blocks 0-1, keys nothing past them, gives the read blocks back unkeyed and the held one its ref."""
-    import dataclasses
-
     from kvstore.digest import block_digest
     from tests.transfer.harness import expected_block
     from transfer.puller import Puller
@@ -177,13 +184,13 @@ def test_a_read_block_failing_its_digest_keeps_only_the_verified_prefix(owner):
             r.block_words(held).copy_(expected_block(SPEC, keys[5]))
             assert r.pool.register_key(held, keys[5])
             free_before = r.pool.num_free_blocks
-            handle = await in_thread(lambda: owner.offer(toks))
             digests = [block_digest(k, expected_block(SPEC, k)) for k in keys]
-            digests[2] ^= 1
+            digests[2] ^= 1  # as if the owner's blocks 2 and 6 had changed after it digested them
             digests[6] ^= 1
+            handle = await in_thread(lambda: owner.offer(toks, digests=digests))
             checker = _Checker(r.agent.pool("device"))
             puller = Puller(r.agent, r.pool, r.peers, config=r.puller._config, store=checker)
-            result = await puller.pull(dataclasses.replace(handle, digests=tuple(digests)), deadline_s=20)
+            result = await puller.pull(handle, deadline_s=20)
             assert (len(result.block_ids), result.num_read, result.num_held, result.num_bad) == (2, 7, 1, 2)
             assert [r.pool.key_of(b) for b in result.block_ids] == keys[:2]
             r.assert_holds(result.block_ids, keys[:2])
@@ -194,5 +201,79 @@ def test_a_read_block_failing_its_digest_keeps_only_the_verified_prefix(owner):
             r.pool.release(result.block_ids + [held])
             await puller.aclose()
             await await_until(lambda: owner.state()["leases"] == 0, 10, "the lease to be released")
+
+    run(body())
+
+
+def _counting_reads(r) -> list[int]:
+    """Spy on the reader's agent: the number of blocks of each READ it posts."""
+    posted: list[int] = []
+    read = r.agent.read
+
+    async def counted(link, remote, local_tier, local_ids):
+        posted.append(len(local_ids))
+        return await read(link, remote, local_tier, local_ids)
+
+    r.agent.read = counted
+    return posted
+
+
+def test_a_handle_naming_blocks_not_leased_for_its_keys_is_refused_before_the_read(owner):
+    """Issue 30, failure mode 4: the owner leased A's blocks under lease A and B's under lease B. A handle with
+    lease A, A's keys and digests but B's block ids (in range, pinned, real KV) is refused by the owner at
+    the first renew — before any READ: nothing is keyed, every reserved block is free again, lease A ends
+    ("abort") and lease B is untouched (its own handle still reads)."""
+    import dataclasses
+
+    async def body():
+        async with open_reader() as r:
+            a_toks, b_toks = tokens(40, 4), tokens(41, 4)
+            a = await in_thread(lambda: owner.offer(a_toks))
+            b = await in_thread(lambda: owner.offer(b_toks))
+            posted = _counting_reads(r)
+            free_before = r.pool.num_free_blocks
+            with pytest.raises(TransferError) as err:
+                await r.puller.pull(dataclasses.replace(a, blocks=b.blocks), deadline_s=20)
+            assert err.value.reason == "bad_handle" and err.value.lease_ended
+            assert f"lease {a.lease_id}" in str(err.value) and "not what the owner leased" in str(err.value)
+            assert posted == []
+            assert [r.pool.block_id_of(k) for k in keys_of(a_toks)] == [None] * 4
+            assert r.pool.num_free_blocks == free_before
+            await await_until(lambda: owner.state()["leases"] == 1, 10, "lease A to end")
+            result = await r.puller.pull(b, deadline_s=20)
+            assert posted == [4]
+            r.assert_holds(result.block_ids, keys_of(b_toks))
+            r.pool.release(result.block_ids)
+
+    run(body())
+
+
+def test_a_handle_without_digests_is_refused_while_integrity_is_on(owner):
+    """Issue 30, failure mode 4: a reader that checks integrity refuses a handle that carries no digests
+    (nothing could be checked) before contacting its owner, so the lease stays open for whoever forwarded
+    the handle; with integrity off the same blocks are pulled."""
+    import dataclasses
+
+    from tests.transfer.test_server import release_lease
+    from transfer.puller import Puller
+
+    async def body():
+        async with open_reader() as r:
+            toks = tokens(42, 3)
+            handle = await in_thread(lambda: owner.offer(toks))
+            checker = _Checker(r.agent.pool("device"), "sampled", sample_rate=1.0)
+            puller = Puller(r.agent, r.pool, r.peers, config=r.puller._config, store=checker)
+            with pytest.raises(TransferError) as err:
+                await puller.pull(dataclasses.replace(handle, digests=()), deadline_s=20)
+            assert err.value.reason == "bad_handle" and not err.value.lease_ended
+            assert "carries no block digests" in str(err.value) and "kvstore.integrity" in str(err.value)
+            assert r.pool.block_id_of(keys_of(toks)[0]) is None and checker.checked == 0
+            assert await in_thread(lambda: release_lease(owner, handle.lease_id))
+            handle = await in_thread(lambda: owner.offer(toks))
+            result = await puller.pull(handle, deadline_s=20)  # the owner's own handle, digests and all
+            assert checker.checked == 3 and checker.failures == []
+            r.assert_holds(result.block_ids, keys_of(toks))
+            r.pool.release(result.block_ids)
+            await puller.aclose()
 
     run(body())

@@ -17,7 +17,8 @@ from tests.transfer.harness import TOKEN, in_thread, open_reader, run, tokens
 from tests.transfer.test_wire import META, malformed
 from transfer.config import TOKEN_HEADER
 from transfer.errors import PeerMismatchError, TransferError
-from transfer.wire import decode_meta, encode_lease_request, encode_meta, encode_notif
+from transfer.metadata import PROTOCOL_VERSION
+from transfer.wire import decode_meta, encode_lease_request, encode_meta, encode_notif, encode_renew_request
 
 
 def test_endpoints_require_the_shared_token(owner):
@@ -33,7 +34,8 @@ def test_malformed_renew_bodies_are_rejected_and_the_owner_stays_up_with_bounded
     for name, payload in malformed(tmp_path).items():
         status, _ = owner.post("/kv/lease/renew", payload)
         assert status in (400, 413), (name, status)
-    assert owner.post("/kv/lease/renew", encode_lease_request("0" * 32))[0] == 404  # well-formed, unknown
+    assert owner.post("/kv/lease/renew", encode_renew_request("0" * 32, b"\x00" * 32))[0] == 404  # unknown lease
+    assert owner.post("/kv/lease/renew", encode_lease_request("0" * 32))[0] == 400  # no binding
 
     # A 4 GiB Content-Length with a few bytes behind it: refused before reading.
     with socket.create_connection(("127.0.0.1", owner.port), timeout=10) as sock:
@@ -53,8 +55,8 @@ def test_malformed_notifications_are_dropped_and_counted(owner, tmp_path):
             link = await r.peers.link(handle, timeout_s=10)
             before = await in_thread(owner.state)
             bad = [p for p in malformed(tmp_path).values() if len(p) < 60_000]  # NIXL notifications are small
-            bad += [msgpack.packb({"v": 1, "kind": "steal", "lease_id": handle.lease_id}),
-                    msgpack.packb({"v": 1, "kind": "done", "lease_id": 7})]
+            bad += [msgpack.packb({"v": PROTOCOL_VERSION, "kind": "steal", "lease_id": handle.lease_id}),
+                    msgpack.packb({"v": PROTOCOL_VERSION, "kind": "done", "lease_id": 7})]
             for payload in bad:
                 assert await r.agent.send_notif(link.name, payload)
             assert await r.agent.send_notif(link.name, encode_notif("done", "f" * 32))  # unknown lease: ignored
@@ -112,8 +114,9 @@ def test_reader_refuses_malformed_metadata_and_stalled_owners_within_bounds(tmp_
             fake.status, fake.body = 500, b"boom"
             with pytest.raises(TransferError, match="answered 500: boom"):
                 await r.puller.pull(handle, deadline_s=5)
-            fake.status, fake.body = 200, _with_version(2)
-            with pytest.raises(PeerMismatchError, match="protocol v2, this node v1"):
+            newer = PROTOCOL_VERSION + 1
+            fake.status, fake.body = 200, _with_version(newer)
+            with pytest.raises(PeerMismatchError, match=f"protocol v{newer}, this node v{PROTOCOL_VERSION}"):
                 await r.puller.pull(handle, deadline_s=5)
             fake.stall = True
             t0 = time.monotonic()
@@ -132,6 +135,15 @@ def test_reader_refuses_malformed_metadata_and_stalled_owners_within_bounds(tmp_
             r.pool.release((await r.puller.pull(real, deadline_s=10)).block_ids)
 
     run(body())
+
+
+def release_lease(owner, lease_id: str) -> bool:
+    """What the router does with a handle's open lease: POST /kv/lease/release; whether it was held."""
+    from transfer.wire import decode_release_reply
+
+    status, body = owner.post("/kv/lease/release", encode_lease_request(lease_id))
+    assert status == 200, (status, body)
+    return decode_release_reply(body)
 
 
 def _with_version(version: int) -> bytes:
@@ -153,7 +165,22 @@ def test_release_drops_a_lease_once_and_checks_its_body(owner, tmp_path):
     assert after["pinned_refs"] == before["pinned_refs"] - len(handle.blocks) and after["integrity"] == "ok"
     status, body = owner.post("/kv/lease/release", encode_lease_request(handle.lease_id))
     assert status == 200 and decode_release_reply(body) is False  # already gone: nothing changes
-    assert owner.post("/kv/lease/renew", encode_lease_request(handle.lease_id))[0] == 404
+    assert owner.post("/kv/lease/renew", encode_renew_request(handle.lease_id, handle.binding))[0] == 404
     for name, payload in malformed(tmp_path).items():
         assert owner.post("/kv/lease/release", payload)[0] in (400, 413), name
     assert owner.alive()
+
+
+def test_renew_confirms_only_the_handle_the_lease_was_granted_for(owner):
+    """Issue 30, failure mode 4: the owner answers a renewal naming its handle's binding with 200 and one
+    naming the binding of an altered handle (other block ids, other digests, no digests) with 409."""
+    a, b = owner.offer(tokens(21, 3)), owner.offer(tokens(22, 3))
+    renew = "/kv/lease/renew"
+    assert owner.post(renew, encode_renew_request(a.lease_id, a.binding))[0] == 200
+    for altered in (dataclasses.replace(a, blocks=b.blocks), dataclasses.replace(a, digests=b.digests),
+                    dataclasses.replace(a, digests=())):
+        status, body = owner.post(renew, encode_renew_request(a.lease_id, altered.binding))
+        assert status == 409 and f"lease {a.lease_id} pins other blocks for these keys" in body.decode()
+    assert owner.post(renew, encode_renew_request(b.lease_id, a.binding))[0] == 409  # another lease's handle
+    for handle in (a, b):
+        assert release_lease(owner, handle.lease_id)
