@@ -7,7 +7,7 @@
               (attention_backend: torch | reference | triton; unset: triton on CUDA, torch on CPU; triton on
               CPU runs under Triton's interpreter, for tests. cuda_graphs (default true): capture decode steps
               on CUDA for cuda_graph_batch_sizes (default 1, 2, 4, 8, 16, … up to max_num_seqs))
-    internal: {bind, token, token_env, drain_timeout_s}
+    internal: {bind, token, token_env, drain_timeout_s, persist_timeout_s}
     prefill:  {ports: [8100, ...], lease_ttl_s, max_pending_requests, devices: [0, ...], inject_faults: []}
               (devices: CUDA devices per node, for up; inject_faults: tests only, transfer.config.PUBLISH_FAULTS)
     decode:   {ports: [8200, ...], on_transfer_failure, max_pending_requests, transfer_timeout_s, devices}
@@ -58,6 +58,8 @@ class InternalSection:
     bind: str = "127.0.0.1"
     token: str | None = None
     drain_timeout_s: float = 30.0  # on SIGTERM: how long admitted requests may take to finish
+    # then: how long writing the device and host tiers to disk may take (`kvrelay up` waits that long too)
+    persist_timeout_s: float = 300.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,6 +238,7 @@ def parse_services(root: Section, *, base_dir: Path, env: Mapping[str, str] | No
     token = (i.take("token", string, None) or _env(i.take("token_env", string, None), env)
              or env.get(TOKEN_ENV) or None)
     drain_timeout_s = i.take("drain_timeout_s", positive_float, 30.0)
+    persist_timeout_s = i.take("persist_timeout_s", positive_float, 300.0)
     i.done()
     p = root.section("prefill")
     prefill_ports = p.take("ports", port_list, ())
@@ -273,7 +276,8 @@ def parse_services(root: Section, *, base_dir: Path, env: Mapping[str, str] | No
                            r.take("queue_timeout_s", positive_float, 300.0),
                            r.take("decode_reserve_tokens", positive_int, 256))
     r.done()
-    return {"model": model, "engine": engine, "internal": InternalSection(bind, token, drain_timeout_s),
+    internal = InternalSection(bind, token, drain_timeout_s, persist_timeout_s)
+    return {"model": model, "engine": engine, "internal": internal,
             "prefill": prefill, "decode": decode, "router": router}
 
 

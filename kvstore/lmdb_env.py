@@ -55,7 +55,7 @@ class DiskTierUnavailableError(RuntimeError):
 
 
 # Errno names that disk-tier failures are reported under (metric label values), most specific first.
-DISK_ERRNOS = ("ENOSPC", "EDQUOT", "EROFS", "EACCES", "EPERM", "ENOTDIR", "ENOENT", "EIO")
+DISK_ERRNOS = ("ENOSPC", "EDQUOT", "EROFS", "EACCES", "EPERM", "ENOTDIR", "EEXIST", "ENOENT", "EIO")
 
 
 def errno_name(exc: BaseException) -> str:

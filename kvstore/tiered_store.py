@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -523,13 +524,19 @@ class TieredStore:
         self.host.copy = copy
 
     # ------------------------------------------------------------ housekeeping
-    def persist(self) -> int:
-        """Write every keyed device and host block that disk lacks (ignoring admission), then flush.
+    def persist(self, *, timeout_s: float = 300.0) -> int:
+        """Write every keyed device and host block that disk lacks (ignoring admission), then flush, all
+        within ``timeout_s``.
 
-        For a planned shutdown. Returns how many blocks were queued; 0 without a disk tier.
+        For a planned shutdown. Returns how many blocks were queued; 0 without a disk tier (or with one
+        that became unavailable).
+
+        Raises:
+            TimeoutError: the disk writer did not commit them within ``timeout_s``.
         """
-        if self.disk is None:
+        if self.disk is None or self.disk.unavailable_reason is not None:
             return 0
+        deadline = time.monotonic() + timeout_s
         written = 0
         sources: list[tuple[BlockKey, Block, int | None]] = []
         for block_id in range(self.block_pool.num_blocks):
@@ -547,11 +554,11 @@ class TieredStore:
             if self.disk.contains(key):
                 continue
             if not self.disk.put(key, src, digest=digest):  # queue full: let the writer catch up once
-                self.disk.flush()
+                self.disk.flush(max(0.0, deadline - time.monotonic()))
                 if not self.disk.put(key, src, digest=digest):
                     continue
             written += 1
-        self.disk.flush()
+        self.disk.flush(max(0.0, deadline - time.monotonic()))
         return written
 
     def flush(self, timeout_s: float = 30.0) -> None:
