@@ -147,7 +147,8 @@ def build_app(config: Any, role: str, index: int, *, name: str | None = None,
     node = NodeConfig(role=role, name=name, model_name=config.model.name, host=internal.bind, port=port,
                       max_pending_requests=section.max_pending_requests, internal_token=internal.token,
                       cpus=tuple(cores.home) if cores is not None else (),
-                      stall_timeout_s=config.engine.stall_timeout_s)
+                      stall_timeout_s=config.engine.stall_timeout_s,
+                      persist_timeout_s=internal.persist_timeout_s)
     worker = EngineWorker(engine, host=worker_host, cores=cores)
     from transfer.config import TransferConfig
     from transfer.node_agent import advertised_host, restrict_transfer_to

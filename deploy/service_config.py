@@ -12,8 +12,9 @@
               requests end with 503, and the node exits to be restarted (`node.app`). Keep it above the
               longest legitimate step: a max_num_batched_tokens prefill chunk on a slow CPU, first-step
               kernel compiles.)
-    internal: {bind, token, token_env, drain_timeout_s, keepalive_timeout_s}
-              (keepalive_timeout_s, default 75: an idle HTTP connection to a node is closed after it)
+    internal: {bind, token, token_env, drain_timeout_s, keepalive_timeout_s, persist_timeout_s}
+              (keepalive_timeout_s, default 75: an idle HTTP connection to a node is closed after it;
+              persist_timeout_s, default 300: after the drain, the bound on writing the tiers to disk)
     prefill:  {ports: [8100, ...], lease_ttl_s, max_pending_requests, devices: [0, ...], inject_faults: []}
               (devices: CUDA devices per node, for up; inject_faults: tests only, transfer.config.PUBLISH_FAULTS)
     decode:   {ports: [8200, ...], on_transfer_failure, max_pending_requests, transfer_timeout_s, devices,
@@ -73,6 +74,8 @@ class InternalSection:
     token: str | None = None
     drain_timeout_s: float = 30.0  # on SIGTERM: how long admitted requests may take to finish
     keepalive_timeout_s: float = 75.0  # an idle connection to a node is closed after this
+    # after the drain: how long writing the device and host tiers to disk may take (`kvrelay up` waits too)
+    persist_timeout_s: float = 300.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,6 +267,7 @@ def parse_services(root: Section, *, base_dir: Path, env: Mapping[str, str] | No
              or env.get(TOKEN_ENV) or None)
     drain_timeout_s = i.take("drain_timeout_s", positive_float, 30.0)
     node_keepalive_s = i.take("keepalive_timeout_s", positive_float, 75.0)
+    persist_timeout_s = i.take("persist_timeout_s", positive_float, 300.0)
     i.done()
     p = root.section("prefill")
     prefill_ports = p.take("ports", port_list, ())
@@ -306,7 +310,7 @@ def parse_services(root: Section, *, base_dir: Path, env: Mapping[str, str] | No
                            r.take("write_stall_timeout_s", positive_float, 30.0),
                            r.take("keepalive_timeout_s", positive_float, 75.0))
     r.done()
-    internal = InternalSection(bind, token, drain_timeout_s, node_keepalive_s)
+    internal = InternalSection(bind, token, drain_timeout_s, node_keepalive_s, persist_timeout_s)
     return {"model": model, "engine": engine, "internal": internal,
             "prefill": prefill, "decode": decode, "router": router}
 

@@ -2,8 +2,10 @@
 
 Starts every node as its own process (``kvrelay prefill|decode|router --config FILE --index I``), each
 engine node on its own share of this machine's CPUs (`deploy.cpu_budget`),
-waits until the router reports healthy, prints the URL, and on Ctrl-C or SIGTERM stops all of them
-(SIGTERM, then SIGKILL after a grace period). A node that dies later is restarted. SIGUSR1 prints the
+waits until the router reports healthy, prints the URL, and on Ctrl-C or SIGTERM stops all of them:
+SIGTERM, then it waits for each node to drain (``internal.drain_timeout_s``) and write its device and
+host KV to disk (``internal.persist_timeout_s``), SIGKILLing (and saying so) only a node still running
+``GRACE_S`` past both; it exits 0. A node that dies later is restarted. SIGUSR1 prints the
 supervisor's stack (to find where a start-up hangs).
 """
 
@@ -29,7 +31,7 @@ from deploy.memory import format_bytes, free_host_bytes
 from deploy.service_config import TOKEN_ENV
 from deploy.sizes import ConfigError
 
-GRACE_S = 10.0  # beyond internal.drain_timeout_s, before SIGKILL
+GRACE_S = 10.0  # beyond internal.drain_timeout_s + internal.persist_timeout_s, before SIGKILL
 RESTART_BACKOFF_S = 2.0
 REPORT_EVERY_S = 30.0
 
@@ -84,16 +86,25 @@ def _waiting_for(health: dict[str, Any] | None) -> str:
     return "waiting for " + ", ".join(down) if down else f"router status {health.get('status')!r}"
 
 
-def _stop(procs: list[subprocess.Popen], grace_s: float = GRACE_S) -> None:
-    """SIGTERM every process, SIGKILL what is left after ``grace_s`` (their drain time plus margin)."""
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for p in procs:
+def _stop(procs: list[subprocess.Popen], names: list[str], *, drain_s: float, persist_s: float,
+          grace_s: float = GRACE_S) -> None:
+    """SIGTERM every process and wait for them to exit; SIGKILL, with a line naming it, one still running
+    after ``drain_s + persist_s + grace_s`` (a node drains, then writes its KV to disk, then exits)."""
+    running = [(p, name) for p, name in zip(procs, names) if p.poll() is None]
+    for p, _ in running:
+        p.send_signal(signal.SIGTERM)
+    if running:
+        print(f"kvrelay up: stopping; nodes drain (up to {drain_s:g} s) and write their KV to disk (up to "
+              f"{persist_s:g} s)", file=sys.stderr, flush=True)
+    limit_s = drain_s + persist_s + grace_s
+    deadline = time.monotonic() + limit_s
+    for p, name in running:
         try:
             p.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
+            print(f"kvrelay up: {name} still running {limit_s:g} s after SIGTERM (internal.drain_timeout_s "
+                  f"{drain_s:g} + internal.persist_timeout_s {persist_s:g} + {grace_s:g}); SIGKILL: KV it had not "
+                  f"written to disk is lost", file=sys.stderr, flush=True)
             p.kill()
             p.wait()
 
@@ -205,7 +216,8 @@ def up(config: Any, config_path: Path, *, overrides: list[str], startup_timeout_
             time.sleep(0.2)
         return 0
     finally:
-        _stop(procs, GRACE_S + config.internal.drain_timeout_s)
+        _stop(procs, [f"{role}-{index}" for role, index in plan[: len(procs)]],
+              drain_s=config.internal.drain_timeout_s, persist_s=config.internal.persist_timeout_s)
         if lock_dir is not None:
             shutil.rmtree(lock_dir, ignore_errors=True)
         for s, h in old.items():

@@ -6,7 +6,8 @@ Layout on disk (``path`` is ``kvstore.disk.path``)::
       data.mdb        blocks, access order, metadata (three named sub-databases)
       lock.mdb        LMDB reader table
     path.owner.lock   flock held by the one process that owns the tier (it has the pid in it)
-    path.corrupt-…    environments moved aside because they failed to open or reported corruption
+    path.corrupt-…    the environment last moved aside because it failed to open or reported corruption
+                      (only the newest is kept: each move deletes the older ones)
 
 Sub-databases: ``blocks`` (key → record, see `block_record`), ``atime`` (key → `AccessRecord`: u64
 BE access sequence and u64 BE map bytes of the block, written in the writer's batches; the LRU order
@@ -17,9 +18,11 @@ block size, lifetime counters as u64 BE).
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import logging
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +42,32 @@ CORRUPTION_ERRORS: tuple[type[BaseException], ...] = tuple(
 
 class DiskTierInUseError(RuntimeError):
     """Another process owns the disk tier at this path."""
+
+
+class DiskTierUnavailableError(RuntimeError):
+    """The disk tier cannot be opened for a reason of the disk, not of its contents (full, not writable,
+    I/O errors); ``reason_code`` is the errno name (`errno_name`). A corrupt environment is not this: it is
+    moved aside and started afresh."""
+
+    def __init__(self, message: str, reason_code: str) -> None:
+        super().__init__(message)
+        self.reason_code = reason_code
+
+
+# Errno names that disk-tier failures are reported under (metric label values), most specific first.
+DISK_ERRNOS = ("ENOSPC", "EDQUOT", "EROFS", "EACCES", "EPERM", "ENOTDIR", "EEXIST", "ENOENT", "EIO")
+
+
+def errno_name(exc: BaseException) -> str:
+    """The errno name behind ``exc`` (an OSError, or an lmdb.Error whose text is the C library's) for
+    `DISK_ERRNOS`, else ``"other"``. LMDB reports a write the disk cut short as EIO."""
+    code = getattr(exc, "errno", None)
+    if isinstance(code, int) and errno.errorcode.get(code) in DISK_ERRNOS:
+        return errno.errorcode[code]
+    if isinstance(exc, lmdb.DiskError):
+        return "ENOSPC"
+    text = str(exc)
+    return next((name for name in DISK_ERRNOS if os.strerror(getattr(errno, name)) in text), "other")
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,8 +120,15 @@ def is_owned(path: Path) -> bool:
     return False
 
 
+def moved_aside_copies(path: Path) -> list[Path]:
+    """The environments moved aside from ``path`` that are still on disk (``path.corrupt-*``), by name."""
+    return sorted(path.parent.glob(f"{path.name}.corrupt-*"))
+
+
 def move_aside(path: Path, reason: str) -> Path:
-    """Rename ``path`` to ``path.corrupt-<time>-<pid>[-n]`` and log why. Returns the new path."""
+    """Rename ``path`` to ``path.corrupt-<time>-<pid>[-n]``, delete the copies moved aside before (one old
+    copy is kept, for a post-mortem: a disk that keeps failing must not fill up with them) and log why.
+    Returns the new path."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     target = path.with_name(f"{path.name}.corrupt-{stamp}-{os.getpid()}")
     n = 0
@@ -100,8 +136,50 @@ def move_aside(path: Path, reason: str) -> Path:
         n += 1
         target = path.with_name(f"{path.name}.corrupt-{stamp}-{os.getpid()}-{n}")
     os.rename(path, target)
-    log.warning("disk tier %s moved aside to %s (%s); starting a fresh one", path, target, reason)
+    deleted = [old for old in moved_aside_copies(path) if old != target]
+    for old in deleted:
+        shutil.rmtree(old, ignore_errors=True)
+    log.warning("disk tier %s moved aside to %s (%s)%s; starting a fresh one", path, target, reason,
+                f", {len(deleted)} older copies deleted" if deleted else "")
     return target
+
+
+# LMDB's reader table on 64-bit Linux: a 128-byte header and one 64-byte (cache line) slot per reader.
+_LOCK_HEADER_BYTES = 128
+_LOCK_SLOT_BYTES = 64
+
+
+def allocate_lock_file(path: Path, max_readers: int) -> None:
+    """Create ``path/lock.mdb`` with its blocks allocated (``posix_fallocate``) before LMDB maps it.
+
+    LMDB sizes the lock file with ``ftruncate`` and writes it through a shared map: on a full disk the
+    first touch of an unbacked page is SIGBUS, which kills the process. Allocated here, a full disk is an
+    ENOSPC OSError instead.
+
+    Raises:
+        OSError: the file cannot be created or its blocks allocated (ENOSPC, EROFS, EACCES, EIO…).
+    """
+    # Exactly LMDB's size: it takes a larger file's size for a larger reader table.
+    want = _LOCK_HEADER_BYTES + _LOCK_SLOT_BYTES * max_readers
+    fd = os.open(path / "lock.mdb", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, want)
+    finally:
+        os.close(fd)
+
+
+def check_not_truncated(env: lmdb.Environment, path: Path) -> None:
+    """Refuse an environment whose ``data.mdb`` ends before its last page: reading a page past the end of
+    the mapped file is SIGBUS. Reads only the meta pages (which `lmdb.open` has checked are there).
+
+    Raises:
+        lmdb.CorruptedError: ``data.mdb`` is shorter than its meta page says.
+    """
+    end_bytes = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+    file_bytes = (path / "data.mdb").stat().st_size
+    if file_bytes < end_bytes:
+        raise lmdb.CorruptedError(f"{path / 'data.mdb'} is truncated: {file_bytes} bytes, but its last page "
+                                  f"ends at byte {end_bytes}")
 
 
 def open_retrying(path: Path, *, timeout_s: float = 5.0, **kwargs: object) -> lmdb.Environment:
@@ -130,11 +208,13 @@ def open_env(path: Path, *, map_bytes: int, max_readers: int, block_bytes: int) 
     and record the format and ``block_bytes`` in ``meta``.
 
     Raises:
-        one of CORRUPTION_ERRORS: the files are not a readable LMDB environment.
+        one of CORRUPTION_ERRORS: the files are not a readable LMDB environment (also: ``data.mdb``
+            truncated, `check_not_truncated`).
         lmdb.Error / OSError: anything else (permissions, disk full): not corruption, not handled here.
     """
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(path, 0o700)
+    allocate_lock_file(path, max_readers)
     # metasync=False: one fsync per commit instead of two; LMDB keeps the environment intact, and a
     # system crash can at most undo the last commit (a cache can lose it). readahead=False (MADV_RANDOM)
     # while the index is built: a cursor step touches the first page of a value, and with readahead on
@@ -145,6 +225,7 @@ def open_env(path: Path, *, map_bytes: int, max_readers: int, block_bytes: int) 
         lock=True, metasync=False,
     )
     try:
+        check_not_truncated(env, path)
         cleared = env.reader_check()
         if cleared:
             log.info("disk tier %s: cleared %d stale LMDB readers", path, cleared)
@@ -262,6 +343,7 @@ def read_snapshot(path: Path) -> DiskSnapshot | None:
         return None
     env = open_retrying(path, map_size=0, readonly=True, lock=True, subdir=True, max_dbs=3, readahead=False)
     try:
+        check_not_truncated(env, path)
         env.reader_check()
         meta, atime = env.open_db(b"meta", create=False), env.open_db(b"atime", create=False)
         with env.begin(buffers=True) as txn:
@@ -288,7 +370,10 @@ class LmdbOptions:
     transactions, which it can reuse only two commits later. ``reserved_pages`` (meta pages,
     sub-database roots, branch pages) are kept out of the usable map. Every ``stale_reader_check_s`` the
     writer thread frees reader slots of dead processes (otherwise other processes could not even open the
-    environment once the table is full of them).
+    environment once the table is full of them). After a commit fails with an I/O error (a full disk:
+    ENOSPC, or EIO for LMDB's short write) the writer waits ``write_backoff_min_s`` before its next
+    commit, twice as long after each further failure up to ``write_backoff_max_s``, and drops (counts) the
+    writes queued meanwhile.
     """
 
     high_watermark_frac: float = 0.90
@@ -299,3 +384,5 @@ class LmdbOptions:
     checksum: str = "pagesum"
     reserved_pages: int = 64
     stale_reader_check_s: float = 1.0
+    write_backoff_min_s: float = 0.1
+    write_backoff_max_s: float = 30.0

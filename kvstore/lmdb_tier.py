@@ -18,6 +18,10 @@ Who does what::
   ``kvrelay_store_corrupt_total`` counts it: never wrong KV. An I/O error on read is a miss that keeps
   the entry. LMDB reporting corruption moves the environment aside and starts a fresh one.
 * A full write queue (``max_pending_bytes`` of records) drops the write rather than block the caller.
+* A disk that fails (full, not writable, I/O errors) never stops the caller: opening raises
+  `DiskTierUnavailableError` (the store then runs without the tier); a failed commit makes the writer
+  back off (`LmdbOptions`); a fresh start after corruption that fails leaves the tier *unavailable*: it
+  holds nothing, refuses puts (counted as dropped) and says why (`unavailable_reason`).
 """
 
 from __future__ import annotations
@@ -42,10 +46,12 @@ from kvstore.digest import block_digest
 from kvstore.disk_index import DiskIndex, Entry
 from kvstore.lmdb_env import (
     CORRUPTION_ERRORS,
+    DiskTierUnavailableError,
     LmdbOptions,
     OpenedEnv,
     OwnerLock,
     enable_readahead,
+    errno_name,
     keep_block_buffers_on_heap,
     move_aside,
     open_env,
@@ -81,6 +87,7 @@ class DiskStats:
     num_evicted: int
     num_map_full: int
     moved_aside: tuple[str, ...]
+    num_write_errors: int = 0
 
     @property
     def free_bytes(self) -> int:
@@ -93,6 +100,7 @@ class _Counts:
     dropped: int = 0
     evicted: int = 0
     map_full: int = 0
+    write_errors: int = 0
     moved_aside: list[str] = field(default_factory=list)
 
 
@@ -145,6 +153,8 @@ class LmdbTier:
 
     Raises:
         DiskTierInUseError: another process owns ``path``.
+        DiskTierUnavailableError: the disk cannot hold or serve the tier: full, not writable, an I/O
+            error (a corrupt environment is moved aside and started afresh instead).
         ValueError: ``capacity_bytes`` cannot hold one block.
     """
 
@@ -163,6 +173,7 @@ class LmdbTier:
         self._needs_reset = threading.Event()
         self._closed = False
         self._reset_reason = "LMDB reported corruption"
+        self.unavailable_reason: str | None = None  # set when a fresh start failed: the tier is out of use
         self.on_corrupt: Callable[[BlockKey, str], None] | None = None  # told of every bad record deleted
         self._staging = (
             torch.empty(spec.block_bytes, dtype=torch.uint8, pin_memory=True) if torch.cuda.is_available() else None
@@ -170,10 +181,16 @@ class LmdbTier:
         self._map_bytes = -(-capacity_bytes // 4096) * 4096
         self._configured_map_bytes = self._map_bytes
         self._map_lock = threading.Lock()  # held by read transactions and by grow_map
-        self._owner = OwnerLock(self.path)
+        try:
+            self._owner = OwnerLock(self.path)
+        except OSError as exc:
+            raise self._unavailable(exc) from exc
         try:
             self._start()
             keep_block_buffers_on_heap(self._codec.value_bytes)
+        except (OSError, lmdb.Error) as exc:
+            self._owner.release()
+            raise self._unavailable(exc) from exc
         except BaseException:
             self._owner.release()
             raise
@@ -197,6 +214,11 @@ class LmdbTier:
         enable_readahead(self.path / "data.mdb")
         self._writer = LmdbWriter(opened, self._codec, tier=self)
         self._writer.start()
+
+    def _unavailable(self, exc: BaseException) -> DiskTierUnavailableError:
+        return DiskTierUnavailableError(
+            f"disk tier {self.path} cannot be opened ({type(exc).__name__}: {exc}); free space on that disk or "
+            f"fix its permissions (kvstore.disk.path), then restart the node", errno_name(exc))
 
     def _open_env(self) -> OpenedEnv:
         opened = open_env(
@@ -230,6 +252,8 @@ class LmdbTier:
             self.metrics.dropped_writes.inc(n)
         elif name == "evicted":
             self.metrics.tier_evictions.labels("disk").inc(n)
+        elif name == "write_errors":
+            self.metrics.disk_write_errors.inc(n)
 
     def _load_index(self, opened: OpenedEnv) -> None:
         """Index every stored block in its persisted access order, from the ``atime`` records alone (one
@@ -287,7 +311,7 @@ class LmdbTier:
         return DiskStats(
             str(self.path), num, self.capacity_blocks, self.spec.block_bytes, used, self._map_bytes,
             data.stat().st_size if data.exists() else 0, pending, c.corrupt, c.dropped, c.evicted, c.map_full,
-            tuple(c.moved_aside),
+            tuple(c.moved_aside), c.write_errors,
         )
 
     # --------------------------------------------------------------- mutations
@@ -305,6 +329,9 @@ class LmdbTier:
         which only refreshes it).
         """
         self._reset_if_needed()
+        if self.unavailable_reason is not None:
+            self._count("dropped")
+            return False
         if self.touch(key):
             return True
         record = self._codec.new_record(key)
@@ -326,7 +353,7 @@ class LmdbTier:
         return self.index.touch(key) is not None
 
     def discard(self, key: BlockKey) -> bool:
-        if self.index.discard(key) is None:
+        if self.index.discard(key) is None or self.unavailable_reason is not None:
             return False
         self._writer.submit(Delete(key))
         return True
@@ -461,18 +488,28 @@ class LmdbTier:
             TimeoutError: the writer did not finish within ``timeout_s``.
         """
         self._reset_if_needed()
-        self._writer.flush(timeout_s)
+        if self.unavailable_reason is None:
+            self._writer.flush(timeout_s)
 
     def _reset_if_needed(self) -> None:
-        if not self._needs_reset.is_set():
+        """Caller thread: move the environment aside and start a fresh one, when the writer or a read asked
+        for it. A fresh start that fails (the disk is full, gone read-only) puts the tier out of use."""
+        if not self._needs_reset.is_set() or self.unavailable_reason is not None:
             return
         self._needs_reset.clear()
         self._writer.stop(timeout_s=30.0)
         self._opened.env.close()
-        moved = str(move_aside(self.path, self._reset_reason))
-        with self.index.lock:
-            self._counts.moved_aside.append(moved)
-        self._start()
+        try:
+            moved = str(move_aside(self.path, self._reset_reason))
+            with self.index.lock:
+                self._counts.moved_aside.append(moved)
+            self._start()
+        except (OSError, lmdb.Error) as exc:
+            self.unavailable_reason = str(self._unavailable(exc))
+            self.index.load({}, default_disk_bytes=self._record_disk_bytes)  # nothing is readable any more
+            self.metrics.disk_available.set(0)
+            self.metrics.disk_open_failures.labels(errno_name(exc)).inc()
+            log.error("%s; serving without the disk tier", self.unavailable_reason)
 
     def request_reset(self, reason: str, *, corrupt: bool) -> None:
         """Writer thread: the environment is corrupt (counted) or wedged; the caller thread moves it aside
@@ -494,12 +531,16 @@ class LmdbTier:
         try:
             self._writer.stop(timeout_s=60.0)
         finally:
-            self._opened.env.close()
+            self._opened.env.close()  # idempotent (closed already when a fresh start failed)
             self._owner.release()
 
     def note_dropped(self, n: int) -> None:
         """Writer thread: ``n`` queued writes could not be committed."""
         self._count("dropped", n)
+
+    def note_write_error(self) -> None:
+        """Writer thread: a commit failed with an I/O error (disk full, EIO)."""
+        self._count("write_errors")
 
     def note_map_full(self, num_evicted: int) -> None:
         """Writer thread: MDB_MAP_FULL happened and ``num_evicted`` blocks were evicted for room."""
@@ -514,6 +555,9 @@ class LmdbTier:
             AssertionError: naming the first inconsistency found.
         """
         self.flush()
+        if self.unavailable_reason is not None:
+            assert self.index.sizes()[0] == 0, "an unavailable disk tier still indexes blocks"
+            return
         o = self._opened
         with self._read_txn() as txn:
             on_disk = {bytes(k): len(v) for k, v in txn.cursor(db=o.blocks).iternext()}

@@ -12,6 +12,13 @@ its Delete), so "deletes, then current puts" reproduces the op order. Stale puts
 
 On ``MDB_MAP_FULL`` the writer evicts LRU blocks (in their own commit, plus one more commit so LMDB
 may reuse the freed pages) and retries once; if that fails too the batch's puts are dropped.
+
+A commit that fails with an I/O error (the disk is full: ENOSPC, or EIO for a write LMDB found cut
+short) drops the batch's puts and starts a back-off: no commit is tried for ``write_backoff_min_s``,
+doubling after each further failure up to ``write_backoff_max_s``; batches that arrive meanwhile have
+their puts dropped (counted) and their deletes kept for later, without touching the disk. The wait
+goes back to the minimum once a whole ``write_backoff_max_s`` has passed without a failure (a nearly full disk
+lets small commits through between failures). Readers are unaffected throughout.
 """
 
 from __future__ import annotations
@@ -57,6 +64,8 @@ class WriterHost(Protocol):
     def request_reset(self, reason: str, *, corrupt: bool) -> None: ...
 
     def note_dropped(self, n: int) -> None: ...
+
+    def note_write_error(self) -> None: ...
 
     def note_map_full(self, num_evicted: int) -> None: ...
 
@@ -112,6 +121,9 @@ class LmdbWriter:
         self._max_batch_bytes = max(tier.record_disk_bytes, min(tier.options.max_batch_bytes, headroom // 8))
         self._max_batch_ops = max(1, min(_MAX_BATCH_OPS, headroom // (24 * opened.page_bytes)))
         self._map_full_streak = 0  # batches in a row that MDB_MAP_FULL refused
+        self._backoff_s = 0.0  # after a failed commit: the wait before the next attempt
+        self._retry_at = 0.0  # time.monotonic() before which no commit is attempted
+        self._failed_at = -float("inf")  # time.monotonic() of the last failed commit
         self._thread = threading.Thread(target=self._run, name=f"kvrelay-lmdb-writer:{tier.path}", daemon=True)
 
     def start(self) -> None:
@@ -200,18 +212,26 @@ class LmdbWriter:
         tier = self._tier
         puts: list[Put] = []
         deletes: list[BlockKey] = []
+        backing_off = self._backing_off()  # the disk failed a moment ago: do not try it again yet
         with self._index.lock:
             for op in batch:
                 if isinstance(op, Put) and self._index.entry_of_locked(op.key) is op.entry:
                     puts.append(op)
                 elif isinstance(op, Delete):
                     deletes.append(op.key)
+            if backing_off:
+                touched_keys, deltas = [], {}
+            else:
+                # Access order goes out oldest touch first, within the batch's op budget.
+                touched_keys, deltas = self._index.take_batch_state_locked(max(1, self._max_batch_ops - len(batch)))
             put_keys = {op.key for op in puts}
-            # Access order goes out oldest touch first, within the batch's op budget.
-            touched_keys, deltas = self._index.take_batch_state_locked(max(1, self._max_batch_ops - len(batch)))
             touched = [
                 (k, e.seq, e.disk_bytes) for k in touched_keys if (e := self._stored_entry(k, put_keys)) is not None
             ]
+        if backing_off:
+            self._deferred_deletes += deletes
+            self._drop(puts)
+            return
         deletes, self._deferred_deletes = self._deferred_deletes + deletes, []
         if not (puts or deletes or touched or deltas):
             return
@@ -237,18 +257,35 @@ class LmdbWriter:
                 tier.request_reset(f"LMDB map full in {self._map_full_streak} batches in a row", corrupt=False)
             return
         except (lmdb.Error, OSError) as exc:
-            log.error("disk tier %s: write failed (%s); %d blocks not stored", tier.path, exc, len(puts))
             self._deferred_deletes = deletes + self._deferred_deletes  # their keys are out of the index
             self._drop(puts)
+            self._write_failed(exc, len(puts))
             return
         self._map_full_streak = 0
         with self._index.lock:
             for op in puts:
                 op.entry.record = None
 
+    def _backing_off(self) -> bool:
+        return time.monotonic() < self._retry_at
+
+    def _write_failed(self, exc: BaseException, num_puts: int) -> None:
+        """A commit failed with an I/O error: count it and wait twice as long as last time before the next."""
+        options, now = self._tier.options, time.monotonic()
+        # A nearly full disk takes some small commits between failures: the wait goes back to the minimum
+        # only after a whole maximum wait without a failure.
+        last_s = self._backoff_s if now - self._failed_at <= self._backoff_s + options.write_backoff_max_s else 0.0
+        self._backoff_s = min(options.write_backoff_max_s, max(options.write_backoff_min_s, 2 * last_s))
+        self._retry_at = self._failed_at = now
+        self._retry_at += self._backoff_s
+        self._tier.note_write_error()
+        log.error("disk tier %s: write failed (%s); %d blocks not stored; next write in %.2f s, blocks queued until "
+                  "then are dropped", self._tier.path, exc, num_puts, self._backoff_s)
+
     def _persist_all_touched(self) -> None:
-        """For flush and stop: write the access order of every touched key, a batch's worth per commit."""
-        while True:
+        """For flush and stop: write the access order of every touched key, a batch's worth per commit
+        (none while backing off: they stay touched, for a later batch)."""
+        while not self._backing_off():
             with self._index.lock:
                 if not self._index.has_touched_locked():
                     return

@@ -13,7 +13,15 @@ name                                           labels        meaning
 ``kvrelay_tier_moves_total``                   src, dst      blocks copied between tiers
 ``kvrelay_tier_evictions_total``               tier          blocks dropped from a tier for good
 ``kvrelay_store_corrupt_total``                              disk values or environments found corrupt
-``kvrelay_store_dropped_writes_total``                       disk writes dropped (queue full, no room)
+``kvrelay_store_dropped_writes_total``                       disk writes dropped (queue full, no room,
+                                                             a write back-off, the tier unavailable)
+``kvrelay_store_disk_write_errors_total``                    disk commits that failed with an I/O error
+                                                             (ENOSPC, EIO); each starts a back-off
+``kvrelay_store_disk_open_failures_total``     reason        times the disk tier could not be opened (or
+                                                             started afresh), by errno name: ENOSPC,
+                                                             EROFS, EACCES, ENOTDIR, EIO, …, other
+``kvrelay_store_disk_available``                             1: the disk tier is in use; 0: unavailable
+                                                             or none configured (/health ``disk_tier``)
 ``kvrelay_prompts_total``                                    prompts reported by `record_prompt`
 ``kvrelay_prefix_shorter_than_block_total``                  prompts whose shareable prefix < one block
 ``kvrelay_kv_policy_tail_blocks``                            ``cold-tail``'s ``M`` now; -1: no cap (gauge)
@@ -41,6 +49,9 @@ class StoreMetrics:
     tier_evictions: Counter
     store_corrupt: Counter
     dropped_writes: Counter
+    disk_write_errors: Counter
+    disk_open_failures: Counter
+    disk_available: Gauge
     prompts: Counter
     prefix_shorter_than_block: Counter
     tail_blocks: Gauge
@@ -76,6 +87,18 @@ class StoreMetrics:
             ),
             dropped_writes=Counter(
                 "kvrelay_store_dropped_writes_total", "Disk writes dropped (queue full or no room)", registry=reg
+            ),
+            disk_write_errors=Counter(
+                "kvrelay_store_disk_write_errors_total", "Disk tier commits that failed with an I/O error (disk full, "
+                "EIO); each starts a back-off", registry=reg,
+            ),
+            disk_open_failures=Counter(
+                "kvrelay_store_disk_open_failures_total", "Times the disk tier could not be opened or started afresh "
+                "(the node serves without it), by errno name", ["reason"], registry=reg,
+            ),
+            disk_available=Gauge(
+                "kvrelay_store_disk_available", "1 while the configured disk tier is in use, 0 while it is "
+                "unavailable", registry=reg,
             ),
             prompts=Counter("kvrelay_prompts_total", "Prompts reported to the store", registry=reg),
             prefix_shorter_than_block=Counter(

@@ -24,6 +24,9 @@
 * ``host`` is a victim cache: a block promoted from host leaves host. ``disk`` keeps what it holds (a
   block promoted from disk stays there, so demoting it again writes nothing, and it survives restarts).
 * Everything runs on the caller's (engine's) thread except the disk writer thread inside `LmdbTier`.
+* A disk tier that cannot be opened (the disk is full, not writable, failing) is left out: the store
+  serves from device and host, logs why, counts it (``kvrelay_store_disk_open_failures_total{reason}``,
+  ``kvrelay_store_disk_available`` 0) and says so in `disk_status` (the node's ``/health``).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -45,6 +49,7 @@ from kvstore.block_spec import BlockSpec
 from kvstore.checks import require_int
 from kvstore.digest import DEFAULT_INTEGRITY, DEFAULT_SAMPLE_RATE, IntegrityPolicy, digest_keyed
 from kvstore.host_tier import HostTier
+from kvstore.lmdb_env import DiskTierUnavailableError
 from kvstore.lmdb_tier import DiskStats, LmdbOptions, LmdbTier
 from kvstore.metrics import StoreMetrics
 from kvstore.policy import DEFAULT_POLICY, TailCap, parse_policy
@@ -135,6 +140,16 @@ class TierMove:
 
 
 @dataclass(frozen=True, slots=True)
+class DiskTierStatus:
+    """Whether the store has its disk tier: ``state`` ``"open"`` (at ``path``), ``"unavailable"`` (configured
+    at ``path`` but not usable; ``reason`` says why and what to do) or ``"none"`` (not configured)."""
+
+    state: str
+    path: str | None = None
+    reason: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class StoreStats:
     device: PoolStats
     block_bytes: int
@@ -157,7 +172,7 @@ class TieredStore:
 
     Raises:
         ValueError: sizes, admission policy or ``device_pool`` shape are wrong.
-        DiskTierInUseError: another process owns the disk path.
+        DiskTierInUseError: another process owns the disk path (two nodes given one path: a config error).
     """
 
     def __init__(
@@ -187,11 +202,17 @@ class TieredStore:
         )
         disk_options = (dataclasses.replace(config.disk_options, checksum="xxh3") if self.integrity.enabled
                         else config.disk_options)  # an xxh3 record's checksum is the block digest
-        self.disk = (
-            LmdbTier(spec, config.disk_path, capacity_bytes=config.disk_capacity_bytes, metrics=self.metrics,
-                     options=disk_options)
-            if config.disk_path is not None else None
-        )
+        self.disk: LmdbTier | None = None
+        self._disk_unavailable: str | None = None  # why the configured disk tier could not be opened
+        if config.disk_path is not None:
+            try:
+                self.disk = LmdbTier(spec, config.disk_path, capacity_bytes=config.disk_capacity_bytes,
+                                     metrics=self.metrics, options=disk_options)
+            except DiskTierUnavailableError as exc:
+                self._disk_unavailable = str(exc)
+                self.metrics.disk_open_failures.labels(exc.reason_code).inc()
+                log.error("%s; serving from the device and host tiers without it", exc)
+        self.metrics.disk_available.set(1 if self.disk is not None else 0)
         if self.disk is not None:
             self.disk.on_corrupt = lambda key, problem: self.integrity_failure("disk", key, problem)
         # Lookup and promotion walk the lower tiers in this order.
@@ -222,6 +243,15 @@ class TieredStore:
         for name, tier in self._lower.items():
             g.labels(name, "stored").set_function(lambda t=tier: t.stats().num_blocks)
             g.labels(name, "free").set_function(lambda t=tier: max(0, t.stats().capacity_blocks - t.stats().num_blocks))
+
+    @property
+    def disk_status(self) -> DiskTierStatus:
+        """Whether the disk tier is open, unavailable (and why) or not configured. Any thread."""
+        path = self.config.disk_path
+        if path is None:
+            return DiskTierStatus("none")
+        reason = self._disk_unavailable or (self.disk.unavailable_reason if self.disk is not None else None)
+        return DiskTierStatus("open", path) if reason is None else DiskTierStatus("unavailable", path, reason)
 
     # ------------------------------------------------------------------ lookup
     def match_prefix(self, keys: Sequence[BlockKey]) -> PrefixMatch:
@@ -494,13 +524,19 @@ class TieredStore:
         self.host.copy = copy
 
     # ------------------------------------------------------------ housekeeping
-    def persist(self) -> int:
-        """Write every keyed device and host block that disk lacks (ignoring admission), then flush.
+    def persist(self, *, timeout_s: float = 300.0) -> int:
+        """Write every keyed device and host block that disk lacks (ignoring admission), then flush, all
+        within ``timeout_s``.
 
-        For a planned shutdown. Returns how many blocks were queued; 0 without a disk tier.
+        For a planned shutdown. Returns how many blocks were queued; 0 without a disk tier (or with one
+        that became unavailable).
+
+        Raises:
+            TimeoutError: the disk writer did not commit them within ``timeout_s``.
         """
-        if self.disk is None:
+        if self.disk is None or self.disk.unavailable_reason is not None:
             return 0
+        deadline = time.monotonic() + timeout_s
         written = 0
         sources: list[tuple[BlockKey, Block, int | None]] = []
         for block_id in range(self.block_pool.num_blocks):
@@ -518,11 +554,11 @@ class TieredStore:
             if self.disk.contains(key):
                 continue
             if not self.disk.put(key, src, digest=digest):  # queue full: let the writer catch up once
-                self.disk.flush()
+                self.disk.flush(max(0.0, deadline - time.monotonic()))
                 if not self.disk.put(key, src, digest=digest):
                     continue
             written += 1
-        self.disk.flush()
+        self.disk.flush(max(0.0, deadline - time.monotonic()))
         return written
 
     def flush(self, timeout_s: float = 30.0) -> None:

@@ -64,6 +64,8 @@ class NodeConfig:
             the engine has work, gives the engine up as stalled (see the module docstring). Above the
             longest legitimate step: a ``max_num_batched_tokens`` prefill chunk on a slow CPU, the first
             step's kernel compiles.
+        persist_timeout_s: on a planned stop, after the drain: the bound on writing the device and host
+            tiers to disk (`TieredStore.persist`).
     """
 
     role: str
@@ -75,6 +77,7 @@ class NodeConfig:
     internal_token: str | None = None
     cpus: tuple[int, ...] = ()
     stall_timeout_s: float = 60.0
+    persist_timeout_s: float = 300.0
 
 
 class NodeMetrics:
@@ -205,7 +208,15 @@ class EngineNode:
             ended = await drainable.end()
             if ended:
                 log.info("%s: ended %d outstanding %s at stop", self.config.name, ended, type(drainable).__name__)
-        written = await self.worker.call(lambda engine: engine.store.persist(), timeout_s=max(timeout_s, 60.0))
+        bound_s = self.config.persist_timeout_s
+        try:
+            # the engine thread's own bound comes first: the call's is only for an engine that stopped answering
+            written = await self.worker.call(lambda engine: engine.store.persist(timeout_s=bound_s),
+                                             timeout_s=bound_s + 5.0)
+        except TimeoutError as exc:
+            log.error("%s: writing the KV tiers to disk did not finish within internal.persist_timeout_s = %g s "
+                      "(%s); blocks not yet written are lost", self.config.name, bound_s, exc)
+            return
         log.info("%s: %d KV blocks written to disk before stopping", self.config.name, written)
 
     @web.middleware
@@ -305,6 +316,8 @@ class EngineNode:
             "kv_bytes": self.kv_bytes(),
             "host_reserved_blocks": self.engine.store.host.num_reserved if self.engine.store.host else 0,
             "disk_read_txns": self.engine.store.disk.num_open_read_txns() if self.engine.store.disk else 0,
+            # {"state": "open"|"unavailable"|"none", "path", "reason"}: unavailable = serving without it
+            "disk_tier": dataclasses.asdict(self.engine.store.disk_status),
             "long_context": dataclasses.asdict(self.engine.policies.stats),
         })
 

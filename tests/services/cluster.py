@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import urllib.request
 from pathlib import Path
@@ -50,6 +51,18 @@ class Cluster(Deployment):
         self.token = (env or {}).get(TEST_TOKEN_ENV, "kvrelay-test-token")
         super().__init__(model_dir, overrides=merge(base, overrides or {}), env={TEST_TOKEN_ENV: self.token,
                                                                                  **(env or {})})
+
+    def terminate(self, timeout_s: float = 600.0) -> int:
+        """SIGTERM ``kvrelay up`` (a planned stop: it stops its nodes) and wait up to ``timeout_s`` for it to
+        exit; returns its exit code. The deployment's files stay until `stop`.
+
+        Raises:
+            subprocess.TimeoutExpired: still running after ``timeout_s``.
+        """
+        assert self._proc is not None, "not started"
+        if self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGTERM)
+        return self._proc.wait(timeout_s)
 
     def node_pid(self, url: str) -> int:
         return int(get_json(url + "/health")["pid"])
