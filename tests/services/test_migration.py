@@ -23,7 +23,7 @@ from tests.services.cluster import Cluster, get_json, metrics
 from tests.services.test_faults import post, wait_for
 
 STREAMS = 50
-MAX_TOKENS = 300
+MAX_TOKENS = 600  # long enough that no stream ends before the last has begun, on a loaded machine
 PREFIX_TOKENS = 128  # 8 blocks, cached on the first decode node before the streams start
 
 
@@ -85,7 +85,9 @@ def test_killing_a_decode_node_under_50_streams_moves_them_all(tiny_model_dir, s
     expected = reference(tiny_model_dir, prompts, params)
     tok = load_tokenizer(tiny_model_dir)
     assert tok is not None
-    overrides = {"engine": {"max_num_seqs": 64}, "kvstore": {"device": {"bytes": "256MiB"}},
+    # Room for all 50 at once on every node (prefill: 4 steps of max_num_batched_tokens), so they run together.
+    overrides = {"engine": {"max_num_seqs": 64, "max_num_batched_tokens": 2048},
+                 "kvstore": {"device": {"bytes": "256MiB"}},
                  # Load weighs little against a cached prefix: every stream goes to the decode node holding it.
                  "router": {"load_weight_tokens": 1}}
     with Cluster(tiny_model_dir, prefill=1, decode=2, overrides=overrides) as c:
@@ -106,6 +108,7 @@ def test_killing_a_decode_node_under_50_streams_moves_them_all(tiny_model_dir, s
                 assert s.started.wait(120), "a stream sent no text"
             running = [get_json(u + "/health")["running"] for u in (victim, survivor)]
             assert running == [STREAMS, 0], f"running on each decode node: {running}"  # all on the victim
+            assert not any(s.finish for s in streams)
             os.kill(c.node_pid(victim), signal.SIGKILL)
             done = [f.result(timeout=600) for f in futures]
         for i, s in enumerate(done):
