@@ -29,6 +29,7 @@ from engine.engine import RequestError
 from engine.worker import EngineFailure, EngineWorker
 from kvstore.block_key import BlockKey
 from node.app import EngineNode, NodeConfig, NodeMetrics, msgpack_response
+from transfer.bounded_write import write_within
 from transfer.config import LEASE_HEADER
 from transfer.discovery import NodeAddresses
 from transfer.errors import TransferError
@@ -206,18 +207,9 @@ class DecodeService(EngineNode):
             _ReaderStalled: the router stopped reading; the connection is cut (aborted).
         """
         timeout_s = self.decode_config.write_stall_timeout_s
-        try:
-            if not resp.prepared:
-                await asyncio.wait_for(resp.prepare(request), timeout_s)
-            if data:
-                await asyncio.wait_for(resp.write(data), timeout_s)
-            if eof:
-                await asyncio.wait_for(resp.write_eof(), timeout_s)
-        except asyncio.TimeoutError:
-            if request.transport is not None:
-                request.transport.abort()
+        if not await write_within(request, resp, data, eof=eof, timeout_s=timeout_s):
             raise _ReaderStalled(f"the router did not read the stream for {timeout_s:g} s "
-                                 "(decode.write_stall_timeout_s); dropped and aborted") from None
+                                 "(decode.write_stall_timeout_s); dropped and aborted")
 
 
 class _ReaderStalled(Exception):

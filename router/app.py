@@ -43,6 +43,7 @@ from router.openai_api import (
 )
 from router.queue import QueueConfig, QueueMetrics, Ticket
 from router.text_output import SampleText
+from transfer.bounded_write import write_within
 from transfer.discovery import Resolver, getaddrinfo_resolver
 from transfer.wire import TENANT_SALT_BYTES
 
@@ -206,19 +207,10 @@ class Router:
             ClientStalled: the client stopped reading; its connection is cut (aborted).
         """
         timeout_s = self.config.write_stall_timeout_s
-        try:
-            if not resp.prepared:
-                await asyncio.wait_for(resp.prepare(request), timeout_s)
-            if data:
-                await asyncio.wait_for(resp.write(data), timeout_s)
-            if eof:
-                await asyncio.wait_for(resp.write_eof(), timeout_s)
-        except asyncio.TimeoutError:
-            if request.transport is not None:
-                request.transport.abort()
+        if not await write_within(request, resp, data, eof=eof, timeout_s=timeout_s):
             self.metrics.requests.labels("router", "client_stalled").inc()
             raise ClientStalled(f"the client did not read its answer for {timeout_s:g} s "
-                                "(router.write_stall_timeout_s); dropped") from None
+                                "(router.write_stall_timeout_s); dropped")
 
     # ------------------------------------------------------------- handlers
     async def completions(self, request: web.Request) -> web.StreamResponse:

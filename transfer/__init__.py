@@ -13,4 +13,5 @@
     puller.py        Puller.pull(handle, deadline_s) -> PullResult; quarantine of abandoned READs
     errors.py        TransferError (reason), PeerMismatchError
     pool_call.py     PoolCall: where pool mutations run
+    bounded_write.py write_within: an HTTP answer's writes bounded against a reader that stopped reading
 """

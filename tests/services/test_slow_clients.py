@@ -13,10 +13,9 @@ import resource
 import socket
 import threading
 import time
-import urllib.error
-import urllib.request
 
 from tests.services.cluster import Cluster, get_json, metrics
+from tests.services.test_faults import post, wait_for
 
 TRICKLERS = 1024
 # The reviewer's 256 streams of n = 4 are 1,024 sequences: on 2 cores their streams take many minutes to fill
@@ -24,27 +23,9 @@ TRICKLERS = 1024
 UNREAD_STREAMS = 32
 
 
-def _post(url: str, body: dict, timeout: float = 300.0) -> tuple[int, dict]:
-    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"}, method="POST")
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
-
-
 def _host_port(url: str) -> tuple[str, int]:
     host, port = url.removeprefix("http://").rsplit(":", 1)
     return host, int(port)
-
-
-def _wait_for(cond, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
-        threading.Event().wait(0.2)
 
 
 def _raise_fd_limit(wanted: int) -> None:
@@ -87,11 +68,11 @@ def test_trickled_bodies_hold_no_slot_and_get_408(tiny_model_dir):
                 s = socket.create_connection((host, port), timeout=30)
                 s.sendall(head + b'{"model": ')  # 10 of the 100,000 bytes promised; the rest never comes
                 socks.append(s)
-            _wait_for(lambda: _fds(router_pid) >= before + TRICKLERS, 60, "the router to accept every trickler")
+            wait_for(lambda: _fds(router_pid) >= before + TRICKLERS, 60, "the router to accept every trickler")
             threading.Event().wait(1.0)  # for it to read their headers (unfixed, each then held a slot)
             # Every trickler is held open, without a slot: a normal request is served.
-            code, body = _post(c.url, {"model": "tiny", "prompt": "hello", "max_tokens": 4, "temperature": 0,
-                                       "ignore_eos": True})
+            code, body = post(c.url, {"model": "tiny", "prompt": "hello", "max_tokens": 4, "temperature": 0,
+                                       "ignore_eos": True}, timeout=300.0)
             assert (code, body.get("usage", {}).get("completion_tokens")) == (200, 4), body
             assert get_json(c.url + "/health")["admitted"] == 0
             # Each trickler gets its 408 once its body is overdue, and its connection is closed.
@@ -142,15 +123,15 @@ def test_streams_that_are_not_read_are_dropped_and_their_blocks_freed(tiny_model
                  for _ in range(UNREAD_STREAMS)]
         try:
             # All of them are placed on the decode node: it has room for no more sequences (max_num_seqs).
-            _wait_for(lambda: get_json(c.url + "/health")["nodes"]["decode-0"]["reserved_requests"]
+            wait_for(lambda: get_json(c.url + "/health")["nodes"]["decode-0"]["reserved_requests"]
                       == UNREAD_STREAMS, 180, "every stream to be placed")
             # A normal request waits for room, and gets it once the stalled clients are dropped.
-            code, answer = _post(c.url, {"model": "tiny", "prompt": "hello", "max_tokens": 4, "temperature": 0,
-                                         "ignore_eos": True})
+            code, answer = post(c.url, {"model": "tiny", "prompt": "hello", "max_tokens": 4, "temperature": 0,
+                                         "ignore_eos": True}, timeout=300.0)
             assert (code, answer.get("usage", {}).get("completion_tokens")) == (200, 4), answer
             stalled = 'kvrelay_requests_total{role="router",status="client_stalled"}'
-            _wait_for(lambda: metrics(c.url).get(stalled) == UNREAD_STREAMS, 120, "every stalled client dropped")
-            _wait_for(lambda: get_json(decode + "/health")["in_use_blocks"] == 0, 60, "the decode node's blocks")
+            wait_for(lambda: metrics(c.url).get(stalled) == UNREAD_STREAMS, 120, "every stalled client dropped")
+            wait_for(lambda: get_json(decode + "/health")["in_use_blocks"] == 0, 60, "the decode node's blocks")
             assert get_json(c.url + "/health")["admitted"] == 0
             cut = [_read_all(s, 30) for s in socks]  # what the buffers held, then the cut: no [DONE]
         finally:
