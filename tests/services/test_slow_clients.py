@@ -35,10 +35,12 @@ def _raise_fd_limit(wanted: int) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
 
 
-def _fds(pid: int) -> int:
-    import os
+def _accepted(pid: int, ports: set[int]) -> int:
+    """Connections process ``pid`` holds with a peer on one of ``ports`` (this side's ends: the tricklers). A
+    count of its descriptors would also see the router's own connections to its nodes come and go."""
+    import psutil
 
-    return len(os.listdir(f"/proc/{pid}/fd"))
+    return sum(1 for conn in psutil.Process(pid).net_connections(kind="tcp") if conn.raddr and conn.raddr.port in ports)
 
 
 def _read_all(s: socket.socket, timeout_s: float) -> bytes:
@@ -59,7 +61,6 @@ def test_trickled_bodies_hold_no_slot_and_get_408(tiny_model_dir):
             "max_concurrent_requests": TRICKLERS, "body_read_timeout_s": 90, "keepalive_timeout_s": 2}}) as c:
         host, port = _host_port(c.url)
         router_pid = get_json(c.url + "/health")["pid"]
-        before = _fds(router_pid)
         head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                 b"Content-Length: 100000\r\n\r\n")
         socks = []
@@ -68,7 +69,8 @@ def test_trickled_bodies_hold_no_slot_and_get_408(tiny_model_dir):
                 s = socket.create_connection((host, port), timeout=30)
                 s.sendall(head + b'{"model": ')  # 10 of the 100,000 bytes promised; the rest never comes
                 socks.append(s)
-            wait_for(lambda: _fds(router_pid) >= before + TRICKLERS, 60, "the router to accept every trickler")
+            ports = {s.getsockname()[1] for s in socks}
+            wait_for(lambda: _accepted(router_pid, ports) == TRICKLERS, 60, "the router to accept every trickler")
             threading.Event().wait(1.0)  # for it to read their headers (unfixed, each then held a slot)
             # Every trickler is held open, without a slot: a normal request is served.
             code, body = post(c.url, {"model": "tiny", "prompt": "hello", "max_tokens": 4, "temperature": 0,
