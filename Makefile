@@ -8,7 +8,8 @@ MODEL_DIR ?= .models/$(MODEL)
 TINY_DIR := .models/tiny
 PYTEST_ARGS ?=
 
-.PHONY: serve model test bench bench-real bench-long-context bench-families bench-load bench-first-run lint gpu-check clean
+.PHONY: serve model test bench bench-real bench-long-context bench-families bench-load bench-goodput bench-first-run \
+	lint gpu-check clean
 
 $(BIN)/kvrelay: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -77,6 +78,13 @@ bench-families: $(BIN)/kvrelay
 bench-load: $(BIN)/kvrelay $(TINY_DIR)/config.json
 	mkdir -p bench-out
 	$(BIN)/kvrelay bench load --clients 4000 --out bench-out/load.json
+
+# Goodput under TTFT <= 1 s and TPOT <= 50 ms (issue 31): 2x-aggregated, 1P1D and router.disaggregation: auto on
+# the real model, each node on its own core, chat / mixed / long-prompt workloads at 0.5-4 req/s (~20-25 min;
+# `kvrelay bench goodput --quick` for a ~3-minute look). JSON and an attainment-vs-rate plot.
+bench-goodput: $(BIN)/kvrelay model
+	mkdir -p bench-out
+	$(BIN)/kvrelay bench goodput --model $(MODEL_DIR) --out bench-out/goodput.json --plot bench-out/goodput.png
 
 # The first benchmark a user runs: vLLM's own `vllm bench serve` client (from the peer's venv) against kvrelay
 # (`make serve`'s config) and vLLM's CPU build, at their default KV sizing and at 64 MiB, concurrency 16, 64

@@ -7,7 +7,8 @@
     kvrelay generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3) --max-tokens N
                      [--min-tokens N --ignore-eos --json]
     kvrelay store stats|clear|verify --config FILE [--node NAME]
-    kvrelay bench memory|decode|cuda-graphs|hybrid-kv|kernel|tiers|transfer|serve|long-context|load|vllm-client
+    kvrelay bench memory|decode|cuda-graphs|hybrid-kv|kernel|tiers|transfer|serve|goodput|long-context|load|
+                  migration|disk-prefix|vllm-client
                   [...]
 """
 
@@ -227,8 +228,8 @@ def _cmd_role(args: argparse.Namespace) -> int:
                     cpu_lock_dir=args.cpu_lock_dir, memory_budget_bytes=args.memory_budget)
 
 
-BENCH_NAMES = ("bandwidth", "cache-policies", "cuda-graphs", "decode", "dtype", "hybrid-kv", "kernel", "load",
-               "long-context", "memory", "serve", "tiers", "transfer", "vllm-client")
+BENCH_NAMES = ("bandwidth", "cache-policies", "cuda-graphs", "decode", "disk-prefix", "dtype", "goodput", "hybrid-kv",
+               "kernel", "load", "long-context", "memory", "migration", "serve", "tiers", "transfer", "vllm-client")
 
 
 def _bench_main(name: str) -> Callable[[list[str]], int]:
@@ -242,8 +243,12 @@ def _bench_main(name: str) -> Callable[[list[str]], int]:
         from benchmarks.graph_bench import main
     elif name == "decode":
         from benchmarks.decode_bench import main
+    elif name == "disk-prefix":
+        from benchmarks.disk_prefix_bench import main
     elif name == "dtype":
         from benchmarks.dtype_bench import main
+    elif name == "goodput":
+        from benchmarks.goodput_bench import main
     elif name == "hybrid-kv":
         from benchmarks.hybrid_kv_bench import main
     elif name == "kernel":
@@ -254,6 +259,8 @@ def _bench_main(name: str) -> Callable[[list[str]], int]:
         from benchmarks.long_context_bench import main
     elif name == "memory":
         from benchmarks.memory_bench import main
+    elif name == "migration":
+        from benchmarks.migration_bench import main
     elif name == "serve":
         from benchmarks.serve_bench import main
     elif name == "tiers":

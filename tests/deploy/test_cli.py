@@ -89,10 +89,12 @@ def test_every_bench_name_resolves_to_its_main() -> None:
     assert {name: f.__module__ for name, f in mains.items()} == {
         "bandwidth": "benchmarks.bandwidth_bench", "cache-policies": "benchmarks.cache_policies",
         "cuda-graphs": "benchmarks.graph_bench",
-        "decode": "benchmarks.decode_bench",
-        "dtype": "benchmarks.dtype_bench", "hybrid-kv": "benchmarks.hybrid_kv_bench",
+        "decode": "benchmarks.decode_bench", "disk-prefix": "benchmarks.disk_prefix_bench",
+        "dtype": "benchmarks.dtype_bench", "goodput": "benchmarks.goodput_bench",
+        "hybrid-kv": "benchmarks.hybrid_kv_bench",
         "kernel": "benchmarks.kernel_bench", "load": "benchmarks.load",
         "long-context": "benchmarks.long_context_bench", "memory": "benchmarks.memory_bench",
+        "migration": "benchmarks.migration_bench",
         "serve": "benchmarks.serve_bench", "tiers": "benchmarks.tier_bench", "transfer": "benchmarks.transfer_bench",
             "vllm-client": "benchmarks.vllm_client"}
     with pytest.raises(ValueError, match="unknown benchmark 'nope'"):

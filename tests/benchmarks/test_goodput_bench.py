@@ -1,0 +1,126 @@
+"""`benchmarks.goodput_bench`: SLO attainment, goodput from a sweep, the prompt mix and the router's plan samples,
+on hand-made records and values."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.goodput_bench import (
+    Attainment,
+    RatePoint,
+    Slo,
+    attainment,
+    goodput_rate,
+    markdown_table,
+    mixed_prompts,
+    router_plan_samples,
+    summarize_goodput,
+)
+from benchmarks.serve_client import RequestRecord, RequestSpec
+
+SLO = Slo(ttft_s=1.0, tpot_s=0.05)
+
+
+def record(send: float, chunks: list[float], tokens: int | None, ok: bool = True) -> RequestRecord:
+    return RequestRecord(RequestSpec((1, 2, 3), 8), send_time_s=send, chunk_times_s=chunks, output_tokens=tokens,
+                         success=ok)
+
+
+# A: ttft 0.5 s, tpot (0.9 - 0.5) / 8 = 0.05 s  -> both (the SLO itself counts as met)
+# B: ttft 1.5 s, tpot (1.7 - 1.5) / 4 = 0.05 s  -> tpot only
+# C: ttft 0.2 s, tpot (2.2 - 0.2) / 10 = 0.2 s  -> ttft only
+# D: ttft 0.8 s, one output token: tpot 0       -> both
+# E: failed (its chunks do not count)           -> neither
+RECORDS = [
+    record(0.0, [0.5, 0.9], 9),
+    record(0.0, [1.5, 1.7], 5),
+    record(0.0, [0.2, 2.2], 11),
+    record(0.0, [0.8], 1),
+    record(0.0, [0.1, 0.2], 2, ok=False),
+]
+
+
+def test_attainment_counts_each_slo_and_both_over_every_request_sent():
+    assert attainment(RECORDS, SLO) == Attainment(requests=5, both_frac=2 / 5, ttft_frac=3 / 5, tpot_frac=3 / 5)
+    assert attainment(RECORDS[:1], Slo(ttft_s=0.4, tpot_s=0.05)) == Attainment(1, 0.0, 0.0, 1.0)
+
+
+def test_attainment_of_nothing_is_refused():
+    with pytest.raises(ValueError, match="attainment of no requests"):
+        attainment([], SLO)
+
+
+def test_goodput_is_the_highest_rate_reaching_the_target():
+    assert goodput_rate({0.5: 1.0, 1.0: 0.95, 2.0: 0.5, 4.0: 0.1}, target_frac=0.9) == 1.0
+    assert goodput_rate({0.5: 1.0, 1.0: 27 / 30, 2.0: 26 / 30}, target_frac=0.9) == 1.0  # 27/30 is exactly 90 %
+    assert goodput_rate({0.5: 0.85, 1.0: 0.92, 2.0: 0.4}, target_frac=0.9) == 1.0  # a dip below does not end it
+    assert goodput_rate({0.5: 0.8, 1.0: 0.2}, target_frac=0.9) == 0.0
+    assert goodput_rate({}, target_frac=0.9) == 0.0
+
+
+def test_mixed_prompts_have_the_exact_long_share_and_lengths_in_range():
+    specs = mixed_prompts(num_requests=10, long_share_frac=0.3, short_tokens=(5, 8), long_tokens=(100, 120),
+                          output_tokens=7, seed="t", vocab=50)
+    lengths = [len(s.prompt_token_ids) for s in specs]
+    assert sum(n >= 100 for n in lengths) == 3
+    assert all(5 <= n <= 8 or 100 <= n <= 120 for n in lengths)
+    assert all(s.max_tokens == 7 and max(s.prompt_token_ids) < 50 for s in specs)
+    again = mixed_prompts(num_requests=10, long_share_frac=0.3, short_tokens=(5, 8), long_tokens=(100, 120),
+                          output_tokens=7, seed="t", vocab=50)
+    other = mixed_prompts(num_requests=10, long_share_frac=0.3, short_tokens=(5, 8), long_tokens=(100, 120),
+                          output_tokens=7, seed="u", vocab=50)
+    assert again == specs and other != specs
+    assert [len(s.prompt_token_ids) for s in mixed_prompts(
+        num_requests=4, long_share_frac=0.0, short_tokens=(3, 3), long_tokens=(9, 9), output_tokens=1, seed="t",
+        vocab=5)] == [3, 3, 3, 3]
+
+
+def test_mixed_prompts_refuse_a_bad_share_or_range():
+    kwargs = {"num_requests": 4, "output_tokens": 1, "seed": "t", "vocab": 5}
+    with pytest.raises(ValueError, match="long share must be in"):
+        mixed_prompts(long_share_frac=1.5, short_tokens=(1, 2), long_tokens=(3, 4), **kwargs)
+    with pytest.raises(ValueError, match="long prompt lengths 9-4"):
+        mixed_prompts(long_share_frac=0.5, short_tokens=(1, 2), long_tokens=(9, 4), **kwargs)
+    with pytest.raises(ValueError, match="short prompt lengths 0-2"):
+        mixed_prompts(long_share_frac=0.5, short_tokens=(0, 2), long_tokens=(3, 4), **kwargs)
+
+
+def test_router_plan_samples_are_kept_verbatim_and_nothing_else():
+    text = ('# HELP kvrelay_router_plans_total Plans\n'
+            'kvrelay_router_plans_total{plan="local"} 3.0\n'
+            'kvrelay_router_plan_ttft_error_ratio_sum{plan="disaggregated"} 0.25\n'
+            'kvrelay_router_queued_requests 0.0\n')
+    assert router_plan_samples(text) == {'kvrelay_router_plans_total{plan="local"}': 3.0,
+                                         'kvrelay_router_plan_ttft_error_ratio_sum{plan="disaggregated"}': 0.25}
+    assert router_plan_samples("kvrelay_router_queued_requests 0.0\n") == {}
+
+
+def point(deployment: str, workload: str, rate: float, both: float) -> RatePoint:
+    return RatePoint(deployment, workload, rate, Attainment(10, both, both, both), {})
+
+
+def test_summarize_goodput_gives_auto_over_the_best_other_and_over_2x_aggregated():
+    points = [point("2x-aggregated", "long", 0.5, 1.0), point("2x-aggregated", "long", 1.0, 0.5),
+              point("1p1d", "long", 0.5, 0.9), point("1p1d", "long", 1.0, 0.8),
+              point("auto", "long", 0.5, 1.0), point("auto", "long", 1.0, 0.9),
+              point("2x-aggregated", "chat", 0.5, 0.1), point("1p1d", "chat", 0.5, 0.2),
+              point("auto", "chat", 0.5, 1.0)]
+    assert summarize_goodput(points, target_frac=0.9) == {
+        "long": {"goodput_req_s": {"2x-aggregated": 0.5, "1p1d": 0.5, "auto": 1.0}, "auto_over_best_other": 2.0,
+                 "auto_over_2x_aggregated": 2.0},
+        "chat": {"goodput_req_s": {"2x-aggregated": 0.0, "1p1d": 0.0, "auto": 0.5}, "auto_over_best_other": None,
+                 "auto_over_2x_aggregated": None},
+    }
+    only_two = [p for p in points if p.deployment != "auto"]
+    assert summarize_goodput(only_two, target_frac=0.9)["long"] == {"goodput_req_s": {"2x-aggregated": 0.5,
+                                                                                      "1p1d": 0.5}}
+
+
+def test_markdown_table_marks_rates_not_run():
+    points = [point("2x-aggregated", "long", 0.5, 0.95), point("auto", "long", 0.5, 1.0),
+              point("auto", "long", 1.0, 0.9)]
+    assert markdown_table(points, summarize_goodput(points, target_frac=0.9), rates=[0.5, 1.0]) == (
+        "| workload | deployment | 0.5 req/s | 1 req/s | goodput (req/s) |\n"
+        "|---|---|---|---|---|\n"
+        "| long | 2x-aggregated | 0.95 | – | 0.5 |\n"
+        "| long | auto | 1.00 | 0.90 | 1 |")
