@@ -32,13 +32,14 @@ from deploy.ports import free_ports
 READY = re.compile(r"kvrelay is serving .* at (http://\S+)/v1")
 
 BASELINE_TO_OVERRIDES: dict[str, dict[str, dict[str, Any]]] = {
-    "disaggregated": {},
+    "disaggregated": {"router": {"disaggregation": "always"}},
     "aggregated": {"prefill": {"ports": []}},
     "prefix-cache-off": {"engine": {"enable_prefix_caching": False}},
-    "disaggregated-static": {},
+    "disaggregated-static": {"router": {"disaggregation": "always"}},
+    "disaggregated-auto": {"router": {"disaggregation": "auto"}},  # router.plan picks per request
     # The cost of block digests (issue 16): the default (sampled) against every block checked and none.
-    "disaggregated-integrity-all": {"kvstore": {"integrity": "all"}},
-    "disaggregated-integrity-off": {"kvstore": {"integrity": "off"}},
+    "disaggregated-integrity-all": {"kvstore": {"integrity": "all"}, "router": {"disaggregation": "always"}},
+    "disaggregated-integrity-off": {"kvstore": {"integrity": "off"}, "router": {"disaggregation": "always"}},
 }
 BASELINE_TO_UP_ARGS: dict[str, list[str]] = {"disaggregated-static": ["--no-cpu-lending"]}
 

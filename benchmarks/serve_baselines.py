@@ -23,7 +23,8 @@ DEFAULT_BASELINES = ("disaggregated", "aggregated", "prefix-cache-off", "transfo
 # disaggregated-static: 1P1D with each node kept on its own CPUs (`kvrelay up --no-cpu-lending`);
 # disaggregated-integrity-all / -off: 1P1D with ``kvstore.integrity`` all / off (the default is sampled)
 INTEGRITY_BASELINES = ("disaggregated-integrity-all", "disaggregated-integrity-off")
-SERVER_BASELINES = ("disaggregated", "aggregated", "prefix-cache-off", "disaggregated-static", *INTEGRITY_BASELINES)
+SERVER_BASELINES = ("disaggregated", "aggregated", "prefix-cache-off", "disaggregated-static", "disaggregated-auto",
+                    *INTEGRITY_BASELINES)
 ALL_BASELINES = (*DEFAULT_BASELINES, "disaggregated-static", *INTEGRITY_BASELINES, "vllm")
 MakeWorkload = Callable[[int], workloads.Workload]
 

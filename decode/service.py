@@ -119,8 +119,10 @@ class DecodeService(EngineNode):
             log.exception("request %s: KV pull raised unexpectedly", request_id)
             failure = TransferError("internal", f"{type(exc).__name__}: {exc}")
         else:
-            self.metrics.transfer_seconds.observe(time.perf_counter() - t0)
+            seconds = time.perf_counter() - t0
+            self.metrics.transfer_seconds.observe(seconds)
             self.metrics.transfer_bytes.inc(result.bytes_read)
+            self.pull_rates.observe(result.bytes_read, seconds)
             return _Pulled(result.block_ids, lease_ended=result.lease_ended)
         self.metrics.transfer_failures.labels(reason=failure.reason).inc()
         log.warning("request %s: KV pull failed (%s): %s", request_id, failure.reason, failure)
@@ -192,11 +194,14 @@ class DecodeService(EngineNode):
         return resp
 
     async def _write_last(self, request: web.Request, resp: web.StreamResponse, data: bytes, rid: str) -> None:
-        """The stream's last bytes and its end; a router that stopped reading is only logged (and cut off)."""
+        """The stream's last bytes and its end; a router that stopped reading is only logged (and cut off), and
+        one that closed the stream already (it reads no further once every sample has finished) is fine."""
         try:
             await self._write(request, resp, data, eof=True)
         except _ReaderStalled as exc:
             log.warning("request %s: %s", rid, exc)
+        except ConnectionResetError:
+            log.debug("request %s: the router closed the stream before its end", rid)
 
     async def _write(self, request: web.Request, resp: web.StreamResponse, data: bytes = b"", *,
                      eof: bool = False) -> None:

@@ -130,7 +130,7 @@ def build_app(config: Any, role: str, index: int, *, name: str | None = None,
             max_queued_bytes=r.max_queued_bytes, queue_timeout_s=r.queue_timeout_s,
             decode_reserve_tokens=r.decode_reserve_tokens, migration_limit=r.migration_limit,
             body_read_timeout_s=r.body_read_timeout_s,
-            write_stall_timeout_s=r.write_stall_timeout_s,
+            write_stall_timeout_s=r.write_stall_timeout_s, disaggregation=r.disaggregation,
         ))
         return router.make_app(), r.host, r.port
     from engine.worker import EngineWorker

@@ -24,7 +24,8 @@
     router:   {host, port, api_keys, api_keys_env, max_body_bytes, request_timeout_s, max_n, load_weight_tokens,
                max_concurrent_requests, max_connections_per_node, connect_timeout_s, prefill_urls, decode_urls,
                prefill_dns, decode_dns, dns_interval_s, max_queued_requests, max_queued_bytes, queue_timeout_s,
-               decode_reserve_tokens, migration_limit, body_read_timeout_s, write_stall_timeout_s, keepalive_timeout_s}
+               decode_reserve_tokens, migration_limit, body_read_timeout_s, write_stall_timeout_s, keepalive_timeout_s,
+               disaggregation}
               (body_read_timeout_s, default 30: a request body not in within it gets 408, and holds no admission
               slot meanwhile; write_stall_timeout_s, default 30: a client that takes no write of its answer for
               that long is dropped and its request ended; keepalive_timeout_s, default 75: an idle client
@@ -44,6 +45,7 @@ from decode.config import FAILURE_POLICIES
 from deploy.sizes import ConfigError, parse_size
 from engine.long_context import COUNTS, POLICIES, SELECTIONS, LongContextConfig
 from model.dtype_names import AUTO, DTYPE_CHOICES
+from router.plan import MODES as DISAGGREGATION_MODES
 from transfer.config import PUBLISH_FAULTS
 from transfer.discovery import parse_dns_name
 
@@ -123,6 +125,7 @@ class RouterSection:
     body_read_timeout_s: float = 30.0  # router.config.RouterConfig
     write_stall_timeout_s: float = 30.0
     keepalive_timeout_s: float = 75.0  # an idle client connection is closed after this (aiohttp's default: 3630)
+    disaggregation: str = "auto"  # always | never | auto (router.plan)
 
 
 class Section:
@@ -308,7 +311,8 @@ def parse_services(root: Section, *, base_dir: Path, env: Mapping[str, str] | No
                            r.take("migration_limit", non_negative_int, 3),
                            r.take("body_read_timeout_s", positive_float, 30.0),
                            r.take("write_stall_timeout_s", positive_float, 30.0),
-                           r.take("keepalive_timeout_s", positive_float, 75.0))
+                           r.take("keepalive_timeout_s", positive_float, 75.0),
+                           r.take("disaggregation", one_of(DISAGGREGATION_MODES), "auto"))
     r.done()
     internal = InternalSection(bind, token, drain_timeout_s, node_keepalive_s, persist_timeout_s)
     return {"model": model, "engine": engine, "internal": internal,

@@ -371,6 +371,8 @@ class LLMEngine:
             outputs.append(self._append_token(seq, tok, lp))
         self.rates.observe(prefill_tokens=sum(c.num_tokens for c in sched.prefills), decode_seqs=len(sched.decodes),
                            seconds=time.perf_counter() - t0)
+        if self.rates.prefill_tokens_per_s > 0:  # what recomputing a cached block costs (`kvstore.fetch_cost`)
+            self.store.fetch_costs.recompute_s = self.spec.block_size_tokens / self.rates.prefill_tokens_per_s
         for req_id in {o.request_id for o in outputs if o.finished}:
             self._forget_if_done(req_id)
         self.policies.after_step(self.scheduler.running)

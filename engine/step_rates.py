@@ -7,12 +7,15 @@ the decode rate) and a node reports them in its event answers; nothing here is c
     decode-only step           →  decode_step_s        ← decayed (step seconds), decode_batch ← (sequences)
 
 A step that mixes prefill and decode counts as prefill (its decode rows ride along), so the prefill rate is
-a lower bound. ``DECAY`` weighs the newest step; the first observation sets the average.
+a lower bound. The first step of a kind runs cold (lazy initialisation, first-touch allocations: several
+times slower than the next on a fresh node), so its figure holds only until the second step of that kind
+replaces it; from then on the newest step weighs ``max(DECAY, 1/n)`` (a plain mean of the first n warm steps,
+then a decayed one).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 DECAY = 0.1  # weight of the newest step in each average
 MIN_PREFILL_TOKENS = 16  # a step computing fewer prompt tokens says little about the prefill rate
@@ -20,12 +23,14 @@ MIN_PREFILL_TOKENS = 16  # a step computing fewer prompt tokens says little abou
 
 @dataclass(slots=True)
 class StepRates:
-    """Decayed step figures; 0.0 until the first step of the kind. Written by the engine's thread only
+    """Step figures (module docstring); 0.0 until the first step of the kind. Written by the engine's thread only
     (plain floats: any thread may read a snapshot)."""
 
     prefill_tokens_per_s: float = 0.0
     decode_step_s: float = 0.0
     decode_batch: float = 0.0
+    _prefill_steps: int = 0  # steps folded in, of each kind
+    _decode_steps: int = 0
 
     def observe(self, *, prefill_tokens: int, decode_seqs: int, seconds: float) -> None:
         """Fold in one step that computed ``prefill_tokens`` prompt tokens and ``decode_seqs`` decode rows in
@@ -33,11 +38,95 @@ class StepRates:
         if seconds <= 0:
             return
         if prefill_tokens >= MIN_PREFILL_TOKENS:
-            self.prefill_tokens_per_s = _decayed(self.prefill_tokens_per_s, prefill_tokens / seconds)
+            self._prefill_steps += 1
+            self.prefill_tokens_per_s = _folded(self.prefill_tokens_per_s, prefill_tokens / seconds,
+                                                self._prefill_steps)
         elif prefill_tokens == 0 and decode_seqs > 0:
-            self.decode_step_s = _decayed(self.decode_step_s, seconds)
-            self.decode_batch = _decayed(self.decode_batch, float(decode_seqs))
+            self._decode_steps += 1
+            self.decode_step_s = _folded(self.decode_step_s, seconds, self._decode_steps)
+            self.decode_batch = _folded(self.decode_batch, float(decode_seqs), self._decode_steps)
 
 
-def _decayed(average: float, sample: float) -> float:
-    return sample if average == 0.0 else (1 - DECAY) * average + DECAY * sample
+def _folded(average: float, sample: float, n: int) -> float:
+    """The average after the ``n``-th sample: the first two replace it (the first ran cold), then the newest
+    weighs ``max(DECAY, 1 / (n - 1))``."""
+    if n <= 2:
+        return sample
+    weight = max(DECAY, 1.0 / (n - 1))
+    return (1 - weight) * average + weight * sample
+
+
+@dataclass(slots=True)
+class DecayedLine:
+    """``y ≈ intercept + slope · x``, fitted by least squares over decayed sums (each sample weighs ``DECAY``
+    against the ones before it). The first sample is taken to have run cold (a fresh connection, lazy
+    initialisation): it stands alone until the second sample replaces it. Until samples at two different ``x``
+    are seen, or when the fit is not physical (slope ≤ 0, or an intercept below 0), it falls back to
+    ``fallback``: ``"ratio"``
+    (through the origin: ``slope = mean y / mean x``) or ``"offset"`` (``slope = 1``, ``intercept = mean y -
+    mean x``). ``samples`` 0: nothing fitted (both 0.0). Not thread-safe; readers may take a snapshot.
+    """
+
+    fallback: str = "ratio"
+    samples: int = 0
+    intercept: float = 0.0
+    slope: float = 0.0
+    _w: float = 0.0  # decayed sums: weight, x, y, x², x·y
+    _x: float = 0.0
+    _y: float = 0.0
+    _xx: float = 0.0
+    _xy: float = 0.0
+
+    def observe(self, x: float, y: float) -> None:
+        keep = 1 - DECAY if self.samples >= 2 else 0.0  # the second sample drops the cold first
+        self.samples += 1
+        self._w = keep * self._w + 1.0
+        self._x = keep * self._x + x
+        self._y = keep * self._y + y
+        self._xx = keep * self._xx + x * x
+        self._xy = keep * self._xy + x * y
+        mean_x, mean_y = self._x / self._w, self._y / self._w
+        var = self._xx / self._w - mean_x * mean_x
+        slope = (self._xy / self._w - mean_x * mean_y) / var if var > 1e-9 * max(mean_x * mean_x, 1e-30) else 0.0
+        intercept = mean_y - slope * mean_x
+        if slope > 0 and intercept >= 0:
+            self.slope, self.intercept = slope, intercept
+        elif self.fallback == "ratio":
+            self.slope, self.intercept = (mean_y / mean_x if mean_x > 0 else 0.0), 0.0
+        else:
+            self.slope, self.intercept = 1.0, mean_y - mean_x
+
+    def predict(self, x: float) -> float:
+        return self.intercept + self.slope * x
+
+
+@dataclass(slots=True)
+class PullRates:
+    """How long this node takes to pull a request's KV from a peer, fitted to its own pulls:
+
+        seconds ≈ fixed_s + bytes / bytes_per_s            (`DecayedLine`, through the origin until it can fit)
+
+    0.0 for both until the first pull. Written on the node's event loop only; any thread may read a snapshot.
+    """
+
+    line: DecayedLine = field(default_factory=DecayedLine)
+
+    def observe(self, nbytes: int, seconds: float) -> None:
+        """Fold in one pull that moved ``nbytes`` (> 0) in ``seconds`` (> 0; wall time from the node's first
+        call to the owner to the last block landed). Others are ignored."""
+        if nbytes > 0 and seconds > 0:
+            self.line.observe(float(nbytes), seconds)
+
+    @property
+    def bytes_per_s(self) -> float:
+        return 1.0 / self.line.slope if self.line.slope > 0 else 0.0
+
+    @property
+    def fixed_s(self) -> float:
+        return self.line.intercept
+
+    def predict_s(self, nbytes: int) -> float:
+        """Predicted seconds to pull ``nbytes``; 0.0 before any pull (nothing measured: assume free)."""
+        if nbytes <= 0 or self.line.slope <= 0:
+            return 0.0
+        return self.line.predict(nbytes)

@@ -57,6 +57,7 @@ class StoreMetrics:
     tail_blocks: Gauge
     integrity_checks: Counter
     integrity_failures: Counter
+    fetch_skipped: Counter
 
     @classmethod
     def create(cls, registry: CollectorRegistry | None = None) -> StoreMetrics:
@@ -117,5 +118,9 @@ class StoreMetrics:
             integrity_failures=Counter(
                 "kvrelay_kv_integrity_failures_total", "KV blocks whose bytes did not match their digest where "
                 "they landed (dropped and recomputed, never served)", ["where"], registry=reg,
+            ),
+            fetch_skipped=Counter(
+                "kvrelay_store_fetch_skipped_blocks", "Prefix-hit blocks on a lower tier recomputed instead, since "
+                "fetching them was predicted slower (kvstore.fetch_cost)", registry=reg,
             ),
         )

@@ -48,6 +48,7 @@ from kvstore.block_pool import BlockPool, PoolStats
 from kvstore.block_spec import BlockSpec
 from kvstore.checks import require_int
 from kvstore.digest import DEFAULT_INTEGRITY, DEFAULT_SAMPLE_RATE, IntegrityPolicy, digest_keyed
+from kvstore.fetch_cost import FetchCosts
 from kvstore.host_tier import HostTier
 from kvstore.lmdb_env import DiskTierUnavailableError
 from kvstore.lmdb_tier import DiskStats, LmdbOptions, LmdbTier
@@ -232,6 +233,7 @@ class TieredStore:
         self.local_copy: LocalCopy | None = None  # the node's NIXL loopback copy, once attached
         self._queries = 0
         self._tier_to_hits = dict.fromkeys(TIER_NAMES, 0)
+        self.fetch_costs = FetchCosts()  # the engine sets recompute_s from its prefill rate
         self._set_gauges()
 
     def _set_gauges(self) -> None:
@@ -319,9 +321,14 @@ class TieredStore:
         are registered under their key. Each block is looked up again (it may have moved since
         `match_prefix`). If one cannot be loaded (no free device block, a disk record corrupt or
         unreadable), the shorter run before it is returned and nothing after it stays held: the caller
-        computes the rest.
+        computes the rest. The run is cut where fetching the rest from the lower tiers is predicted slower
+        than recomputing it (`fetch_costs`, `kvstore.fetch_cost`; counted in
+        ``kvrelay_store_fetch_skipped_blocks_total``).
         """
-        keys = list(keys[: match.num_blocks])
+        skipped = match.num_blocks - self.fetch_costs.worth_loading(match.tiers)
+        if skipped:
+            self.metrics.fetch_skipped.inc(skipped)
+        keys = list(keys[: match.num_blocks - skipped])
         block_ids: list[int | None] = [self.block_pool.block_id_of(k) for k in keys]
         held = [b for b in block_ids if b is not None]
         self.block_pool.acquire(held)
@@ -356,6 +363,7 @@ class TieredStore:
             if name == "host":
                 self._mover.order_after_copy_into(self.host.slot_of(key))  # type: ignore[union-attr,arg-type]
             want = tier.digest_of(key)
+            t0 = time.perf_counter()
             if not tier.get_into(key, dst):
                 continue  # disk: a bad record was dropped and counted (on_corrupt)
             digest = want if want is not None else tier.digest_of(key)  # disk: known once its record was read
@@ -370,6 +378,7 @@ class TieredStore:
                     continue  # a lower tier may hold a good copy
             if digest is None and self.integrity.enabled:  # put without one (integrity was off, an old record)
                 digest = self.digest_device_blocks([block_id], [key])[0]
+            self.fetch_costs.observe(name, time.perf_counter() - t0)
             if not TIER_KEEPS_PROMOTED[name]:
                 tier.discard(key)
             registered = self.block_pool.register_key(block_id, key, digest=digest)

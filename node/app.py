@@ -32,6 +32,7 @@ import torch
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from engine.step_rates import PullRates
 from engine.worker import EngineWorker
 from kvstore.block_key import BlockKey
 from kvstore.kv_events import KvEventLog
@@ -156,6 +157,7 @@ class EngineNode:
         self.engine = worker.engine
         self.metrics = metrics or NodeMetrics(config.role, node=config.name)
         self.events = KvEventLog()
+        self.pull_rates = PullRates()  # this node's KV pulls from peers (decode nodes; reported in `load_report`)
         self.engine.pool.add_listener(self.events)
         self.num_admitted = 0  # generation requests between arrival and their last byte (event loop only)
         self.draining = False  # set on a planned stop: new generation requests get 503
@@ -402,14 +404,18 @@ class EngineNode:
         """The room and speed the router places requests by (`router.nodes.NodeCapacity`): the device pool's
         16-token blocks (all, and free or evictable now; pool blocks / `BlockSpec.num_groups`), the batch and
         admission limits, and the rates the engine measured (`engine.step_rates`; 0.0 before the first step of a
-        kind). A snapshot read off the engine's thread."""
+        kind), the bytes of one 16-token block (all groups) and how fast this node pulls KV from peers
+        (`engine.step_rates.PullRates`: fixed seconds plus bytes over bytes per second; 0.0 before the first pull).
+        A snapshot read off the engine's thread."""
         engine, rates = self.engine, self.engine.rates
         groups = engine.spec.num_groups  # in 16-token blocks: a hybrid model's token block is one per group
         return {"kv_blocks": engine.pool.num_blocks // groups, "free_blocks": self.worker.num_free_blocks // groups,
                 "max_num_seqs": engine.config.max_num_seqs,
                 "max_num_batched_tokens": engine.config.max_num_batched_tokens,
                 "prefill_tokens_per_s": rates.prefill_tokens_per_s, "decode_step_s": rates.decode_step_s,
-                "max_pending_requests": self.config.max_pending_requests}
+                "max_pending_requests": self.config.max_pending_requests,
+                "block_bytes": engine.spec.block_bytes * groups,
+                "pull_bytes_per_s": self.pull_rates.bytes_per_s, "pull_fixed_s": self.pull_rates.fixed_s}
 
     async def _wait_for_event(self, after: int, wait_s: float) -> None:
         """Return when the log has an event past ``after``, or after ``wait_s``."""

@@ -13,6 +13,7 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import AsyncIterator
@@ -41,6 +42,7 @@ from router.openai_api import (
     stream_chunk,
     usage_chunk,
 )
+from router.plan import PlanChoice
 from router.queue import QueueConfig, QueueMetrics, Ticket
 from router.text_output import SampleText
 from transfer.bounded_write import write_within
@@ -86,6 +88,25 @@ class RouterMetrics:
         self.slow_polls = Counter("kvrelay_router_slow_node_polls", "Health polls a node answered late (or not "
                                   "in time) while it took connections: counted, the node stays in", ["node"],
                                   registry=self.registry)
+
+        self.plans = Counter("kvrelay_router_plans", "Requests by where their prompt was prefilled (router.plan): "
+                             "disaggregated (a prefill node, KV pulled) or local (the decode node)", ["plan"],
+                             registry=self.registry)
+        self.plan_ttft_error = Histogram(
+            "kvrelay_router_plan_ttft_error_ratio", "|predicted - actual| / actual of the time from placement to the "
+            "first token, for requests placed with a prediction (router.plan)", ["plan"], registry=self.registry,
+            buckets=(0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10))
+        self.plan_ttft = Counter("kvrelay_router_plan_ttft_seconds", "Predicted and actual times from placement to the "
+                                 "first token, summed, for requests placed with a prediction", ["plan", "kind"],
+                                 registry=self.registry)
+
+    def planned(self, choice: PlanChoice, ttft_s: float) -> None:
+        """Count one request's plan and, when it had a prediction, how far off it was."""
+        self.plans.labels(choice.plan).inc()
+        if not math.isnan(choice.predicted_ttft_s) and ttft_s > 0:
+            self.plan_ttft_error.labels(choice.plan).observe(abs(choice.predicted_ttft_s - ttft_s) / ttft_s)
+            self.plan_ttft.labels(choice.plan, "predicted").inc(choice.predicted_ttft_s)
+            self.plan_ttft.labels(choice.plan, "actual").inc(ttft_s)
 
     def queue_metrics(self) -> QueueMetrics:
         return QueueMetrics(queued=self.queued.set, waited=self.queue_wait.observe,
@@ -135,11 +156,13 @@ class Router:
         cfg = self.config
         info = await self.membership.cluster_info()
         self.nodes = NodeSet(cfg.prefill_urls, cfg.decode_urls, block_size_tokens=info.block_size_tokens,
-                             load_weight_tokens=cfg.load_weight_tokens, retry_after_s=cfg.node_retry_s)
+                             load_weight_tokens=cfg.load_weight_tokens, retry_after_s=cfg.node_retry_s,
+                             disaggregation=cfg.disaggregation)
         self.dispatcher = Dispatcher(self.nodes, self.backends, info, queue=QueueConfig(
             max_requests=cfg.max_queued_requests, max_bytes=cfg.max_queued_bytes, timeout_s=cfg.queue_timeout_s,
             decode_reserve_tokens=cfg.decode_reserve_tokens), queue_metrics=self.metrics.queue_metrics(),
-            migration_limit=cfg.migration_limit, migrated=lambda outcome: self.metrics.migrations.labels(outcome).inc())
+            migration_limit=cfg.migration_limit, migrated=lambda outcome: self.metrics.migrations.labels(outcome).inc(),
+            planned=self.metrics.planned)
         self.served = ServedModel(cfg.model_name, info.vocab_size, info.max_model_len, cfg.max_n,
                                   load_tokenizer(cfg.model_dir))
         self.membership.start(self.nodes, on_change=self.dispatcher.queue.pump)

@@ -9,7 +9,8 @@ from typing import Any, TypeVar
 
 import aiohttp
 
-from router.nodes import Node, NodeLost
+from router.node_state import Node
+from router.nodes import NodeLost
 from transfer.config import TOKEN_HEADER
 from transfer.wire import WireError, decode_release_reply, encode_lease_request, new_unpacker, unpack
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from engine.long_context import LongContextConfig
 from kvstore.checks import require_int
+from router.plan import MODES
 from transfer.discovery import parse_dns_name
 
 
@@ -41,6 +42,9 @@ class RouterConfig:
     max_connections_per_node: int = 1024  # pooled request connections to each node
     connect_timeout_s: float = 5.0  # the TCP connect to a node (not the wait for a pooled connection)
     migration_limit: int = 3  # times one request may move to another decode node mid-stream (`router.dispatch`)
+    # always: every prompt prefilled on a prefill node (when one is up); never: on its decode node; auto: the plan
+    # `router.plan` predicts cheaper from the nodes' measured rates
+    disaggregation: str = "auto"
     # A client's whole request body must arrive within this (else 408); no admission slot is held meanwhile.
     body_read_timeout_s: float = 30.0
     # A client that takes longer than this to take one write of its answer (it stopped reading) is dropped,
@@ -67,6 +71,8 @@ class RouterConfig:
         require_int("max_queued_bytes", self.max_queued_bytes)
         require_int("decode_reserve_tokens", self.decode_reserve_tokens)
         require_int("migration_limit", self.migration_limit, minimum=0)
+        if self.disaggregation not in MODES:
+            raise ValueError(f"disaggregation must be one of {', '.join(MODES)}, got {self.disaggregation!r}")
         for name in ("request_timeout_s", "node_retry_s", "startup_timeout_s", "connect_timeout_s", "dns_interval_s",
                      "queue_timeout_s", "body_read_timeout_s", "write_stall_timeout_s"):
             if not getattr(self, name) > 0:

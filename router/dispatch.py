@@ -38,8 +38,10 @@ from dataclasses import dataclass
 from kvstore.block_key import block_keys
 from model.sampling_params import TokenLogprobs
 from router.backends import Backends, NodeRefused, NodeUnavailable
-from router.nodes import Node, NodeSet, Reservation
+from router.node_state import Node
+from router.nodes import NodeSet, Reservation
 from router.openai_api import ApiError, GenerationRequest
+from router.plan import PlanChoice
 from router.queue import QueueConfig, QueueMetrics, RouterQueue, Ticket
 from transfer.config import LEASE_HEADER
 from transfer.handle import KvHandle
@@ -82,15 +84,18 @@ class Dispatcher:
 
     def __init__(self, nodes: NodeSet, backends: Backends, info: ClusterInfo, *, queue: QueueConfig | None = None,
                  queue_metrics: QueueMetrics | None = None, migration_limit: int = 3,
-                 migrated: Callable[[str], None] = lambda outcome: None) -> None:
+                 migrated: Callable[[str], None] = lambda outcome: None,
+                 planned: Callable[[PlanChoice, float], None] = lambda choice, ttft_s: None) -> None:
         """``migration_limit``: times one request may move to another decode node mid-stream (0: never);
         ``migrated(outcome)`` hears each move ("moved") and each request that could not move ("limit",
-        "no_node")."""
+        "no_node"); ``planned(choice, ttft_s)`` hears each request's plan (`router.plan`) and its actual
+        time from placement to its first token (seconds), once that token has come."""
         self.nodes = nodes
         self.backends = backends
         self.info = info
         self.migration_limit = migration_limit
         self._migrated = migrated
+        self._planned = planned
         self.queue = RouterQueue(nodes, queue or QueueConfig(), metrics=queue_metrics or QueueMetrics())
         self._releases: set[asyncio.Future] = set()  # lease releases in flight (fire and forget)
 
@@ -164,6 +169,7 @@ class Dispatcher:
         """
         ticket.taken = True
         reservation = await self.queue.place(ticket)
+        placed_at = time.monotonic()
         n = req.params.n
         finished = [False] * n
         generated = 0  # tokens yielded, all samples
@@ -171,9 +177,11 @@ class Dispatcher:
         lease = _Lease()  # lease.lease_id (on lease.owner): what the router releases unless a decode node ended it
         try:
             prefilled = await self._prefill(req, salt, ticket.keys, reservation.prefill)
-            reservation.prefilled()
+            if reservation.prefill is not None:
+                reservation.prefilled()
             first = None
             if prefilled is not None:
+                self._first_token(req, reservation, placed_at)
                 pre, lease.owner = prefilled
                 first = pre.first_token_ids
                 # The owner's URL as this router reached it (configured, so decode nodes accept it), not
@@ -192,11 +200,24 @@ class Dispatcher:
                     return  # the prefill node released the lease itself
             async for delta in self._decode(req, salt, ticket.keys, first, handle, finished,
                                             _Started(reservation, lease), reservation.decode):
+                if not generated:
+                    self._first_token(req, reservation, placed_at)
                 generated += len(delta.token_ids)
                 yield delta
         finally:
             self.queue.finish(ticket, reservation, generated)
             self._release(lease)
+
+    def _first_token(self, req: GenerationRequest, reservation: Reservation, placed_at: float) -> None:
+        """The request's first token came: its prompt left its node's queue; the plan hears how long it took."""
+        reservation.prefilled()
+        choice = reservation.choice
+        if choice is not None:
+            ttft_s = time.monotonic() - placed_at
+            log.info("request %s: plan %s, TTFT predicted %.3f s (model %.3f s), actual %.3f s", req.request_id,
+                     choice.plan, choice.predicted_ttft_s, choice.model_ttft_s, ttft_s)
+            self._planned(choice, ttft_s)
+            self.nodes.calibration.observe(choice.plan, choice.model_ttft_s, ttft_s)
 
     def _release(self, lease: _Lease) -> None:
         """Release ``lease`` on its owner (fire and forget) unless a decode node ended it."""

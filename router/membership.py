@@ -23,7 +23,8 @@ from typing import Any
 from router.backends import Backends, NodeSlow, NodeUnavailable, NodeUnreachable
 from router.config import RouterConfig
 from router.dispatch import ClusterInfo
-from router.nodes import Node, NodeCapacity, NodeSet
+from router.node_state import Node, NodeCapacity
+from router.nodes import NodeSet
 from transfer.discovery import NodeAddresses, Resolver
 
 log = logging.getLogger(__name__)

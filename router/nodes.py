@@ -31,11 +31,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from kvstore.block_key import BlockKey
 from router.kv_index import KvIndex
+from router.node_state import Node
+from router.plan import LOCAL, MODES, PlanChoice, TtftCalibration, choose_plan
 
 PREFILL_QUEUE_STEPS = 4  # prompt tokens placed on a prefill node, in steps of its token budget
 # Samples placed on a decode node, in multiples of its batch (max_num_seqs): those beyond the batch are being
@@ -45,38 +46,6 @@ DECODE_SEQS_PER_SLOT = 2
 
 class NodeLost(Exception):
     """Raised into the reads of answers from a node that the health poll found unreachable."""
-
-
-@dataclass(frozen=True, slots=True)
-class NodeCapacity:
-    """What a node reports about itself in its event answers (``load``: `node.app.EngineNode.load_report`).
-
-    ``prefill_tokens_per_s`` and ``decode_step_s`` are measured by the node (`engine.step_rates`); 0.0 until
-    it has run a step of that kind.
-    """
-
-    kv_blocks: int
-    free_blocks: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    prefill_tokens_per_s: float
-    decode_step_s: float
-    max_pending_requests: int = 1 << 30  # what the node admits at once (it answers 429 beyond)
-
-    @classmethod
-    def from_report(cls, report: Any) -> NodeCapacity:
-        """Raises ValueError for a malformed report."""
-        try:
-            cap = cls(int(report["kv_blocks"]), int(report["free_blocks"]), int(report["max_num_seqs"]),
-                      int(report["max_num_batched_tokens"]), float(report["prefill_tokens_per_s"]),
-                      float(report["decode_step_s"]), int(report.get("max_pending_requests", 1 << 30)))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"malformed load report: {exc!r}") from None
-        if min(cap.kv_blocks, cap.max_num_seqs, cap.max_num_batched_tokens, cap.max_pending_requests) < 1 or \
-                cap.free_blocks < 0 or \
-                not (cap.prefill_tokens_per_s >= 0 and cap.decode_step_s >= 0):
-            raise ValueError(f"load report out of range: {cap}")
-        return cap
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +70,13 @@ class Need:
                 and node.reserved_seqs + self.seqs <= DECODE_SEQS_PER_SLOT * cap.max_num_seqs
                 and node.reserved_requests < cap.max_pending_requests)
 
+    def fits_local(self, node: Node) -> bool:
+        """Room on decode node ``node`` to prefill this prompt itself (a local plan), bounded as a prefill
+        node's queue is."""
+        cap = node.capacity
+        return cap is None or node.queued_tokens == 0 or \
+            node.queued_tokens + self.prompt_tokens <= PREFILL_QUEUE_STEPS * cap.max_num_batched_tokens
+
     def fits_prefill(self, node: Node) -> bool:
         cap = node.capacity
         if cap is None or (node.reserved_blocks == 0 and node.queued_tokens == 0):
@@ -112,28 +88,34 @@ class Need:
 
 class Reservation:
     """Room held for one request on its decode node (and prefill node, when it has one) from placement
-    until `release`. The prompt's tokens leave the prefill node's queue when `prefilled`; its blocks when
-    `pulled` (the decode node has the KV: the prefill node's lease is over). Each step is idempotent."""
+    until `release`. The prompt's tokens leave the queue of the node that prefills it (the prefill node, or
+    the decode node itself under a local plan) when `prefilled`; its blocks leave the prefill node when
+    `pulled` (the decode node has the KV: the prefill node's lease is over). Each step is idempotent.
+    ``choice``: the plan it was placed by (`router.plan`)."""
 
-    def __init__(self, need: Need, decode: Node, prefill: Node | None) -> None:
+    def __init__(self, need: Need, decode: Node, prefill: Node | None, choice: PlanChoice | None = None) -> None:
         self.need = need
         self.decode: Node = decode
         self.prefill: Node | None = prefill
-        self._queued = self._pinned = prefill is not None
+        self.choice = choice
+        self._queue: Node = prefill if prefill is not None else decode  # the node that prefills it
+        self._queued = True
+        self._pinned = prefill is not None
         self._held = True
         decode.reserved_blocks += need.decode_blocks
         decode.reserved_seqs += need.seqs
         decode.reserved_requests += 1
+        self._queue.queued_tokens += need.prompt_tokens
         if prefill is not None:
             prefill.reserved_blocks += need.prefill_blocks
-            prefill.queued_tokens += need.prompt_tokens
             prefill.reserved_requests += 1
 
     def prefilled(self) -> None:
-        if self._queued and self.prefill is not None:
+        if self._queued:
             self._queued = False
-            self.prefill.queued_tokens -= self.need.prompt_tokens
-            self.prefill.reserved_requests -= 1
+            self._queue.queued_tokens -= self.need.prompt_tokens
+            if self.prefill is not None:
+                self.prefill.reserved_requests -= 1
 
     def pulled(self) -> None:
         self.prefilled()
@@ -150,39 +132,21 @@ class Reservation:
             self.decode.reserved_requests -= 1
 
 
-@dataclass(slots=True)
-class Node:
-    name: str
-    url: str
-    role: str
-    in_flight: int = 0
-    queued_tokens: int = 0  # prompt tokens placed here and not yet prefilled (`Reservation`)
-    reserved_blocks: int = 0  # KV blocks the router's placed requests hold here (`Reservation`)
-    reserved_seqs: int = 0  # samples the router's placed requests run here (decode nodes)
-    reserved_requests: int = 0  # placed requests the node is serving (a prefill node: until it answers)
-    capacity: NodeCapacity | None = None  # the node's last load report; None until it reports
-    down_until: float = 0.0
-    failures: int = 0
-    seen: bool = False  # answered at least once; until then it is polled at every round
-    last_error: str = ""  # why the last call failed; cleared when it answers
-    times_down: int = 0  # how often it was taken out after it had answered (never reset)
-    slow_polls: int = 0  # health polls it took but did not answer in time (it stays in; never reset)
-    # Set when the health poll finds the node unreachable, and at once replaced by a fresh one: the
-    # requests waiting on it then give up (`router.backends.Backends`) instead of waiting out their read
-    # timeout on a host that is gone (it sends no reset); later requests wait on the fresh one.
-    lost: asyncio.Event = field(default_factory=asyncio.Event)
-    # Answers being read from the node now (aiohttp stream readers); `NodeSet.mark_unreachable` ends them.
-    readers: set[Any] = field(default_factory=set)
-
-    def healthy(self, now: float) -> bool:
-        return now >= self.down_until
-
-
 class NodeSet:
     """Owned by the router's event loop."""
 
     def __init__(self, prefill_urls: Sequence[str], decode_urls: Sequence[str], *, block_size_tokens: int,
-                 load_weight_tokens: int = 64, retry_after_s: float = 5.0) -> None:
+                 load_weight_tokens: int = 64, retry_after_s: float = 5.0, disaggregation: str = "always") -> None:
+        """``disaggregation``: how `place` chooses between a prefill node and the decode node itself
+        (`router.plan.MODES`).
+
+        Raises:
+            ValueError: an unknown ``disaggregation``.
+        """
+        if disaggregation not in MODES:
+            raise ValueError(f"disaggregation must be one of {', '.join(MODES)}, got {disaggregation!r}")
+        self.disaggregation = disaggregation
+        self.calibration = TtftCalibration()  # the plans' TTFT model against what the router measured
         self.prefill = [Node(f"prefill-{i}", u.rstrip("/"), "prefill") for i, u in enumerate(prefill_urls)]
         self.decode = [Node(f"decode-{i}", u.rstrip("/"), "decode") for i, u in enumerate(decode_urls)]
         self.index = KvIndex()
@@ -239,18 +203,31 @@ class NodeSet:
         node.last_error = ""
 
     def place(self, need: Need, keys: Sequence[BlockKey]) -> Reservation | None:
-        """Reserve room for a request: the best decode node with room, and the best prefill node with room
-        when any prefill node is up (none up: the decode node prefills it). None: no room now (or no decode
-        node is up), so the request waits."""
+        """Reserve room for a request: the best decode node with room, and — when `router.plan.choose_plan`
+        under `disaggregation` picks the disaggregated plan — the best prefill node with room (none up: the decode node
+        prefills it). None: no room now (or no decode node is up), so the request waits. Under ``always`` a
+        request waits for a prefill node's room; under ``auto`` one whose prefill nodes are all full is
+        prefilled on its decode node if that has room."""
+        mode = self.disaggregation
         decode = self.pick_decode(keys, fits=need.fits_decode)
         if decode is None:
             return None
         prefill = None
-        if self.any_healthy(self.prefill):
+        any_prefill = mode != "never" and self.any_healthy(self.prefill)
+        if any_prefill:
             prefill = self.pick_prefill(keys, need.prompt_tokens, fits=need.fits_prefill)
-            if prefill is None:
+            if prefill is None and mode == "always":
                 return None
-        return Reservation(need, decode, prefill)
+        held = self.index.prefix_blocks(keys, [decode.name, *([prefill.name] if prefill is not None else [])])
+        choice = choose_plan(mode, prompt_tokens=need.prompt_tokens, block_size_tokens=self.block_size_tokens,
+                             decode=decode, decode_held_blocks=held[decode.name], prefill=prefill,
+                             prefill_held_blocks=held[prefill.name] if prefill is not None else 0,
+                             calibration=self.calibration)
+        if choice.plan == LOCAL:
+            if any_prefill and not need.fits_local(decode):
+                return None  # a choice between nodes that are both full: wait
+            prefill = None
+        return Reservation(need, decode, prefill, choice)
 
     def any_healthy(self, nodes: Sequence[Node]) -> bool:
         now = time.monotonic()

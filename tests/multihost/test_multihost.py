@@ -103,7 +103,8 @@ class MultiHost:
             "decode": {"ports": [DECODE_PORT], "transfer_timeout_s": TRANSFER_TIMEOUT_S},
             "router": {"host": self.hosts.addr("router"), "port": ROUTER_PORT, "request_timeout_s": 60,
                        "connect_timeout_s": 2, "prefill_urls": list(self.prefill.values()),
-                       "decode_urls": list(self.decode.values())},
+                       "decode_urls": list(self.decode.values()),
+                       "disaggregation": "always"},  # these tests are about the KV crossing hosts
         }
         path = self.work / f"{host}.yaml"
         path.write_text(yaml.safe_dump(cfg))

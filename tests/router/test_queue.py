@@ -7,7 +7,8 @@ import asyncio
 import pytest
 
 from model.sampling_params import SamplingParams
-from router.nodes import Need, NodeCapacity, NodeSet
+from router.node_state import NodeCapacity
+from router.nodes import Need, NodeSet
 from router.openai_api import GenerationRequest
 from router.queue import Overloaded, QueueConfig, RouterQueue, need_of
 

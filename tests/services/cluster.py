@@ -45,7 +45,9 @@ class Cluster(Deployment):
             "engine": {"max_num_seqs": 32, "max_num_batched_tokens": 512},
             "prefill": {"ports": [0] * prefill, "lease_ttl_s": 10},
             "decode": {"ports": [0] * decode, "transfer_timeout_s": 30},  # generous: CI machines are shared
-            "router": {"request_timeout_s": 60},
+            # The prefill node's path for every prompt (`router.plan`: auto would keep most test prompts on the
+            # decode node); tests of the plans say so.
+            "router": {"request_timeout_s": 60, "disaggregation": "always"},
         }
         # The nodes' internal token (`kvrelay up` would make one up; tests that talk to nodes need it).
         self.token = (env or {}).get(TEST_TOKEN_ENV, "kvrelay-test-token")

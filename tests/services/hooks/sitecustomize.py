@@ -3,6 +3,9 @@
 ``KVRELAY_TEST_HOLD_PULLS=FILE``: while FILE exists, a decode node holds each request that has a KV handle
 before its pull begins, and touches ``FILE.seen`` when it holds one (a test then kills the prefill node
 that holds the handle's KV, and removes FILE).
+
+``KVRELAY_TEST_SLOW_PULL_S=S``: a decode node's every KV pull that moves blocks takes ``S`` seconds more (a slow
+link between prefill and decode nodes).
 """
 
 import os
@@ -24,3 +27,19 @@ if _hold and sys.argv[1:2] == ["decode"]:
         return await _pinned_blocks(self, msg, keys)
 
     _service.DecodeService._pinned_blocks = _held
+
+_slow = float(os.environ.get("KVRELAY_TEST_SLOW_PULL_S", "0"))
+if _slow > 0 and sys.argv[1:2] == ["decode"]:
+    import asyncio
+
+    import decode.kv_pull as _kv_pull
+
+    _pull = _kv_pull.DecodeTransfer.pull
+
+    async def _slow_pull(self, handle, request_id, *, deadline_s):  # type: ignore[no-untyped-def]
+        result = await _pull(self, handle, request_id, deadline_s=deadline_s)
+        if result.bytes_read:
+            await asyncio.sleep(_slow)
+        return result
+
+    _kv_pull.DecodeTransfer.pull = _slow_pull

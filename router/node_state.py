@@ -1,0 +1,75 @@
+"""`Node` and `NodeCapacity`: what the router knows of one node — what the node reports about itself, and the
+router's own ledger of what it placed there. `router.nodes` places requests by them, `router.plan` prices plans.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class NodeCapacity:
+    """What a node reports about itself in its event answers (``load``: `node.app.EngineNode.load_report`).
+
+    ``prefill_tokens_per_s`` and ``decode_step_s`` are measured by the node (`engine.step_rates`); 0.0 until
+    it has run a step of that kind.
+    """
+
+    kv_blocks: int
+    free_blocks: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    prefill_tokens_per_s: float
+    decode_step_s: float
+    max_pending_requests: int = 1 << 30  # what the node admits at once (it answers 429 beyond)
+    block_bytes: int = 0  # bytes of one 16-token block, all groups (0: not reported)
+    pull_bytes_per_s: float = 0.0  # how fast it pulls KV from peers (`engine.step_rates.PullRates`); 0.0: no pull yet
+    pull_fixed_s: float = 0.0
+
+    @classmethod
+    def from_report(cls, report: Any) -> NodeCapacity:
+        """Raises ValueError for a malformed report."""
+        try:
+            cap = cls(int(report["kv_blocks"]), int(report["free_blocks"]), int(report["max_num_seqs"]),
+                      int(report["max_num_batched_tokens"]), float(report["prefill_tokens_per_s"]),
+                      float(report["decode_step_s"]), int(report.get("max_pending_requests", 1 << 30)),
+                      int(report.get("block_bytes", 0)), float(report.get("pull_bytes_per_s", 0.0)),
+                      float(report.get("pull_fixed_s", 0.0)))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"malformed load report: {exc!r}") from None
+        if min(cap.kv_blocks, cap.max_num_seqs, cap.max_num_batched_tokens, cap.max_pending_requests) < 1 or \
+                cap.free_blocks < 0 or cap.block_bytes < 0 or \
+                not (cap.prefill_tokens_per_s >= 0 and cap.decode_step_s >= 0 and cap.pull_bytes_per_s >= 0
+                     and cap.pull_fixed_s >= 0):
+            raise ValueError(f"load report out of range: {cap}")
+        return cap
+
+
+@dataclass(slots=True)
+class Node:
+    name: str
+    url: str
+    role: str
+    in_flight: int = 0
+    queued_tokens: int = 0  # prompt tokens placed here and not yet prefilled (`Reservation`)
+    reserved_blocks: int = 0  # KV blocks the router's placed requests hold here (`Reservation`)
+    reserved_seqs: int = 0  # samples the router's placed requests run here (decode nodes)
+    reserved_requests: int = 0  # placed requests the node is serving (a prefill node: until it answers)
+    capacity: NodeCapacity | None = None  # the node's last load report; None until it reports
+    down_until: float = 0.0
+    failures: int = 0
+    seen: bool = False  # answered at least once; until then it is polled at every round
+    last_error: str = ""  # why the last call failed; cleared when it answers
+    times_down: int = 0  # how often it was taken out after it had answered (never reset)
+    slow_polls: int = 0  # health polls it took but did not answer in time (it stays in; never reset)
+    # Set when the health poll finds the node unreachable, and at once replaced by a fresh one: the
+    # requests waiting on it then give up (`router.backends.Backends`) instead of waiting out their read
+    # timeout on a host that is gone (it sends no reset); later requests wait on the fresh one.
+    lost: asyncio.Event = field(default_factory=asyncio.Event)
+    # Answers being read from the node now (aiohttp stream readers); `NodeSet.mark_unreachable` ends them.
+    readers: set[Any] = field(default_factory=set)
+
+    def healthy(self, now: float) -> bool:
+        return now >= self.down_until

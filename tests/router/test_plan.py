@@ -1,0 +1,163 @@
+"""Issue 31: the plan a request is placed by (`router.plan`), from fixed rates; no network."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from engine.step_rates import PullRates
+from kvstore.block_key import BlockKey
+from router.node_state import Node, NodeCapacity
+from router.nodes import Need, NodeSet
+from router.plan import DISAGGREGATED, LOCAL, PlanChoice, TtftCalibration, choose_plan
+
+B = 16
+BLOCK_BYTES = 1000
+
+
+def node(role: str, *, rate: float = 0.0, queued: int = 0, running: int = 0, pull_bytes_per_s: float = 0.0,
+         pull_fixed_s: float = 0.0, tokens: int = 512) -> Node:
+    n = Node(f"{role}-0", f"http://{role}", role, queued_tokens=queued, reserved_seqs=running)
+    n.capacity = NodeCapacity(1000, 1000, 64, tokens, rate, 0.02, block_bytes=BLOCK_BYTES,
+                              pull_bytes_per_s=pull_bytes_per_s, pull_fixed_s=pull_fixed_s)
+    return n
+
+
+def plan(mode: str, prompt: int, decode: Node, prefill: Node | None, *, held_d: int = 0, held_p: int = 0,
+         calibration: TtftCalibration | None = None) -> PlanChoice:
+    return choose_plan(mode, prompt_tokens=prompt, block_size_tokens=B, decode=decode, decode_held_blocks=held_d,
+                       prefill=prefill, prefill_held_blocks=held_p, calibration=calibration)
+
+
+def test_an_idle_decode_node_keeps_a_short_prompt():
+    # 100 tokens at 1000 tok/s: local 0.1 s; remote 0.1 s + a pull of 7 blocks (0.01 + 7000 / 1e6 s)
+    d = node("decode", rate=1000.0, pull_bytes_per_s=1e6, pull_fixed_s=0.01)
+    choice = plan("auto", 100, d, node("prefill", rate=1000.0))
+    assert choice == PlanChoice(LOCAL, pytest.approx(0.1), pytest.approx(0.1), {DISAGGREGATED: pytest.approx(0.117),
+                                                           LOCAL: pytest.approx(0.1)})
+
+
+def test_a_long_prompt_goes_to_the_prefill_node_while_the_decode_node_is_busy():
+    # 1000 tokens: 1.0 s of compute; 4 sequences running on the decode node would each wait that second
+    d = node("decode", rate=1000.0, running=4, pull_bytes_per_s=1e6, pull_fixed_s=0.01)
+    choice = plan("auto", 1000, d, node("prefill", rate=1000.0))
+    assert choice == PlanChoice(DISAGGREGATED, pytest.approx(1.0), pytest.approx(1.0), {
+        DISAGGREGATED: pytest.approx(1.0 + 0.01 + 0.063), LOCAL: pytest.approx(5.0)})
+
+
+def test_a_prefix_the_decode_node_holds_keeps_the_prompt_there():
+    # 62 of the 63 blocks of 1000 tokens on the decode node: 8 tokens left (0.008 s, 5 times with 4 running)
+    d = node("decode", rate=1000.0, running=4, pull_bytes_per_s=1e6, pull_fixed_s=0.01)
+    choice = plan("auto", 1000, d, node("prefill", rate=1000.0), held_d=62)
+    assert choice.plan == LOCAL and choice.predicted_ttft_s == pytest.approx(0.008)
+    assert choice.costs == {DISAGGREGATED: pytest.approx(1.0 + 0.01 + 0.001), LOCAL: pytest.approx(0.04)}
+
+
+def test_a_prefix_on_the_prefill_node_is_pulled_unless_the_link_is_slower_than_recomputing():
+    # The prefill node holds the whole 1000-token prompt but one block: 8 tokens to compute there.
+    fast = node("decode", rate=1000.0, running=1, pull_bytes_per_s=1e6)
+    assert plan("auto", 1000, fast, node("prefill", rate=1000.0), held_p=62).costs == {
+        DISAGGREGATED: pytest.approx(0.008 + 0.063), LOCAL: pytest.approx(2.0)}
+    # 63 blocks over 1 kB/s: 63 s to pull; recomputing costs 2 s (1 s, and 1 s of the running sequence's)
+    slow = node("decode", rate=1000.0, running=1, pull_bytes_per_s=1e3)
+    assert plan("auto", 1000, slow, node("prefill", rate=1000.0), held_p=62) == PlanChoice(
+        LOCAL, pytest.approx(1.0), pytest.approx(1.0),
+        {DISAGGREGATED: pytest.approx(63.008), LOCAL: pytest.approx(2.0)})
+
+
+def test_queues_count_and_a_decode_node_that_never_prefilled_borrows_the_prefill_rate():
+    # prefill node: 3000 tokens queued ahead (3 s); decode node: 400 (0.4 s), 2 running, no rate of its own
+    d = node("decode", queued=400, running=2)
+    choice = plan("auto", 500, d, node("prefill", rate=1000.0, queued=3000))
+    assert choice == PlanChoice(LOCAL, pytest.approx(0.9), pytest.approx(0.9), {DISAGGREGATED: pytest.approx(3.5),
+                                                           LOCAL: pytest.approx(0.9 + 2 * 0.5)})
+
+
+def test_nothing_measured_takes_the_prefill_node_and_the_modes_force_a_plan():
+    unmeasured = plan("auto", 100, node("decode"), node("prefill"))
+    assert unmeasured.plan == DISAGGREGATED and unmeasured.costs == {}
+    assert math.isnan(unmeasured.model_ttft_s) and math.isnan(unmeasured.predicted_ttft_s)
+    d, p = node("decode", rate=1000.0), node("prefill", rate=500.0)
+    assert plan("always", 100, d, p) == PlanChoice(DISAGGREGATED, pytest.approx(0.2), pytest.approx(0.2), {})
+    assert plan("never", 100, d, p) == PlanChoice(LOCAL, pytest.approx(0.1), pytest.approx(0.1), {})
+    # no prefill node with room
+    assert plan("auto", 100, d, None) == PlanChoice(LOCAL, pytest.approx(0.1), pytest.approx(0.1), {})
+    with pytest.raises(ValueError, match="disaggregation must be one of always, never, auto, got 'sometimes'"):
+        plan("sometimes", 100, d, p)
+
+
+def keys(n: int) -> list[BlockKey]:
+    return [bytes([i]) * 16 for i in range(n)]
+
+
+def test_placing_by_plan_queues_a_local_prompt_on_its_decode_node_and_full_prefill_nodes_go_local_under_auto():
+    nodes = NodeSet(["http://p0"], ["http://d0"], block_size_tokens=B, disaggregation="auto")
+    (p,), (d,) = nodes.prefill, nodes.decode
+    p.capacity = NodeCapacity(1000, 1000, 64, 512, 1000.0, 0.02)
+    d.capacity = NodeCapacity(1000, 1000, 64, 512, 1000.0, 0.02)
+    short = Need(prompt_tokens=100, prefill_blocks=7, decode_blocks=8, seqs=1)
+    local = nodes.place(short, keys(7))
+    assert local is not None and local.prefill is None and local.choice.plan == LOCAL
+    assert (d.queued_tokens, p.queued_tokens, p.reserved_blocks) == (100, 0, 0)
+    local.prefilled()
+    assert d.queued_tokens == 0
+    local.release()
+    # The prefill node is full (its queue bound is 4 steps of 512 tokens): under auto the decode node takes it
+    p.queued_tokens, p.reserved_blocks = 2048, 1
+    went_local = nodes.place(short, keys(7))
+    assert went_local.prefill is None and went_local.choice.plan == LOCAL and d.queued_tokens == 100
+    went_local.release()
+    nodes.disaggregation = "always"
+    assert nodes.place(short, keys(7)) is None  # waits for the prefill node
+    p.queued_tokens, p.reserved_blocks = 0, 0
+    remote = nodes.place(short, keys(7))
+    assert remote.prefill is p and remote.choice.plan == DISAGGREGATED
+    assert (p.queued_tokens, d.queued_tokens) == (100, 0)
+    with pytest.raises(ValueError, match="disaggregation must be one of"):
+        NodeSet([], ["http://d0"], block_size_tokens=B, disaggregation="yes")
+
+
+def test_pull_rates_fit_a_fixed_time_and_a_bandwidth():
+    rates = PullRates()
+    assert (rates.bytes_per_s, rates.fixed_s, rates.predict_s(10**6)) == (0.0, 0.0, 0.0)
+    rates.observe(10**6, 0.5)  # the first pull runs cold (a new connection): it stands until the second
+    assert (rates.bytes_per_s, rates.fixed_s) == (pytest.approx(2e6), 0.0)
+    rates.observe(3 * 10**6, 0.031)  # one sample of one size: the ratio, no fixed part
+    assert (rates.bytes_per_s, rates.fixed_s) == (pytest.approx(3 * 10**6 / 0.031), 0.0)
+    rates.observe(10**6, 0.011)  # the line through both: 0.001 s + bytes / 1e8
+    assert (rates.bytes_per_s, rates.fixed_s) == (pytest.approx(1e8), pytest.approx(0.001))
+    for size in (2 * 10**6, 5 * 10**6, 10**5):
+        rates.observe(size, 0.001 + size / 1e8)
+    assert rates.predict_s(4 * 10**6) == pytest.approx(0.041)
+    rates.observe(0, 1.0)  # ignored
+    rates.observe(10**6, 0.0)
+    assert rates.predict_s(4 * 10**6) == pytest.approx(0.041)
+
+
+def test_calibration_maps_the_model_to_measured_times_and_the_plan_follows_it():
+    cal = TtftCalibration()
+    assert cal.predict(LOCAL, 0.2) == 0.2  # nothing measured: the model as it is
+    cal.observe(LOCAL, 0.1, 0.6)  # the first request of a plan runs cold: not used
+    assert cal.predict(LOCAL, 0.2) == 0.2 and cal.predict(DISAGGREGATED, 0.2) == 0.2
+    cal.observe(LOCAL, 0.1, 0.25)  # replaces it: an offset of 0.15 s
+    assert cal.predict(LOCAL, 0.2) == pytest.approx(0.35)
+    cal.observe(LOCAL, 0.3, 0.65)  # two warm samples: the line through both, actual = 0.05 + 2 * model
+    line = cal.lines[LOCAL]
+    assert (line.intercept, line.slope, cal.predict(LOCAL, 0.2)) == (pytest.approx(0.05), pytest.approx(2.0),
+                                                                     pytest.approx(0.45))
+    fast = TtftCalibration()  # the model overestimates: an offset below 0, never a time below 0
+    for model_s, actual_s in ((0.5, 0.5), (0.5, 0.2), (0.5, 0.2)):
+        fast.observe(DISAGGREGATED, model_s, actual_s)
+    assert fast.predict(DISAGGREGATED, 0.4) == pytest.approx(0.1) and fast.predict(DISAGGREGATED, 0.1) == 0.0
+    cal.observe(LOCAL, float("nan"), 1.0)  # no model time: skipped
+    assert line.samples == 3
+    # A local prefill measured 3x slower than the model (and 0.05 s more) loses to an idle prefill node.
+    slow_local = TtftCalibration()
+    for model_s in (0.1, 0.1, 0.2, 0.4):
+        slow_local.observe(LOCAL, model_s, 0.05 + 3 * model_s)
+    d, p = node("decode", rate=1000.0, pull_bytes_per_s=1e6), node("prefill", rate=1000.0)
+    assert plan("auto", 200, d, p).plan == LOCAL
+    choice = plan("auto", 200, d, p, calibration=slow_local)
+    assert choice == PlanChoice(DISAGGREGATED, pytest.approx(0.2), pytest.approx(0.2), {
+        DISAGGREGATED: pytest.approx(0.2 + 0.013), LOCAL: pytest.approx(0.65)})
