@@ -9,7 +9,7 @@ TINY_DIR := .models/tiny
 PYTEST_ARGS ?=
 
 .PHONY: serve model test bench bench-real bench-long-context bench-families bench-load bench-goodput bench-first-run \
-	lint gpu-check clean
+	bench-structured lint gpu-check clean
 
 $(BIN)/kvrelay: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -93,6 +93,15 @@ bench-first-run: $(BIN)/kvrelay model
 	mkdir -p bench-out
 	bash $(PEER) setup
 	$(BIN)/kvrelay bench vllm-client --model $(MODEL_DIR) --concurrency 16,64,256 --out bench-out/vllm-client.json
+
+# Constrained decoding (issue 32): TPOT of 16 concurrent chat requests each with a JSON schema over the same requests
+# unconstrained (each decoding as many tokens as its constrained twin), kvrelay 1P1D and vLLM's CPU build in one run,
+# with the share of valid outputs, first-request TTFT with a new schema and the compile time per schema (~10-15 min,
+# vLLM's start ~2-3.5 of them; `kvrelay bench structured --quick --no-vllm` for a few-minute look at kvrelay alone).
+bench-structured: $(BIN)/kvrelay model
+	mkdir -p bench-out
+	bash $(PEER) setup
+	$(BIN)/kvrelay bench structured --model $(MODEL_DIR) --peer-script $(PEER) --out bench-out/structured.json
 
 lint: $(BIN)/kvrelay
 	$(BIN)/ruff check .

@@ -8,7 +8,7 @@
                      [--min-tokens N --ignore-eos --json]
     kvrelay store stats|clear|verify --config FILE [--node NAME]
     kvrelay bench memory|decode|cuda-graphs|hybrid-kv|kernel|tiers|transfer|serve|goodput|long-context|load|
-                  migration|disk-prefix|vllm-client
+                  migration|disk-prefix|vllm-client|structured
                   [...]
 """
 
@@ -162,6 +162,11 @@ def serve_config(args: argparse.Namespace, *, free_port: int) -> dict[str, Any]:
             router[key] = getattr(args, key)
     if args.api_key is not None:
         router["api_keys"] = [args.api_key]
+    if args.tool_call_parser is not None:
+        router["tool_call_parser"] = args.tool_call_parser
+    for key in ("enable_auto_tool_choice", "return_tokens_as_token_ids"):
+        if getattr(args, key):
+            router[key] = True
     for key in ("prefill_urls", "decode_urls", "prefill_dns", "decode_dns"):  # the one node is this machine's
         router.pop(key, None)
     section("prefill")["ports"] = []
@@ -229,7 +234,8 @@ def _cmd_role(args: argparse.Namespace) -> int:
 
 
 BENCH_NAMES = ("bandwidth", "cache-policies", "cuda-graphs", "decode", "disk-prefix", "dtype", "goodput", "hybrid-kv",
-               "kernel", "load", "long-context", "memory", "migration", "serve", "tiers", "transfer", "vllm-client")
+               "kernel", "load", "long-context", "memory", "migration", "serve", "structured", "tiers",
+               "transfer", "vllm-client")
 
 
 def _bench_main(name: str) -> Callable[[list[str]], int]:
@@ -263,6 +269,8 @@ def _bench_main(name: str) -> Callable[[list[str]], int]:
         from benchmarks.migration_bench import main
     elif name == "serve":
         from benchmarks.serve_bench import main
+    elif name == "structured":
+        from benchmarks.structured_bench import main
     elif name == "tiers":
         from benchmarks.tier_bench import main
     elif name == "transfer":
@@ -292,6 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     from deploy.service_config import ATTENTION_BACKENDS
     from deploy.store_cmd import add_store_parser
     from model.dtype_names import DTYPE_CHOICES
+    from router.tool_calls import PARSER_NAMES
 
     parser = argparse.ArgumentParser(prog="kvrelay", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -362,6 +371,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="engine.enable_prefix_caching")
     p.add_argument("--enforce-eager", action="store_true",
                    help="engine.cuda_graphs: false (no CUDA graphs; every decode step runs eagerly)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='router.enable_auto_tool_choice: tool_choice "auto" (the default with tools) parses the '
+                        "output for tool calls")
+    p.add_argument("--tool-call-parser", default=None, choices=PARSER_NAMES,
+                   help="router.tool_call_parser: how tool calls are written (default: the one the model's chat "
+                        "template or family implies)")
+    p.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help='router.return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"')
     p.set_defaults(func=_cmd_serve)
     for role in ("router", "prefill", "decode"):
         p = sub.add_parser(role, help=f"run one {role} process (for separate deployments)")

@@ -131,6 +131,8 @@ def build_app(config: Any, role: str, index: int, *, name: str | None = None,
             decode_reserve_tokens=r.decode_reserve_tokens, migration_limit=r.migration_limit,
             body_read_timeout_s=r.body_read_timeout_s,
             write_stall_timeout_s=r.write_stall_timeout_s, disaggregation=r.disaggregation,
+            tool_call_parser=r.tool_call_parser, enable_auto_tool_choice=r.enable_auto_tool_choice,
+            return_tokens_as_token_ids=r.return_tokens_as_token_ids,
         ))
         return router.make_app(), r.host, r.port
     from engine.worker import EngineWorker

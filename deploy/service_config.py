@@ -25,7 +25,7 @@
                max_concurrent_requests, max_connections_per_node, connect_timeout_s, prefill_urls, decode_urls,
                prefill_dns, decode_dns, dns_interval_s, max_queued_requests, max_queued_bytes, queue_timeout_s,
                decode_reserve_tokens, migration_limit, body_read_timeout_s, write_stall_timeout_s, keepalive_timeout_s,
-               disaggregation}
+               disaggregation, tool_call_parser, enable_auto_tool_choice, return_tokens_as_token_ids}
               (body_read_timeout_s, default 30: a request body not in within it gets 408, and holds no admission
               slot meanwhile; write_stall_timeout_s, default 30: a client that takes no write of its answer for
               that long is dropped and its request ended; keepalive_timeout_s, default 75: an idle client
@@ -46,6 +46,7 @@ from deploy.sizes import ConfigError, parse_size
 from engine.long_context import COUNTS, POLICIES, SELECTIONS, LongContextConfig
 from model.dtype_names import AUTO, DTYPE_CHOICES
 from router.plan import MODES as DISAGGREGATION_MODES
+from router.tool_calls import PARSER_NAMES
 from transfer.config import PUBLISH_FAULTS
 from transfer.discovery import parse_dns_name
 
@@ -126,7 +127,16 @@ class RouterSection:
     write_stall_timeout_s: float = 30.0
     keepalive_timeout_s: float = 75.0  # an idle client connection is closed after this (aiohttp's default: 3630)
     disaggregation: str = "auto"  # always | never | auto (router.plan)
+    tool_call_parser: str | None = None  # vLLM's --tool-call-parser (router.tool_calls); None: by model family
+    enable_auto_tool_choice: bool = False  # vLLM's --enable-auto-tool-choice: tool_choice auto is parsed
+    return_tokens_as_token_ids: bool = False  # vLLM's --return-tokens-as-token-ids: logprob tokens as token_id:N
 
+
+
+def _parser_name(v: Any) -> str:
+    if v not in PARSER_NAMES:
+        raise ValueError(f"is not a tool-call parser (--tool-call-parser): use one of {', '.join(PARSER_NAMES)}")
+    return v
 
 class Section:
     """Typed reads from one YAML mapping; each read removes its key so leftovers can be reported."""
@@ -312,7 +322,10 @@ def parse_services(root: Section, *, base_dir: Path, env: Mapping[str, str] | No
                            r.take("body_read_timeout_s", positive_float, 30.0),
                            r.take("write_stall_timeout_s", positive_float, 30.0),
                            r.take("keepalive_timeout_s", positive_float, 75.0),
-                           r.take("disaggregation", one_of(DISAGGREGATION_MODES), "auto"))
+                           r.take("disaggregation", one_of(DISAGGREGATION_MODES), "auto"),
+                           r.take("tool_call_parser", _parser_name, None),
+                           r.take("enable_auto_tool_choice", boolean, False),
+                           r.take("return_tokens_as_token_ids", boolean, False))
     r.done()
     internal = InternalSection(bind, token, drain_timeout_s, node_keepalive_s, persist_timeout_s)
     return {"model": model, "engine": engine, "internal": internal,

@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry
 from engine.block_tables import BlockTables, held
 from engine.cuda_graphs import try_capture
 from engine.engine_config import EngineConfig
+from engine.grammar import GrammarError, Grammars, apply_masks, lift_min_tokens
 from engine.kv_layout import kv_block_spec
 from engine.kv_policy import KvPolicies
 from engine.long_context import LongContextConfig
@@ -116,6 +117,7 @@ class LLMEngine:
         self.spec = spec
         self.max_model_len = self.config.max_model_len or cfg.max_context_tokens
         self.eos_token_ids = frozenset(cfg.eos_token_ids)
+        self.grammars = Grammars(loaded.model_dir, cfg.vocab_size, sorted(self.eos_token_ids))
         if store_config is None:
             store_config = TieredStoreConfig(num_device_blocks=self.config.num_blocks, device=str(device))
         self.store = TieredStore(self.spec, store_config, registry=registry)
@@ -283,6 +285,12 @@ class LLMEngine:
                 seq = self._new_sequence(request_id, index, prompt + toks, len(prompt), params, salt)
                 seq.forked = True
                 req.seqs.append(seq)
+        if params.structured_outputs is not None:
+            try:  # compiled before (the nodes and LLM do it off this thread): a cache hit
+                for seq in req.seqs:
+                    seq.matcher = self.grammars.matcher(params.structured_outputs, seq.output_token_ids)
+            except GrammarError as exc:
+                raise RequestError(str(exc)) from None
         if block_keys is not None:
             for seq in req.seqs:
                 seq.block_keys = list(block_keys)  # the prompt's full blocks are the same in prompt + outputs
@@ -365,9 +373,24 @@ class LLMEngine:
                 token_generator(s.seed, s.index, s.num_output_tokens, self._device) for s, _ in pairs]
         histories = [(s.token_ids[:s.num_prompt_tokens], s.output_token_ids) if s.params.adjusts_logits else None
                      for s, _ in pairs]
-        tokens, logprobs = sample(result.logits.index_select(0, rows), [s.params for s, _ in pairs], gens,
-                                  histories, self.eos_token_ids)
+        logits = result.logits.index_select(0, rows)
+        params = [s.params for s, _ in pairs]
+        matchers = [s.matcher for s, _ in pairs]
+        if any(m is not None for m in matchers):
+            logits = logits.float()
+            apply_masks(logits, matchers)
+            params = [p if s.matcher is None else lift_min_tokens(p, logits[i], s.num_output_tokens,
+                                                                  self.eos_token_ids)
+                      for i, ((s, _), p) in enumerate(zip(pairs, params, strict=True))]
+        tokens, logprobs = sample(logits, params, gens, histories, self.eos_token_ids)
         for (seq, _), tok, lp in zip(pairs, tokens, logprobs, strict=True):
+            if seq.matcher is not None and not seq.matcher.accept(tok):
+                log.error("%s (sample %d): token %d is outside its grammar; ending it", seq.request_id, seq.index,
+                          tok)
+                seq.matcher = None
+                self.scheduler.finish(seq, "stop")
+                outputs.append(StepOutput(seq.request_id, seq.index, [], True, "stop", seq.num_cached_prompt_tokens))
+                continue
             outputs.append(self._append_token(seq, tok, lp))
         self.rates.observe(prefill_tokens=sum(c.num_tokens for c in sched.prefills), decode_seqs=len(sched.decodes),
                            seconds=time.perf_counter() - t0)
@@ -459,6 +482,7 @@ class LLMEngine:
                     child.long_context = seq.long_context
                     child.num_absent_tokens = seq.num_absent_tokens
                     child.keys_stopped = seq.keys_stopped
+                    child.matcher = None if seq.matcher is None else seq.matcher.fork()
                     self.policies.fork(seq, child)
                     self.scheduler.add_running(child)
                     req.seqs.append(child)
@@ -469,6 +493,8 @@ class LLMEngine:
         """Why ``seq`` stops after ``tok`` (already appended), or None."""
         p = seq.params
         if (not p.ignore_eos and tok in self.eos_token_ids) or tok in p.stop_token_ids:
+            return "stop"
+        if seq.matcher is not None and seq.matcher.terminated:  # the grammar ended (ignore_eos or not)
             return "stop"
         if seq.num_output_tokens >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
             return "length"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from engine.grammar import Matcher
 from engine.long_context import LongContextConfig
 from kvstore.block_key import BlockKey
 from model.sampling import SamplingParams
@@ -63,6 +64,7 @@ class Sequence:
     keys_stopped: bool = False  # a policy rewrote block_table: no more of its blocks are keyed
     kv_corrupt: bool = False  # set during a step by a policy, cleared by the engine after it (see above)
     kv_recomputes: int = 0  # times its KV was recomputed after a failed integrity check
+    matcher: Matcher | None = None  # its grammar's state, when the request is constrained (engine.grammar)
 
     @property
     def num_output_tokens(self) -> int:

@@ -5,5 +5,6 @@ The servers are the ``kvrelay`` command (`deploy.cli`); the packages beside this
 
 from kvrelay.llm import LLM, CompletionOutput, RequestOutput
 from model.sampling_params import SamplingParams
+from model.structured import StructuredOutput, StructuredOutputsParams
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "StructuredOutput", "StructuredOutputsParams"]

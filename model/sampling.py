@@ -93,8 +93,10 @@ def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
 
 
 def token_logprobs(logits: torch.Tensor, params: SamplingParams, token: int) -> TokenLogprobs:
+    """``token``'s logprob and the top ``params.logprobs`` alternatives that could have been drawn: a token top-k,
+    top-p, min-p or a grammar ruled out (-inf) is none (and -inf is no JSON number)."""
     logp = torch.log_softmax(sampling_scores(logits, params), dim=-1)
-    k = min(params.logprobs or 0, logp.shape[-1])
+    k = min(params.logprobs or 0, int(torch.isfinite(logp).sum()))
     top = torch.topk(logp, k) if k else None
     pairs = tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top is not None else ()
     return TokenLogprobs(float(logp[token]), pairs)

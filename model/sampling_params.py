@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from model.structured import StructuredOutput, StructuredOutputsParams
+
 MAX_LOGPROBS = 20  # top alternatives per token (as OpenAI's top_logprobs and vLLM's default)
 
 
@@ -21,6 +23,10 @@ class SamplingParams:
     vLLM); ``frequency_penalty`` times its count in the output and ``presence_penalty`` once if it
     occurs there are subtracted (OpenAI). Then temperature, ``min_p`` (drop tokens below ``min_p`` times
     the top token's probability), top-k, top-p.
+
+    ``structured_outputs``: the output must match it (`model.structured`); tokens that would leave it are
+    masked out before everything above (`engine.grammar`), and the request stops (``stop``) once the
+    grammar has ended, ``ignore_eos`` notwithstanding.
 
     Raises:
         ValueError: naming the parameter and the allowed range.
@@ -41,6 +47,8 @@ class SamplingParams:
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)  # (token id, bias), ids distinct
     logprobs: int | None = None  # return each token's logprob and this many top alternatives (None: none)
+    # constrained decoding (None: free text); a StructuredOutputsParams (vLLM's spelling) becomes a StructuredOutput
+    structured_outputs: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -70,6 +78,11 @@ class SamplingParams:
         ids = [t for t, _ in self.logit_bias]
         if len(set(ids)) != len(ids) or not all(-100.0 <= b <= 100.0 for _, b in self.logit_bias):
             raise ValueError("logit_bias must map distinct token ids to biases in [-100, 100]")
+        if isinstance(self.structured_outputs, StructuredOutputsParams):
+            object.__setattr__(self, "structured_outputs", self.structured_outputs.to_structured())
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutput):
+            raise ValueError("structured_outputs must be a StructuredOutput or StructuredOutputsParams, got "
+                             f"{type(self.structured_outputs).__name__}")
 
     @property
     def greedy(self) -> bool:

@@ -100,8 +100,15 @@ class Tokenizer:
             self._id_to_bytes[token_id] = data
         return data
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
+                            tools: list[dict[str, Any]] | None = None) -> str:
         """Render ``messages`` (``[{"role": ..., "content": ...}, ...]``) with the chat template.
+
+        ``tools``: the functions the model may call, in OpenAI's shape (``[{"type": "function", "function":
+        {"name", "description", "parameters"}}]``), as transformers passes them (templates that take none
+        ignore them). Messages may carry what tool-use templates read: an assistant's ``tool_calls``
+        (``[{"type": "function", "function": {"name", "arguments": {...}}}]``, arguments an object) and a tool
+        result's ``tool_call_id``.
 
         Raises:
             ValueError: the model has no chat template.
@@ -112,7 +119,7 @@ class Tokenizer:
         if self._compiled_template is None:
             self._compiled_template = compile_chat_template(self.chat_template)
         return self._compiled_template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt, tools=None, documents=None,
+            messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, documents=None,
             **self._special_tokens,
         )
 

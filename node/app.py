@@ -32,6 +32,7 @@ import torch
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from engine.grammar import GrammarError
 from engine.step_rates import PullRates
 from engine.worker import EngineWorker
 from kvstore.block_key import BlockKey
@@ -287,6 +288,12 @@ class EngineNode:
         except WireError as exc:
             self.metrics.request_done("bad_request")
             return msgpack_response({"error": str(exc)}, status=400)
+        if msg.params.structured_outputs is not None:  # compiled here, off the engine thread (then a cache hit)
+            try:
+                await asyncio.to_thread(self.engine.grammars.compile, msg.params.structured_outputs)
+            except GrammarError as exc:
+                self.metrics.request_done("bad_request")
+                return msgpack_response({"error": str(exc)}, status=400)
         return msg
 
     def block_keys_of(self, msg: GenerationMessage) -> list[BlockKey] | None:

@@ -85,6 +85,8 @@ class PrefillService(EngineNode):
         """Why a sample ends with its first token ``tok``, or None when decode continues it."""
         if (not params.ignore_eos and tok in self.engine.eos_token_ids) or tok in params.stop_token_ids:
             return "stop"
+        if params.structured_outputs is not None and tok in self.engine.eos_token_ids:
+            return "stop"  # a grammar admits a stop token only once it has ended (engine.grammar)
         if params.max_tokens <= 1 or prompt_len + 1 >= self.engine.max_model_len:
             return "length"
         return None

@@ -33,18 +33,16 @@ from router.openai_api import (
     ApiError,
     GenerationRequest,
     ServedModel,
-    full_response,
-    logprobs_body,
     parse_chat,
     parse_completions,
     parse_detokenize,
     parse_tokenize,
-    stream_chunk,
-    usage_chunk,
 )
+from router.openai_responses import full_response, logprobs_body, next_text_offset, stream_chunk, usage_chunk
 from router.plan import PlanChoice
 from router.queue import QueueConfig, QueueMetrics, Ticket
 from router.text_output import SampleText
+from router.tool_calls import ParsedOutput, ToolStream, default_parser
 from transfer.bounded_write import write_within
 from transfer.discovery import Resolver, getaddrinfo_resolver
 from transfer.wire import TENANT_SALT_BYTES
@@ -163,8 +161,15 @@ class Router:
             decode_reserve_tokens=cfg.decode_reserve_tokens), queue_metrics=self.metrics.queue_metrics(),
             migration_limit=cfg.migration_limit, migrated=lambda outcome: self.metrics.migrations.labels(outcome).inc(),
             planned=self.metrics.planned)
-        self.served = ServedModel(cfg.model_name, info.vocab_size, info.max_model_len, cfg.max_n,
-                                  load_tokenizer(cfg.model_dir))
+        tokenizer = load_tokenizer(cfg.model_dir)
+        parser = cfg.tool_call_parser or default_parser(
+            cfg.model_dir, tokenizer.chat_template if tokenizer is not None else None)
+        if cfg.enable_auto_tool_choice and parser is None:
+            log.warning("router.enable_auto_tool_choice is set but no tool-call parser fits %s; tool_choice auto "
+                        "is refused until router.tool_call_parser (--tool-call-parser) names one", cfg.model_dir)
+        self.served = ServedModel(cfg.model_name, info.vocab_size, info.max_model_len, cfg.max_n, tokenizer,
+                                  tool_call_parser=parser, enable_auto_tool_choice=cfg.enable_auto_tool_choice,
+                                  return_tokens_as_token_ids=cfg.return_tokens_as_token_ids)
         self.membership.start(self.nodes, on_change=self.dispatcher.queue.pump)
         self._pump_task = asyncio.create_task(self._pump_periodically())
 
@@ -333,7 +338,7 @@ class Router:
     async def _complete(self, reqs: list[GenerationRequest], salt: bytes, tickets: list[Ticket]) -> web.Response:
         assert self.served is not None
         req, choices = reqs[0], [r for r in reqs for _ in range(r.params.n)]
-        texts = [SampleText(self.served.tokenizer, r.stop) for r in choices]
+        texts = [self._sample_text(r) for r in choices]
         parts: list[list[str]] = [[r.echo_text] if r.echo_text else [] for r in choices]
         reasons: list[str | None] = [None] * len(choices)
         token_ids: list[list[int]] = [[] for _ in choices]
@@ -363,17 +368,29 @@ class Router:
         timer.observe(self.metrics)
         self.metrics.requests.labels("router", "200").inc()
         tok = self.served.tokenizer
+        outputs = ["".join(p) for p in parts]
+        parsed: list[ParsedOutput | None] = [None] * len(choices)
+        for i, r in enumerate(choices):  # with tools: each choice's calls, parsed on its own
+            if r.tool_output is not None:
+                parsed[i] = r.tool_output.parse(outputs[i])
+                reasons[i] = r.tool_output.finish_reason(parsed[i], reasons[i] or "stop")
         return web.json_response(full_response(
-            req, self.served.name, ["".join(p) for p in parts], reasons, sum(t.num_tokens for t in texts),
+            req, self.served.name, outputs, reasons, sum(t.num_tokens for t in texts),
             [logprobs_body(req, tok, ids, lps) for ids, lps in zip(token_ids, logprobs, strict=True)],
-            prompt_tokens=sum(len(r.prompt_token_ids) for r in reqs)))
+            prompt_tokens=sum(len(r.prompt_token_ids) for r in reqs), parsed=parsed))
+
+    def _sample_text(self, req: GenerationRequest) -> SampleText:
+        assert self.served is not None
+        keep = req.tool_output.keep_token_ids if req.tool_output is not None else frozenset()
+        return SampleText(self.served.tokenizer, req.stop, keep_special_ids=keep)
 
     async def _stream(self, request: web.Request, reqs: list[GenerationRequest], salt: bytes,
                       tickets: list[Ticket]) -> web.StreamResponse:
         assert self.served is not None
         name = self.served.name
         req, choices = reqs[0], [r for r in reqs for _ in range(r.params.n)]
-        texts = [SampleText(self.served.tokenizer, r.stop) for r in choices]
+        texts = [self._sample_text(r) for r in choices]
+        tools: list[ToolStream | None] = [r.tool_output.stream() if r.tool_output else None for r in choices]
         reasons: list[str | None] = [None] * len(choices)
         offsets = [0] * len(choices)  # completions' text_offset of each choice's next token
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -397,10 +414,18 @@ class Router:
                 if first and choices[i].echo_text:
                     text = choices[i].echo_text + text
                 lp = logprobs_body(req, self.served.tokenizer, delta.token_ids, delta.logprobs, offsets[i])
-                if lp is not None and req.kind == "completion" and lp["tokens"]:
-                    offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+                if lp is not None and req.kind == "completion":
+                    offsets[i] = next_text_offset(self.served.tokenizer, delta.token_ids, offsets[i])
+                calls, tool_stream, tool_output = None, tools[i], choices[i].tool_output
+                if tool_stream is not None and tool_output is not None:
+                    calls = tool_stream.feed(text)
+                    if reasons[i] is not None:
+                        calls = calls.then(tool_stream.finish())
+                        reasons[i] = tool_output.finish_reason(tool_stream.result(), reasons[i])
+                    elif not (first or calls.content or calls.calls or lp):
+                        continue  # text held back as possible markup: nothing to send yet
                 await self._write(request, resp, _sse(stream_chunk(req, name, i, text, reasons[i], first=first,
-                                                                   logprobs=lp)))
+                                                                   logprobs=lp, tools=calls)))
                 if all(r is not None for r in reasons):
                     break
         except ApiError as exc:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from engine.long_context import LongContextConfig
 from kvstore.checks import require_int
 from router.plan import MODES
+from router.tool_calls import PARSER_NAMES
 from transfer.discovery import parse_dns_name
 
 
@@ -51,6 +52,11 @@ class RouterConfig:
     # and its request ended on the nodes.
     write_stall_timeout_s: float = 30.0
     long_context: LongContextConfig = LongContextConfig()  # the decode nodes' default (decode.long_context)
+    # vLLM's flags. tool_choice "auto" (the default with tools) parses the output for calls only when enabled, with
+    # this parser (`router.tool_calls`; None: the one the model's chat template or family implies).
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    return_tokens_as_token_ids: bool = False  # the default of the request field (logprobs' tokens as "token_id:N")
 
     def __post_init__(self) -> None:
         """Raises ValueError naming the field (as in the YAML ``router`` section)."""
@@ -71,6 +77,9 @@ class RouterConfig:
         require_int("max_queued_bytes", self.max_queued_bytes)
         require_int("decode_reserve_tokens", self.decode_reserve_tokens)
         require_int("migration_limit", self.migration_limit, minimum=0)
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSER_NAMES:
+            raise ValueError(f"tool_call_parser (--tool-call-parser) must be one of {', '.join(PARSER_NAMES)}, got "
+                             f"{self.tool_call_parser!r}")
         if self.disaggregation not in MODES:
             raise ValueError(f"disaggregation must be one of {', '.join(MODES)}, got {self.disaggregation!r}")
         for name in ("request_timeout_s", "node_retry_s", "startup_timeout_s", "connect_timeout_s", "dns_interval_s",

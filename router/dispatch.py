@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 from kvstore.block_key import block_keys
 from model.sampling_params import TokenLogprobs
+from model.structured import GRAMMAR_ERROR_PREFIX
 from router.backends import Backends, NodeRefused, NodeUnavailable
 from router.node_state import Node
 from router.nodes import NodeSet, Reservation
@@ -153,7 +154,7 @@ class Dispatcher:
                 self.nodes.mark_down(node, str(exc))
             except NodeRefused as exc:
                 if exc.status != 429:
-                    raise ApiError(exc.status, exc.message) from None
+                    raise ApiError(exc.status, exc.message, param=_param_of(req, exc)) from None
                 full = exc  # this node is at capacity: another may not be
             finally:
                 node.in_flight -= 1
@@ -331,11 +332,17 @@ class Dispatcher:
                         resume_token_ids=[None if done else list(toks) for toks, done in zip(sent, finished)]))
             except NodeRefused as exc:
                 if exc.status != 429:
-                    raise ApiError(exc.status, exc.message) from None
+                    raise ApiError(exc.status, exc.message, param=_param_of(req, exc)) from None
                 full = exc  # at capacity (refused before reading anything): try another decode node
             finally:
                 node.in_flight -= 1
             node = None
+
+
+def _param_of(req: GenerationRequest, exc: NodeRefused) -> str | None:
+    """The request field a node's 4xx is about, when the router can tell: a constraint the node could not
+    compile names the field it came from."""
+    return req.structured_param if exc.message.startswith(GRAMMAR_ERROR_PREFIX) else None
 
 
 @dataclass(slots=True)

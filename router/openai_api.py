@@ -1,4 +1,5 @@
-"""OpenAI-compatible request parsing and response shapes (``/v1/completions``, ``/v1/chat/completions``).
+"""OpenAI-compatible request parsing (``/v1/completions``, ``/v1/chat/completions``); the answers' shapes are in
+`router.openai_responses`.
 
 Parsing turns a JSON body into a `GenerationRequest` or raises `ApiError` with the HTTP status and
 a message that names the offending field. Unknown fields are ignored, as OpenAI's API does.
@@ -6,22 +7,26 @@ a message that names the offending field. Unknown fields are ignored, as OpenAI'
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from model.sampling_params import MAX_LOGPROBS, SamplingParams, TokenLogprobs
+from model.sampling_params import MAX_LOGPROBS, SamplingParams
+from model.structured import StructuredOutput
 from model.tokenizer import Tokenizer
+from router.structured_api import StructuredError, check_compiles, structured_from_body
+from router.tool_api import ToolError, ToolPlan, template_message, tool_plan
+from router.tool_calls import ToolOutput
 
 MAX_STOP_STRING_CHARS = 1024  # each; matched against the text at every token
 MAX_STOP_TOKEN_IDS = 64
 MAX_STOP_STRINGS = 4
-# Fields this server does not implement, with the values that mean "not used" and are accepted.
+# Fields this server does not implement, with the values that mean "not used" and are accepted (OpenAI's
+# deprecated functions / function_call: send tools / tool_choice).
 UNSUPPORTED_FIELD_TO_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []), "tool_choice": (None, "none"),
     "functions": (None, []), "function_call": (None, "none"), "suffix": (None, ""), "best_of": (None, 1),
-    "response_format": (None, {"type": "text"}),
 }
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
@@ -46,13 +51,19 @@ class ApiError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class ServedModel:
-    """What the router serves: the name clients use, limits, and the tokenizer."""
+    """What the router serves: the name clients use, limits, the tokenizer, and how the API behaves:
+    ``tool_call_parser`` finds calls for tool_choice ``auto`` (`router.tool_calls`; None: none fits the model),
+    which needs ``enable_auto_tool_choice`` (vLLM's flag); ``return_tokens_as_token_ids`` is the default of the
+    request field."""
 
     name: str
     vocab_size: int
     max_model_len: int
     max_n: int
     tokenizer: Tokenizer | None
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    return_tokens_as_token_ids: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +80,9 @@ class GenerationRequest:
     created: int
     long_context: dict[str, Any] | None = None  # ``kvrelay.long_context``: overrides of decode.long_context
     echo_text: str | None = None  # completions' ``echo``: the prompt's text, put before each choice's text
+    structured_param: str | None = None  # the field ``params.structured_outputs`` came from (400s name it)
+    tool_output: ToolOutput | None = None  # chat with tools: how each choice's text becomes tool calls
+    tokens_as_ids: bool = False  # logprobs name tokens "token_id:<id>" (vLLM's return_tokens_as_token_ids)
 
 
 def _kvrelay_extension(body: dict[str, Any]) -> dict[str, Any] | None:
@@ -206,9 +220,30 @@ def _sampling(body: dict[str, Any], served: ServedModel, prompt_len: int, *,
     params = SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=max(top_k, 0), seed=seed, n=n,
         stop_token_ids=tuple(stop_ids), ignore_eos=ignore_eos, min_tokens=min_tokens,
-        logit_bias=_logit_bias(body, served), logprobs=_logprobs(body, chat), **penalties,
+        logit_bias=_logit_bias(body, served), logprobs=_logprobs(body, chat),
+        structured_outputs=_structured(body, served), **penalties,
     )
     return params, stops
+
+
+def _structured(body: dict[str, Any], served: ServedModel) -> StructuredOutput | None:
+    """The constraint the body asks for (`router.structured_api`), checked to compile. Raises ApiError(400)
+    naming the field."""
+    try:
+        out, param = structured_from_body(body)
+        if out is not None:
+            assert param is not None
+            if served.tokenizer is None:
+                raise StructuredError("structured outputs need the model's tokenizer; this model has none", param)
+            check_compiles(out, param)
+    except StructuredError as exc:
+        raise ApiError(400, str(exc), param=exc.param) from None
+    return out
+
+
+def _structured_param(body: dict[str, Any]) -> str | None:
+    """The field of an already parsed body (`_structured`) that constrains its output, or None."""
+    return structured_from_body(body)[1]
 
 
 def _logit_bias(body: dict[str, Any], served: ServedModel) -> tuple[tuple[int, float], ...]:
@@ -302,7 +337,8 @@ def parse_completions(body: Any, served: ServedModel) -> list[GenerationRequest]
             echo_text = one if isinstance(one, str) else (
                 served.tokenizer.decode(ids) if served.tokenizer is not None else "")
         out.append(GenerationRequest(f"cmpl-{uuid.uuid4().hex}", "completion", ids, params, stops, stream,
-                                     include_usage, created, extension, echo_text))
+                                     include_usage, created, extension, echo_text, _structured_param(body),
+                                     tokens_as_ids=_tokens_as_ids(body, served)))
     return out
 
 
@@ -324,8 +360,9 @@ def parse_tokenize(body: Any, served: ServedModel) -> list[int]:
     if tok is None:
         raise ApiError(400, "this model has no tokenizer", param="prompt")
     if "messages" in body:
-        return parse_chat({"model": body["model"], "messages": body["messages"], "max_tokens": 1},
-                          served, check_length=False).prompt_token_ids
+        chat = {"model": body["model"], "messages": body["messages"], "max_tokens": 1, "tools": body.get("tools"),
+                "tool_choice": "none"}
+        return parse_chat(chat, served, check_length=False).prompt_token_ids
     prompt = body.get("prompt")
     if not isinstance(prompt, str):
         raise ApiError(400, "prompt must be a string (or send messages)", param="prompt")
@@ -346,109 +383,73 @@ def parse_detokenize(body: Any, served: ServedModel) -> str:
 
 
 def parse_chat(body: Any, served: ServedModel, *, check_length: bool = True) -> GenerationRequest:
-    """``POST /v1/chat/completions``: messages rendered with the model's chat template.
-    ``check_length=False``: only render and tokenize (``/tokenize``), whatever the context window."""
+    """``POST /v1/chat/completions``: messages rendered with the model's chat template, with the ``tools``
+    (`router.tool_api`). ``check_length=False``: only render and tokenize (``/tokenize``), whatever the
+    context window."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     _check_model(body, served)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list", param="messages")
-    clean = []
-    for i, msg in enumerate(messages):
-        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
-            raise ApiError(400, f"messages[{i}] must be an object with a string role", param="messages")
-        content = msg.get("content")
-        if isinstance(content, list):  # content parts: only text is supported
-            parts = []
-            for part in content:
-                kind = part.get("type") if isinstance(part, dict) else None
-                if kind != "text" or not isinstance(part.get("text"), str):
-                    raise ApiError(400, f"messages[{i}].content: {str(kind)[:40]!r} parts are not supported; this "
-                                        "server takes text parts only", param="messages")
-                parts.append(part["text"])
-            content = "".join(parts)
-        if not isinstance(content, str):
-            raise ApiError(400, f"messages[{i}].content must be a string", param="messages")
-        clean.append({"role": msg["role"], "content": content})
     tok = served.tokenizer
+    try:
+        clean = [_message(i, msg) for i, msg in enumerate(messages)]
+        plan = tool_plan(body, parser=served.tool_call_parser, auto_enabled=served.enable_auto_tool_choice,
+                         tokenizer=tok)
+    except ToolError as exc:
+        raise ApiError(400, str(exc), param=exc.param) from None
     if tok is None or tok.chat_template is None:
         raise ApiError(400, "this model has no chat template; use /v1/completions", param="messages")
     try:
-        text = tok.apply_chat_template(clean, add_generation_prompt=True)
+        text = tok.apply_chat_template(clean, add_generation_prompt=True, tools=plan.tools)
     except Exception as exc:  # noqa: BLE001 - template errors are the client's messages' fault
         raise ApiError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
     ids = tok.encode(text, add_special_tokens=False)
     params, stops = _sampling(body, served, len(ids) if check_length else 0, chat=True)
+    structured_param = _structured_param(body)
+    params, structured_param = _tool_constraint(plan, params, structured_param)
     stream, include_usage = _stream_options(body)
     return GenerationRequest(f"chatcmpl-{uuid.uuid4().hex}", "chat", ids, params, stops, stream, include_usage,
-                             int(time.time()), _kvrelay_extension(body))
+                             int(time.time()), _kvrelay_extension(body), structured_param=structured_param,
+                             tool_output=plan.output, tokens_as_ids=_tokens_as_ids(body, served))
 
 
-# ------------------------------------------------------------------ responses
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def _message(i: int, msg: Any) -> dict[str, Any]:
+    """Message ``i`` for the chat template. Raises ApiError (text content only) or ToolError."""
+    if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
+        raise ApiError(400, f"messages[{i}] must be an object with a string role", param="messages")
+    content = msg.get("content")
+    if isinstance(content, list):  # content parts: only text is supported
+        parts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise ApiError(400, f"messages[{i}].content: {str(kind)[:40]!r} parts are not supported; this "
+                                    "server takes text parts only", param="messages")
+            parts.append(part["text"])
+        content = "".join(parts)
+    if not isinstance(content, str) and not (content is None and msg["role"] == "assistant"):
+        raise ApiError(400, f"messages[{i}].content must be a string", param="messages")
+    return template_message(i, msg, content)
 
 
-def logprobs_body(req: GenerationRequest, tokenizer: Tokenizer | None, token_ids: list[int],
-                  logprobs: list[TokenLogprobs] | None, text_offset: int = 0) -> dict[str, Any] | None:
-    """The ``logprobs`` of a choice (or of a stream chunk) for ``token_ids``, in OpenAI's shape: chat
-    ``{"content": [{token, logprob, bytes, top_logprobs}]}``, completions ``{tokens, token_logprobs,
-    top_logprobs, text_offset}`` (offsets from ``text_offset``). None when the request asked for none."""
-    if req.params.logprobs is None or logprobs is None:
-        return None
-
-    def text(tok: int) -> str:
-        return tokenizer.decode([tok], skip_special_tokens=False) if tokenizer is not None else f"token_id:{tok}"
-
-    if req.kind == "chat":
-        return {"content": [{
-            "token": text(tok), "logprob": lp.logprob, "bytes": list(text(tok).encode()),
-            "top_logprobs": [{"token": text(t), "logprob": v, "bytes": list(text(t).encode())} for t, v in lp.top],
-        } for tok, lp in zip(token_ids, logprobs, strict=True)]}
-    tokens = [text(tok) for tok in token_ids]
-    offsets = []
-    for t in tokens:
-        offsets.append(text_offset)
-        text_offset += len(t)
-    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [{text(t): v for t, v in lp.top} for lp in logprobs], "text_offset": offsets}
+def _tool_constraint(plan: ToolPlan, params: SamplingParams,
+                     structured_param: str | None) -> tuple[SamplingParams, str | None]:
+    """``params`` with the schema tool_choice ``required`` or a named function forces, and the field it came
+    from. Raises ApiError(400) naming tool_choice for a request constrained by another field too, or a schema
+    that is not one."""
+    if plan.constraint is None:
+        return params, structured_param
+    if params.structured_outputs is not None:
+        raise ApiError(400, f"tool_choice constrains the output to tool calls, and {structured_param} constrains "
+                            "it too; send one of them", param="tool_choice")
+    try:
+        check_compiles(plan.constraint, "tool_choice")
+    except StructuredError as exc:
+        raise ApiError(400, str(exc), param=exc.param) from None
+    return dataclasses.replace(params, structured_outputs=plan.constraint), "tool_choice"
 
 
-def full_response(req: GenerationRequest, model: str, texts: list[str], reasons: list[str | None],
-                  completion_tokens: int, logprobs: list[dict[str, Any] | None] | None = None,
-                  prompt_tokens: int | None = None) -> dict[str, Any]:
-    """``prompt_tokens``: of every prompt answered (several prompts in one request); default ``req``'s."""
-    lps = logprobs or [None] * len(texts)
-    if req.kind == "chat":
-        choices = [{"index": i, "message": {"role": "assistant", "content": t}, "finish_reason": r, "logprobs": lp}
-                   for i, (t, r, lp) in enumerate(zip(texts, reasons, lps))]
-        obj = "chat.completion"
-    else:
-        choices = [{"index": i, "text": t, "finish_reason": r, "logprobs": lp}
-                   for i, (t, r, lp) in enumerate(zip(texts, reasons, lps))]
-        obj = "text_completion"
-    return {"id": req.request_id, "object": obj, "created": req.created, "model": model, "choices": choices,
-            "usage": usage(len(req.prompt_token_ids) if prompt_tokens is None else prompt_tokens, completion_tokens)}
-
-
-def stream_chunk(req: GenerationRequest, model: str, index: int, text: str | None, reason: str | None,
-                 *, first: bool = False, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    if req.kind == "chat":
-        delta: dict[str, Any] = {"role": "assistant"} if first else {}
-        if text:
-            delta["content"] = text
-        choice = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
-        obj = "chat.completion.chunk"
-    else:
-        choice = {"index": index, "text": text or "", "finish_reason": reason, "logprobs": logprobs}
-        obj = "text_completion"
-    return {"id": req.request_id, "object": obj, "created": req.created, "model": model, "choices": [choice]}
-
-
-def usage_chunk(req: GenerationRequest, model: str, completion_tokens: int,
-                prompt_tokens: int | None = None) -> dict[str, Any]:
-    obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
-    return {"id": req.request_id, "object": obj, "created": req.created, "model": model, "choices": [],
-            "usage": usage(len(req.prompt_token_ids) if prompt_tokens is None else prompt_tokens, completion_tokens)}
+def _tokens_as_ids(body: dict[str, Any], served: ServedModel) -> bool:
+    return _get(body, "return_tokens_as_token_ids", bool, served.return_tokens_as_token_ids)

@@ -61,10 +61,18 @@ class SampleText:
 
     Text that could still turn out to be the start of a stop string is held back until it cannot.
     Without a tokenizer every delta is empty (the client sent token ids and reads token counts).
+    Special tokens are left out of the text, except ``keep_special_ids`` (a tool-call parser's markup that
+    the tokenizer makes special tokens, e.g. Mistral's ``[TOOL_CALLS]``).
     """
 
-    def __init__(self, tokenizer: Tokenizer | None, stops: tuple[str, ...]) -> None:
-        self._decoder = stream_decoder(tokenizer) if tokenizer is not None else None
+    def __init__(self, tokenizer: Tokenizer | None, stops: tuple[str, ...], *,
+                 keep_special_ids: frozenset[int] = frozenset()) -> None:
+        self._decoder = None
+        self._dropped: frozenset[int] = frozenset()  # ids left out before decoding (all specials but the kept)
+        if tokenizer is not None:
+            keep = bool(keep_special_ids)
+            self._decoder = stream_decoder(tokenizer, skip_special_tokens=not keep)
+            self._dropped = tokenizer.special_ids - keep_special_ids if keep else frozenset()
         self._scanner = StopScanner(stops)
         self._text = ""
         self._emitted = 0
@@ -78,6 +86,8 @@ class SampleText:
         self.num_tokens += len(token_ids)
         if self._decoder is None:
             return ""
+        if self._dropped:
+            token_ids = [t for t in token_ids if t not in self._dropped]
         return self._add(self._decoder.push(token_ids))
 
     def flush(self) -> str:

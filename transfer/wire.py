@@ -46,6 +46,7 @@ import msgpack
 
 from kvstore.block_key import BlockKey
 from model.sampling_params import MAX_LOGPROBS, SamplingParams, TokenLogprobs
+from model.structured import StructuredOutput
 from transfer.handle import BINDING_BYTES, KvHandle
 from transfer.lease import TierBlock
 from transfer.metadata import PROTOCOL_VERSION, AgentMeta, TierRegion
@@ -395,6 +396,8 @@ def params_to_wire(params: SamplingParams) -> dict[str, Any]:
     out = dataclasses.asdict(params)
     out["stop_token_ids"] = list(params.stop_token_ids)
     out["logit_bias"] = [[t, b] for t, b in params.logit_bias]
+    out["structured_outputs"] = (None if params.structured_outputs is None
+                                 else params.structured_outputs.to_wire())
     return out
 
 
@@ -437,6 +440,11 @@ def params_from_wire(value: Any, what: str = "params") -> SamplingParams:
     for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
         if name in kwargs:
             kwargs[name] = float(kwargs[name])
+    if value.get("structured_outputs") is not None:
+        try:
+            kwargs["structured_outputs"] = StructuredOutput.from_wire(value["structured_outputs"])
+        except ValueError as exc:
+            raise WireError(f"{what}.structured_outputs: {exc}") from None
     try:
         return SamplingParams(**kwargs)
     except ValueError as exc:

@@ -33,7 +33,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="module")
 def server(model_dir: str):  # noqa: ANN201
     # The P/D path (every prompt on the prefill node, whose cache counters the bench reads).
-    with Deployment(model_dir, overrides={"engine": {"max_num_seqs": 16}, "router": {"disaggregation": "always"}}) as dep:
+    overrides = {"engine": {"max_num_seqs": 16}, "router": {"disaggregation": "always"}}
+    with Deployment(model_dir, overrides=overrides) as dep:
         yield dep
 
 

@@ -95,7 +95,8 @@ def test_every_bench_name_resolves_to_its_main() -> None:
         "kernel": "benchmarks.kernel_bench", "load": "benchmarks.load",
         "long-context": "benchmarks.long_context_bench", "memory": "benchmarks.memory_bench",
         "migration": "benchmarks.migration_bench",
-        "serve": "benchmarks.serve_bench", "tiers": "benchmarks.tier_bench", "transfer": "benchmarks.transfer_bench",
+        "serve": "benchmarks.serve_bench", "structured": "benchmarks.structured_bench",
+        "tiers": "benchmarks.tier_bench", "transfer": "benchmarks.transfer_bench",
             "vllm-client": "benchmarks.vllm_client"}
     with pytest.raises(ValueError, match="unknown benchmark 'nope'"):
         _bench_main("nope")

@@ -54,10 +54,12 @@ def served(tiny_model_dir) -> ServedModel:
          "token id 18446744073709551616 at position 0 is outside the vocabulary [0, 258)"),
         ({"model": "tiny", "prompt": "x", "seed": 2**64}, 400, "seed must be in [0, 2**63)"),
         # issue 15: unsupported features are refused by name, never ignored; new knobs have named ranges
-        ({"model": "tiny", "prompt": "x", "response_format": {"type": "json_object"}}, 400,
-         "response_format is not supported by this server (only {'type': 'text'} is accepted)"),
-        ({"model": "tiny", "prompt": "x", "tools": [{"type": "function"}]}, 400, "tools is not supported"),
-        ({"model": "tiny", "prompt": "x", "tool_choice": "auto"}, 400, "tool_choice is not supported"),
+        # response_format is served (issue 32, tests/router/test_structured_api.py); an unknown type is named
+        ({"model": "tiny", "prompt": "x", "response_format": {"type": "xml"}}, 400,
+         "response_format.type must be text, json_object or json_schema, got 'xml'"),
+        # tools and tool_choice are served (issue 32, tests/router/test_tool_calls.py); the deprecated ones are not
+        ({"model": "tiny", "prompt": "x", "functions": [{"name": "f"}]}, 400, "functions is not supported"),
+        ({"model": "tiny", "prompt": "x", "function_call": "auto"}, 400, "function_call is not supported"),
         ({"model": "tiny", "prompt": "x", "presence_penalty": 2.5}, 400,
          "presence_penalty must be in [-2, 2], got 2.5"),
         ({"model": "tiny", "prompt": "x", "frequency_penalty": float("nan")}, 400,

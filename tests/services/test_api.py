@@ -168,9 +168,11 @@ def test_logprobs_through_prefill_and_decode_equal_the_engine_s(client, tiny_mod
     lp = out.choices[0].logprobs
     assert lp.token_logprobs == pytest.approx([w.logprob for w in want], abs=1e-4)
     assert lp.tokens == [tok.decode([t], skip_special_tokens=False) for t in want_ids]
-    # A dict per token, keyed by text (OpenAI's shape: tokens with the same text share a key).
+    # A dict per token, keyed by text (OpenAI's shape: tokens with the same text share a key, which keeps the most
+    # likely one's logprob: issue 32).
     text = {t: tok.decode([t], skip_special_tokens=False) for w in want for t, _ in w.top}
-    assert lp.top_logprobs == [pytest.approx({text[t]: v for t, v in w.top}, abs=1e-4) for w in want]
+    by_text = [{text[t]: v for t, v in reversed(w.top)} for w in want]  # best first: the best one written last
+    assert lp.top_logprobs == [pytest.approx(d, abs=1e-4) for d in by_text]
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(8)]
 
     chunks = list(client.completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=0, logprobs=3,
