@@ -1,11 +1,12 @@
 """Constrained decoding with xgrammar: a `StructuredOutput` compiled against the model's vocabulary into a grammar
 whose matcher masks, before each sample, every token that would leave it.
 
-* `grammar_of`: the grammar of a constraint, without a vocabulary (the router checks requests with it).
+* `grammar_of`: the grammar of a constraint, without a vocabulary.
 * `Grammars`: one per engine. Builds the vocabulary's `xgrammar.TokenizerInfo` from the model's ``tokenizer.json``
   on first use and compiles each constraint once (bounded LRU by `StructuredOutput.cache_key`); `compile` is
-  thread-safe and meant to run off the engine thread (the nodes and `kvrelay.LLM` call it before
-  `LLMEngine.add_request`); the engine compiles what was not compiled before (a miss costs that step).
+  thread-safe and meant to run off the engine thread: a node compiles in ``read_request`` and carries the result to
+  the engine in `StructuredOutput.compiled`, so its engine thread never compiles; the offline `kvrelay.LLM`
+  compiles on its engine thread at ``add_request``.
 * `Matcher`: one per sample. Built from the compiled grammar and the sample's output tokens so far (a decode node
   replays the first token the prefill node sampled, or every token of a request that moved; no matcher state ever
   crosses the wire). Holds no torch state; `apply_masks` masks a batch of logits rows in place.
@@ -80,7 +81,7 @@ class Grammars:
         self._build_lock = threading.Lock()  # guards _compiler and compiling
         self._compiler: xgr.GrammarCompiler | None = None
         self._compiled: OrderedDict[tuple[Any, ...], xgr.CompiledGrammar] = OrderedDict()
-        self.compiles = 0  # grammars compiled (cache misses), for tests and metrics
+        self.compiles = 0  # grammars compiled (cache misses)
 
     def _get_compiler(self) -> xgr.GrammarCompiler:
         import xgrammar as xgr
@@ -140,7 +141,7 @@ class Grammars:
             GrammarError: the constraint does not compile, or ``tokens`` leave the grammar (naming the first
                 that does).
         """
-        return Matcher(self.compile(out), tokens)
+        return Matcher(out.compiled if out.compiled is not None else self.compile(out), tokens)
 
 
 class Matcher:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 MAX_SPEC_CHARS = 64 * 1024  # a schema, regex or grammar of more is refused (it is compiled on every node)
@@ -38,6 +38,9 @@ class StructuredOutput:
     spec: str = ""
     choices: tuple[str, ...] = ()
     strict: bool = False
+    # In-process only, never on the wire: the grammar a node compiled for it off the engine thread
+    # (`node.app` read_request), so the engine never compiles it again on its thread (`engine.grammar`).
+    compiled: Any = field(default=None, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -64,9 +67,9 @@ class StructuredOutput:
             raise ValueError(f"choices belong to kind 'choice', not {self.kind!r}")
 
     @property
-    def cache_key(self) -> tuple[str, str, tuple[str, ...], bool]:
-        """What identifies the compiled grammar (every field)."""
-        return (self.kind, self.spec, self.choices, self.strict)
+    def cache_key(self) -> tuple[str, str, tuple[str, ...]]:
+        """What identifies the compiled grammar (``strict`` does not: every schema compiles strictly)."""
+        return (self.kind, self.spec, self.choices)
 
     def to_wire(self) -> dict[str, object]:
         return {"kind": self.kind, "spec": self.spec, "choices": list(self.choices), "strict": self.strict}

@@ -288,9 +288,11 @@ class EngineNode:
         except WireError as exc:
             self.metrics.request_done("bad_request")
             return msgpack_response({"error": str(exc)}, status=400)
-        if msg.params.structured_outputs is not None:  # compiled here, off the engine thread (then a cache hit)
+        out = msg.params.structured_outputs
+        if out is not None:  # compiled here, off the engine thread, and carried to it with the request
             try:
-                await asyncio.to_thread(self.engine.grammars.compile, msg.params.structured_outputs)
+                compiled = await asyncio.to_thread(self.engine.grammars.compile, out)
+                object.__setattr__(out, "compiled", compiled)  # an in-process field of a message decoded just now
             except GrammarError as exc:
                 self.metrics.request_done("bad_request")
                 return msgpack_response({"error": str(exc)}, status=400)

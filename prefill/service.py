@@ -134,6 +134,8 @@ class PrefillService(EngineNode):
             # The engine ended the prompt unstarted: it fit the pool (checked when it arrived) but the
             # pool is held by other prompts and by leases handed out. A full node, not a broken one.
             self.metrics.request_done("overloaded")
+            if published.get("handle") is not None and self._release is not None:
+                await self._release(published["handle"])  # nobody will read a handle this answer does not carry
             return msgpack_response({"error": "the prefill node's KV pool is full (held by running prompts and "
                                               "by KV leases); retry later"}, status=429)
         reasons = [self._reason(t, len(prompt), params) for t in tokens]

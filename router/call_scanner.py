@@ -60,14 +60,17 @@ class CallScanner:
             i = self._step(text, i)
         self.pos = i
 
-    def valid(self, text: str) -> bool:
-        """The object is complete, JSON, and has a string ``name``."""
+    def valid(self, text: str, *, needs_arguments: bool = False) -> bool:
+        """The object is complete, JSON, and has a string ``name``; with ``needs_arguments``, an ``arguments`` or
+        ``parameters`` key too (without markup around it, any JSON object with a ``name`` is not a call: a model
+        answering in JSON writes those)."""
         if not self.done or self.bad or self.name is None:
             return False
         try:
-            return isinstance(json.loads(text[self.start:self.end]), dict)
-        except ValueError:
+            obj = json.loads(text[self.start:self.end])
+        except (ValueError, RecursionError):
             return False
+        return isinstance(obj, dict) and (not needs_arguments or any(k in obj for k in ARGS_KEYS))
 
     def _step(self, text: str, i: int) -> int:
         """Consume ``text[i]`` (or, ending a scalar, nothing); the next index."""

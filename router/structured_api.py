@@ -10,6 +10,7 @@ the field (`GenerationRequest.structured_param`).
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from typing import Any
@@ -21,6 +22,7 @@ GUIDED_FIELD_TO_KIND = {"guided_json": "json", "guided_regex": "regex", "guided_
 STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 # structured_outputs keys vLLM accepts that change nothing here (the nodes never offer free whitespace in JSON:
 # `engine.grammar`)
+MAX_SCHEMA_DEPTH = 32  # nesting levels of a schema's JSON (objects and lists)
 IGNORED_STRUCTURED_KEYS = ("disable_fallback", "disable_any_whitespace", "disable_additional_properties",
                            "whitespace_pattern", "backend")
 
@@ -124,10 +126,11 @@ def _one(kind: str, value: Any, param: str, *, strict: bool = False) -> Structur
         if isinstance(value, str):
             try:
                 value = json.loads(value)
-            except ValueError as exc:
+            except (ValueError, RecursionError) as exc:
                 raise StructuredError(f"{param} is not valid JSON: {exc}", param) from None
         if not isinstance(value, dict):
             raise StructuredError(f"{param} must be a JSON schema object", param)
+        check_depth(value, param, StructuredError)
         spec = json.dumps(value, separators=(",", ":"))  # key order kept: properties come out in it
         return _build(StructuredOutput, param, "json", spec, strict=strict)
     if kind == "choice":
@@ -156,18 +159,52 @@ def check_compiles(out: StructuredOutput, param: str) -> None:
     Raises:
         StructuredError: the schema or regex is malformed, with the reason.
     """
-    if out.kind == "json":
-        import jsonschema
+    problem = _problem(out, param)
+    if problem is not None:
+        raise StructuredError(problem, param)
 
-        schema = json.loads(out.spec)
-        try:
-            jsonschema.validators.validator_for(schema).check_schema(schema)
-        except jsonschema.SchemaError as exc:
-            where = "/".join(str(p) for p in exc.absolute_path)
-            raise StructuredError(f"{param} is not a valid JSON schema: {exc.message}"
-                                  + (f" (at {where})" if where else ""), param) from None
-    elif out.kind == "regex":
-        try:
-            re.compile(out.spec)
-        except re.error as exc:
-            raise StructuredError(f"{param} is not a valid regular expression: {exc}", param) from None
+
+@functools.lru_cache(maxsize=256)  # a /v1/completions request checks its constraint once per prompt
+def _problem(out: StructuredOutput, param: str) -> str | None:
+    try:
+        if out.kind == "json":
+            check_schema(json.loads(out.spec), param, StructuredError)
+        elif out.kind == "regex":
+            try:
+                re.compile(out.spec)
+            except (re.error, RecursionError, OverflowError, ValueError) as exc:
+                raise StructuredError(f"{param} is not a valid regular expression: {exc}", param) from None
+    except StructuredError as exc:
+        return str(exc)
+    return None
+
+
+def check_depth(value: Any, param: str, error: type[Exception]) -> None:
+    """Raise ``error(message, param)`` when the JSON ``value`` nests deeper than `MAX_SCHEMA_DEPTH` (a schema that
+    deep serves no one; checkers and compilers recurse on it)."""
+    level = [value]
+    for _ in range(MAX_SCHEMA_DEPTH):
+        level = [v for x in level for v in (x.values() if isinstance(x, dict) else x if isinstance(x, list) else ())]
+        if not level:
+            return
+    raise error(f"{param} nests deeper than {MAX_SCHEMA_DEPTH} levels", param)
+
+
+def check_schema(schema: Any, param: str, error: type[Exception]) -> None:
+    """Raise ``error(message, param)`` unless ``schema`` is a JSON schema object its metaschema accepts (and
+    nested at most `MAX_SCHEMA_DEPTH` deep)."""
+    import jsonschema
+
+    if not isinstance(schema, dict):
+        raise error(f"{param} must be a JSON schema object", param)
+    check_depth(schema, param, error)
+    if not isinstance(schema.get("$schema", ""), str):
+        raise error(f"{param}: $schema must be a string", param)
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = "/".join(str(p) for p in exc.absolute_path)
+        raise error(f"{param} is not a valid JSON schema: {exc.message}" + (f" (at {where})" if where else ""),
+                    param) from None
+    except (RecursionError, ValueError, TypeError, AttributeError) as exc:
+        raise error(f"{param} is not a valid JSON schema: {exc}", param) from None

@@ -22,6 +22,7 @@ from typing import Any
 
 from model.structured import MAX_SPEC_CHARS, StructuredOutput
 from model.tokenizer import Tokenizer
+from router.structured_api import check_schema
 from router.tool_calls import PARSER_NAME_TO_MARKERS, ToolOutput
 
 MAX_TOOLS = 128  # as OpenAI allows
@@ -166,18 +167,7 @@ def _tools(raw: Any) -> list[dict[str, Any]]:
 
 
 def _check_schema(schema: Any, param: str) -> None:
-    import jsonschema
-
-    if not isinstance(schema, dict):
-        raise ToolError(f"{param} must be a JSON schema object", param)
-    try:
-        jsonschema.validators.validator_for(schema).check_schema(schema)
-    except jsonschema.SchemaError as exc:
-        where = "/".join(str(p) for p in exc.absolute_path)
-        raise ToolError(f"{param} is not a valid JSON schema: {exc.message}" + (f" (at {where})" if where else ""),
-                        param) from None
-    except (RecursionError, ValueError, TypeError) as exc:
-        raise ToolError(f"{param} is not a valid JSON schema: {exc}", param) from None
+    check_schema(schema, param, ToolError)
 
 
 def _marker_ids(tokenizer: Tokenizer | None, parser: str) -> frozenset[int]:
@@ -226,7 +216,7 @@ def _message_tool_calls(i: int, raw: Any) -> list[dict[str, Any]]:
         if isinstance(args, str) and args.strip():
             try:
                 args = json.loads(args)
-            except ValueError as exc:
+            except (ValueError, RecursionError) as exc:
                 raise ToolError(f"{where}[{j}].function.arguments is not valid JSON: {exc}", "messages") from None
         elif not args:
             args = {}

@@ -108,6 +108,8 @@ class ToolStream:
     ``failed``); this class sends what they found. One per choice; not thread-safe.
     """
 
+    NEEDS_ARGUMENTS = False  # a call must carry an arguments (or parameters) key (`CallScanner.valid`)
+
     def __init__(self) -> None:
         self.text = ""
         self.content_end = 0  # content is text[:content_end], as far as it is known
@@ -126,14 +128,19 @@ class ToolStream:
         """The rest, once the choice's text is complete."""
         self._finished = True
         self._advance(final=True)
+        if self.calls and not self.failed and not self._all_valid():
+            self.failed = True  # as `result` decides: then the answer is all content
         return self._collect()
+
+    def _all_valid(self) -> bool:
+        return all(c.scanner.valid(self.text, needs_arguments=self.NEEDS_ARGUMENTS) for c in self.calls)
 
     def result(self) -> ParsedOutput:
         """The whole answer (after `finish`): the calls and the content before them, or all content when there
         are none or they do not parse."""
         assert self._finished, "result() needs finish()"
         calls = tuple(ToolCall(c.id, c.scanner.name or "", self._args(c)) for c in self.calls)
-        if not calls or self.failed or not all(c.scanner.valid(self.text) for c in self.calls):
+        if not calls or self.failed or not self._all_valid():
             return ParsedOutput(self.text, ())
         return ParsedOutput(self.text[:self.content_end] or None, calls)
 
@@ -145,12 +152,14 @@ class ToolStream:
         raise NotImplementedError
 
     def _collect(self) -> StreamDelta:
+        if self.failed and not any(c.header_sent for c in self.calls):
+            self.content_end = len(self.text)  # no call after all: the rest is content, as `result` gives it
         out = StreamDelta(self.text[self._content_sent:self.content_end])
         self._content_sent = max(self._content_sent, self.content_end)
         for index, call in enumerate(self.calls):
             s = call.scanner
-            if self.failed or s.bad or s.name is None:
-                continue
+            if self.failed or s.bad or s.name is None or (self.NEEDS_ARGUMENTS and s.args_start < 0):
+                continue  # (a header waits, where it must, for the arguments: else it may be no call at all)
             delta = CallDelta(index, None, None, "")
             if not call.header_sent:
                 call.header_sent = True
@@ -295,8 +304,10 @@ class MistralStream(ArrayStream):
 
 class Llama3JsonStream(ToolStream):
     """Llama 3.x: an optional ``<|python_tag|>``, then ``{"name": ..., "parameters": ...}`` objects separated by
-    ``;``. A text that does not start so, or whose first object has no name, is all content; text after the
-    calls is dropped."""
+    ``;``. A text that does not start so, or whose first object has no name or no arguments key, is all
+    content; text after the calls is dropped."""
+
+    NEEDS_ARGUMENTS = True
 
     def __init__(self) -> None:
         super().__init__()

@@ -393,7 +393,7 @@ def _token_ids(msg: dict[str, Any], name: str, what: str, *, optional: bool = Fa
 
 
 def params_to_wire(params: SamplingParams) -> dict[str, Any]:
-    out = dataclasses.asdict(params)
+    out = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}  # shallow: structured_outputs below
     out["stop_token_ids"] = list(params.stop_token_ids)
     out["logit_bias"] = [[t, b] for t, b in params.logit_bias]
     out["structured_outputs"] = (None if params.structured_outputs is None

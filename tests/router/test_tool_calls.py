@@ -403,3 +403,15 @@ def test_return_tokens_as_token_ids(served):
     assert parse_completion({"model": "tiny", "prompt": "x"}, by_default).tokens_as_ids
     assert not parse_completion({"model": "tiny", "prompt": "x", "return_tokens_as_token_ids": False},
                                 by_default).tokens_as_ids
+
+
+def test_llama3_json_answer_with_a_name_key_is_content_streamed_or_not():
+    """A JSON answer that happens to have a "name" (no arguments key) is no call, and a stream gives it as content;
+    a hermes call that does not parse streams as content too (review of issue 32)."""
+    for parser, text in ((LLAMA, '{"city": "x", "name": "Bob"}'),
+                         (HERMES, "Hi <tool_call> oops, never mind. The answer is 4.")):
+        assert parser.parse(text) == ParsedOutput(text, ())
+        for size in (1, 3, 7):
+            stream = parser.stream()
+            deltas = [stream.feed(text[i:i + size]) for i in range(0, len(text), size)] + [stream.finish()]
+            assert "".join(d.content for d in deltas) == text and not any(d.calls for d in deltas)
