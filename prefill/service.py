@@ -81,12 +81,12 @@ class PrefillService(EngineNode):
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
 
-    def _reason(self, tok: int, prompt_len: int, params: Any) -> str | None:
-        """Why a sample ends with its first token ``tok``, or None when decode continues it."""
-        if (not params.ignore_eos and tok in self.engine.eos_token_ids) or tok in params.stop_token_ids:
+    def _reason(self, engine_reason: str | None, prompt_len: int, params: Any) -> str | None:
+        """Why a sample ends with its first token, or None when decode continues it. The engine ran it with
+        ``max_tokens=1``: its ``stop`` (a stop token, or a grammar that ended: `LLMEngine._finish_reason`) stands;
+        its ``length`` counts only if the request's own limits end it here."""
+        if engine_reason == "stop":
             return "stop"
-        if params.structured_outputs is not None and tok in self.engine.eos_token_ids:
-            return "stop"  # a grammar admits a stop token only once it has ended (engine.grammar)
         if params.max_tokens <= 1 or prompt_len + 1 >= self.engine.max_model_len:
             return "length"
         return None
@@ -104,6 +104,7 @@ class PrefillService(EngineNode):
                 published["handle"] = self._publish(engine, keys)
 
         first: list[int | None] = [None] * params.n
+        engine_reasons: list[str | None] = [None] * params.n
         first_logprobs: list[TokenLogprobs | None] = [None] * params.n
         num_cached = 0
         first_only = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
@@ -113,6 +114,8 @@ class PrefillService(EngineNode):
             async for out in stream:
                 if out.new_token_ids:
                     first[out.index] = out.new_token_ids[0]
+                if out.finished:
+                    engine_reasons[out.index] = out.finish_reason
                     if out.logprobs:
                         first_logprobs[out.index] = out.logprobs[0]
                 num_cached = max(num_cached, out.num_cached_prompt_tokens)
@@ -138,7 +141,7 @@ class PrefillService(EngineNode):
                 await self._release(published["handle"])  # nobody will read a handle this answer does not carry
             return msgpack_response({"error": "the prefill node's KV pool is full (held by running prompts and "
                                               "by KV leases); retry later"}, status=429)
-        reasons = [self._reason(t, len(prompt), params) for t in tokens]
+        reasons = [self._reason(r, len(prompt), params) for t, r in zip(first, engine_reasons) if t is not None]
         handle = published.get("handle")
         if handle is not None and all(r is not None for r in reasons) and self._release is not None:
             await self._release(handle)  # nothing left for a decode node to read
