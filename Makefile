@@ -15,6 +15,8 @@ $(BIN)/kvrelay: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[test,dev]'
+	# Hugging Face's `kernels` distribution (pulled in by transformers 5.25+) is imported as this project's kernels/
+	$(BIN)/pip uninstall -q -y kernels 2>/dev/null || true
 	touch $(BIN)/kvrelay
 
 $(TINY_DIR)/config.json: | $(BIN)/kvrelay

@@ -16,6 +16,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
 from tests.hf_models import build_hf_model
 from tests.real_model import RealModel, real_model
 
@@ -45,3 +46,23 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def smollm2() -> RealModel:
     """SmolLM2-135M-Instruct pulled as float32 (cached per machine; see `tests.real_model`)."""
     return real_model()
+
+
+def _hub_kernels_problem() -> str | None:
+    """Why transformers cannot be imported beside this project, or None: Hugging Face's ``kernels``
+    distribution (transformers 5.25+ requires it) has the import name of our top-level ``kernels`` package,
+    so transformers finds the distribution, imports ours, and every parity test fails at import."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        distribution("kernels")
+    except PackageNotFoundError:
+        return None
+    return ("Hugging Face's `kernels` package is installed in this environment; its import name is this "
+            "project's kernels/ package, so transformers imports ours and fails. `pip uninstall kernels` and "
+            "keep transformers < 5.25 (pyproject.toml's test extra; `make test` does both)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if (problem := _hub_kernels_problem()) is not None:
+        raise pytest.UsageError(problem)
