@@ -6,7 +6,9 @@ with its packed-weight matmul: measured here for a 3072×576 bf16 weight, 2.5× 
 in float32). float32 weights stay on ``F.linear``: the packed path sums in another order (differences
 of 1e-4), and float32 is what the exactness tests pin against transformers. The packed copy costs
 the weight's size again in memory. Packing uses torch's internal ``mkldnn`` ops (those its compiler
-emits); where they are missing or refuse a weight, the kernel falls back to ``F.linear``.
+emits); where they are missing, where the CPU lacks bf16 matmul support (AVX2-only machines: oneDNN
+needs AVX512-BF16/AMX or AVX-NE-CONVERT), or where they refuse a weight, the kernel falls back to
+``F.linear``.
 """
 
 from __future__ import annotations
@@ -35,8 +37,18 @@ class LinearKernel:
         return F.linear(x, self.weight, self.bias)
 
 
+def packing_supported(dtype: torch.dtype) -> bool:
+    """Whether this CPU and torch build can pack a weight of ``dtype`` (see module doc)."""
+    if dtype not in PACKED_DTYPES or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def _pack(weight: torch.Tensor) -> torch.Tensor | None:
-    if weight.device.type != "cpu" or weight.dtype not in PACKED_DTYPES or not torch.backends.mkldnn.is_available():
+    if weight.device.type != "cpu" or not packing_supported(weight.dtype):
         return None
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS_HINT)
