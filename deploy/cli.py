@@ -234,7 +234,7 @@ def _cmd_role(args: argparse.Namespace) -> int:
 
 
 BENCH_NAMES = ("bandwidth", "cache-policies", "cuda-graphs", "decode", "disk-prefix", "dtype", "goodput", "hybrid-kv",
-               "kernel", "load", "long-context", "memory", "migration", "serve", "structured", "tiers",
+               "kernel", "load", "long-context", "memory", "migration", "prefill", "serve", "structured", "tiers",
                "transfer", "vllm-client")
 
 
@@ -267,6 +267,8 @@ def _bench_main(name: str) -> Callable[[list[str]], int]:
         from benchmarks.memory_bench import main
     elif name == "migration":
         from benchmarks.migration_bench import main
+    elif name == "prefill":
+        from benchmarks.prefill_bench import main
     elif name == "serve":
         from benchmarks.serve_bench import main
     elif name == "structured":

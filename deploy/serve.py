@@ -131,6 +131,7 @@ def build_app(config: Any, role: str, index: int, *, name: str | None = None,
             decode_reserve_tokens=r.decode_reserve_tokens, migration_limit=r.migration_limit,
             body_read_timeout_s=r.body_read_timeout_s,
             write_stall_timeout_s=r.write_stall_timeout_s, disaggregation=r.disaggregation,
+            tpot_slo_s=r.tpot_slo_s,
             tool_call_parser=r.tool_call_parser, enable_auto_tool_choice=r.enable_auto_tool_choice,
             return_tokens_as_token_ids=r.return_tokens_as_token_ids,
         ))

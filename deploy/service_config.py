@@ -25,7 +25,7 @@
                max_concurrent_requests, max_connections_per_node, connect_timeout_s, prefill_urls, decode_urls,
                prefill_dns, decode_dns, dns_interval_s, max_queued_requests, max_queued_bytes, queue_timeout_s,
                decode_reserve_tokens, migration_limit, body_read_timeout_s, write_stall_timeout_s, keepalive_timeout_s,
-               disaggregation, tool_call_parser, enable_auto_tool_choice, return_tokens_as_token_ids}
+               disaggregation, tpot_slo_s, tool_call_parser, enable_auto_tool_choice, return_tokens_as_token_ids}
               (body_read_timeout_s, default 30: a request body not in within it gets 408, and holds no admission
               slot meanwhile; write_stall_timeout_s, default 30: a client that takes no write of its answer for
               that long is dropped and its request ended; keepalive_timeout_s, default 75: an idle client
@@ -127,6 +127,7 @@ class RouterSection:
     write_stall_timeout_s: float = 30.0
     keepalive_timeout_s: float = 75.0  # an idle client connection is closed after this (aiohttp's default: 3630)
     disaggregation: str = "auto"  # always | never | auto (router.plan)
+    tpot_slo_s: float = 0.05  # under auto, a local prefill keeps the decode node's streams within it (0: none)
     tool_call_parser: str | None = None  # vLLM's --tool-call-parser (router.tool_calls); None: by model family
     enable_auto_tool_choice: bool = False  # vLLM's --enable-auto-tool-choice: tool_choice auto is parsed
     return_tokens_as_token_ids: bool = False  # vLLM's --return-tokens-as-token-ids: logprob tokens as token_id:N
@@ -185,6 +186,12 @@ def non_negative_int(v: Any) -> int:
 def positive_float(v: Any) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
         raise ValueError("is not a positive number")
+    return float(v)
+
+
+def non_negative_float(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+        raise ValueError("is not a number >= 0")
     return float(v)
 
 
@@ -323,6 +330,7 @@ def parse_services(root: Section, *, base_dir: Path, env: Mapping[str, str] | No
                            r.take("write_stall_timeout_s", positive_float, 30.0),
                            r.take("keepalive_timeout_s", positive_float, 75.0),
                            r.take("disaggregation", one_of(DISAGGREGATION_MODES), "auto"),
+                           r.take("tpot_slo_s", non_negative_float, 0.05),
                            r.take("tool_call_parser", _parser_name, None),
                            r.take("enable_auto_tool_choice", boolean, False),
                            r.take("return_tokens_as_token_ids", boolean, False))

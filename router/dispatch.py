@@ -192,6 +192,7 @@ class Dispatcher:
                 lease.lease_id = handle.lease_id if handle is not None else pre.lease_id
                 if handle is None:
                     reservation.pulled()  # nothing leased: the prefill node holds nothing for this request
+                self._paced(req, reservation, 1)
                 for i, (tok, reason) in enumerate(zip(first or [], pre.finish_reasons, strict=True)):
                     finished[i] = reason is not None
                     generated += 1
@@ -203,11 +204,20 @@ class Dispatcher:
                                             _Started(reservation, lease), reservation.decode):
                 if not generated:
                     self._first_token(req, reservation, placed_at)
+                if delta.index == 0:
+                    self._paced(req, reservation, len(delta.token_ids))
                 generated += len(delta.token_ids)
                 yield delta
         finally:
+            reservation.decode.stream_ended(id(reservation))
             self.queue.finish(ticket, reservation, generated)
             self._release(lease)
+
+    def _paced(self, req: GenerationRequest, reservation: Reservation, tokens: int) -> None:
+        """``tokens`` more of ``req``'s first sample went out: its decode node's stream pace hears of them
+        (`router.node_state.Node.observe_tokens`; what a local prefill's TPOT cost is priced from)."""
+        expected = min(req.params.max_tokens, self.queue.config.decode_reserve_tokens)
+        reservation.decode.observe_tokens(id(reservation), tokens=tokens, now=time.monotonic(), expected=expected)
 
     def _first_token(self, req: GenerationRequest, reservation: Reservation, placed_at: float) -> None:
         """The request's first token came: its prompt left its node's queue; the plan hears how long it took."""

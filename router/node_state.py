@@ -47,6 +47,31 @@ class NodeCapacity:
         return cap
 
 
+ITL_DECAY = 0.05  # weight of the newest inter-token gap in a node's decayed ITL (`Node.itl_s`)
+
+
+@dataclass(slots=True)
+class StreamPace:
+    """One request decoding on a node, as the router sees its first sample's tokens go out: when its first
+    token came (``first_at``, `time.monotonic` seconds), how many it has sent (``sent``), when the last came
+    (``last_at``), and how many it is expected to send in all (``expected``: ``max_tokens`` capped at
+    ``router.decode_reserve_tokens``, never below ``sent``)."""
+
+    first_at: float
+    sent: int
+    last_at: float
+    expected: int
+
+    def projected_tpot_s(self, now: float, itl_s: float, stall_s: float = 0.0) -> float:
+        """The request's time per output token when it ends, in seconds, if its remaining tokens come every
+        ``itl_s`` and one stall of ``stall_s`` delays them all: ``(elapsed + stall + remaining · itl) /
+        (expected − 1)``; 0.0 for a request of one token."""
+        total = max(self.expected, self.sent)
+        if total <= 1:
+            return 0.0
+        return ((now - self.first_at) + stall_s + (total - self.sent) * itl_s) / (total - 1)
+
+
 @dataclass(slots=True)
 class Node:
     name: str
@@ -70,6 +95,28 @@ class Node:
     lost: asyncio.Event = field(default_factory=asyncio.Event)
     # Answers being read from the node now (aiohttp stream readers); `NodeSet.mark_unreachable` ends them.
     readers: set[Any] = field(default_factory=set)
+    # Requests decoding here (decode nodes; key: the router's request), and the decayed time between their
+    # tokens as the router receives them (seconds; 0.0 until measured): `router.plan` prices the delay a
+    # local prefill adds to them against the TPOT SLO.
+    streams: dict[int, StreamPace] = field(default_factory=dict)
+    itl_s: float = 0.0
+
+    def observe_tokens(self, key: int, *, tokens: int, now: float, expected: int) -> None:
+        """``tokens`` more of request ``key``'s first sample reached the router at ``now`` from this node; the
+        first call registers it (`StreamPace`), later ones fold the gap per token into `itl_s`."""
+        pace = self.streams.get(key)
+        if pace is None:
+            self.streams[key] = StreamPace(now, tokens, now, max(expected, tokens))
+            return
+        if tokens > 0:
+            gap = (now - pace.last_at) / tokens
+            self.itl_s = gap if self.itl_s == 0.0 else (1 - ITL_DECAY) * self.itl_s + ITL_DECAY * gap
+            pace.sent += tokens
+            pace.expected = max(pace.expected, pace.sent)
+            pace.last_at = now
+
+    def stream_ended(self, key: int) -> None:
+        self.streams.pop(key, None)
 
     def healthy(self, now: float) -> bool:
         return now >= self.down_until

@@ -136,9 +136,11 @@ class NodeSet:
     """Owned by the router's event loop."""
 
     def __init__(self, prefill_urls: Sequence[str], decode_urls: Sequence[str], *, block_size_tokens: int,
-                 load_weight_tokens: int = 64, retry_after_s: float = 5.0, disaggregation: str = "always") -> None:
+                 load_weight_tokens: int = 64, retry_after_s: float = 5.0, disaggregation: str = "always",
+                 tpot_slo_s: float = 0.0) -> None:
         """``disaggregation``: how `place` chooses between a prefill node and the decode node itself
-        (`router.plan.MODES`).
+        (`router.plan.MODES`); ``tpot_slo_s``: the TPOT SLO a local prefill keeps the decode node's streams
+        within (`router.plan.tpot_breaches`; 0: none).
 
         Raises:
             ValueError: an unknown ``disaggregation``.
@@ -146,6 +148,7 @@ class NodeSet:
         if disaggregation not in MODES:
             raise ValueError(f"disaggregation must be one of {', '.join(MODES)}, got {disaggregation!r}")
         self.disaggregation = disaggregation
+        self.tpot_slo_s = tpot_slo_s
         self.calibration = TtftCalibration()  # the plans' TTFT model against what the router measured
         self.prefill = [Node(f"prefill-{i}", u.rstrip("/"), "prefill") for i, u in enumerate(prefill_urls)]
         self.decode = [Node(f"decode-{i}", u.rstrip("/"), "decode") for i, u in enumerate(decode_urls)]
@@ -222,7 +225,7 @@ class NodeSet:
         choice = choose_plan(mode, prompt_tokens=need.prompt_tokens, block_size_tokens=self.block_size_tokens,
                              decode=decode, decode_held_blocks=held[decode.name], prefill=prefill,
                              prefill_held_blocks=held[prefill.name] if prefill is not None else 0,
-                             calibration=self.calibration)
+                             calibration=self.calibration, tpot_slo_s=self.tpot_slo_s)
         if choice.plan == LOCAL:
             if any_prefill and not need.fits_local(decode):
                 return None  # a choice between nodes that are both full: wait

@@ -15,6 +15,14 @@ the cost it puts on others, counted once per running sequence. So a short prompt
 node holds (``P - h_d`` small), stays on the decode node, a long one goes to a prefill node while the decode node
 is busy, and when the prefill node's queue or a slow link outweighs the stall, the decode node recomputes.
 
+A local prefill must also keep the decode node's streams within the TPOT SLO (``router.tpot_slo_s``): each
+stream's time per output token when it ends is projected from what it has sent, the node's decayed
+inter-token time as the router receives it, and the stall (`router.node_state.StreamPace`); under ``auto``,
+a local plan that would push any stream there past the SLO is not taken while a prefill node can take the
+prompt. Otherwise on short chat prompts the decode node takes every prefill itself and its streams' TPOT
+creeps past the SLO while the prefill node idles (a stall of ~0.1 s costs each stream only ~1.6 ms per token,
+but a stream lives through dozens of them).
+
 The model's TTFT leaves out what it cannot see (the hops between router and nodes, a step already running, a
 decode node sharing its steps), so the router calibrates it per plan against the times it then measures
 (`TtftCalibration`: actual ≈ a + b · model, fitted online), and plans by the calibrated times.
@@ -30,10 +38,13 @@ prompt on its decode node; ``auto`` (default) — the cheaper plan.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 from engine.step_rates import DecayedLine
 from router.node_state import Node, NodeCapacity
+
+TPOT_BREACHES = "local_tpot_breaches"  # `PlanChoice.costs`: streams a local prefill would push past the SLO
 
 MODES = ("always", "never", "auto")
 DISAGGREGATED = "disaggregated"
@@ -45,7 +56,9 @@ class PlanChoice:
     """The plan taken, the TTFT the model gives it (``model_ttft_s``, seconds from placement to the first token;
     NaN: no rate measured yet) and that TTFT calibrated (``predicted_ttft_s``; `TtftCalibration`).
 
-    ``costs``: each plan considered and its cost (seconds; `choose_plan`); empty when the mode left no choice.
+    ``costs``: each plan considered and its cost (seconds; `choose_plan`), and, when a TPOT SLO is set, how many
+    of the decode node's streams the local plan would push past it (`TPOT_BREACHES`); empty when the mode left
+    no choice.
     """
 
     plan: str
@@ -90,12 +103,25 @@ def pull_s(cap: NodeCapacity | None, blocks: int) -> float:
     return cap.pull_fixed_s + blocks * cap.block_bytes / cap.pull_bytes_per_s
 
 
+def tpot_breaches(decode: Node, *, stall_s: float, tpot_slo_s: float, now: float) -> int:
+    """How many of ``decode``'s streams a stall of ``stall_s`` seconds would end past ``tpot_slo_s`` (their
+    projected TPOT, `StreamPace.projected_tpot_s`, at the node's measured inter-token time — the router's
+    `Node.itl_s`, else the node's reported decode step). 0 when no SLO is set (``tpot_slo_s`` ≤ 0)."""
+    if tpot_slo_s <= 0 or not decode.streams:
+        return 0
+    itl = decode.itl_s or (decode.capacity.decode_step_s if decode.capacity is not None else 0.0)
+    return sum(p.projected_tpot_s(now, itl, stall_s) > tpot_slo_s for p in decode.streams.values())
+
+
 def choose_plan(mode: str, *, prompt_tokens: int, block_size_tokens: int, decode: Node, decode_held_blocks: int,
                 prefill: Node | None, prefill_held_blocks: int,
-                calibration: TtftCalibration | None = None) -> PlanChoice:
+                calibration: TtftCalibration | None = None, tpot_slo_s: float = 0.0,
+                now: float | None = None) -> PlanChoice:
     """The plan for one request (module docstring). ``prefill`` None: no prefill node is up with room, so the
     plan is local whatever the mode. ``*_held_blocks``: the leading blocks of the prompt each node holds.
-    ``calibration``: maps model TTFTs to predicted ones (None: the model's as they are).
+    ``calibration``: maps model TTFTs to predicted ones (None: the model's as they are). ``tpot_slo_s``: the
+    TPOT SLO a local prefill must keep the decode node's streams within (0: none); ``now``: `time.monotonic`
+    seconds (None: read it).
 
     Raises:
         ValueError: ``mode`` is not one of `MODES`.
@@ -119,5 +145,10 @@ def choose_plan(mode: str, *, prompt_tokens: int, block_size_tokens: int, decode
     blocks = -(-prompt_tokens // block_size_tokens)
     costs = {DISAGGREGATED: remote.predicted_ttft_s + pull_s(decode.capacity, blocks - decode_held_blocks),
              LOCAL: local.predicted_ttft_s + running(decode) * local_compute}
-    chosen = local if costs[LOCAL] <= costs[DISAGGREGATED] else remote
+    breaches = 0
+    if tpot_slo_s > 0:
+        breaches = tpot_breaches(decode, stall_s=local_compute, tpot_slo_s=tpot_slo_s,
+                                 now=time.monotonic() if now is None else now)
+        costs[TPOT_BREACHES] = float(breaches)
+    chosen = local if breaches == 0 and costs[LOCAL] <= costs[DISAGGREGATED] else remote
     return PlanChoice(chosen.plan, chosen.model_ttft_s, chosen.predicted_ttft_s, costs)

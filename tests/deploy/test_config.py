@@ -285,3 +285,19 @@ def test_engine_stall_timeout_defaults_to_a_minute_and_must_be_positive(tmp_path
     with pytest.raises(ConfigError) as err:
         load_config(write(tmp_path, base + "engine: {stall_timeout_s: 0}\n"))
     assert str(err.value).startswith("engine.stall_timeout_s: 0 is not a positive number"), str(err.value)
+
+
+def test_the_tpot_slo_defaults_to_50_ms_and_must_be_a_number_at_least_0(tmp_path):
+    """Issue 31: ``router.tpot_slo_s`` bounds the local prefills `auto` takes (`router.plan.tpot_breaches`)."""
+    from router.config import RouterConfig
+
+    base = "model: {path: m}\nkvstore: {device: {bytes: 1GiB}}\n"
+    assert load_config(write(tmp_path, base)).router.tpot_slo_s == 0.05
+    assert load_config(write(tmp_path, base + "router: {tpot_slo_s: 0}\n")).router.tpot_slo_s == 0.0
+    for bad in ("-1", ".nan", ".inf", "fast"):
+        with pytest.raises(ConfigError) as err:
+            load_config(write(tmp_path, base + f"router: {{tpot_slo_s: {bad}}}\n"))
+        assert str(err.value).startswith("router.tpot_slo_s: ") and str(err.value).endswith("is not a number >= 0")
+    assert RouterConfig(model_name="m", model_dir="m").tpot_slo_s == 0.05
+    with pytest.raises(ValueError, match="tpot_slo_s must be >= 0 seconds"):
+        RouterConfig(model_name="m", model_dir="m", tpot_slo_s=-0.1)

@@ -10,7 +10,7 @@ from engine.step_rates import PullRates
 from kvstore.block_key import BlockKey
 from router.node_state import Node, NodeCapacity
 from router.nodes import Need, NodeSet
-from router.plan import DISAGGREGATED, LOCAL, PlanChoice, TtftCalibration, choose_plan
+from router.plan import DISAGGREGATED, LOCAL, TPOT_BREACHES, PlanChoice, TtftCalibration, choose_plan
 
 B = 16
 BLOCK_BYTES = 1000
@@ -85,6 +85,48 @@ def test_nothing_measured_takes_the_prefill_node_and_the_modes_force_a_plan():
     assert plan("auto", 100, d, None) == PlanChoice(LOCAL, pytest.approx(0.1), pytest.approx(0.1), {})
     with pytest.raises(ValueError, match="disaggregation must be one of always, never, auto, got 'sometimes'"):
         plan("sometimes", 100, d, p)
+
+
+def test_a_local_prefill_that_would_push_a_stream_past_the_tpot_slo_goes_to_the_prefill_node():
+    # A stream 2 s after its first token, 41 of 64 tokens out (40 ms per token so far), the node's tokens
+    # coming every 40 ms: it ends at (2 + 23 · 0.04) / 63 = 46.3 ms per token. A 100-token local prefill
+    # (0.1 s) adds 0.1 / 63 = 1.6 ms: 47.9 ms, within a 50 ms SLO; a 300-token one (0.3 s): 51.1 ms, past it.
+    # A slow pull (0.5 s fixed) makes local the cheaper plan by cost for both prompts.
+    d = node("decode", rate=1000.0, running=1, pull_bytes_per_s=1e6, pull_fixed_s=0.5)
+    d.observe_tokens(7, tokens=1, now=0.0, expected=64)
+    d.observe_tokens(7, tokens=40, now=1.6, expected=64)  # 40 tokens in 1.6 s: itl 0.04
+    assert d.itl_s == pytest.approx(0.04) and d.streams[7].sent == 41
+    d.streams[7].first_at = 0.0
+
+    def at(prompt: int, slo: float) -> PlanChoice:
+        return choose_plan("auto", prompt_tokens=prompt, block_size_tokens=B, decode=d, decode_held_blocks=0,
+                           prefill=node("prefill", rate=1000.0), prefill_held_blocks=0, tpot_slo_s=slo, now=2.0)
+
+    assert d.streams[7].projected_tpot_s(2.0, 0.04, 0.1) == pytest.approx((2 + 23 * 0.04 + 0.1) / 63)
+    within = at(100, 0.05)
+    assert within.plan == LOCAL and within.costs[TPOT_BREACHES] == 0.0
+    past = at(300, 0.05)
+    assert past.plan == DISAGGREGATED and past.costs == {DISAGGREGATED: pytest.approx(0.3 + 0.5 + 0.019),
+                                                         LOCAL: pytest.approx(0.6), TPOT_BREACHES: 1.0}
+    # no SLO: the costs alone keep it local
+    assert at(300, 0.0).plan == LOCAL and TPOT_BREACHES not in at(300, 0.0).costs
+    # a stream that ended no longer counts
+    d.stream_ended(7)
+    assert at(300, 0.05).costs[TPOT_BREACHES] == 0.0
+
+
+def test_a_stream_already_past_the_slo_still_keeps_local_prefills_off_its_node():
+    # 5 s for 11 tokens (0.5 s per token): it is past any 50 ms SLO whatever happens, and a local prefill would
+    # only add to it; with no prefill node the prompt is local anyway.
+    d = node("decode", rate=1000.0, pull_bytes_per_s=1e6, pull_fixed_s=0.01)
+    d.observe_tokens(1, tokens=1, now=0.0, expected=64)
+    d.observe_tokens(1, tokens=10, now=5.0, expected=64)
+    choice = choose_plan("auto", prompt_tokens=32, block_size_tokens=B, decode=d, decode_held_blocks=0,
+                         prefill=node("prefill", rate=1000.0), prefill_held_blocks=0, tpot_slo_s=0.05, now=5.0)
+    assert choice.plan == DISAGGREGATED and choice.costs[TPOT_BREACHES] == 1.0
+    alone = choose_plan("auto", prompt_tokens=32, block_size_tokens=B, decode=d, decode_held_blocks=0,
+                        prefill=None, prefill_held_blocks=0, tpot_slo_s=0.05, now=5.0)
+    assert alone.plan == LOCAL
 
 
 def keys(n: int) -> list[BlockKey]:
