@@ -18,6 +18,9 @@ and per workload auto's goodput over the better of the other two and over 2x-agg
 ``kvrelay_router_plan*`` samples are read at the end of each deployment. Output: JSON (`benchmarks.common.emit`)
 and a PNG of attainment against rate, one panel per workload, and a Markdown table (stderr and ``table_md``).
 
+``--network netns`` runs each deployment across network namespaces instead (`benchmarks.netns_deployment`: each
+node and the router on a host of its own, each node pinned to its own CPUs, requests and KV pulls over TCP).
+
 The defaults fit SmolLM2-135M-Instruct on 2 CPU cores, one per node (measured 2026-12-02 on the 2-core machine):
 a lone prompt of 512 tokens prefills in ~0.66 s, 1,024 in ~1.8 s and 4,096 in ~15 s, so the issue's 4k-token
 documents would miss a 1 s TTFT on every deployment; long prompts are 256-512 tokens here (``--long-tokens 2048
@@ -168,14 +171,29 @@ class Sweep:
     request_timeout_s: float
 
 
-def run_deployment(name: str, model_dir: str, sweep: Sweep) -> tuple[list[RatePoint], dict[str, Any]]:
-    """Start deployment ``name``, send the warm-up requests, sweep every workload over the rates (skipping a
-    workload's higher rates once the share meeting both SLOs is below ``stop_below_frac``), read the router's
-    plan samples, stop it. Returns the points and what describes the deployment (overrides, CPUs per node)."""
+def deployment_overrides(name: str, slo: Slo) -> dict[str, dict[str, Any]]:
+    """Deployment ``name``'s config overrides, with the router told the TPOT SLO (``router.tpot_slo_s``: under
+    ``auto`` a local prefill keeps the decode node's streams within it; the other plans do not read it)."""
+    overrides = {section: dict(values) for section, values in DEPLOYMENT_TO_OVERRIDES[name].items()}
+    overrides.setdefault("router", {})["tpot_slo_s"] = slo.tpot_s
+    return overrides
+
+
+def run_deployment(name: str, model_dir: str, sweep: Sweep, *, network: str = "loopback") -> tuple[
+        list[RatePoint], dict[str, Any]]:
+    """Start deployment ``name`` (``network``: ``loopback``, one ``kvrelay up``; ``netns``, each node and the
+    router on a host of its own, `benchmarks.netns_deployment`), send the warm-up requests, sweep every workload
+    over the rates (skipping a workload's higher rates once the share meeting both SLOs is below
+    ``stop_below_frac``), read the router's plan samples, stop it. Returns the points and what describes the
+    deployment (overrides, network, CPUs per node)."""
     from benchmarks.deployment import Deployment, get_text
+    from benchmarks.netns_deployment import NetnsDeployment
 
     points: list[RatePoint] = []
-    with Deployment(model_dir, overrides=DEPLOYMENT_TO_OVERRIDES[name], up_args=UP_ARGS) as d:
+    overrides = deployment_overrides(name, sweep.slo)
+    deployment = NetnsDeployment(model_dir, overrides=overrides) if network == "netns" else \
+        Deployment(model_dir, overrides=overrides, up_args=UP_ARGS)
+    with deployment as d:
         client = ClientConfig(d.url, d.model_name, timeout_s=sweep.request_timeout_s)
         nodes = {url: json.loads(get_text(url + "/health")).get("cpus") for url in d.prefill_urls + d.decode_urls}
         # First steps compile and allocate: keep that out of the first measured rate.
@@ -190,7 +208,8 @@ def run_deployment(name: str, model_dir: str, sweep: Sweep) -> tuple[list[RatePo
                 if att.both_frac < sweep.stop_below_frac:
                     break
         plan = router_plan_samples(get_text(d.url + "/metrics"))
-    info = {"overrides": DEPLOYMENT_TO_OVERRIDES[name], "up_args": UP_ARGS, "node_cpus": nodes}
+    info = {"overrides": overrides, "network": network, "node_cpus": nodes,
+            **({"up_args": UP_ARGS} if network == "loopback" else {})}
     return points, {**info, "router_plan": plan} if plan else info
 
 
@@ -278,6 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attainment", type=float, default=0.9, help="share meeting both SLOs that counts as goodput")
     p.add_argument("--stop-below", type=float, default=0.5,
                    help="skip a workload's higher rates once fewer than this share meet both SLOs (0: run all)")
+    p.add_argument("--network", choices=("loopback", "netns"), default="loopback",
+                   help="loopback: each deployment is one `kvrelay up` on this host; netns: each node and the "
+                        "router on a network namespace of its own, KV crossing TCP (needs root)")
     p.add_argument("--request-timeout-s", type=float, default=300.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="also write the JSON here")
@@ -326,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     points: list[RatePoint] = []
     deployment_info: dict[str, Any] = {}
     for name in deployments:
-        got, deployment_info[name] = run_deployment(name, a.model, sweep)
+        got, deployment_info[name] = run_deployment(name, a.model, sweep, network=a.network)
         points.extend(got)
     plot_path = a.plot or str(Path(a.out).with_suffix(".png") if a.out else Path("bench-out") / "goodput.png")
     plot(points, plot_path, slo=slo, target_frac=a.attainment)
@@ -334,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     table = markdown_table(points, summary, rates=rates)
     print(table, file=sys.stderr)
     emit({"benchmark": "goodput", **machine_label(), "model": a.model,
+          "network": a.network,
           "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s}, "attainment_target_frac": a.attainment,
           "rates_req_s": rates, "requests_per_rate": num_requests, "stop_below_frac": a.stop_below,
           "prompts": {"short_tokens": short_tokens, "long_tokens": long_tokens, "output_tokens": a.output_tokens,

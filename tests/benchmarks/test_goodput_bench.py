@@ -6,10 +6,12 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.goodput_bench import (
+    DEPLOYMENT_TO_OVERRIDES,
     Attainment,
     RatePoint,
     Slo,
     attainment,
+    deployment_overrides,
     goodput_rate,
     markdown_table,
     mixed_prompts,
@@ -124,3 +126,38 @@ def test_markdown_table_marks_rates_not_run():
         "|---|---|---|---|---|\n"
         "| long | 2x-aggregated | 0.95 | – | 0.5 |\n"
         "| long | auto | 1.00 | 0.90 | 1 |")
+
+
+def test_every_deployment_is_told_the_tpot_slo_and_keeps_its_own_plan():
+    slo = Slo(1.0, 0.04)
+    assert deployment_overrides("auto", slo)["router"] == {"disaggregation": "auto", "tpot_slo_s": 0.04}
+    assert deployment_overrides("1p1d", slo)["router"] == {"disaggregation": "always", "tpot_slo_s": 0.04}
+    agg = deployment_overrides("2x-aggregated", slo)
+    assert agg == {"prefill": {"ports": []}, "decode": {"ports": [0, 0]}, "router": {"tpot_slo_s": 0.04}}
+    assert "router" not in DEPLOYMENT_TO_OVERRIDES["2x-aggregated"]  # the table itself is left as it was
+
+
+def test_a_multihost_deployment_binds_each_host_to_its_own_address_and_names_every_node(tmp_path):
+    """`--network netns`: what each host's process reads (no namespace is made here)."""
+    from benchmarks.netns import Hosts
+    from benchmarks.netns_deployment import NetnsDeployment
+
+    d = NetnsDeployment(tmp_path, overrides=deployment_overrides("auto", Slo(3.0, 0.2)))
+    try:
+        assert d.node_hosts == ["prefill-0", "decode-0"]
+        d._hosts = Hosts(["router", *d.node_hosts], tmp_path)
+        router, prefill, decode = (d._hosts.addr(h) for h in ("router", "prefill-0", "decode-0"))
+        cfg = d.host_config("decode-0")
+        assert cfg["internal"]["bind"] == decode and cfg["decode"]["ports"] == [8200]
+        r = cfg["router"]
+        assert (r["host"], r["port"], r["disaggregation"], r["tpot_slo_s"], r["prefill_urls"], r["decode_urls"]) == (
+            router, 8000, "auto", 0.2, [f"http://{prefill}:8100"], [f"http://{decode}:8200"])
+        assert cfg["kvstore"]["disk"]["path"] == str(d.work / "decode-0" / "disk")
+        assert cfg["kvstore"]["device"] == {"bytes": "2GiB"} and cfg["model"]["path"] == str(tmp_path.resolve())
+        assert d.host_config("prefill-0")["internal"]["bind"] == prefill
+        agg = NetnsDeployment(tmp_path, overrides=deployment_overrides("2x-aggregated", Slo(3.0, 0.2)))
+        assert agg.node_hosts == ["decode-0", "decode-1"]
+        agg.stop()
+    finally:
+        d._hosts = None
+        d.stop()
