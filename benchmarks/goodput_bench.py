@@ -5,8 +5,11 @@ disk tier each) with two engine nodes, each pinned to its own share of the CPUs 
 
     2x-aggregated   two decode nodes that prefill themselves, behind one router
     1p1d            one prefill node + one decode node, router.disaggregation: always
-    auto            the same nodes, router.disaggregation: auto (the router keeps short prompts and prompts
-                    whose prefix the decode node holds on the decode node, sends long ones to the prefill node)
+    auto            the same nodes, router.disaggregation: auto, and the prefill node also serves whole requests
+                    (prefill.serve_whole_requests): the router places a request on whichever node is less loaded,
+                    keeps short prompts and prompts whose prefix the decode node holds on the decode node, and
+                    sends a prompt to the prefill node when prefilling it locally would push a decode-node stream
+                    past the TPOT SLO or cost more (`router.plan`)
 
 Every deployment gets the same requests: per workload (a mix of short "chat" prompts and long "document"
 prompts of random token ids, `mixed_prompts`) and per request rate (Poisson arrivals, `poisson_offsets`) fresh
@@ -49,7 +52,8 @@ from benchmarks.serve_metrics import parse_prometheus, request_tpot_s, summarize
 DEPLOYMENT_TO_OVERRIDES: dict[str, dict[str, dict[str, Any]]] = {
     "2x-aggregated": {"prefill": {"ports": []}, "decode": {"ports": [0, 0]}},
     "1p1d": {"prefill": {"ports": [0]}, "decode": {"ports": [0]}, "router": {"disaggregation": "always"}},
-    "auto": {"prefill": {"ports": [0]}, "decode": {"ports": [0]}, "router": {"disaggregation": "auto"}},
+    "auto": {"prefill": {"ports": [0], "serve_whole_requests": True}, "decode": {"ports": [0]},
+             "router": {"disaggregation": "auto"}},
 }
 UP_ARGS = ["--no-cpu-lending"]  # each node keeps its own core: equal hardware, nothing lent between roles
 WORKLOAD_TO_LONG_SHARE: dict[str, float | None] = {"chat": 0.0, "mixed": None, "long": 0.5}  # None: --long-share
@@ -175,7 +179,7 @@ def deployment_overrides(name: str, slo: Slo) -> dict[str, dict[str, Any]]:
     """Deployment ``name``'s config overrides, with the router told the TPOT SLO (``router.tpot_slo_s``: under
     ``auto`` a local prefill keeps the decode node's streams within it; the other plans do not read it)."""
     overrides = {section: dict(values) for section, values in DEPLOYMENT_TO_OVERRIDES[name].items()}
-    overrides.setdefault("router", {})["tpot_slo_s"] = slo.tpot_s
+    overrides.setdefault("router", {}).update(tpot_slo_s=slo.tpot_s, ttft_slo_s=slo.ttft_s)
     return overrides
 
 

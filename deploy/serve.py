@@ -131,7 +131,7 @@ def build_app(config: Any, role: str, index: int, *, name: str | None = None,
             decode_reserve_tokens=r.decode_reserve_tokens, migration_limit=r.migration_limit,
             body_read_timeout_s=r.body_read_timeout_s,
             write_stall_timeout_s=r.write_stall_timeout_s, disaggregation=r.disaggregation,
-            tpot_slo_s=r.tpot_slo_s,
+            tpot_slo_s=r.tpot_slo_s, ttft_slo_s=r.ttft_slo_s,
             tool_call_parser=r.tool_call_parser, enable_auto_tool_choice=r.enable_auto_tool_choice,
             return_tokens_as_token_ids=r.return_tokens_as_token_ids,
         ))
@@ -160,24 +160,29 @@ def build_app(config: Any, role: str, index: int, *, name: str | None = None,
 
     transfer_config = TransferConfig(agent_name=name, lease_ttl_s=config.prefill.lease_ttl_s,
                                      internal_token=internal.token, inject_faults=config.prefill.inject_faults)
+    from decode.config import DecodeConfig
+
+    decode_config = DecodeConfig(config.decode.on_transfer_failure, config.decode.transfer_timeout_s,
+                                 allowed_owners=frozenset(node_urls(config, "prefill")),
+                                 owner_dns=config.router.prefill_dns,
+                                 write_stall_timeout_s=config.decode.write_stall_timeout_s)
     if role == "prefill":
         from prefill.kv_publish import PrefillTransfer
-        from prefill.service import PrefillService
+        from prefill.service import PrefillService, WholeRequestPrefillService
 
         owner = PrefillTransfer(worker, transfer_config, owner_url=node_url(advertised_host(internal.bind), port))
-        app = PrefillService(node, worker, publish=owner.publish, release=owner.release, metrics=metrics).make_app()
+        if config.prefill.serve_whole_requests:
+            app = WholeRequestPrefillService(node, decode_config, worker, publish=owner.publish,
+                                             release=owner.release, metrics=metrics).make_app()
+        else:
+            app = PrefillService(node, worker, publish=owner.publish, release=owner.release, metrics=metrics).make_app()
         owner.install(app)
         return app, internal.bind, port
-    from decode.config import DecodeConfig
     from decode.kv_pull import DecodeTransfer
     from decode.service import DecodeService
 
     reader = DecodeTransfer(worker, transfer_config)
-    service = DecodeService(node, DecodeConfig(config.decode.on_transfer_failure, config.decode.transfer_timeout_s,
-                                               allowed_owners=frozenset(node_urls(config, "prefill")),
-                                               owner_dns=config.router.prefill_dns,
-                                               write_stall_timeout_s=config.decode.write_stall_timeout_s),
-                            worker, pull=reader.pull, metrics=metrics)
+    service = DecodeService(node, decode_config, worker, pull=reader.pull, metrics=metrics)
     app = service.make_app()
     reader.install(app)
     return app, internal.bind, port

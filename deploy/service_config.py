@@ -15,7 +15,8 @@
     internal: {bind, token, token_env, drain_timeout_s, keepalive_timeout_s, persist_timeout_s}
               (keepalive_timeout_s, default 75: an idle HTTP connection to a node is closed after it;
               persist_timeout_s, default 300: after the drain, the bound on writing the tiers to disk)
-    prefill:  {ports: [8100, ...], lease_ttl_s, max_pending_requests, devices: [0, ...], inject_faults: []}
+    prefill:  {ports: [8100, ...], lease_ttl_s, max_pending_requests, serve_whole_requests, devices: [0, ...],
+               inject_faults: []}
               (devices: CUDA devices per node, for up; inject_faults: tests only, transfer.config.PUBLISH_FAULTS)
     decode:   {ports: [8200, ...], on_transfer_failure, max_pending_requests, transfer_timeout_s, devices,
                write_stall_timeout_s}
@@ -25,7 +26,8 @@
                max_concurrent_requests, max_connections_per_node, connect_timeout_s, prefill_urls, decode_urls,
                prefill_dns, decode_dns, dns_interval_s, max_queued_requests, max_queued_bytes, queue_timeout_s,
                decode_reserve_tokens, migration_limit, body_read_timeout_s, write_stall_timeout_s, keepalive_timeout_s,
-               disaggregation, tpot_slo_s, tool_call_parser, enable_auto_tool_choice, return_tokens_as_token_ids}
+               disaggregation, tpot_slo_s, ttft_slo_s, tool_call_parser, enable_auto_tool_choice,
+               return_tokens_as_token_ids}
               (body_read_timeout_s, default 30: a request body not in within it gets 408, and holds no admission
               slot meanwhile; write_stall_timeout_s, default 30: a client that takes no write of its answer for
               that long is dropped and its request ended; keepalive_timeout_s, default 75: an idle client
@@ -88,6 +90,8 @@ class PrefillSection:
     devices: tuple[str, ...] = ()  # per node, `kvrelay up` sets CUDA_VISIBLE_DEVICES to it; empty: inherited
     inject_faults: tuple[str, ...] = ()  # tests only: transfer.config.PUBLISH_FAULTS
     max_pending_requests: int = 256  # a bound the router's queue keeps below (it places by room)
+    # also serve whole requests (`prefill.service.WholeRequestPrefillService`); the router uses it under auto
+    serve_whole_requests: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +132,7 @@ class RouterSection:
     keepalive_timeout_s: float = 75.0  # an idle client connection is closed after this (aiohttp's default: 3630)
     disaggregation: str = "auto"  # always | never | auto (router.plan)
     tpot_slo_s: float = 0.05  # under auto, a local prefill keeps the decode node's streams within it (0: none)
+    ttft_slo_s: float = 0.0  # under auto, a plan whose predicted TTFT passes it counts as a breach (0: none)
     tool_call_parser: str | None = None  # vLLM's --tool-call-parser (router.tool_calls); None: by model family
     enable_auto_tool_choice: bool = False  # vLLM's --enable-auto-tool-choice: tool_choice auto is parsed
     return_tokens_as_token_ids: bool = False  # vLLM's --return-tokens-as-token-ids: logprob tokens as token_id:N
@@ -293,7 +298,8 @@ def parse_services(root: Section, *, base_dir: Path, env: Mapping[str, str] | No
     prefill_ports = p.take("ports", port_list, ())
     prefill = PrefillSection(prefill_ports, p.take("lease_ttl_s", positive_float, 30.0),
                              _devices(p, len(prefill_ports)), p.take("inject_faults", _faults, ()),
-                             p.take("max_pending_requests", positive_int, 256))
+                             p.take("max_pending_requests", positive_int, 256),
+                             p.take("serve_whole_requests", boolean, False))
     p.done()
     d = root.section("decode")
     decode_ports = d.take("ports", port_list, (8200,))
@@ -331,6 +337,7 @@ def parse_services(root: Section, *, base_dir: Path, env: Mapping[str, str] | No
                            r.take("keepalive_timeout_s", positive_float, 75.0),
                            r.take("disaggregation", one_of(DISAGGREGATION_MODES), "auto"),
                            r.take("tpot_slo_s", non_negative_float, 0.05),
+                           r.take("ttft_slo_s", non_negative_float, 0.0),
                            r.take("tool_call_parser", _parser_name, None),
                            r.take("enable_auto_tool_choice", boolean, False),
                            r.take("return_tokens_as_token_ids", boolean, False))

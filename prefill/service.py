@@ -7,6 +7,12 @@ the decode node a leased KV handle to pull the blocks from.
 Prompts are batched by the engine under its token budget (long prompts chunked across steps) and
 reuse cached prefix blocks. The request's full blocks are published (keyed, KV events) and pinned
 under a lease the moment the engine finishes the prompt, before any later step could evict them.
+
+With ``prefill.serve_whole_requests`` the node also serves whole requests as a decode node serves a request
+without a KV handle (`WholeRequestPrefillService`: ``POST /generate``, no KV pulls): under
+``router.disaggregation: auto`` the router then places requests on it when it is the less loaded node
+(`router.nodes.NodeSet.place`), so one prefill and one decode node can serve like two aggregated replicas
+while still disaggregating the prompts that would stall the decode node's streams.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ from typing import Any
 
 from aiohttp import web
 
+from decode.config import DecodeConfig
+from decode.service import DecodeService
 from engine.engine import LLMEngine, RequestError
 from engine.worker import EngineFailure, EngineWorker
 from kvstore.block_key import BlockKey
@@ -48,6 +56,9 @@ class PrefillService(EngineNode):
         metrics: NodeMetrics | None = None,
     ) -> None:
         super().__init__(node, worker, metrics=metrics)
+        self._init_prefill(publish, release)
+
+    def _init_prefill(self, publish: PublishFn | None, release: ReleaseFn | None) -> None:
         self._publish = publish
         self._release = release
         self._releases: set[asyncio.Future] = set()  # releases of handles nobody will read (fire and forget)
@@ -154,3 +165,19 @@ class PrefillService(EngineNode):
         reply = PrefillReply(tokens, reasons, handle, num_cached,  # msgpack only here, at the HTTP edge
                              first_logprobs=logprobs)
         return web.Response(body=encode_prefill_reply(reply), content_type="application/msgpack")
+
+
+class WholeRequestPrefillService(PrefillService, DecodeService):
+    """A prefill node that also serves whole requests: ``POST /prefill`` as `PrefillService`, and ``POST
+    /generate`` as `DecodeService` for a request without a KV handle (the node prefills and decodes it; one
+    with a handle is refused as a transfer failure: this node pulls no KV). Its load report says so
+    (``whole_requests``), which is how the router learns it may place whole requests here."""
+
+    def __init__(self, node: NodeConfig, config: DecodeConfig, worker: EngineWorker, *,
+                 publish: PublishFn | None = None, release: ReleaseFn | None = None,
+                 metrics: NodeMetrics | None = None) -> None:
+        DecodeService.__init__(self, node, config, worker, pull=None, metrics=metrics)  # EngineNode's once
+        self._init_prefill(publish, release)
+
+    def load_report(self) -> dict[str, Any]:
+        return {**super().load_report(), "whole_requests": True}

@@ -155,7 +155,7 @@ class Router:
         info = await self.membership.cluster_info()
         self.nodes = NodeSet(cfg.prefill_urls, cfg.decode_urls, block_size_tokens=info.block_size_tokens,
                              load_weight_tokens=cfg.load_weight_tokens, retry_after_s=cfg.node_retry_s,
-                             disaggregation=cfg.disaggregation, tpot_slo_s=cfg.tpot_slo_s)
+                             disaggregation=cfg.disaggregation, tpot_slo_s=cfg.tpot_slo_s, ttft_slo_s=cfg.ttft_slo_s)
         self.dispatcher = Dispatcher(self.nodes, self.backends, info, queue=QueueConfig(
             max_requests=cfg.max_queued_requests, max_bytes=cfg.max_queued_bytes, timeout_s=cfg.queue_timeout_s,
             decode_reserve_tokens=cfg.decode_reserve_tokens), queue_metrics=self.metrics.queue_metrics(),

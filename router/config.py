@@ -50,6 +50,8 @@ class RouterConfig:
     # The TPOT SLO (seconds per output token) a local prefill must keep the decode node's streams within
     # under ``auto`` (`router.plan.tpot_breaches`); 0: not considered.
     tpot_slo_s: float = 0.05
+    # The TTFT SLO (seconds) a plan's calibrated TTFT is held to under ``auto`` (`router.plan.choose_plan`); 0: none.
+    ttft_slo_s: float = 0.0
     # A client's whole request body must arrive within this (else 408); no admission slot is held meanwhile.
     body_read_timeout_s: float = 30.0
     # A client that takes longer than this to take one write of its answer (it stopped reading) is dropped,
@@ -92,6 +94,8 @@ class RouterConfig:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
         if not (self.tpot_slo_s >= 0 and math.isfinite(self.tpot_slo_s)):
             raise ValueError(f"tpot_slo_s must be >= 0 seconds (0: none), got {self.tpot_slo_s!r}")
+        if not (self.ttft_slo_s >= 0 and math.isfinite(self.ttft_slo_s)):
+            raise ValueError(f"ttft_slo_s must be >= 0 seconds (0: none), got {self.ttft_slo_s!r}")
         if not self.event_poll_interval_s >= 0:
             raise ValueError(f"event_poll_interval_s must be >= 0 seconds, got {self.event_poll_interval_s!r}")
         if not 0 <= self.event_wait_s <= 30:  # what a node accepts as /kv/events?wait_s

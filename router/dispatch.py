@@ -225,8 +225,10 @@ class Dispatcher:
         choice = reservation.choice
         if choice is not None:
             ttft_s = time.monotonic() - placed_at
-            log.info("request %s: plan %s, TTFT predicted %.3f s (model %.3f s), actual %.3f s", req.request_id,
-                     choice.plan, choice.predicted_ttft_s, choice.model_ttft_s, ttft_s)
+            log.info("request %s: plan %s on %s, TTFT predicted %.3f s (model %.3f s), actual %.3f s; costs %s",
+                     req.request_id, choice.plan, (reservation.prefill or reservation.decode).name,
+                     choice.predicted_ttft_s, choice.model_ttft_s, ttft_s,
+                     {k: round(v, 3) for k, v in choice.costs.items()})
             self._planned(choice, ttft_s)
             self.nodes.calibration.observe(choice.plan, choice.model_ttft_s, ttft_s)
 

@@ -27,6 +27,7 @@ class NodeCapacity:
     block_bytes: int = 0  # bytes of one 16-token block, all groups (0: not reported)
     pull_bytes_per_s: float = 0.0  # how fast it pulls KV from peers (`engine.step_rates.PullRates`); 0.0: no pull yet
     pull_fixed_s: float = 0.0
+    whole_requests: bool = False  # a prefill node that also serves whole requests (``POST /generate``)
 
     @classmethod
     def from_report(cls, report: Any) -> NodeCapacity:
@@ -36,7 +37,7 @@ class NodeCapacity:
                       int(report["max_num_batched_tokens"]), float(report["prefill_tokens_per_s"]),
                       float(report["decode_step_s"]), int(report.get("max_pending_requests", 1 << 30)),
                       int(report.get("block_bytes", 0)), float(report.get("pull_bytes_per_s", 0.0)),
-                      float(report.get("pull_fixed_s", 0.0)))
+                      float(report.get("pull_fixed_s", 0.0)), report.get("whole_requests", False) is True)
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed load report: {exc!r}") from None
         if min(cap.kv_blocks, cap.max_num_seqs, cap.max_num_batched_tokens, cap.max_pending_requests) < 1 or \

@@ -137,7 +137,7 @@ class NodeSet:
 
     def __init__(self, prefill_urls: Sequence[str], decode_urls: Sequence[str], *, block_size_tokens: int,
                  load_weight_tokens: int = 64, retry_after_s: float = 5.0, disaggregation: str = "always",
-                 tpot_slo_s: float = 0.0) -> None:
+                 tpot_slo_s: float = 0.0, ttft_slo_s: float = 0.0) -> None:
         """``disaggregation``: how `place` chooses between a prefill node and the decode node itself
         (`router.plan.MODES`); ``tpot_slo_s``: the TPOT SLO a local prefill keeps the decode node's streams
         within (`router.plan.tpot_breaches`; 0: none).
@@ -149,6 +149,7 @@ class NodeSet:
             raise ValueError(f"disaggregation must be one of {', '.join(MODES)}, got {disaggregation!r}")
         self.disaggregation = disaggregation
         self.tpot_slo_s = tpot_slo_s
+        self.ttft_slo_s = ttft_slo_s
         self.calibration = TtftCalibration()  # the plans' TTFT model against what the router measured
         self.prefill = [Node(f"prefill-{i}", u.rstrip("/"), "prefill") for i, u in enumerate(prefill_urls)]
         self.decode = [Node(f"decode-{i}", u.rstrip("/"), "decode") for i, u in enumerate(decode_urls)]
@@ -210,9 +211,24 @@ class NodeSet:
         under `disaggregation` picks the disaggregated plan — the best prefill node with room (none up: the decode node
         prefills it). None: no room now (or no decode node is up), so the request waits. Under ``always`` a
         request waits for a prefill node's room; under ``auto`` one whose prefill nodes are all full is
-        prefilled on its decode node if that has room."""
+        prefilled on its decode node if that has room.
+
+        Under ``auto``, a prefill node that serves whole requests (`NodeCapacity.whole_requests`) with room
+        takes the request itself, as a decode node does under a local plan, when it is less loaded than the best
+        decode node (`_whole_cost`: its samples weighed as ``load_weight_tokens`` each, plus the prompt tokens
+        queued on it, less the prompt tokens it holds; the decode node wins a tie)."""
         mode = self.disaggregation
         decode = self.pick_decode(keys, fits=need.fits_decode)
+        whole = self._pick_whole(keys, need) if mode == "auto" else None
+        if whole is not None:
+            held = self.index.prefix_blocks(keys, [whole.name, *([decode.name] if decode is not None else [])])
+            whole_cost = self._whole_cost(whole, held[whole.name])
+            if decode is None or whole_cost < self._whole_cost(decode, held[decode.name]):
+                choice = choose_plan("never", prompt_tokens=need.prompt_tokens,
+                                     block_size_tokens=self.block_size_tokens, decode=whole,
+                                     decode_held_blocks=held[whole.name], prefill=None, prefill_held_blocks=0,
+                                     calibration=self.calibration)
+                return Reservation(need, whole, None, choice)
         if decode is None:
             return None
         prefill = None
@@ -225,12 +241,29 @@ class NodeSet:
         choice = choose_plan(mode, prompt_tokens=need.prompt_tokens, block_size_tokens=self.block_size_tokens,
                              decode=decode, decode_held_blocks=held[decode.name], prefill=prefill,
                              prefill_held_blocks=held[prefill.name] if prefill is not None else 0,
-                             calibration=self.calibration, tpot_slo_s=self.tpot_slo_s)
+                             calibration=self.calibration, tpot_slo_s=self.tpot_slo_s,
+                             ttft_slo_s=self.ttft_slo_s)
         if choice.plan == LOCAL:
             if any_prefill and not need.fits_local(decode):
                 return None  # a choice between nodes that are both full: wait
             prefill = None
         return Reservation(need, decode, prefill, choice)
+
+    def _pick_whole(self, keys: Sequence[BlockKey], need: Need) -> Node | None:
+        """The least loaded healthy prefill node that serves whole requests and has room for this one (as a
+        decode node, and for its prompt); None if there is none."""
+        now = time.monotonic()
+        nodes = [n for n in self.prefill if n.healthy(now) and n.capacity is not None and n.capacity.whole_requests
+                 and need.fits_decode(n) and need.fits_local(n)]
+        if not nodes:
+            return None
+        held = self.index.prefix_blocks(keys, [n.name for n in nodes])
+        return min(enumerate(nodes), key=lambda p: (self._whole_cost(p[1], held[p[1].name]), p[0]))[1]
+
+    def _whole_cost(self, node: Node, held_blocks: int) -> int:
+        """How loaded ``node`` is for taking a whole request, in prompt tokens (see `place`)."""
+        load = max(node.in_flight, node.reserved_seqs)
+        return load * self.load_weight_tokens + node.queued_tokens - held_blocks * self.block_size_tokens
 
     def any_healthy(self, nodes: Sequence[Node]) -> bool:
         now = time.monotonic()

@@ -6,22 +6,26 @@ router's `KvIndex`), with ``Q`` prompt tokens already placed on that node and no
 measured prefill rate ``r`` (tokens/s), and the decode node's fitted pull time ``pull(bytes)``:
 
     disaggregated:  ttft = (Q_p + P - h_p) / r_p        cost = ttft + pull((blocks(P) - blocks(h_d)) · block_bytes)
+                                                               + running_p · (P - h_p) / r_p
     local:          ttft = (Q_d + P - h_d) / r_d        cost = ttft + running_d · (P - h_d) / r_d
 
 The first token of a disaggregated request comes from the prefill node, so its pull delays only its second
 token; the pull is part of its cost, not of its TTFT. A local prefill shares the decode node's steps with the
 ``running_d`` sequences decoding there (chunked prefill), and delays each of them by its compute time: that is
-the cost it puts on others, counted once per running sequence. So a short prompt, or one whose prefix the decode
-node holds (``P - h_d`` small), stays on the decode node, a long one goes to a prefill node while the decode node
-is busy, and when the prefill node's queue or a slow link outweighs the stall, the decode node recomputes.
+the cost it puts on others, counted once per running sequence. A prefill node has no sequences of its own
+(``running_p`` = 0) unless it also serves whole requests (`router.nodes.NodeSet.place`). So a short prompt, or
+one whose prefix the decode node holds (``P - h_d`` small), stays on the decode node, a long one goes to a
+prefill node while the decode node is busy, and when the prefill node's queue or a slow link outweighs the
+stall, the decode node recomputes.
 
 A local prefill must also keep the decode node's streams within the TPOT SLO (``router.tpot_slo_s``): each
 stream's time per output token when it ends is projected from what it has sent, the node's decayed
 inter-token time as the router receives it, and the stall (`router.node_state.StreamPace`); under ``auto``,
-a local plan that would push any stream there past the SLO is not taken while a prefill node can take the
-prompt. Otherwise on short chat prompts the decode node takes every prefill itself and its streams' TPOT
-creeps past the SLO while the prefill node idles (a stall of ~0.1 s costs each stream only ~1.6 ms per token,
-but a stream lives through dozens of them).
+the plan that pushes fewer streams past the SLO is taken (a prefill node's own streams count against the
+disaggregated plan; with ``router.ttft_slo_s`` set, a plan whose calibrated TTFT passes it counts one breach
+more), and only on a tie the cheaper one. Otherwise on short chat prompts the decode node takes
+every prefill itself and its streams' TPOT creeps past the SLO while the prefill node idles (a stall of ~0.1 s
+costs each stream only ~1.6 ms per token, but a stream lives through dozens of them).
 
 The model's TTFT leaves out what it cannot see (the hops between router and nodes, a step already running, a
 decode node sharing its steps), so the router calibrates it per plan against the times it then measures
@@ -45,6 +49,10 @@ from engine.step_rates import DecayedLine
 from router.node_state import Node, NodeCapacity
 
 TPOT_BREACHES = "local_tpot_breaches"  # `PlanChoice.costs`: streams a local prefill would push past the SLO
+# ... and those the prefill node's prefill would (its own streams, when it also serves whole requests)
+REMOTE_TPOT_BREACHES = "disaggregated_tpot_breaches"
+# ... and, with a TTFT SLO, whether each plan's calibrated TTFT passes it (1.0) or not (0.0)
+TTFT_MISSES = {"local": "local_ttft_miss", "disaggregated": "disaggregated_ttft_miss"}
 
 MODES = ("always", "never", "auto")
 DISAGGREGATED = "disaggregated"
@@ -116,12 +124,13 @@ def tpot_breaches(decode: Node, *, stall_s: float, tpot_slo_s: float, now: float
 def choose_plan(mode: str, *, prompt_tokens: int, block_size_tokens: int, decode: Node, decode_held_blocks: int,
                 prefill: Node | None, prefill_held_blocks: int,
                 calibration: TtftCalibration | None = None, tpot_slo_s: float = 0.0,
-                now: float | None = None) -> PlanChoice:
+                ttft_slo_s: float = 0.0, now: float | None = None) -> PlanChoice:
     """The plan for one request (module docstring). ``prefill`` None: no prefill node is up with room, so the
     plan is local whatever the mode. ``*_held_blocks``: the leading blocks of the prompt each node holds.
     ``calibration``: maps model TTFTs to predicted ones (None: the model's as they are). ``tpot_slo_s``: the
-    TPOT SLO a local prefill must keep the decode node's streams within (0: none); ``now``: `time.monotonic`
-    seconds (None: read it).
+    TPOT SLO a local prefill must keep the decode node's streams within (0: none); ``ttft_slo_s``: the TTFT SLO
+    (0: none), a plan whose calibrated TTFT passes it counting one breach (`TTFT_MISSES` keys); ``now``:
+    `time.monotonic` seconds (None: read it).
 
     Raises:
         ValueError: ``mode`` is not one of `MODES`.
@@ -143,12 +152,24 @@ def choose_plan(mode: str, *, prompt_tokens: int, block_size_tokens: int, decode
     if mode == "always" or math.isnan(local_model) or math.isnan(remote_model):
         return remote
     blocks = -(-prompt_tokens // block_size_tokens)
-    costs = {DISAGGREGATED: remote.predicted_ttft_s + pull_s(decode.capacity, blocks - decode_held_blocks),
+    remote_compute = (prompt_tokens - held_p) / r_p
+    costs = {DISAGGREGATED: remote.predicted_ttft_s + pull_s(decode.capacity, blocks - decode_held_blocks)
+             + prefill.reserved_seqs * remote_compute,  # a prefill node serving whole requests stalls its own
              LOCAL: local.predicted_ttft_s + running(decode) * local_compute}
-    breaches = 0
+    breaches = {LOCAL: 0, DISAGGREGATED: 0}
+    if ttft_slo_s > 0:
+        misses = {plan: int(choice.predicted_ttft_s > ttft_slo_s) for plan, choice in ((LOCAL, local),
+                                                                                        (DISAGGREGATED, remote))}
+        costs.update({TTFT_MISSES[plan]: float(miss) for plan, miss in misses.items()})
+        breaches = misses
     if tpot_slo_s > 0:
-        breaches = tpot_breaches(decode, stall_s=local_compute, tpot_slo_s=tpot_slo_s,
-                                 now=time.monotonic() if now is None else now)
-        costs[TPOT_BREACHES] = float(breaches)
-    chosen = local if breaches == 0 and costs[LOCAL] <= costs[DISAGGREGATED] else remote
+        now = time.monotonic() if now is None else now
+        tpot = {LOCAL: tpot_breaches(decode, stall_s=local_compute, tpot_slo_s=tpot_slo_s, now=now),
+                DISAGGREGATED: tpot_breaches(prefill, stall_s=remote_compute, tpot_slo_s=tpot_slo_s, now=now)}
+        costs[TPOT_BREACHES] = float(tpot[LOCAL])
+        costs[REMOTE_TPOT_BREACHES] = float(tpot[DISAGGREGATED])
+        breaches = {plan: breaches[plan] + tpot[plan] for plan in breaches}
+    # Fewer SLO breaches first (streams pushed past the TPOT SLO, this request's TTFT past its SLO); then the
+    # cheaper plan (local on a tie).
+    chosen = local if (breaches[LOCAL], costs[LOCAL]) <= (breaches[DISAGGREGATED], costs[DISAGGREGATED]) else remote
     return PlanChoice(chosen.plan, chosen.model_ttft_s, chosen.predicted_ttft_s, costs)

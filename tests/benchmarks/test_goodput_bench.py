@@ -128,12 +128,16 @@ def test_markdown_table_marks_rates_not_run():
         "| long | auto | 1.00 | 0.90 | 1 |")
 
 
-def test_every_deployment_is_told_the_tpot_slo_and_keeps_its_own_plan():
+def test_every_deployment_is_told_the_slos_and_keeps_its_own_plan():
     slo = Slo(1.0, 0.04)
-    assert deployment_overrides("auto", slo)["router"] == {"disaggregation": "auto", "tpot_slo_s": 0.04}
-    assert deployment_overrides("1p1d", slo)["router"] == {"disaggregation": "always", "tpot_slo_s": 0.04}
+    told = {"tpot_slo_s": 0.04, "ttft_slo_s": 1.0}
+    auto = deployment_overrides("auto", slo)
+    assert auto == {"prefill": {"ports": [0], "serve_whole_requests": True}, "decode": {"ports": [0]},
+                    "router": {"disaggregation": "auto", **told}}
+    assert deployment_overrides("1p1d", slo) == {"prefill": {"ports": [0]}, "decode": {"ports": [0]},
+                                                 "router": {"disaggregation": "always", **told}}
     agg = deployment_overrides("2x-aggregated", slo)
-    assert agg == {"prefill": {"ports": []}, "decode": {"ports": [0, 0]}, "router": {"tpot_slo_s": 0.04}}
+    assert agg == {"prefill": {"ports": []}, "decode": {"ports": [0, 0]}, "router": told}
     assert "router" not in DEPLOYMENT_TO_OVERRIDES["2x-aggregated"]  # the table itself is left as it was
 
 

@@ -1,3 +1,4 @@
+import math
 import textwrap
 from pathlib import Path
 
@@ -299,5 +300,23 @@ def test_the_tpot_slo_defaults_to_50_ms_and_must_be_a_number_at_least_0(tmp_path
             load_config(write(tmp_path, base + f"router: {{tpot_slo_s: {bad}}}\n"))
         assert str(err.value).startswith("router.tpot_slo_s: ") and str(err.value).endswith("is not a number >= 0")
     assert RouterConfig(model_name="m", model_dir="m").tpot_slo_s == 0.05
+    assert load_config(write(tmp_path, base)).router.ttft_slo_s == 0.0
+    assert load_config(write(tmp_path, base + "router: {ttft_slo_s: 2.5}\n")).router.ttft_slo_s == 2.5
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, base + "router: {ttft_slo_s: -1}\n"))
+    assert str(err.value).startswith("router.ttft_slo_s: ")
+    with pytest.raises(ValueError, match="ttft_slo_s must be >= 0 seconds"):
+        RouterConfig(model_name="m", model_dir="m", ttft_slo_s=math.inf)
     with pytest.raises(ValueError, match="tpot_slo_s must be >= 0 seconds"):
         RouterConfig(model_name="m", model_dir="m", tpot_slo_s=-0.1)
+
+
+def test_prefill_nodes_serve_whole_requests_only_when_asked(tmp_path):
+    """Issue 31: ``prefill.serve_whole_requests`` (`prefill.service.WholeRequestPrefillService`), a boolean."""
+    base = "model: {path: m}\nkvstore: {device: {bytes: 1GiB}}\n"
+    assert load_config(write(tmp_path, base)).prefill.serve_whole_requests is False
+    on = load_config(write(tmp_path, base + "prefill: {serve_whole_requests: true}\n"))
+    assert on.prefill.serve_whole_requests is True
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, base + "prefill: {serve_whole_requests: sometimes}\n"))
+    assert str(err.value).startswith("prefill.serve_whole_requests: "), str(err.value)

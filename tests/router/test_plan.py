@@ -10,7 +10,16 @@ from engine.step_rates import PullRates
 from kvstore.block_key import BlockKey
 from router.node_state import Node, NodeCapacity
 from router.nodes import Need, NodeSet
-from router.plan import DISAGGREGATED, LOCAL, TPOT_BREACHES, PlanChoice, TtftCalibration, choose_plan
+from router.plan import (
+    DISAGGREGATED,
+    LOCAL,
+    REMOTE_TPOT_BREACHES,
+    TPOT_BREACHES,
+    TTFT_MISSES,
+    PlanChoice,
+    TtftCalibration,
+    choose_plan,
+)
 
 B = 16
 BLOCK_BYTES = 1000
@@ -107,7 +116,8 @@ def test_a_local_prefill_that_would_push_a_stream_past_the_tpot_slo_goes_to_the_
     assert within.plan == LOCAL and within.costs[TPOT_BREACHES] == 0.0
     past = at(300, 0.05)
     assert past.plan == DISAGGREGATED and past.costs == {DISAGGREGATED: pytest.approx(0.3 + 0.5 + 0.019),
-                                                         LOCAL: pytest.approx(0.6), TPOT_BREACHES: 1.0}
+                                                         LOCAL: pytest.approx(0.6), TPOT_BREACHES: 1.0,
+                                                         REMOTE_TPOT_BREACHES: 0.0}
     # no SLO: the costs alone keep it local
     assert at(300, 0.0).plan == LOCAL and TPOT_BREACHES not in at(300, 0.0).costs
     # a stream that ended no longer counts
@@ -203,3 +213,103 @@ def test_calibration_maps_the_model_to_measured_times_and_the_plan_follows_it():
     choice = plan("auto", 200, d, p, calibration=slow_local)
     assert choice == PlanChoice(DISAGGREGATED, pytest.approx(0.2), pytest.approx(0.2), {
         DISAGGREGATED: pytest.approx(0.2 + 0.013), LOCAL: pytest.approx(0.65)})
+
+
+def test_a_prefill_node_s_own_streams_count_against_the_disaggregated_plan():
+    # The prefill node also serves whole requests and runs one stream, as the decode node does (the one of
+    # test_a_local_prefill_that_would_push_a_stream_past_the_tpot_slo_goes_to_the_prefill_node): a 300-token
+    # prompt (0.3 s either side) pushes a stream past 50 ms wherever it is prefilled, so the cheaper plan stands;
+    # its stall on the prefill node's stream now counts in the disaggregated plan's cost.
+    def paced(role: str) -> Node:
+        n = node(role, rate=1000.0, running=1, pull_bytes_per_s=1e6, pull_fixed_s=0.5)
+        n.observe_tokens(7, tokens=1, now=0.0, expected=64)
+        n.observe_tokens(7, tokens=40, now=1.6, expected=64)
+        n.streams[7].first_at = 0.0
+        return n
+
+    d, p = paced("decode"), paced("prefill")
+    both = choose_plan("auto", prompt_tokens=300, block_size_tokens=B, decode=d, decode_held_blocks=0, prefill=p,
+                       prefill_held_blocks=0, tpot_slo_s=0.05, now=2.0)
+    assert both.plan == LOCAL and both.costs == {DISAGGREGATED: pytest.approx(0.3 + 0.5 + 0.019 + 0.3),
+                                                 LOCAL: pytest.approx(0.6), TPOT_BREACHES: 1.0,
+                                                 REMOTE_TPOT_BREACHES: 1.0}
+    d.stream_ended(7)  # only the prefill node's stream would be pushed past: local, though it costs more
+    d.reserved_seqs = 3
+    alone = choose_plan("auto", prompt_tokens=300, block_size_tokens=B, decode=d, decode_held_blocks=0, prefill=p,
+                        prefill_held_blocks=0, tpot_slo_s=0.05, now=2.0)
+    assert alone.plan == LOCAL and (alone.costs[LOCAL], alone.costs[DISAGGREGATED]) == (
+        pytest.approx(0.3 + 3 * 0.3), pytest.approx(0.3 + 0.5 + 0.019 + 0.3))
+    assert (alone.costs[TPOT_BREACHES], alone.costs[REMOTE_TPOT_BREACHES]) == (0.0, 1.0)
+
+
+def test_auto_places_whole_requests_on_a_prefill_node_that_serves_them_when_it_is_less_loaded():
+    nodes = NodeSet(["http://p0"], ["http://d0"], block_size_tokens=B, disaggregation="auto", load_weight_tokens=64)
+    (p,), (d,) = nodes.prefill, nodes.decode
+    p.capacity = NodeCapacity(1000, 1000, 64, 512, 1000.0, 0.02, whole_requests=True)
+    d.capacity = NodeCapacity(1000, 1000, 64, 512, 1000.0, 0.02)
+    short = Need(prompt_tokens=100, prefill_blocks=7, decode_blocks=8, seqs=1)
+    first = nodes.place(short, keys(7))  # both idle: the decode node wins the tie, and keeps a short prompt
+    assert (first.decode, first.prefill, first.choice.plan) == (d, None, LOCAL)
+    second = nodes.place(short, keys(7))  # the decode node runs one sample (64) + 100 queued: the prefill node
+    assert (second.decode, second.prefill, second.choice.plan) == (p, None, LOCAL)
+    assert (p.reserved_seqs, p.queued_tokens, p.reserved_blocks, d.reserved_seqs) == (1, 100, 8, 1)
+    second.prefilled()
+    first.prefilled()
+    assert (p.queued_tokens, d.queued_tokens) == (0, 0)
+    # Equal load again (one sample each): the decode node; then a prompt queued on the decode node tips it back
+    third = nodes.place(short, keys(7))
+    assert third.decode is d
+    fourth = nodes.place(short, keys(7))
+    assert fourth.decode is p
+    for r in (first, second, third, fourth):
+        r.release()
+    assert (p.reserved_seqs, p.reserved_blocks, d.reserved_seqs, d.reserved_blocks) == (0, 0, 0, 0)
+    # Not under always or never, and not from a prefill node that does not serve them
+    for mode in ("always", "never"):
+        nodes.disaggregation = mode
+        r1, r2 = nodes.place(short, keys(7)), nodes.place(short, keys(7))
+        assert (r1.decode, r2.decode) == (d, d)
+        r1.release()
+        r2.release()
+    nodes.disaggregation = "auto"
+    p.capacity = NodeCapacity(1000, 1000, 64, 512, 1000.0, 0.02)
+    r1, r2 = nodes.place(short, keys(7)), nodes.place(short, keys(7))
+    assert (r1.decode, r2.decode) == (d, d)
+    r1.release()
+    r2.release()
+    # A prefill node that serves them but has no room for the request's decode blocks is not given it
+    p.capacity = NodeCapacity(8, 8, 64, 512, 1000.0, 0.02, whole_requests=True)
+    p.reserved_blocks = 1
+    r1, r2 = nodes.place(short, keys(7)), nodes.place(short, keys(7))
+    assert (r1.decode, r2.decode) == (d, d)
+
+
+def test_a_load_report_says_whether_a_prefill_node_serves_whole_requests():
+    report = {"kv_blocks": 10, "free_blocks": 10, "max_num_seqs": 4, "max_num_batched_tokens": 64,
+              "prefill_tokens_per_s": 0.0, "decode_step_s": 0.0}
+    assert NodeCapacity.from_report(report).whole_requests is False
+    assert NodeCapacity.from_report({**report, "whole_requests": True}).whole_requests is True
+    assert NodeCapacity.from_report({**report, "whole_requests": 1}).whole_requests is False  # only a true bool
+
+
+def test_a_ttft_slo_weighs_a_plan_s_own_first_token_against_the_streams_it_would_slow():
+    # The stream of test_a_local_prefill_that_would_push_a_stream_past_the_tpot_slo_goes_to_the_prefill_node: a
+    # 300-token local prefill pushes it past 50 ms (one breach). The prefill node has 500 tokens queued: there the
+    # prompt's first token comes after 0.8 s, past a 0.5 s TTFT SLO (one breach); locally after 0.3 s. One breach
+    # each: the cheaper plan, local (0.6 s against 0.8 + 0.519 s).
+    d = node("decode", rate=1000.0, running=1, pull_bytes_per_s=1e6, pull_fixed_s=0.5)
+    d.observe_tokens(7, tokens=1, now=0.0, expected=64)
+    d.observe_tokens(7, tokens=40, now=1.6, expected=64)
+    d.streams[7].first_at = 0.0
+
+    def at(ttft_slo: float) -> PlanChoice:
+        return choose_plan("auto", prompt_tokens=300, block_size_tokens=B, decode=d, decode_held_blocks=0,
+                           prefill=node("prefill", rate=1000.0, queued=500), prefill_held_blocks=0,
+                           tpot_slo_s=0.05, ttft_slo_s=ttft_slo, now=2.0)
+
+    weighed = at(0.5)
+    assert weighed.plan == LOCAL and weighed.costs == {
+        DISAGGREGATED: pytest.approx(0.8 + 0.519), LOCAL: pytest.approx(0.6), TPOT_BREACHES: 1.0,
+        REMOTE_TPOT_BREACHES: 0.0, TTFT_MISSES[LOCAL]: 0.0, TTFT_MISSES[DISAGGREGATED]: 1.0}
+    assert at(1.0).plan == DISAGGREGATED  # both first tokens within 1 s: the stream decides
+    assert at(0.0).plan == DISAGGREGATED and TTFT_MISSES[LOCAL] not in at(0.0).costs  # no TTFT SLO

@@ -112,3 +112,34 @@ def test_a_slow_link_makes_the_decode_node_recompute_instead_of_pulling(tiny_mod
         before = pulled_bytes(decode)
         assert while_busy(c, long, 4) == (expected[1], "local")
         assert pulled_bytes(decode) == before
+
+
+def test_a_prefill_node_that_serves_whole_requests_takes_its_share_under_auto(tiny_model_dir):
+    """``prefill.serve_whole_requests``: under auto the router places requests on the prefill node as on a decode
+    node when it is the less loaded one; it prefills and decodes them itself (``/generate``, no pull), and every
+    request gives the greedy tokens of one engine."""
+    rng = random.Random(33)
+    prompts = [[rng.randrange(3, 256) for _ in range(rng.randrange(20, 200))] for _ in range(8)]
+    tok = load_tokenizer(tiny_model_dir)
+    ids = reference(tiny_model_dir, prompts, [SamplingParams(max_tokens=32)] * 8)
+    expected = [tok.decode(t) for t in ids]
+    total = len(ids[0]) + sum(map(len, ids))  # tokens of the first request twice over, then of all eight
+    overrides = {"router": {"disaggregation": "auto"}, "prefill": {"serve_whole_requests": True}}
+    with Cluster(tiny_model_dir, overrides=overrides) as c:
+        (prefill,), (decode,) = c.prefill_urls, c.decode_urls
+        wait_for(lambda: (get_json(c.url + "/health")["nodes"]["prefill-0"]["capacity"] or {}).get(
+            "whole_requests") is True, what="the prefill node's load report to say it serves whole requests")
+        # Nothing measured yet: the first request is disaggregated (both nodes learn their rates)
+        assert complete(c.url, prompts[0], max_tokens=32) == expected[0] and plans(c.url) == (1, 0)
+        with ThreadPoolExecutor(8) as pool:
+            texts = list(pool.map(lambda p: complete(c.url, p, max_tokens=32), prompts))
+        assert texts == expected
+
+        def generated() -> dict[str, float]:
+            return {url: metrics(url).get("vllm:generation_tokens_total", 0.0) for url in (prefill, decode)}
+
+        # The tokens of all 9 however they were placed (a disaggregated one: its first token on the prefill node,
+        # the rest on the decode node); each node generated more than first tokens: whole requests on both.
+        wait_for(lambda: sum(generated().values()) == total, what="the nodes' token counters")
+        assert generated()[prefill] > 9 and generated()[decode] > len(ids[0])
+        assert sum(plans(c.url)) == 9
