@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from kvstore.block_key import BlockKey
 from router.kv_index import KvIndex
 from router.node_state import Node
-from router.plan import LOCAL, MODES, PlanChoice, TtftCalibration, choose_plan
+from router.plan import LOCAL, MODES, PlanChoice, TtftCalibration, choose_plan, running
 
 PREFILL_QUEUE_STEPS = 4  # prompt tokens placed on a prefill node, in steps of its token budget
 # Samples placed on a decode node, in multiples of its batch (max_num_seqs): those beyond the batch are being
@@ -139,8 +139,8 @@ class NodeSet:
                  load_weight_tokens: int = 64, retry_after_s: float = 5.0, disaggregation: str = "always",
                  tpot_slo_s: float = 0.0, ttft_slo_s: float = 0.0) -> None:
         """``disaggregation``: how `place` chooses between a prefill node and the decode node itself
-        (`router.plan.MODES`); ``tpot_slo_s``: the TPOT SLO a local prefill keeps the decode node's streams
-        within (`router.plan.tpot_breaches`; 0: none).
+        (`router.plan.MODES`); ``tpot_slo_s`` / ``ttft_slo_s``: the SLOs `router.plan.choose_plan` weighs the
+        plans by under ``auto`` (0: none).
 
         Raises:
             ValueError: an unknown ``disaggregation``.
@@ -262,8 +262,7 @@ class NodeSet:
 
     def _whole_cost(self, node: Node, held_blocks: int) -> int:
         """How loaded ``node`` is for taking a whole request, in prompt tokens (see `place`)."""
-        load = max(node.in_flight, node.reserved_seqs)
-        return load * self.load_weight_tokens + node.queued_tokens - held_blocks * self.block_size_tokens
+        return running(node) * self.load_weight_tokens + node.queued_tokens - held_blocks * self.block_size_tokens
 
     def any_healthy(self, nodes: Sequence[Node]) -> bool:
         now = time.monotonic()

@@ -18,7 +18,7 @@ one whose prefix the decode node holds (``P - h_d`` small), stays on the decode 
 prefill node while the decode node is busy, and when the prefill node's queue or a slow link outweighs the
 stall, the decode node recomputes.
 
-A local prefill must also keep the decode node's streams within the TPOT SLO (``router.tpot_slo_s``): each
+Plans are weighed against the SLOs first. The TPOT SLO (``router.tpot_slo_s``): each
 stream's time per output token when it ends is projected from what it has sent, the node's decayed
 inter-token time as the router receives it, and the stall (`router.node_state.StreamPace`); under ``auto``,
 the plan that pushes fewer streams past the SLO is taken (a prefill node's own streams count against the
@@ -65,8 +65,8 @@ class PlanChoice:
     NaN: no rate measured yet) and that TTFT calibrated (``predicted_ttft_s``; `TtftCalibration`).
 
     ``costs``: each plan considered and its cost (seconds; `choose_plan`), and, when a TPOT SLO is set, how many
-    of the decode node's streams the local plan would push past it (`TPOT_BREACHES`); empty when the mode left
-    no choice.
+    streams each plan would push past it (`TPOT_BREACHES`, `REMOTE_TPOT_BREACHES`), and when a TTFT SLO is set,
+    whether each plan's predicted TTFT passes it (`TTFT_MISSES`); empty when the mode left no choice.
     """
 
     plan: str
