@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import emit, machine_label, seeded_prompt
+from benchmarks.kernel_bench import prefill_flops as kernel_prefill_flops
 from model.config import ModelConfig
 
 DEFAULT_LENGTHS = (512, 2048, 8192)
@@ -48,8 +49,8 @@ def prefill_flops(cfg: ModelConfig, tokens: int, *, cached: int = 0) -> dict[str
     h, q, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     per_token = h * (q + 2 * kv) + q * h + 3 * h * cfg.intermediate_size
     linear = 2.0 * tokens * per_token * cfg.num_hidden_layers + 2.0 * h * cfg.vocab_size
-    context = tokens * cached + tokens * (tokens + 1) / 2  # Σ over new tokens of the keys each sees
-    attention = 4.0 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * context
+    heads = {"num_q_heads": cfg.num_attention_heads, "head_dim": cfg.head_dim}
+    attention = float(cfg.num_hidden_layers * kernel_prefill_flops(1, cached, tokens, heads))
     return {"linear": linear, "attention": attention, "total": linear + attention}
 
 

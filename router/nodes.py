@@ -219,16 +219,13 @@ class NodeSet:
         queued on it, less the prompt tokens it holds; the decode node wins a tie)."""
         mode = self.disaggregation
         decode = self.pick_decode(keys, fits=need.fits_decode)
-        whole = self._pick_whole(keys, need) if mode == "auto" else None
-        if whole is not None:
-            held = self.index.prefix_blocks(keys, [whole.name, *([decode.name] if decode is not None else [])])
-            whole_cost = self._whole_cost(whole, held[whole.name])
-            if decode is None or whole_cost < self._whole_cost(decode, held[decode.name]):
-                choice = choose_plan("never", prompt_tokens=need.prompt_tokens,
-                                     block_size_tokens=self.block_size_tokens, decode=whole,
-                                     decode_held_blocks=held[whole.name], prefill=None, prefill_held_blocks=0,
-                                     calibration=self.calibration)
-                return Reservation(need, whole, None, choice)
+        whole, whole_held = self._pick_whole(keys, need) if mode == "auto" else (None, 0)
+        if whole is not None and (decode is None or self._whole_cost(whole, whole_held) < self._whole_cost(
+                decode, self.index.prefix_blocks(keys, [decode.name])[decode.name])):
+            choice = choose_plan("never", prompt_tokens=need.prompt_tokens, block_size_tokens=self.block_size_tokens,
+                                 decode=whole, decode_held_blocks=whole_held, prefill=None, prefill_held_blocks=0,
+                                 calibration=self.calibration)
+            return Reservation(need, whole, None, choice)
         if decode is None:
             return None
         prefill = None
@@ -249,16 +246,17 @@ class NodeSet:
             prefill = None
         return Reservation(need, decode, prefill, choice)
 
-    def _pick_whole(self, keys: Sequence[BlockKey], need: Need) -> Node | None:
+    def _pick_whole(self, keys: Sequence[BlockKey], need: Need) -> tuple[Node | None, int]:
         """The least loaded healthy prefill node that serves whole requests and has room for this one (as a
-        decode node, and for its prompt); None if there is none."""
+        decode node, and for its prompt), and the leading blocks of the prompt it holds; (None, 0) if none."""
         now = time.monotonic()
         nodes = [n for n in self.prefill if n.healthy(now) and n.capacity is not None and n.capacity.whole_requests
                  and need.fits_decode(n) and need.fits_local(n)]
         if not nodes:
-            return None
+            return None, 0
         held = self.index.prefix_blocks(keys, [n.name for n in nodes])
-        return min(enumerate(nodes), key=lambda p: (self._whole_cost(p[1], held[p[1].name]), p[0]))[1]
+        node = min(enumerate(nodes), key=lambda p: (self._whole_cost(p[1], held[p[1].name]), p[0]))[1]
+        return node, held[node.name]
 
     def _whole_cost(self, node: Node, held_blocks: int) -> int:
         """How loaded ``node`` is for taking a whole request, in prompt tokens (see `place`)."""

@@ -111,14 +111,14 @@ def pull_s(cap: NodeCapacity | None, blocks: int) -> float:
     return cap.pull_fixed_s + blocks * cap.block_bytes / cap.pull_bytes_per_s
 
 
-def tpot_breaches(decode: Node, *, stall_s: float, tpot_slo_s: float, now: float) -> int:
-    """How many of ``decode``'s streams a stall of ``stall_s`` seconds would end past ``tpot_slo_s`` (their
-    projected TPOT, `StreamPace.projected_tpot_s`, at the node's measured inter-token time — the router's
-    `Node.itl_s`, else the node's reported decode step). 0 when no SLO is set (``tpot_slo_s`` ≤ 0)."""
-    if tpot_slo_s <= 0 or not decode.streams:
+def tpot_breaches(node: Node, *, stall_s: float, tpot_slo_s: float, now: float) -> int:
+    """How many of the streams decoding on ``node`` a stall of ``stall_s`` seconds would end past ``tpot_slo_s``
+    (their projected TPOT, `StreamPace.projected_tpot_s`, at the node's measured inter-token time — the
+    router's `Node.itl_s`, else the node's reported decode step). 0 when no SLO is set (``tpot_slo_s`` ≤ 0)."""
+    if tpot_slo_s <= 0 or not node.streams:
         return 0
-    itl = decode.itl_s or (decode.capacity.decode_step_s if decode.capacity is not None else 0.0)
-    return sum(p.projected_tpot_s(now, itl, stall_s) > tpot_slo_s for p in decode.streams.values())
+    itl = node.itl_s or (node.capacity.decode_step_s if node.capacity is not None else 0.0)
+    return sum(p.projected_tpot_s(now, itl, stall_s) > tpot_slo_s for p in node.streams.values())
 
 
 def choose_plan(mode: str, *, prompt_tokens: int, block_size_tokens: int, decode: Node, decode_held_blocks: int,
