@@ -167,6 +167,8 @@ def serve_config(args: argparse.Namespace, *, free_port: int) -> dict[str, Any]:
     for key in ("enable_auto_tool_choice", "return_tokens_as_token_ids"):
         if getattr(args, key):
             router[key] = True
+    if args.otlp_traces_endpoint is not None:
+        section("observability")["otlp_endpoint"] = args.otlp_traces_endpoint
     for key in ("prefill_urls", "decode_urls", "prefill_dns", "decode_dns"):  # the one node is this machine's
         router.pop(key, None)
     section("prefill")["ports"] = []
@@ -379,6 +381,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", default=None, choices=PARSER_NAMES,
                    help="router.tool_call_parser: how tool calls are written (default: the one the model's chat "
                         "template or family implies)")
+    p.add_argument("--otlp-traces-endpoint", default=None,
+                   help="observability.otlp_endpoint: export one trace per request over OTLP/HTTP to this URL")
     p.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help='router.return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"')
     p.set_defaults(func=_cmd_serve)

@@ -37,6 +37,7 @@ from deploy.service_config import (
     EngineSection,
     InternalSection,
     ModelSection,
+    ObservabilitySection,
     PrefillSection,
     RouterSection,
     Section,
@@ -205,6 +206,7 @@ class Config:
     prefill: PrefillSection
     decode: DecodeSection
     router: RouterSection
+    observability: ObservabilitySection = ObservabilitySection()
 
 
 # -------------------------------------------------------------------- kvstore

@@ -32,6 +32,9 @@
               slot meanwhile; write_stall_timeout_s, default 30: a client that takes no write of its answer for
               that long is dropped and its request ended; keepalive_timeout_s, default 75: an idle client
               connection is closed after it)
+    observability: {otlp_endpoint}
+              (otlp_endpoint: an OTLP/HTTP traces URL, e.g. http://collector:4318/v1/traces, as vLLM's
+              --otlp-traces-endpoint; unset: no spans are recorded or exported)
 """
 
 from __future__ import annotations
@@ -137,6 +140,11 @@ class RouterSection:
     enable_auto_tool_choice: bool = False  # vLLM's --enable-auto-tool-choice: tool_choice auto is parsed
     return_tokens_as_token_ids: bool = False  # vLLM's --return-tokens-as-token-ids: logprob tokens as token_id:N
 
+
+
+@dataclass(frozen=True, slots=True)
+class ObservabilitySection:
+    otlp_endpoint: str | None = None  # OTLP over HTTP (kvrelay.tracing); None: tracing off, no cost
 
 
 def _parser_name(v: Any) -> str:
@@ -342,9 +350,12 @@ def parse_services(root: Section, *, base_dir: Path, env: Mapping[str, str] | No
                            r.take("enable_auto_tool_choice", boolean, False),
                            r.take("return_tokens_as_token_ids", boolean, False))
     r.done()
+    o = root.section("observability")
+    observability = ObservabilitySection(o.take("otlp_endpoint", _http_url, None))
+    o.done()
     internal = InternalSection(bind, token, drain_timeout_s, node_keepalive_s, persist_timeout_s)
     return {"model": model, "engine": engine, "internal": internal,
-            "prefill": prefill, "decode": decode, "router": router}
+            "prefill": prefill, "decode": decode, "router": router, "observability": observability}
 
 
 def _long_context(s: Section) -> LongContextConfig:
@@ -393,6 +404,12 @@ def _url_list(v: Any) -> tuple[str, ...]:
     if not isinstance(v, list) or not all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in v):
         raise ValueError("is not a list of http:// URLs")
     return tuple(u.rstrip("/") for u in v)
+
+
+def _http_url(v: Any) -> str:
+    if not isinstance(v, str) or not v.startswith(("http://", "https://")):
+        raise ValueError("is not an http:// or https:// URL")
+    return v
 
 
 def _devices(s: Section, num_nodes: int) -> tuple[str, ...]:
