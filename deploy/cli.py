@@ -7,6 +7,7 @@
     kvrelay generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3) --max-tokens N
                      [--min-tokens N --ignore-eos --json]
     kvrelay store stats|clear|verify --config FILE [--node NAME]
+    kvrelay config show [--config FILE] | kvrelay config check FILE | kvrelay config reference [--out PATH]
     kvrelay bench memory|decode|cuda-graphs|hybrid-kv|kernel|tiers|transfer|serve|goodput|long-context|load|
                   migration|disk-prefix|vllm-client|structured
                   [...]
@@ -300,6 +301,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from deploy.config_cmd import add_config_parser
     from deploy.model_cmd import add_model_parser
     from deploy.service_config import ATTENTION_BACKENDS
     from deploy.store_cmd import add_store_parser
@@ -413,6 +415,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_store_parser(sub)
     add_model_parser(sub)
+    add_config_parser(sub)
     return parser
 
 
