@@ -9,7 +9,7 @@ TINY_DIR := .models/tiny
 PYTEST_ARGS ?=
 
 .PHONY: serve model test bench bench-real bench-long-context bench-families bench-load bench-goodput bench-first-run \
-	bench-structured lint gpu-check clean
+	bench-structured lint docs gpu-check clean
 
 $(BIN)/kvrelay: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -107,6 +107,10 @@ bench-structured: $(BIN)/kvrelay model
 
 lint: $(BIN)/kvrelay
 	$(BIN)/ruff check .
+
+# The docs site (mkdocs-material) into site/; --strict: a broken link or a page missing from the nav fails.
+docs: $(BIN)/kvrelay
+	$(BIN)/mkdocs build --strict
 
 gpu-check:
 	bash scripts/gpu-check.sh
