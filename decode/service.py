@@ -29,6 +29,7 @@ from engine.engine import RequestError
 from engine.worker import EngineFailure, EngineWorker
 from kvstore.block_key import BlockKey
 from node.app import EngineNode, NodeConfig, NodeMetrics, msgpack_response
+from node.tracing import Stage, Tracing
 from transfer.bounded_write import write_within
 from transfer.config import LEASE_HEADER
 from transfer.discovery import NodeAddresses
@@ -53,8 +54,9 @@ class DecodeService(EngineNode):
         *,
         pull: PullFn | None = None,
         metrics: NodeMetrics | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
-        super().__init__(node, worker, metrics=metrics)
+        super().__init__(node, worker, metrics=metrics, tracing=tracing)
         self.decode_config = config
         self._pull = pull
         self._owners = None if config.allowed_owners is None else NodeAddresses(config.allowed_owners,
@@ -95,6 +97,7 @@ class DecodeService(EngineNode):
         request_id = msg.request_id
         if msg.handle is None and msg.handle_error is None:
             return _Pulled([], lease_ended=False)
+        started_ns = time.time_ns()
         t0 = time.perf_counter()
         deadline_s = self.decode_config.transfer_timeout_s
         # The pull runs as its own task with its own deadline, shielded: a client that goes away mid-pull
@@ -123,12 +126,14 @@ class DecodeService(EngineNode):
             self.metrics.transfer_seconds.observe(seconds)
             self.metrics.transfer_bytes.inc(result.bytes_read)
             self.pull_rates.observe(result.bytes_read, seconds)
-            return _Pulled(result.block_ids, lease_ended=result.lease_ended)
+            return _Pulled(result.block_ids, lease_ended=result.lease_ended,
+                           stage=_pull_stage(msg, started_ns, result=result))
         self.metrics.transfer_failures.labels(reason=failure.reason).inc()
         log.warning("request %s: KV pull failed (%s): %s", request_id, failure.reason, failure)
         if self.decode_config.on_transfer_failure == "fail":
             raise failure
-        return _Pulled(None, lease_ended=failure.lease_ended)
+        return _Pulled(None, lease_ended=failure.lease_ended, stage=_pull_stage(msg, started_ns,
+                                                                                 failure=failure.reason))
 
     def _release_abandoned(self, task: asyncio.Future) -> None:
         """Give back the blocks of a pull whose request went away while it ran."""
@@ -139,6 +144,11 @@ class DecodeService(EngineNode):
             asyncio.ensure_future(self.worker.must_run(lambda engine: engine.pool.release(block_ids)))
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
+        """``POST /generate``. The stream's first frame and its last carry the request's stage timings
+        (`DecodeFrame.timings`: ``kv_pull_s``, ``decode_queue_s``, ``first_step_s``; the last also ``stream_s``),
+        and with tracing on its spans (``decode.request`` → ``decode.kv_pull``, ``decode.queue``,
+        ``decode.first_step``, ``decode.stream``) join the caller's trace."""
+        arrived_ns = time.time_ns()
         msg = await self.read_request(request)
         if isinstance(msg, web.Response):
             return msg
@@ -154,41 +164,63 @@ class DecodeService(EngineNode):
             pulled = await self._pinned_blocks(msg, keys)
         except TransferError as exc:
             self.metrics.request_done("transfer_failed")
+            self.trace(request, Stage("decode.request", arrived_ns, time.time_ns(), {"request_id": rid}),
+                       error=f"KV transfer failed ({exc.reason}): {exc}")
             return msgpack_response({"error": f"KV transfer from the prefill node failed ({exc.reason}): {exc}"},
                                     status=502, headers=_lease_header(exc.lease_ended))
         pinned = pulled.block_ids
         log.info("request %s: joining the batch (%d prompt tokens, %d pulled blocks%s)", rid, len(prompt),
                  len(pinned or []), ", recompute after a failed pull" if pinned is None else "")
+        submitted_ns = time.time_ns()
         stream = self.worker.submit(rid, prompt, params, salt=salt, first_token_ids=first,
                                     resume_token_ids=msg.resume_token_ids, pinned_block_ids=pinned or [],
                                     long_context=long_context, block_keys=keys)
         lease = _lease_header(pulled.lease_ended)
         resp = web.StreamResponse(headers={"Content-Type": "application/msgpack", **lease})
         done = False
+        stages: list[Stage] = [] if pulled.stage is None else [pulled.stage]
+        first, unfinished = True, params.n
+        error: str | None = None
         try:
             async for out in stream:
+                timings = None
+                if first:  # the request's first step is over: the stages up to it are known
+                    first = False
+                    stages += _engine_stages(submitted_ns, stream.times.scheduled_ns, stream.times.first_output_ns)
+                    timings = _timings(stages)
+                if out.finished:
+                    unfinished -= 1
+                if not unfinished:  # the last frame: the stream's own time too
+                    stages.append(Stage("decode.stream", stream.times.first_output_ns, time.time_ns()))
+                    timings = _timings(stages)
                 await self._write(request, resp, encode_frame(DecodeFrame(
-                    out.index, out.new_token_ids, out.finished, out.finish_reason, out.logprobs)))
+                    out.index, out.new_token_ids, out.finished, out.finish_reason, out.logprobs, timings)))
             done = True
         except RequestError as exc:
+            error = str(exc)
             self.metrics.request_done("bad_request")
             if not resp.prepared:
                 return msgpack_response({"error": str(exc)}, status=400, headers=lease)
             await self._write_last(request, resp, encode_error_frame(str(exc), 400), rid)
             return resp
         except EngineFailure as exc:
+            error = str(exc)
             self.metrics.request_done("error")
             if not resp.prepared:
                 return msgpack_response({"error": str(exc)}, status=exc.status, headers=lease)
             await self._write_last(request, resp, encode_error_frame(str(exc), exc.status), rid)
             return resp
         except _ReaderStalled as exc:
+            error = str(exc)
             self.metrics.request_done("reader_stalled")
             log.warning("request %s: %s", rid, exc)
             return resp
         finally:
             if not done:
                 self.worker.abort(rid)  # client gone, stalled or error: give the blocks back now
+            self.trace(request, Stage("decode.request", arrived_ns, time.time_ns(), {
+                "request_id": rid, "prompt_tokens": len(prompt), "pulled_blocks": len(pinned or ()),
+                "recomputed": pinned is None, "completed": done}), stages, error=error)
         self.metrics.request_done("ok")
         await self._write_last(request, resp, b"", rid)
         return resp
@@ -225,6 +257,44 @@ class _ReaderStalled(Exception):
 class _Pulled:
     block_ids: list[int] | None  # pulled blocks (one reference each, for the engine); None: recompute
     lease_ended: bool  # the pull told the owner "done" or "abort"
+    stage: Stage | None = None  # the pull's ``decode.kv_pull`` stage; None: there was nothing to pull
+
+
+_TIMING_OF = {"decode.kv_pull": "kv_pull_s", "decode.queue": "decode_queue_s", "decode.first_step": "first_step_s",
+              "decode.stream": "stream_s"}
+
+
+def _timings(stages: list[Stage]) -> dict[str, float]:
+    """The node's stage timings in seconds, by timing name (``kv_pull_s`` 0.0 when nothing was pulled)."""
+    return {"kv_pull_s": 0.0, **{_TIMING_OF[s.name]: s.seconds for s in stages}}
+
+
+def _pull_stage(msg: GenerationMessage, started_ns: int, *, result: PullResult | None = None,
+                failure: str | None = None) -> Stage:
+    """The ``decode.kv_pull`` stage from ``started_ns`` to now, with what the pull moved: ``blocks`` (the handle's),
+    ``blocks_read`` (over NIXL) and ``blocks_held`` (already here), ``bytes`` read, ``tier`` (the owner's tiers the
+    handle names, comma-separated), ``integrity_checked`` / ``integrity_failed`` (blocks whose digest was checked /
+    did not match), and ``failure`` (a `transfer.errors` reason) for a pull that failed."""
+    handle = msg.handle
+    attrs: dict[str, str | int] = {
+        "blocks": handle.num_blocks if handle is not None else 0,
+        "tier": ",".join(sorted({tier for tier, _ in handle.blocks})) if handle is not None else ""}
+    if result is not None:
+        attrs.update(blocks_read=result.num_read, blocks_held=result.num_held, bytes=result.bytes_read,
+                     integrity_checked=result.num_checked, integrity_failed=result.num_bad)
+    if failure is not None:
+        attrs["failure"] = failure
+    return Stage("decode.kv_pull", started_ns, time.time_ns(), attrs)
+
+
+def _engine_stages(submitted_ns: int, scheduled_ns: int, first_output_ns: int) -> list[Stage]:
+    """The request's wait for its first step and that step (`engine.worker.EngineTimes` stamps)::
+
+        submitted ── decode.queue ──▶ scheduled ── decode.first_step ──▶ first output
+    """
+    scheduled_ns = scheduled_ns or first_output_ns
+    return [Stage("decode.queue", submitted_ns, scheduled_ns),
+            Stage("decode.first_step", scheduled_ns, first_output_ns)]
 
 
 def _lease_header(ended: bool) -> dict[str, str]:

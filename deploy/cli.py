@@ -238,7 +238,7 @@ def _cmd_role(args: argparse.Namespace) -> int:
 
 BENCH_NAMES = ("bandwidth", "cache-policies", "cuda-graphs", "decode", "disk-prefix", "dtype", "goodput", "hybrid-kv",
                "kernel", "load", "long-context", "memory", "migration", "prefill", "serve", "structured", "tiers",
-               "transfer", "vllm-client")
+               "tracing", "transfer", "vllm-client")
 
 
 def _bench_main(name: str) -> Callable[[list[str]], int]:
@@ -278,6 +278,8 @@ def _bench_main(name: str) -> Callable[[list[str]], int]:
         from benchmarks.structured_bench import main
     elif name == "tiers":
         from benchmarks.tier_bench import main
+    elif name == "tracing":
+        from benchmarks.tracing_bench import main
     elif name == "transfer":
         from benchmarks.transfer_bench import main
     elif name == "vllm-client":

@@ -20,6 +20,7 @@ from deploy.memory import format_bytes, free_host_bytes
 if TYPE_CHECKING:  # engine nodes import these where they are built: the router process loads no torch
     from engine.engine import LLMEngine
     from engine.worker import CallerThreadHost
+    from node.tracing import Tracing
 
 log = logging.getLogger(__name__)
 ROLES = ("router", "prefill", "decode")
@@ -114,6 +115,11 @@ def build_app(config: Any, role: str, index: int, *, name: str | None = None,
     if role not in ROLES:
         raise ValueError(f"unknown role {role!r}; use one of {ROLES}")
     internal = config.internal
+    from node.tracing import Tracing  # torch-free
+
+    name = name or f"{role}-{index}"
+    # one per process; flushed by the app's cleanup, after a planned stop's drain (`_serve`)
+    tracing = Tracing.to_endpoint(config.observability.otlp_endpoint, service=f"kvrelay-{role}", instance=name)
     if role == "router":
         from router.app import Router, RouterConfig
 
@@ -134,8 +140,8 @@ def build_app(config: Any, role: str, index: int, *, name: str | None = None,
             tpot_slo_s=r.tpot_slo_s, ttft_slo_s=r.ttft_slo_s,
             tool_call_parser=r.tool_call_parser, enable_auto_tool_choice=r.enable_auto_tool_choice,
             return_tokens_as_token_ids=r.return_tokens_as_token_ids,
-        ))
-        return router.make_app(), r.host, r.port
+        ), tracing=tracing)
+        return _flushed(router.make_app(), tracing), r.host, r.port
     from engine.worker import EngineWorker
     from node.app import NodeConfig, NodeMetrics
 
@@ -143,7 +149,6 @@ def build_app(config: Any, role: str, index: int, *, name: str | None = None,
     if not 0 <= index < len(ports):
         raise ValueError(f"{role}.ports has {len(ports)} entries; --index {index} is out of range")
     port = ports[index]
-    name = name or f"{role}-{index}"
     metrics = NodeMetrics(role, node=name)
     engine = build_engine(config, node_name=name, registry=metrics.registry, memory_budget_bytes=memory_budget_bytes)
     section = config.prefill if role == "prefill" else config.decode
@@ -173,19 +178,29 @@ def build_app(config: Any, role: str, index: int, *, name: str | None = None,
         owner = PrefillTransfer(worker, transfer_config, owner_url=node_url(advertised_host(internal.bind), port))
         if config.prefill.serve_whole_requests:
             app = WholeRequestPrefillService(node, decode_config, worker, publish=owner.publish,
-                                             release=owner.release, metrics=metrics).make_app()
+                                             release=owner.release, metrics=metrics, tracing=tracing).make_app()
         else:
-            app = PrefillService(node, worker, publish=owner.publish, release=owner.release, metrics=metrics).make_app()
+            app = PrefillService(node, worker, publish=owner.publish, release=owner.release, metrics=metrics,
+                                 tracing=tracing).make_app()
         owner.install(app)
-        return app, internal.bind, port
+        return _flushed(app, tracing), internal.bind, port
     from decode.kv_pull import DecodeTransfer
     from decode.service import DecodeService
 
     reader = DecodeTransfer(worker, transfer_config)
-    service = DecodeService(node, decode_config, worker, pull=reader.pull, metrics=metrics)
+    service = DecodeService(node, decode_config, worker, pull=reader.pull, metrics=metrics, tracing=tracing)
     app = service.make_app()
     reader.install(app)
-    return app, internal.bind, port
+    return _flushed(app, tracing), internal.bind, port
+
+
+def _flushed(app: web.Application, tracing: Tracing) -> web.Application:
+    """``app``, whose cleanup (after a planned stop's drain) flushes ``tracing``'s queued spans (`node.tracing`)."""
+    async def flush(app: web.Application) -> None:
+        await tracing.aclose()
+
+    app.on_cleanup.append(flush)
+    return app
 
 
 def run_role(config: Any, role: str, index: int = 0, *, name: str | None = None, cpus: list[int] | None = None,
@@ -200,7 +215,7 @@ def run_role(config: Any, role: str, index: int = 0, *, name: str | None = None,
     name = name or f"{role}-{index}"
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
     if role == "router":
-        app, host, port = build_app(config, role, index)
+        app, host, port = build_app(config, role, index, name=name)
         asyncio.run(_serve(app, host, port, name=name, access_log=True, stop=_Stop(),
                            keepalive_timeout_s=config.router.keepalive_timeout_s))
         return 0

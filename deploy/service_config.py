@@ -109,7 +109,7 @@ class RouterSection:
 
 @dataclass(frozen=True, slots=True)
 class ObservabilitySection:
-    otlp_endpoint: str | None = None  # OTLP over HTTP (kvrelay.tracing); None: tracing off, no cost
+    otlp_endpoint: str | None = None  # OTLP over HTTP (node.tracing); None: tracing off, no cost
 
 
 class Section:

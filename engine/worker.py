@@ -42,9 +42,26 @@ class EngineFailure(RuntimeError):
         self.status = status
 
 
+@dataclass(slots=True)
+class EngineTimes:
+    """When one request's steps ran, as `time.time_ns()` stamps (0: not yet), for its node's timings and trace
+    spans (`node.tracing`). Written once each by the worker thread; read on the event loop after an output that
+    follows the stamp (outputs reach the loop after the step that stamped them)::
+
+        scheduled_ns        start of the first step that ran any of it (a prefill chunk, or its first decode)
+        first_output_ns     end of the step that gave its first output (its first token, or a refusal)
+        finished_ns         end of the step after which every sample had finished (before the finish hook)
+    """
+
+    scheduled_ns: int = 0
+    first_output_ns: int = 0
+    finished_ns: int = 0
+
+
 @dataclass(eq=False)
 class RequestStream:
-    """Outputs of one request; iterate with ``async for``. Ends when every sample has finished.
+    """Outputs of one request; iterate with ``async for``. Ends when every sample has finished. ``times``:
+    when its steps ran (`EngineTimes`).
 
     Raises (while iterating):
         RequestError: the engine refused the request.
@@ -54,6 +71,7 @@ class RequestStream:
     request_id: str
     num_samples: int
     _queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    times: EngineTimes = field(default_factory=EngineTimes)
     _remaining: int = 0
 
     def __post_init__(self) -> None:
@@ -153,6 +171,7 @@ class EngineWorker:
         self._streams: dict[str, RequestStream] = {}  # touched on the worker thread only
         self._finish_hooks: dict[str, FinishHook] = {}
         self._unfinished: dict[str, int] = {}  # samples of each request still to finish
+        self._unscheduled: dict[str, RequestStream] = {}  # added, no step has run them yet (`EngineTimes`)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         # Outputs of the current pass, handed to the event loop in one call (`_flush`): one wake-up of the
@@ -348,6 +367,7 @@ class EngineWorker:
             self._emit(cmd.stream, exc if isinstance(exc, RequestError) else EngineFailure(str(exc)))
             return
         self._streams[rid] = cmd.stream
+        self._unscheduled[rid] = cmd.stream
         self._unfinished[rid] = cmd.params.n
         if cmd.on_finish is not None:
             self._finish_hooks[rid] = cmd.on_finish
@@ -355,6 +375,27 @@ class EngineWorker:
     def _do_abort(self, request_id: str) -> None:
         for out in self.engine.abort_request(request_id):
             self._deliver(out)
+
+    def _stamp(self, outputs: list[StepOutput], step_ns: int, end_ns: int) -> None:
+        """Stamp `EngineTimes` of the requests the step from ``step_ns`` to ``end_ns`` ran: those that got an
+        output, and (while some request waits for its first step) those now running (a prefill chunk gives
+        no output)."""
+        unscheduled = self._unscheduled
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            times = stream.times
+            if not times.first_output_ns:
+                times.first_output_ns = end_ns
+            if not times.scheduled_ns:
+                times.scheduled_ns = step_ns
+                unscheduled.pop(out.request_id, None)
+        if unscheduled:
+            for seq in self.engine.scheduler.running:
+                stream = unscheduled.pop(seq.request_id, None)
+                if stream is not None:
+                    stream.times.scheduled_ns = step_ns
 
     def _deliver(self, out: StepOutput) -> None:
         stream = self._streams.get(out.request_id)
@@ -365,6 +406,8 @@ class EngineWorker:
         if out.finished and self._unfinished[out.request_id] == 0:
             del self._unfinished[out.request_id]
             del self._streams[out.request_id]
+            self._unscheduled.pop(out.request_id, None)
+            stream.times.finished_ns = time.time_ns()
             hook = self._finish_hooks.pop(out.request_id, None)
             if hook is not None and out.finish_reason != "abort":  # before the last output: the caller sees it
                 try:
@@ -425,6 +468,7 @@ class EngineWorker:
             if self.engine.has_unfinished():
                 if self._cores is not None:
                     self._cores.before_step()
+                step_ns = time.time_ns()
                 try:
                     outputs = self.engine.step()
                 except Exception as exc:  # noqa: BLE001 - a failed step must not take the server down
@@ -434,6 +478,7 @@ class EngineWorker:
                 finally:
                     if self._cores is not None:
                         self._cores.after_step()
+                self._stamp(outputs, step_ns, time.time_ns())
                 for out in outputs:
                     self._deliver(out)
                 if self._after_step is not None:
@@ -457,6 +502,7 @@ class EngineWorker:
         self._streams.clear()
         self._finish_hooks.clear()
         self._unfinished.clear()
+        self._unscheduled.clear()
 
     def _snapshot(self) -> None:
         self.num_running = len(self.engine.scheduler.running)

@@ -24,12 +24,13 @@ import dataclasses
 import hmac
 import logging
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from aiohttp import web
+from opentelemetry.trace import SpanKind
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from engine.grammar import GrammarError
@@ -38,6 +39,7 @@ from engine.worker import EngineWorker
 from kvstore.block_key import BlockKey
 from kvstore.kv_events import KvEventLog
 from node.app_keys import DRAIN, DRAINABLES, ENGINE_STALLED, HEALTH_EXTRAS, Drainable
+from node.tracing import Stage, Tracing
 from transfer.config import TOKEN_HEADER
 from transfer.wire import GenerationMessage, WireError, decode_generation, pack
 
@@ -150,11 +152,14 @@ def token_middleware(token: str | None) -> Callable:
 
 
 class EngineNode:
-    """Common routes and state of an engine node. Subclasses (services) add their API routes."""
+    """Common routes and state of an engine node. Subclasses (services) add their API routes. ``tracing``: where
+    the spans of each request go (`node.tracing`; default off)."""
 
-    def __init__(self, config: NodeConfig, worker: EngineWorker, *, metrics: NodeMetrics | None = None) -> None:
+    def __init__(self, config: NodeConfig, worker: EngineWorker, *, metrics: NodeMetrics | None = None,
+                 tracing: Tracing | None = None) -> None:
         self.config = config
         self.worker = worker
+        self.tracing = tracing or Tracing.off()
         self.engine = worker.engine
         self.metrics = metrics or NodeMetrics(config.role, node=config.name)
         self.events = KvEventLog()
@@ -297,6 +302,17 @@ class EngineNode:
                 self.metrics.request_done("bad_request")
                 return msgpack_response({"error": str(exc)}, status=400)
         return msg
+
+    def trace(self, request: web.Request, stage: Stage, children: Sequence[Stage] = (), *,
+              error: str | None = None) -> None:
+        """Record one request's spans (`node.tracing`): ``stage`` (the node's whole handling of it) under the caller's
+        span named by the request's ``traceparent`` header (none: a trace of its own), ``children`` under it;
+        ``error`` marks it failed. A no-op when tracing is off."""
+        tracing = self.tracing
+        if tracing.tracer is None:
+            return
+        tracing.record(stage, parent=tracing.parent_from(request.headers), children=children, kind=SpanKind.SERVER,
+                       error=error)
 
     def block_keys_of(self, msg: GenerationMessage) -> list[BlockKey] | None:
         """The keys of the prompt's full blocks, computed once per request here at the edge and handed

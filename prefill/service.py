@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -32,6 +33,7 @@ from engine.worker import EngineFailure, EngineWorker
 from kvstore.block_key import BlockKey
 from model.sampling_params import TokenLogprobs
 from node.app import EngineNode, NodeConfig, NodeMetrics, msgpack_response
+from node.tracing import Stage, Tracing
 from transfer.handle import KvHandle
 from transfer.wire import PrefillReply, encode_prefill_reply
 
@@ -54,8 +56,9 @@ class PrefillService(EngineNode):
         publish: PublishFn | None = None,
         release: ReleaseFn | None = None,
         metrics: NodeMetrics | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
-        super().__init__(node, worker, metrics=metrics)
+        super().__init__(node, worker, metrics=metrics, tracing=tracing)
         self._init_prefill(publish, release)
 
     def _init_prefill(self, publish: PublishFn | None, release: ReleaseFn | None) -> None:
@@ -103,16 +106,23 @@ class PrefillService(EngineNode):
         return None
 
     async def prefill(self, request: web.Request) -> web.Response:
+        """``POST /prefill``. Its answer carries the request's stage timings (`PrefillReply.timings`:
+        ``prefill_queue_s``, ``prefill_compute_s``, ``publish_s``), and with tracing on its spans
+        (``prefill.request`` → ``prefill.queue``, ``prefill.compute``, ``prefill.publish``) join the caller's trace."""
+        arrived_ns = time.time_ns()
         msg = await self.read_request(request)
         if isinstance(msg, web.Response):
             return msg
         rid, prompt, params, salt = msg.request_id, msg.prompt, msg.params, msg.salt
         keys = self.block_keys_of(msg)
         published: dict[str, KvHandle | None] = {}
+        publish_ns = [0, 0]  # start and end of the publish (the engine thread writes them)
 
         def on_finish(engine: LLMEngine, request_id: str) -> None:
             if self._publish is not None and keys:
+                publish_ns[0] = time.time_ns()
                 published["handle"] = self._publish(engine, keys)
+                publish_ns[1] = time.time_ns()
 
         first: list[int | None] = [None] * params.n
         engine_reasons: list[str | None] = [None] * params.n
@@ -133,9 +143,13 @@ class PrefillService(EngineNode):
             done = True
         except RequestError as exc:
             self.metrics.request_done("bad_request")
+            self.trace(request, Stage("prefill.request", arrived_ns, time.time_ns(), {"request_id": rid}),
+                       error=str(exc))
             return msgpack_response({"error": str(exc)}, status=400)
         except EngineFailure as exc:
             self.metrics.request_done("error")
+            self.trace(request, Stage("prefill.request", arrived_ns, time.time_ns(), {"request_id": rid}),
+                       error=str(exc))
             return msgpack_response({"error": str(exc)}, status=exc.status)
         finally:
             if not done:
@@ -162,9 +176,34 @@ class PrefillService(EngineNode):
                  num_cached, tokens, "leased" if handle is not None else "none")
         # With logprobs asked for, the engine gives every sampled token its logprobs: one per first token.
         logprobs = None if params.logprobs is None else [lp for lp in first_logprobs if lp is not None]
+        stages = _prefill_stages(arrived_ns, stream.times.scheduled_ns, stream.times.finished_ns, publish_ns,
+                                 num_blocks=len(keys or ()) if publish_ns[1] else 0)
         reply = PrefillReply(tokens, reasons, handle, num_cached,  # msgpack only here, at the HTTP edge
-                             first_logprobs=logprobs)
-        return web.Response(body=encode_prefill_reply(reply), content_type="application/msgpack")
+                             first_logprobs=logprobs, timings={_TIMING_OF[s.name]: s.seconds for s in stages})
+        body = encode_prefill_reply(reply)
+        self.trace(request, Stage("prefill.request", arrived_ns, time.time_ns(), {
+            "request_id": rid, "prompt_tokens": len(prompt), "cached_tokens": num_cached,
+            "leased": handle is not None}), stages)
+        return web.Response(body=body, content_type="application/msgpack")
+
+
+_TIMING_OF = {"prefill.queue": "prefill_queue_s", "prefill.compute": "prefill_compute_s",
+              "prefill.publish": "publish_s"}
+
+
+def _prefill_stages(arrived_ns: int, scheduled_ns: int, computed_ns: int, publish_ns: list[int], *,
+                    num_blocks: int) -> list[Stage]:
+    """The stages of one prefilled prompt (`time.time_ns()` stamps): queue from arrival (its body read
+    included) to its first step, compute to the end of the step that finished it, and the publish of its
+    ``num_blocks`` full blocks (a zero-length stage when nothing was published)::
+
+        arrived ── prefill.queue ──▶ scheduled ── prefill.compute ──▶ computed ── prefill.publish ──▶ published
+    """
+    scheduled_ns = scheduled_ns or computed_ns
+    start, end = publish_ns if publish_ns[1] else (computed_ns, computed_ns)
+    return [Stage("prefill.queue", arrived_ns, scheduled_ns),
+            Stage("prefill.compute", scheduled_ns, computed_ns),
+            Stage("prefill.publish", start, end, {"blocks": num_blocks})]
 
 
 class WholeRequestPrefillService(PrefillService, DecodeService):
@@ -175,8 +214,9 @@ class WholeRequestPrefillService(PrefillService, DecodeService):
 
     def __init__(self, node: NodeConfig, config: DecodeConfig, worker: EngineWorker, *,
                  publish: PublishFn | None = None, release: ReleaseFn | None = None,
-                 metrics: NodeMetrics | None = None) -> None:
-        DecodeService.__init__(self, node, config, worker, pull=None, metrics=metrics)  # EngineNode's once
+                 metrics: NodeMetrics | None = None, tracing: Tracing | None = None) -> None:
+        DecodeService.__init__(self, node, config, worker, pull=None, metrics=metrics,  # EngineNode's once
+                               tracing=tracing)
         self._init_prefill(publish, release)
 
     def load_report(self) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from model.sampling_params import TokenLogprobs
 from model.tokenizer import load_tokenizer
+from node.tracing import Tracing
 from router.backends import Backends
 from router.config import RouterConfig
 from router.dispatch import Dispatcher, SampleDelta
@@ -38,9 +39,17 @@ from router.openai_api import (
     parse_detokenize,
     parse_tokenize,
 )
-from router.openai_responses import full_response, logprobs_body, next_text_offset, stream_chunk, usage_chunk
+from router.openai_responses import (
+    extension_chunk,
+    full_response,
+    logprobs_body,
+    next_text_offset,
+    stream_chunk,
+    usage_chunk,
+)
 from router.plan import PlanChoice
 from router.queue import QueueConfig, QueueMetrics, Ticket
+from router.request_trace import RequestTrace, RunTrace
 from router.text_output import SampleText
 from router.tool_calls import ParsedOutput, ToolStream, default_parser
 from transfer.bounded_write import write_within
@@ -119,10 +128,13 @@ def salt_for_key(api_key: str | None) -> bytes:
 
 
 class Router:
-    """``resolver``: how DNS names become addresses (`transfer.discovery`; tests pass their own)."""
+    """``resolver``: how DNS names become addresses (`transfer.discovery`; tests pass their own). ``tracing``:
+    where each request's trace goes (`node.tracing`, `router.request_trace`; default off)."""
 
-    def __init__(self, config: RouterConfig, *, resolver: Resolver = getaddrinfo_resolver) -> None:
+    def __init__(self, config: RouterConfig, *, resolver: Resolver = getaddrinfo_resolver,
+                 tracing: Tracing | None = None) -> None:
         self.config = config
+        self.tracing = tracing or Tracing.off()
         self.metrics = RouterMetrics()
         self.backends = Backends(internal_token=config.internal_token, timeout_s=config.request_timeout_s,
                                  connect_timeout_s=config.connect_timeout_s,
@@ -248,6 +260,20 @@ class Router:
         return await self._handle(request, parse_chat)
 
     async def _handle(self, request: web.Request, parse: Any) -> web.StreamResponse:
+        """One generation request, with its trace (`RequestTrace`: stage timings, spans when tracing is on)."""
+        trace = RequestTrace(self.tracing, request.headers, arrived_ns=time.time_ns())
+        status = "error"
+        try:
+            resp = await self._handle_traced(request, parse, trace)
+            status = str(resp.status)
+            return resp
+        except (ConnectionResetError, asyncio.CancelledError):
+            status = trace.status or "client_closed"
+            raise
+        finally:
+            trace.end(status=status, output_tokens=trace.num_tokens)
+
+    async def _handle_traced(self, request: web.Request, parse: Any, trace: RequestTrace) -> web.StreamResponse:
         try:
             salt = self._auth(request)
             body = await self._body(request)  # before a slot is taken: a client trickling its body holds none
@@ -270,9 +296,10 @@ class Router:
                 tickets = self.dispatcher.admit(reqs, salt)
             except ApiError as exc:
                 return self._error(exc)
+            trace.admitted([r.request_id for r in reqs], prompt_tokens=sum(len(r.prompt_token_ids) for r in reqs))
             if reqs[0].stream:
-                return await self._stream(request, reqs, salt, tickets)
-            resp = await self._complete(reqs, salt, tickets)
+                return await self._stream(request, reqs, salt, tickets, trace)
+            resp = await self._complete(reqs, salt, tickets, trace)
             try:
                 await self._write(request, resp, eof=True)  # here, so that a client that never reads is cut off
             except ClientStalled as exc:
@@ -297,14 +324,15 @@ class Router:
         except ValueError as exc:
             raise ApiError(400, f"kvrelay.{exc}", param="kvrelay.long_context") from None
 
-    async def _run_all(self, reqs: list[GenerationRequest], salt: bytes,
-                       tickets: list[Ticket]) -> AsyncIterator[tuple[int, SampleDelta]]:
+    async def _run_all(self, reqs: list[GenerationRequest], salt: bytes, tickets: list[Ticket],
+                       runs: list[RunTrace]) -> AsyncIterator[tuple[int, SampleDelta]]:
         """``(choice index, delta)`` from every request at once (several prompts in one request: the
-        choices of prompt k follow those of the prompts before it). Closing this ends them all."""
+        choices of prompt k follow those of the prompts before it; ``runs[k]`` traces prompt k). Closing this
+        ends them all."""
         assert self.dispatcher is not None
         starts = [sum(r.params.n for r in reqs[:k]) for k in range(len(reqs))]
         if len(reqs) == 1:
-            async for delta in self.dispatcher.run(reqs[0], salt, tickets[0]):
+            async for delta in self.dispatcher.run(reqs[0], salt, tickets[0], trace=runs[0]):
                 yield delta.index, delta
             return
         queue: asyncio.Queue[tuple[int, SampleDelta | Exception | None]] = asyncio.Queue()
@@ -312,7 +340,7 @@ class Router:
         async def pump(k: int, req: GenerationRequest) -> None:
             assert self.dispatcher is not None
             try:
-                async for delta in self.dispatcher.run(req, salt, tickets[k]):
+                async for delta in self.dispatcher.run(req, salt, tickets[k], trace=runs[k]):
                     queue.put_nowait((k, delta))
             except Exception as exc:  # noqa: BLE001 - handed to the consumer
                 queue.put_nowait((k, exc))
@@ -335,7 +363,8 @@ class Router:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _complete(self, reqs: list[GenerationRequest], salt: bytes, tickets: list[Ticket]) -> web.Response:
+    async def _complete(self, reqs: list[GenerationRequest], salt: bytes, tickets: list[Ticket],
+                        trace: RequestTrace) -> web.Response:
         assert self.served is not None
         req, choices = reqs[0], [r for r in reqs for _ in range(r.params.n)]
         texts = [self._sample_text(r) for r in choices]
@@ -344,10 +373,11 @@ class Router:
         token_ids: list[list[int]] = [[] for _ in choices]
         logprobs: list[list[TokenLogprobs]] = [[] for _ in choices]
         timer = _Timer()
-        gen = self._run_all(reqs, salt, tickets)
+        gen = self._run_all(reqs, salt, tickets, trace.runs)
         try:
             async for i, delta in _with_deadline(gen, self.config.request_timeout_s):
                 timer.tokens(len(delta.token_ids))
+                trace.tokens(len(delta.token_ids))
                 if reasons[i] is not None:
                     continue
                 token_ids[i].extend(delta.token_ids)
@@ -374,10 +404,13 @@ class Router:
             if r.tool_output is not None:
                 parsed[i] = r.tool_output.parse(outputs[i])
                 reasons[i] = r.tool_output.finish_reason(parsed[i], reasons[i] or "stop")
-        return web.json_response(full_response(
+        body = full_response(
             req, self.served.name, outputs, reasons, sum(t.num_tokens for t in texts),
             [logprobs_body(req, tok, ids, lps) for ids, lps in zip(token_ids, logprobs, strict=True)],
-            prompt_tokens=sum(len(r.prompt_token_ids) for r in reqs), parsed=parsed))
+            prompt_tokens=sum(len(r.prompt_token_ids) for r in reqs), parsed=parsed)
+        if req.timings:
+            body["kvrelay"] = {"timings": trace.timings(), "plan": trace.plan}
+        return web.json_response(body)
 
     def _sample_text(self, req: GenerationRequest) -> SampleText:
         assert self.served is not None
@@ -385,7 +418,7 @@ class Router:
         return SampleText(self.served.tokenizer, req.stop, keep_special_ids=keep)
 
     async def _stream(self, request: web.Request, reqs: list[GenerationRequest], salt: bytes,
-                      tickets: list[Ticket]) -> web.StreamResponse:
+                      tickets: list[Ticket], trace: RequestTrace) -> web.StreamResponse:
         assert self.served is not None
         name = self.served.name
         req, choices = reqs[0], [r for r in reqs for _ in range(r.params.n)]
@@ -395,9 +428,10 @@ class Router:
         offsets = [0] * len(choices)  # completions' text_offset of each choice's next token
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         timer = _Timer()
-        gen = self._run_all(reqs, salt, tickets)
+        gen = self._run_all(reqs, salt, tickets, trace.runs)
         try:
             async for i, delta in _with_deadline(gen, self.config.request_timeout_s):
+                trace.tokens(len(delta.token_ids))
                 if not resp.prepared:
                     await self._write(request, resp)
                 timer.tokens(len(delta.token_ids))
@@ -445,11 +479,16 @@ class Router:
             raise
         finally:
             await gen.aclose()  # closes the decode stream: the decode node aborts the request
-        tail = _sse(usage_chunk(req, name, sum(t.num_tokens for t in texts),
-                                sum(len(r.prompt_token_ids) for r in reqs))) if req.include_usage else b""
+        last = usage_chunk(req, name, sum(t.num_tokens for t in texts),
+                           sum(len(r.prompt_token_ids) for r in reqs)) if req.include_usage else None
+        if req.timings:  # on the usage chunk, or on a chunk of its own (no choices, as the usage chunk)
+            last = {**(last or extension_chunk(req, name)), "kvrelay": {"timings": trace.timings(), "plan": trace.plan}}
+        tail = _sse(last) if last is not None else b""
+        trace.status = "200"  # a client that closes once it has read [DONE] may cancel this handler in the write
         try:
             await self._write(request, resp, tail + b"data: [DONE]\n\n", eof=True)
         except ClientStalled as exc:
+            trace.status = "client_stalled"
             log.info("request %s: %s", req.request_id, exc)
             return resp
         timer.observe(self.metrics)

@@ -150,8 +150,9 @@ class Backends:
             log.warning("%s: releasing lease %s failed (%s); it ends with its TTL", node.name, lease_id, exc)
             return False
 
-    async def post(self, node: Node, path: str, body: bytes) -> bytes:
-        """POST an encoded message (`transfer.wire`); the answer's bytes, for the caller to decode.
+    async def post(self, node: Node, path: str, body: bytes, *, headers: Mapping[str, str] | None = None) -> bytes:
+        """POST an encoded message (`transfer.wire`); the answer's bytes, for the caller to decode. ``headers``:
+        sent besides the session's (a ``traceparent``).
 
         Raises:
             NodeUnavailable: no answer, a broken connection, a 5xx, or the node was found unreachable
@@ -159,7 +160,7 @@ class Backends:
             NodeRefused: a 4xx.
         """
         try:
-            resp = await _unless_lost(node, self.session.post(node.url + path, data=body))
+            resp = await _unless_lost(node, self.session.post(node.url + path, data=body, headers=headers))
             node.readers.add(resp.content)
             try:
                 await self._check(node, resp)
@@ -171,17 +172,18 @@ class Backends:
             raise NodeUnavailable(f"{node.name}: POST {path} failed: {exc!r}") from None
 
     async def stream(self, node: Node, path: str, body: bytes, *,
-                     on_headers: Callable[[Mapping[str, str]], None] | None = None) -> AsyncIterator[Any]:
+                     on_headers: Callable[[Mapping[str, str]], None] | None = None,
+                     headers: Mapping[str, str] | None = None) -> AsyncIterator[Any]:
         """POST an encoded message, then yield each msgpack object of the streamed answer (decode
         them with `transfer.wire.decode_frame`). ``on_headers`` hears the answer's headers first (also
-        those of a refusal).
+        those of a refusal); ``headers`` are sent besides the session's (a ``traceparent``).
 
         Raises:
             NodeUnavailable: before or during the stream (connection lost, node died).
             NodeRefused: the node refused the request.
         """
         try:
-            resp = await _unless_lost(node, self.session.post(node.url + path, data=body))
+            resp = await _unless_lost(node, self.session.post(node.url + path, data=body, headers=headers))
             node.readers.add(resp.content)
             try:
                 if on_headers is not None:

@@ -44,6 +44,7 @@ from router.nodes import NodeSet, Reservation
 from router.openai_api import ApiError, GenerationRequest
 from router.plan import PlanChoice
 from router.queue import QueueConfig, QueueMetrics, RouterQueue, Ticket
+from router.request_trace import RunTrace
 from transfer.config import LEASE_HEADER
 from transfer.handle import KvHandle
 from transfer.wire import (
@@ -113,9 +114,10 @@ class Dispatcher:
         return self.queue.admit(reqs, [self.keys_for(r.prompt_token_ids, salt) for r in reqs], salt)
 
     async def _prefill(self, req: GenerationRequest, salt: bytes, keys: Sequence[bytes],
-                       reserved: Node | None) -> tuple[PrefillReply, Node] | None:
+                       reserved: Node | None, trace: RunTrace) -> tuple[PrefillReply, Node] | None:
         """First tokens and KV handle from ``reserved`` (then any other prefill node up), and that node;
         None when none is: ``reserved`` None (no prefill node was up at placement), or all failed.
+        ``trace`` hears the node's stage timings and names the parent span of the call.
 
         Raises:
             ApiError: the request was refused (4xx), or every prefill node is full (429).
@@ -137,7 +139,8 @@ class Dispatcher:
             node.in_flight += 1
             try:
                 try:
-                    answer = decode_prefill_reply(await self.backends.post(node, "/prefill", body))
+                    answer = decode_prefill_reply(await self.backends.post(node, "/prefill", body,
+                                                                           headers=trace.prefill_headers()))
                 except WireError as exc:
                     raise NodeUnavailable(f"{node.name}: malformed /prefill answer: {exc}") from None
                 if len(answer.first_token_ids) != req.params.n:
@@ -146,6 +149,7 @@ class Dispatcher:
                 if answer.handle_error is not None:
                     log.warning("request %s: %s sent a malformed KV handle (%s); decode will recompute",
                                 req.request_id, node.name, answer.handle_error)
+                trace.node_timings(answer.timings)
                 log.info("request %s: prefilled on %s (%d prompt tokens, %d from cache)", req.request_id, node.name,
                          len(req.prompt_token_ids), answer.num_cached_tokens)
                 return answer, node
@@ -160,29 +164,36 @@ class Dispatcher:
                 node.in_flight -= 1
             node = None
 
-    async def run(self, req: GenerationRequest, salt: bytes, ticket: Ticket) -> AsyncIterator[SampleDelta]:
+    async def run(self, req: GenerationRequest, salt: bytes, ticket: Ticket, *,
+                  trace: RunTrace | None = None) -> AsyncIterator[SampleDelta]:
         """Wait for ``ticket``'s turn (`admit` gave it), then yield token deltas per sample until every
-        sample has finished.
+        sample has finished. ``trace`` (default: a fresh untraced one) hears each stage as it passes
+        (`router.request_trace`).
 
         Raises:
             Overloaded: the request waited past its deadline, or was pushed out of the queue.
             ApiError: 4xx for a refused request, 429 when full, 503 when no node can serve.
         """
         ticket.taken = True
+        trace = trace or RunTrace.untraced(req.request_id)
         reservation = await self.queue.place(ticket)
         placed_at = time.monotonic()
+        trace.placed(reservation.choice, prefill=None if reservation.prefill is None else reservation.prefill.name,
+                     decode=reservation.decode.name)
+        error: str | None = None  # why the run failed, for its trace
         n = req.params.n
         finished = [False] * n
         generated = 0  # tokens yielded, all samples
         handle: KvHandle | None = None
         lease = _Lease()  # lease.lease_id (on lease.owner): what the router releases unless a decode node ended it
         try:
-            prefilled = await self._prefill(req, salt, ticket.keys, reservation.prefill)
+            prefilled = await self._prefill(req, salt, ticket.keys, reservation.prefill, trace)
             if reservation.prefill is not None:
                 reservation.prefilled()
             first = None
             if prefilled is not None:
                 self._first_token(req, reservation, placed_at)
+                trace.first_token()
                 pre, lease.owner = prefilled
                 first = pre.first_token_ids
                 # The owner's URL as this router reached it (configured, so decode nodes accept it), not
@@ -201,14 +212,22 @@ class Dispatcher:
                 if all(finished):
                     return  # the prefill node released the lease itself
             async for delta in self._decode(req, salt, ticket.keys, first, handle, finished,
-                                            _Started(reservation, lease), reservation.decode):
+                                            _Started(reservation, lease), reservation.decode, trace):
                 if not generated:
                     self._first_token(req, reservation, placed_at)
+                    trace.first_token()
                 if delta.index == 0:
                     self._paced(req, reservation, len(delta.token_ids))
                 generated += len(delta.token_ids)
                 yield delta
+        except ApiError as exc:
+            error = exc.message
+            raise
+        except Exception as exc:
+            error = repr(exc)
+            raise
         finally:
+            trace.end(error)
             reservation.decode.stream_ended(id(reservation))
             self.queue.finish(ticket, reservation, generated)
             self._release(lease)
@@ -241,7 +260,7 @@ class Dispatcher:
         lease.lease_id = None
 
     async def _resume_handle(self, req: GenerationRequest, salt: bytes, keys: Sequence[bytes],
-                             handle: KvHandle | None, lease: _Lease) -> KvHandle | None:
+                             handle: KvHandle | None, lease: _Lease, trace: RunTrace) -> KvHandle | None:
         """The prompt's KV for a request moving to another decode node: ``handle`` while its lease is open
         (no decode node ended it), else a fresh handle from a prefill node (whose cache holds the prompt,
         usually; its first tokens are not used), else None (the decode node recomputes)."""
@@ -249,7 +268,7 @@ class Dispatcher:
             return handle
         node = self.nodes.pick_prefill(keys, len(req.prompt_token_ids))
         try:
-            prefilled = await self._prefill(req, salt, keys, node)
+            prefilled = await self._prefill(req, salt, keys, node, trace)
         except ApiError as exc:
             log.warning("request %s: no fresh KV handle to resume with (%s); the decode node recomputes",
                         req.request_id, exc.message)
@@ -264,8 +283,9 @@ class Dispatcher:
 
     async def _decode(self, req: GenerationRequest, salt: bytes, keys: Sequence[bytes], first: list[int] | None,
                       handle: KvHandle | None, finished: list[bool], started: _Started,
-                      reserved: Node) -> AsyncIterator[SampleDelta]:
-        """The decode phase of `run`, on ``reserved`` first; ``started`` hears each answer's headers."""
+                      reserved: Node, trace: RunTrace) -> AsyncIterator[SampleDelta]:
+        """The decode phase of `run`, on ``reserved`` first; ``started`` hears each answer's headers, ``trace``
+        the nodes' stage timings."""
         n = req.params.n
         sent: list[list[int]] = [[t] for t in first] if first is not None else [[] for _ in range(n)]
         migrations = 0
@@ -302,7 +322,8 @@ class Dispatcher:
             log.info("request %s: decoding on %s (KV handle: %s%s)", req.request_id, node.name, handle is not None,
                      f", move {migrations}" if migrations else "")
             try:
-                async for obj in self.backends.stream(node, "/generate", body, on_headers=started.headers):
+                async for obj in self.backends.stream(node, "/generate", body, on_headers=started.headers,
+                                                      headers=trace.decode_headers()):
                     try:
                         frame = decode_frame(obj)
                     except StreamError as exc:
@@ -314,6 +335,7 @@ class Dispatcher:
                     if frame.index >= n:
                         raise NodeUnavailable(f"{node.name}: a frame for sample {frame.index} of {n}")
                     began = True
+                    trace.node_timings(frame.timings)
                     i = frame.index
                     if finished[i]:
                         continue
@@ -337,7 +359,7 @@ class Dispatcher:
                     self._migrated("moved")
                     log.warning("request %s: %s; moving it to another decode node (move %d of %d, %d tokens sent)",
                                 req.request_id, exc, migrations, self.migration_limit, sum(map(len, sent)))
-                    handle = await self._resume_handle(req, salt, keys, handle, started.lease)
+                    handle = await self._resume_handle(req, salt, keys, handle, started.lease, trace)
                     body = encode_generation(GenerationMessage(
                         req.request_id, req.prompt_token_ids, req.params, salt, handle=handle,
                         long_context=req.long_context,

@@ -83,24 +83,39 @@ class GenerationRequest:
     structured_param: str | None = None  # the field ``params.structured_outputs`` came from (400s name it)
     tool_output: ToolOutput | None = None  # chat with tools: how each choice's text becomes tool calls
     tokens_as_ids: bool = False  # logprobs name tokens "token_id:<id>" (vLLM's return_tokens_as_token_ids)
+    timings: bool = False  # ``kvrelay.timings``: the answer carries the request's stage timings
 
 
-def _kvrelay_extension(body: dict[str, Any]) -> dict[str, Any] | None:
-    """The ``kvrelay`` extension field: ``{"long_context": {"policy": "h2o", "device_budget_tokens": 512, ...}}``.
+@dataclass(frozen=True, slots=True)
+class KvrelayExtension:
+    """The ``kvrelay`` extension field of a request."""
 
-    Only its shape is checked here; `engine.long_context.LongContextConfig.with_overrides` checks the fields
-    (the router before prefill, the decode node again).
+    long_context: dict[str, Any] | None = None  # overrides of decode.long_context
+    timings: bool = False  # answer with the stage timings (`router.request_trace`)
+
+
+def _kvrelay_extension(body: dict[str, Any]) -> KvrelayExtension:
+    """The ``kvrelay`` extension field: ``{"long_context": {"policy": "h2o", "device_budget_tokens": 512, ...},
+    "timings": true}``.
+
+    Only long_context's shape is checked here; `engine.long_context.LongContextConfig.with_overrides` checks its
+    fields (the router before prefill, the decode node again).
     """
     ext = _get(body, "kvrelay", dict, None)
     if ext is None:
-        return None
-    unknown = sorted(set(ext) - {"long_context"})
+        return KvrelayExtension()
+    unknown = sorted(set(ext) - {"long_context", "timings"})
     if unknown:
-        raise ApiError(400, f"kvrelay: unknown field {unknown[0]!r}; the extension takes long_context", param="kvrelay")
+        raise ApiError(400, f"kvrelay: unknown field {unknown[0]!r}; the extension takes long_context and timings",
+                       param="kvrelay")
     lc = ext.get("long_context")
     if lc is not None and not isinstance(lc, dict):
         raise ApiError(400, "kvrelay.long_context must be an object", param="kvrelay.long_context")
-    return lc
+    timings = ext.get("timings", False)
+    if not isinstance(timings, bool):
+        raise ApiError(400, f"kvrelay.timings must be true or false, got {type(timings).__name__}",
+                       param="kvrelay.timings")
+    return KvrelayExtension(lc, timings)
 
 
 def _get(body: dict[str, Any], name: str, types: type | tuple[type, ...], default: Any) -> Any:
@@ -337,8 +352,9 @@ def parse_completions(body: Any, served: ServedModel) -> list[GenerationRequest]
             echo_text = one if isinstance(one, str) else (
                 served.tokenizer.decode(ids) if served.tokenizer is not None else "")
         out.append(GenerationRequest(f"cmpl-{uuid.uuid4().hex}", "completion", ids, params, stops, stream,
-                                     include_usage, created, extension, echo_text, _structured_param(body),
-                                     tokens_as_ids=_tokens_as_ids(body, served)))
+                                     include_usage, created, extension.long_context, echo_text,
+                                     _structured_param(body), tokens_as_ids=_tokens_as_ids(body, served),
+                                     timings=extension.timings))
     return out
 
 
@@ -410,9 +426,11 @@ def parse_chat(body: Any, served: ServedModel, *, check_length: bool = True) -> 
     structured_param = _structured_param(body)
     params, structured_param = _tool_constraint(plan, params, structured_param)
     stream, include_usage = _stream_options(body)
+    extension = _kvrelay_extension(body)
     return GenerationRequest(f"chatcmpl-{uuid.uuid4().hex}", "chat", ids, params, stops, stream, include_usage,
-                             int(time.time()), _kvrelay_extension(body), structured_param=structured_param,
-                             tool_output=plan.output, tokens_as_ids=_tokens_as_ids(body, served))
+                             int(time.time()), extension.long_context, structured_param=structured_param,
+                             tool_output=plan.output, tokens_as_ids=_tokens_as_ids(body, served),
+                             timings=extension.timings)
 
 
 def _message(i: int, msg: Any) -> dict[str, Any]:

@@ -113,6 +113,12 @@ def stream_chunk(req: GenerationRequest, model: str, index: int, text: str | Non
     return {"id": req.request_id, "object": obj, "created": req.created, "model": model, "choices": [choice]}
 
 
+def extension_chunk(req: GenerationRequest, model: str) -> dict[str, Any]:
+    """A stream chunk with no choices (as the usage chunk), for the ``kvrelay`` extension's answer."""
+    obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
+    return {"id": req.request_id, "object": obj, "created": req.created, "model": model, "choices": []}
+
+
 def usage_chunk(req: GenerationRequest, model: str, completion_tokens: int,
                 prompt_tokens: int | None = None) -> dict[str, Any]:
     obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"

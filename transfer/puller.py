@@ -99,6 +99,7 @@ class PullResult:
     elapsed_s: float
     num_bad: int = 0  # read blocks whose digest did not match (dropped with every block after the first)
     lease_ended: bool = False  # the owner was told "done" (its lease is over)
+    num_checked: int = 0  # read blocks whose digest was checked (all, a sample, or none: `IntegrityPolicy`)
 
 
 class IntegrityChecker(Protocol):
@@ -230,7 +231,7 @@ class Puller:
         keeper.stop()
         finish = asyncio.ensure_future(self._finish(link, handle, res, xfers))
         try:
-            kept, num_bad, ended = await asyncio.shield(finish)
+            kept, num_bad, num_checked, ended = await asyncio.shield(finish)
         except asyncio.CancelledError:
             # The caller gave up after the bytes arrived: the blocks it would have kept go back to the pool
             # (a `_finish` that failed has given back all of them).
@@ -238,12 +239,12 @@ class Puller:
                 self._pool_calls.must_run(lambda: self._pool.release(f.result()[0]))))
             raise
         return PullResult(kept, len(res.missing), len(res.held), sum(x.num_bytes for x in xfers),
-                          loop.time() - t0, num_bad, lease_ended=ended)
+                          loop.time() - t0, num_bad, lease_ended=ended, num_checked=num_checked)
 
     async def _finish(self, link: PeerLink, handle: KvHandle, res: _Reservation,
-                      xfers: list[XferRequest]) -> tuple[list[int], int, bool]:
+                      xfers: list[XferRequest]) -> tuple[list[int], int, int, bool]:
         """Complete the READs (notifying "done"), then check and key the blocks: (kept ids, bad blocks,
-        whether the owner was told)."""
+        checked blocks, whether the owner was told)."""
         try:
             told = await self._agent.complete(xfers, link.name, encode_notif("done", handle.lease_id))
             if not told:
@@ -255,13 +256,13 @@ class Puller:
             raise TransferError("internal", "completing the READs failed; the blocks were given back") from None
         registered: list[list[int]] = []  # the kept ids, once `_register` ran
 
-        def register() -> tuple[list[int], int]:
-            kept, num_bad = self._register(handle, res)
+        def register() -> tuple[list[int], int, int]:
+            kept, num_bad, num_checked = self._register(handle, res)
             registered.append(kept)
-            return kept, num_bad
+            return kept, num_bad, num_checked
 
         try:
-            kept, num_bad = await self._pool_calls.must_run(register)
+            kept, num_bad, num_checked = await self._pool_calls.must_run(register)
         except TimeoutError:
             # `register` still runs when the engine thread is back; this runs after it (queue order) and
             # gives back what it kept, since nobody is left to take it.
@@ -269,7 +270,7 @@ class Puller:
                 lambda: self._pool.release(registered.pop() if registered else [])))
             raise TransferError("timeout", f"the engine thread did not key the {len(res.block_ids)} blocks read "
                                 "in time (busy or stalled); they go back to the pool once it does") from None
-        return kept, num_bad, told
+        return kept, num_bad, num_checked, told
 
     def _check_shape(self, handle: KvHandle) -> None:
         expected = self._agent.spec.tokens_held(handle.num_blocks)
@@ -311,14 +312,15 @@ class Puller:
             block_ids[i] = b
         return _Reservation(block_ids, missing, held)
 
-    def _register(self, handle: KvHandle, res: _Reservation) -> tuple[list[int], int]:
+    def _register(self, handle: KvHandle, res: _Reservation) -> tuple[list[int], int, int]:
         """Check the read blocks, key those before the first bad one and release the rest. Returns the
-        kept block ids (a prefix of ``res.block_ids``) and the number of bad blocks. On the pool's thread."""
+        kept block ids (a prefix of ``res.block_ids``), the number of bad blocks and of blocks checked. On the
+        pool's thread."""
         keys = handle.keys
         store = self._store
         on = store is not None and store.integrity.enabled
         digests = handle.digests if on else ()  # integrity off here: nothing is checked or carried
-        end, num_bad = len(keys), 0
+        end, num_bad, num_checked = len(keys), 0, 0
         if store is not None and digests:  # on: `_check_digests` refused a handle without them
             picked = [res.missing[j] for j in store.integrity.pick(len(res.missing), self._rng)]
             try:
@@ -327,6 +329,7 @@ class Puller:
                 self._pool.release(res.block_ids)
                 raise TransferError("internal", f"digesting the blocks read failed: {exc}") from exc
             store.integrity_checked("nixl_read", len(picked))
+            num_checked = len(picked)
             bad = [i for i, g in zip(picked, got, strict=True) if g != digests[i]]
             if bad:
                 end, num_bad = bad[0], len(bad)
@@ -338,7 +341,7 @@ class Puller:
             if i < end:  # False: a concurrent pull keyed it first
                 self._pool.register_key(res.block_ids[i], keys[i], digest=digests[i] if digests else None)
         self._pool.release(res.block_ids[end:])
-        return res.block_ids[:end], num_bad
+        return res.block_ids[:end], num_bad, num_checked
 
     async def _wait(self, xfers: list[XferRequest], handle: KvHandle, keeper: LeaseKeeper, t_end: float) -> float:
         """Poll until every READ is DONE; returns the loop time it was seen. Raises TransferError."""

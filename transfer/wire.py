@@ -532,14 +532,31 @@ class PrefillReply:
     # With a malformed handle: its lease id, when that much of it is readable, so the router can still
     # release the lease at once (nobody can pull a handle that does not parse).
     lease_id: str | None = None
+    timings: dict[str, float] | None = None  # the node's stage timings in seconds (`check_timings`)
 
 
 def encode_prefill_reply(reply: PrefillReply) -> bytes:
     return _pack({
         "first_token_ids": reply.first_token_ids, "finish_reasons": reply.finish_reasons,
         "handle": handle_to_wire(reply.handle) if reply.handle else None, "num_cached_tokens": reply.num_cached_tokens,
-        "logprobs": _logprobs_to_wire(reply.first_logprobs),
+        "logprobs": _logprobs_to_wire(reply.first_logprobs), "timings": reply.timings,
     })
+
+
+MAX_TIMINGS = 16
+
+
+def check_timings(msg: dict[str, Any], what: str) -> dict[str, float] | None:
+    """``timings``: nil, or at most `MAX_TIMINGS` stage names (``*_s``) with their seconds (finite, ≥ 0), as a
+    node reports the stages of one request (`node.tracing.Stage`). Raises WireError."""
+    raw = msg.get("timings")
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or len(raw) > MAX_TIMINGS or not all(
+            isinstance(k, str) and k.endswith("_s") and len(k) <= MAX_NAME_CHARS and _is_number(v)
+            and 0 <= v < 1e9 for k, v in raw.items()):
+        raise WireError(f"{what}.timings: expected at most {MAX_TIMINGS} names ending in _s with seconds ≥ 0")
+    return {k: float(v) for k, v in raw.items()}
 
 
 def _logprobs_to_wire(logprobs: list[TokenLogprobs] | None) -> list[Any] | None:
@@ -583,7 +600,7 @@ def decode_prefill_reply(data: Any) -> PrefillReply:
         if isinstance(raw_id, str) and 0 < len(raw_id) <= MAX_LEASE_ID_CHARS:
             lease_id = raw_id
     return PrefillReply(first, reasons, handle, _int(msg, "num_cached_tokens", what, 0, 1 << 40), handle_error,
-                        _logprobs_from_wire(msg, len(first), what), lease_id)
+                        _logprobs_from_wire(msg, len(first), what), lease_id, check_timings(msg, what))
 
 
 @dataclass(frozen=True, slots=True)
@@ -595,11 +612,16 @@ class DecodeFrame:
     finished: bool
     reason: str | None
     logprobs: list[TokenLogprobs] | None = None  # one per token, when the request asked
+    # the node's stage timings in seconds (`check_timings`), on the stream's first and last frames
+    timings: dict[str, float] | None = None
 
 
 def encode_frame(frame: DecodeFrame) -> bytes:
-    return _pack({"index": frame.index, "tokens": frame.tokens, "finished": frame.finished, "reason": frame.reason,
-                  "logprobs": _logprobs_to_wire(frame.logprobs)})
+    out = {"index": frame.index, "tokens": frame.tokens, "finished": frame.finished, "reason": frame.reason,
+           "logprobs": _logprobs_to_wire(frame.logprobs)}
+    if frame.timings is not None:
+        out["timings"] = frame.timings
+    return _pack(out)
 
 
 def encode_error_frame(message: str, status: int) -> bytes:
@@ -628,4 +650,4 @@ def decode_frame(obj: Any) -> DecodeFrame:
     assert tokens is not None
     reason = _opt(obj, "reason", str, what)
     return DecodeFrame(_int(obj, "index", what, 0, 1 << 16), tokens, _field(obj, "finished", bool, what), reason,
-                       _logprobs_from_wire(obj, len(tokens), what))
+                       _logprobs_from_wire(obj, len(tokens), what), check_timings(obj, what))

@@ -19,11 +19,26 @@ def kvrelay(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "deploy.cli", *args], capture_output=True, text=True, timeout=120)
 
 
+def kvrelay_all(*commands: tuple[str, ...]) -> list[subprocess.CompletedProcess]:
+    """``kvrelay(*args)`` for each of ``commands``, all running at once (each spends most of its time importing)."""
+    procs = [subprocess.Popen([sys.executable, "-m", "deploy.cli", *args], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for args in commands]
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [subprocess.CompletedProcess(p.args, p.returncode, out, err)
+            for p, (out, err) in zip(procs, outs, strict=True)]
+
+
 def test_tiny_model_then_generate_json(tmp_path: Path):
-    out = kvrelay("tiny-model", str(tmp_path / "m"), "--seed", "3", "--layers", "1")
+    out, again = kvrelay_all(("tiny-model", str(tmp_path / "m"), "--seed", "3", "--layers", "1"),
+                             ("tiny-model", str(tmp_path / "m2"), "--seed", "3", "--layers", "1"))
     assert out.returncode == 0, out.stderr
-    again = kvrelay("tiny-model", str(tmp_path / "m2"), "--seed", "3", "--layers", "1")
-    assert again.returncode == 0
+    assert again.returncode == 0, again.stderr
     for f in sorted(p.name for p in (tmp_path / "m").iterdir()):
         assert (tmp_path / "m" / f).read_bytes() == (tmp_path / "m2" / f).read_bytes(), f
     run = kvrelay("generate", "--model", str(tmp_path / "m"), "--prompt", "Hello", "--max-tokens", "6", "--json")
@@ -39,16 +54,19 @@ def test_prompt_ids_need_no_tokenizer_and_bad_input_is_named(tmp_path: Path, tin
     model = tmp_path / "no-tokenizer"
     shutil.copytree(tiny_model_dir, model)
     (model / "tokenizer.json").unlink()
-    run = kvrelay("generate", "--model", str(model), "--prompt-ids", "1,2,3", "--max-tokens", "4", "--json")
+    gpt2 = tmp_path / "gpt2"  # the same, of an architecture kvrelay does not serve
+    shutil.copytree(model, gpt2)
+    cfg = json.loads((gpt2 / "config.json").read_text())
+    (gpt2 / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}))
+    run, bad, text, arch = kvrelay_all(
+        ("generate", "--model", str(model), "--prompt-ids", "1,2,3", "--max-tokens", "4", "--json"),
+        ("generate", "--model", str(model), "--prompt-ids", "1,999", "--max-tokens", "4"),
+        ("generate", "--model", str(model), "--prompt", "hi", "--max-tokens", "4"),
+        ("generate", "--model", str(gpt2), "--prompt-ids", "1", "--max-tokens", "1"))
     assert run.returncode == 0, run.stderr
     assert len(json.loads(run.stdout)["token_ids"]) == 4 and json.loads(run.stdout)["text"] == ""
-    bad = kvrelay("generate", "--model", str(model), "--prompt-ids", "1,999", "--max-tokens", "4")
     assert bad.returncode == 2 and "token id 999 at position 1 is outside the vocabulary [0, 258)" in bad.stderr
-    text = kvrelay("generate", "--model", str(model), "--prompt", "hi", "--max-tokens", "4")
     assert text.returncode == 2 and "has no tokenizer.json; pass --prompt-ids" in text.stderr
-    cfg = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}))
-    arch = kvrelay("generate", "--model", str(model), "--prompt-ids", "1", "--max-tokens", "1")
     assert arch.returncode == 2 and "gpt2" in arch.stderr and "llama" in arch.stderr
 
 
@@ -96,7 +114,8 @@ def test_every_bench_name_resolves_to_its_main() -> None:
         "long-context": "benchmarks.long_context_bench", "memory": "benchmarks.memory_bench",
         "migration": "benchmarks.migration_bench", "prefill": "benchmarks.prefill_bench",
         "serve": "benchmarks.serve_bench", "structured": "benchmarks.structured_bench",
-        "tiers": "benchmarks.tier_bench", "transfer": "benchmarks.transfer_bench",
+        "tiers": "benchmarks.tier_bench", "tracing": "benchmarks.tracing_bench",
+        "transfer": "benchmarks.transfer_bench",
             "vllm-client": "benchmarks.vllm_client"}
     with pytest.raises(ValueError, match="unknown benchmark 'nope'"):
         _bench_main("nope")
