@@ -35,16 +35,25 @@ def _reference(model_dir) -> list[list[int]]:
 
 
 def test_generate_with_the_triton_backend_gives_the_reference_tokens(tiny_model_dir):
-    want = _reference(tiny_model_dir)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the command sets it itself
-    for prompt, tokens in zip(PROMPTS, want, strict=True):
-        run = subprocess.run(
-            [sys.executable, "-m", "deploy.cli", "generate", "--model", str(tiny_model_dir), "--prompt-ids",
-             ",".join(map(str, prompt)), "--max-tokens", "8", "--dtype", "float32", "--attention-backend", "triton",
-             "--json"], capture_output=True, text=True, timeout=300, env=env)
-        assert run.returncode == 0, run.stderr[-2000:]
-        got = json.loads(run.stdout)
-        assert (got["token_ids"], got["attention_backend"]) == (tokens, "triton")
+    # One command per prompt, all started at once (each spends most of its time importing); the reference is
+    # computed here meanwhile.
+    runs = [subprocess.Popen(
+        [sys.executable, "-m", "deploy.cli", "generate", "--model", str(tiny_model_dir), "--prompt-ids",
+         ",".join(map(str, prompt)), "--max-tokens", "8", "--dtype", "float32", "--attention-backend", "triton",
+         "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for prompt in PROMPTS]
+    try:
+        want = _reference(tiny_model_dir)
+        for proc, tokens in zip(runs, want, strict=True):
+            stdout, stderr = proc.communicate(timeout=300)
+            assert proc.returncode == 0, stderr[-2000:]
+            got = json.loads(stdout)
+            assert (got["token_ids"], got["attention_backend"]) == (tokens, "triton")
+    finally:
+        for proc in runs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 def test_a_batched_engine_step_through_triton_matches_the_reference(tiny_model_dir):

@@ -72,16 +72,25 @@ def test_greedy_tokens_equal_transformers_one_by_one_and_batched(family_dirs, ar
 
 def test_kvrelay_generate_serves_every_family(family_dirs):
     prompt = _prompts()[-1]
-    for arch in TINY_ARCHS:
-        [expected] = _hf_greedy(family_dirs[arch], [prompt])
-        run = subprocess.run(
-            [sys.executable, "-m", "deploy.cli", "generate", "--model", str(family_dirs[arch]), "--prompt-ids",
-             ",".join(map(str, prompt)), "--max-tokens", str(OUT_TOKENS), "--min-tokens", str(OUT_TOKENS),
-             "--dtype", "float32", "--json"],
-            capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": os.getcwd()},
-        )
-        assert run.returncode == 0, run.stderr[-2000:]
-        assert json.loads(run.stdout)["token_ids"] == expected, arch
+    # One `kvrelay generate` process per family, all started at once (each spends most of its time importing);
+    # transformers' tokens are computed here meanwhile.
+    runs = {arch: subprocess.Popen(
+        [sys.executable, "-m", "deploy.cli", "generate", "--model", str(family_dirs[arch]), "--prompt-ids",
+         ",".join(map(str, prompt)), "--max-tokens", str(OUT_TOKENS), "--min-tokens", str(OUT_TOKENS),
+         "--dtype", "float32", "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()},
+    ) for arch in TINY_ARCHS}
+    try:
+        expected = {arch: _hf_greedy(family_dirs[arch], [prompt])[0] for arch in TINY_ARCHS}
+        for arch, proc in runs.items():
+            stdout, stderr = proc.communicate(timeout=300)
+            assert proc.returncode == 0, (arch, stderr[-2000:])
+            assert json.loads(stdout)["token_ids"] == expected[arch], arch
+    finally:
+        for proc in runs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 def test_each_family_builds_the_parts_it_names(family_dirs):

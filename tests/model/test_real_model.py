@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 
 import pytest
@@ -63,8 +64,16 @@ def test_greedy_tokens_and_logits_equal_transformers_gguf(smollm2: RealModel, re
 
 @torch.inference_mode()
 def _greedy(model: AutoModelForCausalLM, ids: list[int], n: int) -> list[int]:
-    """``n`` argmax tokens past any EOS (``generate`` would stop there, or mask EOS with min_new_tokens)."""
-    tokens: list[int] = []
-    for _ in range(n):
-        tokens.append(int(model(torch.tensor([ids + tokens])).logits[0, -1].argmax()))
+    """``n`` argmax tokens past any EOS (``generate`` would stop there, or mask EOS with min_new_tokens); each
+    step feeds the last token with transformers' own KV cache, not the whole sequence again."""
+    from transformers import DynamicCache
+
+    # transformers 5.2x names the argument ``cache``; 4.x ``past_key_values`` (pyproject allows both).
+    arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache = {arg: DynamicCache()}
+    logits = model(torch.tensor([ids]), use_cache=True, **cache).logits
+    tokens = [int(logits[0, -1].argmax())]
+    for _ in range(n - 1):
+        logits = model(torch.tensor([tokens[-1:]]), use_cache=True, **cache).logits
+        tokens.append(int(logits[0, -1].argmax()))
     return tokens

@@ -48,6 +48,10 @@ class Cluster(Deployment):
             # The prefill node's path for every prompt (`router.plan`: auto would keep most test prompts on the
             # decode node); tests of the plans say so.
             "router": {"request_timeout_s": 60, "disaggregation": "always"},
+            # The stop at the end of a test: a lease nobody reads any more (a refused handle) holds a prefill
+            # node's drain until it expires (prefill.lease_ttl_s), and the default drain allows 30 s. Tests of
+            # the drain set their own.
+            "internal": {"drain_timeout_s": 2},
         }
         # The nodes' internal token (`kvrelay up` would make one up; tests that talk to nodes need it).
         self.token = (env or {}).get(TEST_TOKEN_ENV, "kvrelay-test-token")

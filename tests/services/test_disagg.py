@@ -59,36 +59,45 @@ def transfer(url: str) -> tuple[float, float]:
     return m.get("kvrelay_kv_transfer_bytes_total", 0.0), failures
 
 
+@pytest.fixture(scope="module")
+def default_cluster(tiny_model_dir):
+    """1P1D with the test defaults, shared by the tests that neither kill nor reconfigure it; each counts
+    from the metrics it reads at its start (their prompts share no block)."""
+    with Cluster(tiny_model_dir) as c:
+        yield c
+
+
 def failure_reasons(url: str) -> dict[str, float]:
     """Failed pulls by reason label, the reasons seen so far only."""
     prefix = 'kvrelay_kv_transfer_failures_total{reason="'
     return {k[len(prefix):-2]: v for k, v in metrics(url).items() if k.startswith(prefix)}
 
 
-def test_kv_moves_once_then_the_prefix_is_reused(tiny_model_dir, tmp_path):
+def test_kv_moves_once_then_the_prefix_is_reused(tiny_model_dir, default_cluster):
 
     loaded = load_model(tiny_model_dir)
     block_bytes = LLMEngine.block_spec_for(loaded, 16).block_bytes
     rng = random.Random(1)
     prompt = [rng.randrange(256) for _ in range(100)]  # 6 full blocks + a 4-token tail
     [[want]] = LLMEngine(loaded, EngineConfig(num_blocks=64)).generate([prompt], SamplingParams(max_tokens=12))
-    with Cluster(tiny_model_dir) as c:
-        decode, prefill = c.decode_urls[0], c.prefill_urls[0]
-        body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0}
-        code, out = post(c.url, body)
-        assert code == 200
-        bytes1, failures = transfer(decode)
-        assert bytes1 == 6 * block_bytes and failures == 0
-        hits_before = prefix_hits(prefill)
-        code, out2 = post(c.url, body)
-        assert code == 200 and out2["choices"][0]["text"] == out["choices"][0]["text"]
-        assert prefix_hits(prefill) - hits_before == 6 * 16  # prefill reused its cached blocks
-        assert transfer(decode) == (bytes1, 0.0)  # decode already held them: nothing moved
-        longer = prompt + [rng.randrange(256) for _ in range(40)]  # 2 more full blocks + a tail
-        assert post(c.url, {**body, "prompt": longer})[0] == 200
-        assert transfer(decode) == (bytes1 + 2 * block_bytes, 0.0)  # only the new full blocks
-        wait_for(lambda: all(get_json(u + "/health")["in_use_blocks"] == 0 for u in (decode, prefill)),
-                 what="leases released and pools idle")
+    c = default_cluster
+    decode, prefill = c.decode_urls[0], c.prefill_urls[0]
+    bytes0, failures0 = transfer(decode)
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0}
+    code, out = post(c.url, body)
+    assert code == 200
+    bytes1, failures = transfer(decode)
+    assert bytes1 - bytes0 == 6 * block_bytes and failures == failures0
+    hits_before = prefix_hits(prefill)
+    code, out2 = post(c.url, body)
+    assert code == 200 and out2["choices"][0]["text"] == out["choices"][0]["text"]
+    assert prefix_hits(prefill) - hits_before == 6 * 16  # prefill reused its cached blocks
+    assert transfer(decode) == (bytes1, failures0)  # decode already held them: nothing moved
+    longer = prompt + [rng.randrange(256) for _ in range(40)]  # 2 more full blocks + a tail
+    assert post(c.url, {**body, "prompt": longer})[0] == 200
+    assert transfer(decode) == (bytes1 + 2 * block_bytes, failures0)  # only the new full blocks
+    wait_for(lambda: all(get_json(u + "/health")["in_use_blocks"] == 0 for u in (decode, prefill)),
+             what="leases released and pools idle")
     assert out["choices"][0]["text"] == load_tokenizer(tiny_model_dir).decode(want)
 
 
@@ -157,7 +166,7 @@ def test_a_malformed_handle_is_counted_as_bad_handle_and_recomputed(tiny_model_d
         wait_for(lambda: get_json(decode + "/health")["in_use_blocks"] == 0, what="decode pool idle")
 
 
-def test_forged_handles_are_refused_and_nothing_is_stored(tiny_model_dir):
+def test_forged_handles_are_refused_and_nothing_is_stored(tiny_model_dir, default_cluster):
     """Issue 13, test 3: a handle whose keys are not the request's own prompt and salt (another prompt,
     another tenant's salt) or whose owner is not a prefill node of this deployment is refused before
     any contact; the request is recomputed with the right tokens, and later requests too."""
@@ -169,26 +178,29 @@ def test_forged_handles_are_refused_and_nothing_is_stored(tiny_model_dir):
     b = [rng.randrange(256) for _ in range(70)]
     [[want_b]] = LLMEngine(loaded, EngineConfig(num_blocks=64)).generate([b], SamplingParams(max_tokens=6))
     params = params_to_wire(SamplingParams(max_tokens=6))
-    with Cluster(tiny_model_dir) as c:
-        prefill, decode = c.prefill_urls[0], c.decode_urls[0]
-        status, [pre] = _internal_post(prefill, "/prefill", {"request_id": "a", "prompt": a, "params": params,
-                                                             "salt": b""})
-        assert status == 200 and pre["handle"] is not None
-        forged = {
-            "other prompt": dict(prompt=b, salt=b"", handle=pre["handle"]),
-            "other tenant": dict(prompt=a, salt=b"t" * 16, handle=pre["handle"]),
-            "foreign owner": dict(prompt=a, salt=b"", handle={**pre["handle"], "owner_url": "http://10.9.9.9:1"}),
-        }
-        for i, (name, fields) in enumerate(forged.items()):
-            status, frames = _internal_post(decode, "/generate", {"request_id": f"f{i}", "params": params,
-                                                                  "first_token_ids": pre["first_token_ids"], **fields})
-            assert status == 200, (name, frames)
-        assert failure_reasons(decode) == {"key_mismatch": 2.0, "foreign_owner": 1.0}
-        assert transfer(decode)[0] == 0.0  # not a byte was read from anyone
-        wait_for(lambda: get_json(decode + "/health")["in_use_blocks"] == 0, what="decode pool idle")
-        code, body = post(c.url, {"model": "tiny", "prompt": b, "max_tokens": 6, "temperature": 0})
-        assert code == 200 and body["usage"]["completion_tokens"] == len(want_b)
-        assert body["choices"][0]["text"] == load_tokenizer(tiny_model_dir).decode(want_b)
+    c = default_cluster
+    prefill, decode = c.prefill_urls[0], c.decode_urls[0]
+    reasons0, bytes0 = failure_reasons(decode), transfer(decode)[0]
+    status, [pre] = _internal_post(prefill, "/prefill", {"request_id": "a", "prompt": a, "params": params,
+                                                         "salt": b""})
+    assert status == 200 and pre["handle"] is not None
+    forged = {
+        "other prompt": dict(prompt=b, salt=b"", handle=pre["handle"]),
+        "other tenant": dict(prompt=a, salt=b"t" * 16, handle=pre["handle"]),
+        "foreign owner": dict(prompt=a, salt=b"", handle={**pre["handle"], "owner_url": "http://10.9.9.9:1"}),
+    }
+    for i, (name, fields) in enumerate(forged.items()):
+        status, frames = _internal_post(decode, "/generate", {"request_id": f"f{i}", "params": params,
+                                                              "first_token_ids": pre["first_token_ids"], **fields})
+        assert status == 200, (name, frames)
+    reasons = failure_reasons(decode)
+    assert {k: v - reasons0.get(k, 0.0) for k, v in reasons.items() if v != reasons0.get(k, 0.0)} == {
+        "key_mismatch": 2.0, "foreign_owner": 1.0}
+    assert transfer(decode)[0] == bytes0  # not a byte was read from anyone
+    wait_for(lambda: get_json(decode + "/health")["in_use_blocks"] == 0, what="decode pool idle")
+    code, body = post(c.url, {"model": "tiny", "prompt": b, "max_tokens": 6, "temperature": 0})
+    assert code == 200 and body["usage"]["completion_tokens"] == len(want_b)
+    assert body["choices"][0]["text"] == load_tokenizer(tiny_model_dir).decode(want_b)
 
 
 def test_decode_accepts_the_prefill_node_by_the_url_the_router_reaches_it_at(tiny_model_dir):

@@ -23,7 +23,7 @@ from transfer.config import TOKEN_HEADER
 SLOW_DISK = Path(__file__).resolve().parent / "slow_disk"
 PROMPTS = [[random.Random(seed).randrange(256) for _ in range(70)] for seed in range(12)]  # 4 full blocks each
 BLOCK_BYTES = 8192  # the tiny model's block: 2 layers x K,V x 2 heads x 16 tokens x 16 dims x 4 bytes
-S_PER_BLOCK = 0.4  # 48 blocks: ~19 s of writing, past the old 1 s drain + 10 s
+S_PER_BLOCK = 0.25  # 48 blocks: at least 12 s of writing, past the old 1 s drain + 10 s
 
 
 def test_sigterm_waits_for_the_host_tier_to_reach_disk_and_exits_0(tiny_model_dir):

@@ -18,9 +18,13 @@ from tests.services.cluster import Cluster, get_json, metrics
 from tests.services.test_faults import post, wait_for
 
 TRICKLERS = 1024
+# Long enough for 1,024 connections to open and a normal request to be served while they are all held (a few
+# seconds on 2 cores; the test checks they are still held then), short enough not to wait on the default 30 s.
+BODY_READ_TIMEOUT_S = 15
 # The reviewer's 256 streams of n = 4 are 1,024 sequences: on 2 cores their streams take many minutes to fill
-# the socket buffers that make a write stall. 32 (128 sequences) fill the decode node's room the same way.
-UNREAD_STREAMS = 32
+# the socket buffers that make a write stall. 8 (32 sequences: the decode node's max_num_seqs below) fill its
+# room the same way.
+UNREAD_STREAMS = 8
 
 
 def _host_port(url: str) -> tuple[str, int]:
@@ -58,7 +62,8 @@ def _read_all(s: socket.socket, timeout_s: float) -> bytes:
 def test_trickled_bodies_hold_no_slot_and_get_408(tiny_model_dir):
     _raise_fd_limit(TRICKLERS + 512)
     with Cluster(tiny_model_dir, overrides={"router": {
-            "max_concurrent_requests": TRICKLERS, "body_read_timeout_s": 90, "keepalive_timeout_s": 2}}) as c:
+            "max_concurrent_requests": TRICKLERS, "body_read_timeout_s": BODY_READ_TIMEOUT_S,
+            "keepalive_timeout_s": 2}}) as c:
         host, port = _host_port(c.url)
         router_pid = get_json(c.url + "/health")["pid"]
         head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -77,13 +82,15 @@ def test_trickled_bodies_hold_no_slot_and_get_408(tiny_model_dir):
                                        "ignore_eos": True}, timeout=300.0)
             assert (code, body.get("usage", {}).get("completion_tokens")) == (200, 4), body
             assert get_json(c.url + "/health")["admitted"] == 0
+            assert _accepted(router_pid, ports) == TRICKLERS  # ... while every trickler was still held open
             # Each trickler gets its 408 once its body is overdue, and its connection is closed.
             answers = [_read_all(s, 120) for s in socks]
         finally:
             for s in socks:
                 s.close()
         assert sum(a.startswith(b"HTTP/1.1 408 ") for a in answers) == TRICKLERS, answers[0][:300]
-        assert b"the request body did not arrive within 90 s (router.body_read_timeout_s)" in answers[0]
+        assert (f"the request body did not arrive within {BODY_READ_TIMEOUT_S} s (router.body_read_timeout_s)"
+                .encode() in answers[0])
 
         # An idle keep-alive connection is closed after keepalive_timeout_s (aiohttp's default: an hour).
         with socket.create_connection((host, port), timeout=30) as s:
@@ -119,9 +126,13 @@ def test_streams_that_are_not_read_are_dropped_and_their_blocks_freed(tiny_model
         decode = c.decode_urls[0]
         # Clients of the router that never read: each is dropped, its request aborted on the decode node.
         host, port = _host_port(c.url)
-        body = json.dumps({"model": "tiny", "prompt": "never read me", "max_tokens": 2000, "temperature": 0,
-                           "ignore_eos": True, "logprobs": 20, "n": 4, "stream": True}).encode()
-        socks = [_unread_stream(host, port, "/v1/completions", body, "application/json")
+        # Chat chunks with 20 top logprobs (each with its bytes) are the largest per token the API writes: the
+        # router's socket buffers (megabytes, autotuned) fill ~3x sooner than with completions' logprobs. Both
+        # APIs write through the same stall-timed writer.
+        body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "never read me"}],
+                           "max_tokens": 2000, "temperature": 0, "ignore_eos": True, "logprobs": True,
+                           "top_logprobs": 20, "n": 4, "stream": True}).encode()
+        socks = [_unread_stream(host, port, "/v1/chat/completions", body, "application/json")
                  for _ in range(UNREAD_STREAMS)]
         try:
             # All of them are placed on the decode node: it has room for no more sequences (max_num_seqs).
