@@ -187,6 +187,9 @@ KEYS: Mapping[str, Key] = _table(
     Key("engine.stall_timeout_s", positive_float, 60.0, "A step (or pool call) still running after this while the "
         "engine has work marks the node stalled: /ready and /health answer 503, its requests end with 503 and "
         "it exits to be restarted; keep it above the longest legitimate step.", unit="s"),
+    Key("engine.pool_call_timeout_s", positive_float, 30.0, "How long a caller on the event loop waits for a call "
+        "into the engine's block pool (a lease, a pull's blocks) to run between steps; a call that gives blocks "
+        "back still runs after its caller gave up.", unit="s"),
     # --------------------------------------------------------------- internal
     Key("internal.bind", string, "127.0.0.1", "The address the nodes' internal endpoints (KV metadata, events, "
         "prefill and decode APIs) listen on; one reachable from other machines needs a token."),

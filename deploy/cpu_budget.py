@@ -15,6 +15,7 @@ from __future__ import annotations
 import fcntl
 import os
 import re
+import time
 from collections.abc import Callable
 
 
@@ -135,6 +136,10 @@ class CoreLending:
         self._holding_home = False
         self._borrowed: list[int] = []
         self.threads = len(self.home)
+        # CPU-seconds of steps computed on borrowed CPUs (borrowed CPUs x step time), summed; read by the node's
+        # metrics (kvrelay_engine_borrowed_cpu_seconds_total). Written on the engine thread only.
+        self.borrowed_cpu_s = 0.0
+        self._step_start_s = 0.0
 
     def before_step(self) -> int:
         """Hold the home CPUs and borrow what idle owners lend; returns the thread count set."""
@@ -156,10 +161,13 @@ class CoreLending:
             finally:
                 fcntl.flock(self._want[c], fcntl.LOCK_UN)
         self._set_threads(len(self.home) + len(self._borrowed))
+        self._step_start_s = time.monotonic()
         return self.threads
 
     def after_step(self) -> None:
         """Give back the CPUs borrowed for this step."""
+        if self._borrowed:
+            self.borrowed_cpu_s += len(self._borrowed) * (time.monotonic() - self._step_start_s)
         for c in self._borrowed:
             fcntl.flock(self._cpu[c], fcntl.LOCK_UN)
         self._borrowed = []

@@ -150,6 +150,8 @@ def build_app(config: Any, role: str, index: int, *, name: str | None = None,
         raise ValueError(f"{role}.ports has {len(ports)} entries; --index {index} is out of range")
     port = ports[index]
     metrics = NodeMetrics(role, node=name)
+    if cores is not None:
+        metrics.watch_cpus(cores)
     engine = build_engine(config, node_name=name, registry=metrics.registry, memory_budget_bytes=memory_budget_bytes)
     section = config.prefill if role == "prefill" else config.decode
     node = NodeConfig(role=role, name=name, model_name=config.model.name, host=internal.bind, port=port,
@@ -157,7 +159,8 @@ def build_app(config: Any, role: str, index: int, *, name: str | None = None,
                       cpus=tuple(cores.home) if cores is not None else (),
                       stall_timeout_s=config.engine.stall_timeout_s,
                       persist_timeout_s=internal.persist_timeout_s)
-    worker = EngineWorker(engine, host=worker_host, cores=cores)
+    worker = EngineWorker(engine, host=worker_host, cores=cores,
+                          pool_call_timeout_s=config.engine.pool_call_timeout_s)
     from transfer.config import TransferConfig
     from transfer.node_agent import advertised_host, restrict_transfer_to
 

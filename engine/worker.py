@@ -158,11 +158,14 @@ class CallerThreadHost:
 
 class EngineWorker:
     """Runs ``engine`` on a thread of its own, or on a `CallerThreadHost`'s thread. ``after_step(engine)``
-    runs on that thread after each step."""
+    runs on that thread after each step. ``pool_call_timeout_s``: how long `call` and `must_run` wait when
+    their caller gives no ``timeout_s``."""
 
     def __init__(self, engine: LLMEngine, *, after_step: Callable[[LLMEngine], None] | None = None,
-                 host: CallerThreadHost | None = None, cores: StepCores | None = None) -> None:
+                 host: CallerThreadHost | None = None, cores: StepCores | None = None,
+                 pool_call_timeout_s: float = 30.0) -> None:
         self.engine = engine
+        self.pool_call_timeout_s = pool_call_timeout_s
         self._cores = cores
         self._after_step = after_step
         self._host = host
@@ -249,7 +252,7 @@ class EngineWorker:
 
         return await self.call(fail)
 
-    async def call(self, fn: Callable[[LLMEngine], T], *, timeout_s: float = 30.0) -> T:
+    async def call(self, fn: Callable[[LLMEngine], T], *, timeout_s: float | None = None) -> T:
         """Run ``fn(engine)`` on the worker thread between steps and return its result (or raise its error).
 
         If the caller stops waiting (``timeout_s``, cancellation) before ``fn`` starts, ``fn`` never runs,
@@ -268,9 +271,9 @@ class EngineWorker:
             self._run_into(fut, fn)
 
         self._put(_Command(run, self._refuser(fut)))
-        return await asyncio.wait_for(fut, timeout_s)
+        return await asyncio.wait_for(fut, self.pool_call_timeout_s if timeout_s is None else timeout_s)
 
-    async def must_run(self, fn: Callable[[LLMEngine], T], *, timeout_s: float = 30.0) -> T:
+    async def must_run(self, fn: Callable[[LLMEngine], T], *, timeout_s: float | None = None) -> T:
         """Run ``fn(engine)`` on the worker thread between steps, even if the caller stops waiting
         (``timeout_s``, cancellation) first: for functions that give blocks back (lease releases, frees of
         blocks, keying blocks read for a pull), which a skip would lose for good. It runs once, in queue
@@ -282,7 +285,7 @@ class EngineWorker:
         """
         fut = self._future()
         self._put(_Command(lambda: self._run_into(fut, fn), self._refuser(fut)))
-        return await asyncio.wait_for(fut, timeout_s)
+        return await asyncio.wait_for(fut, self.pool_call_timeout_s if timeout_s is None else timeout_s)
 
     def _future(self) -> asyncio.Future:
         assert self._loop is not None, "EngineWorker.start() was not called"

@@ -8,6 +8,7 @@ not collide. ``deploy/`` exposes the registry on ``/metrics``.
 name                                           labels        meaning
 =============================================  ============  ===========================================
 ``kvrelay_kv_blocks``                          tier, state   blocks now per tier and state (gauge)
+``kvrelay_kv_bytes``                           tier, state   the same in bytes: blocks x block bytes (gauge)
 ``kvrelay_prefix_cache_queries_total``                       blocks looked up by `match_prefix`
 ``kvrelay_prefix_cache_hits_total``            tier          blocks of the matched run, by tier
 ``kvrelay_tier_moves_total``                   src, dst      blocks copied between tiers
@@ -43,6 +44,7 @@ class StoreMetrics:
 
     registry: CollectorRegistry
     kv_blocks: Gauge
+    kv_bytes: Gauge
     prefix_queries: Counter
     prefix_hits: Counter
     tier_moves: Counter
@@ -70,6 +72,8 @@ class StoreMetrics:
         return cls(
             registry=reg,
             kv_blocks=Gauge("kvrelay_kv_blocks", "KV blocks per tier and state", ["tier", "state"], registry=reg),
+            kv_bytes=Gauge("kvrelay_kv_bytes", "KV bytes per tier and state (blocks x block bytes)",
+                           ["tier", "state"], registry=reg),
             prefix_queries=Counter(
                 "kvrelay_prefix_cache_queries_total", "Blocks looked up in the prefix cache", registry=reg
             ),

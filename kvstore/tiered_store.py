@@ -237,14 +237,21 @@ class TieredStore:
         self._set_gauges()
 
     def _set_gauges(self) -> None:
-        g = self.metrics.kv_blocks
+        """``kvrelay_kv_blocks`` and ``kvrelay_kv_bytes`` (blocks x this node's block bytes) per tier and state,
+        read at each scrape."""
         pool = self.block_pool
-        g.labels("device", "free").set_function(lambda: pool.stats().num_free)
-        g.labels("device", "cached").set_function(lambda: pool.stats().num_cached)
-        g.labels("device", "in_use").set_function(lambda: pool.stats().num_in_use)
+        counts: dict[tuple[str, str], Callable[[], int]] = {
+            ("device", "free"): lambda: pool.stats().num_free,
+            ("device", "cached"): lambda: pool.stats().num_cached,
+            ("device", "in_use"): lambda: pool.stats().num_in_use,
+        }
         for name, tier in self._lower.items():
-            g.labels(name, "stored").set_function(lambda t=tier: t.stats().num_blocks)
-            g.labels(name, "free").set_function(lambda t=tier: max(0, t.stats().capacity_blocks - t.stats().num_blocks))
+            counts[(name, "stored")] = lambda t=tier: t.stats().num_blocks
+            counts[(name, "free")] = lambda t=tier: max(0, t.stats().capacity_blocks - t.stats().num_blocks)
+        block_bytes = self.spec.block_bytes
+        for labels, count in counts.items():
+            self.metrics.kv_blocks.labels(*labels).set_function(count)
+            self.metrics.kv_bytes.labels(*labels).set_function(lambda c=count: c() * block_bytes)
 
     @property
     def disk_status(self) -> DiskTierStatus:

@@ -24,14 +24,16 @@ import dataclasses
 import hmac
 import logging
 import os
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from aiohttp import web
 from opentelemetry.trace import SpanKind
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from engine.grammar import GrammarError
 from engine.step_rates import PullRates
@@ -84,6 +86,26 @@ class NodeConfig:
     persist_timeout_s: float = 300.0
 
 
+class CpuUse(Protocol):
+    """What a node's CPU lending reports (`deploy.cpu_budget.CoreLending`)."""
+
+    threads: int
+    borrowed_cpu_s: float
+
+
+class _CpuCollector(Collector):
+    """Reads a `CpuUse` at each scrape (its fields are written on the engine thread; a float read is atomic)."""
+
+    def __init__(self, cpus: CpuUse) -> None:
+        self._cpus = cpus
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily("kvrelay_engine_threads", "Intra-op threads of the engine's last step: its own "
+                                "CPUs plus those borrowed from idle nodes", value=self._cpus.threads)
+        yield CounterMetricFamily("kvrelay_engine_borrowed_cpu_seconds", "CPU-seconds of engine steps computed on "
+                                  "CPUs borrowed from idle nodes (CPU lending)", value=self._cpus.borrowed_cpu_s)
+
+
 class NodeMetrics:
     """Prometheus metrics of one node, in its own registry (no process globals)."""
 
@@ -134,6 +156,12 @@ class NodeMetrics:
         self.long_context = Counter("kvrelay_long_context", "Long-context policy work: evicted_tokens (h2o), "
                                     "offloaded_blocks, recalled_layer_blocks (infinigen), deferred, copy_fallbacks",
                                     ["what"], registry=self.registry)
+
+    def watch_cpus(self, cpus: CpuUse) -> None:
+        """Export ``cpus``' figures at each scrape: ``kvrelay_engine_threads`` (the intra-op threads of the last
+        step: the node's own CPUs plus those borrowed) and ``kvrelay_engine_borrowed_cpu_seconds_total``
+        (`deploy.cpu_budget.CoreLending`: CPU-seconds computed on CPUs borrowed from idle nodes)."""
+        self.registry.register(_CpuCollector(cpus))
 
     def request_done(self, status: str) -> None:
         self.requests.labels(self.role, status).inc()

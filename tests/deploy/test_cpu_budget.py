@@ -111,6 +111,22 @@ def test_a_node_that_dies_mid_step_frees_its_own_and_its_borrowed_cpus(tmp_path)
         a.close()
 
 
+def test_borrowed_cpu_seconds_count_borrowed_cpus_times_step_time(tmp_path, monkeypatch) -> None:
+    clock = iter([10.0, 10.5, 20.0, 20.25])  # two steps: 0.5 s, then 0.25 s
+    monkeypatch.setattr("deploy.cpu_budget.time.monotonic", lambda: next(clock))
+    a = CoreLending(str(tmp_path), [0], [0, 1, 2], set_threads=lambda n: None)
+    b = CoreLending(str(tmp_path), [1], [0, 1, 2], set_threads=lambda n: None)
+    assert a.before_step() == 3  # b and CPU 2's owner idle: a borrows CPUs 1 and 2
+    a.after_step()
+    assert a.borrowed_cpu_s == 1.0  # 2 CPUs x 0.5 s
+    assert b.before_step() == 2  # a keeps its own CPU between steps; CPU 2 (no owner running) is b's to borrow
+    b.after_step()
+    assert b.borrowed_cpu_s == 0.25  # 1 CPU x 0.25 s
+    assert a.borrowed_cpu_s == 1.0
+    a.close()
+    b.close()
+
+
 def test_lending_refuses_a_home_outside_the_pool(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"home CPUs \[2\] must be a non-empty part of the pool \[0, 1\]"):
         CoreLending(str(tmp_path), [2], [0, 1])

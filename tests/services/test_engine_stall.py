@@ -5,7 +5,7 @@ sitecustomize; the product has no such knob):
   reason), ends the request waiting on it with a 503 naming the stall (not after ``router.request_timeout_s``),
   and exits, so that `kvrelay up` restarts it;
 * pool calls that give blocks back run even when the engine thread was stuck longer than their callers
-  waited (`EngineWorker.must_run`): after a 35 s hang no block stays in use.
+  waited (`EngineWorker.must_run`): after a hang past `engine.pool_call_timeout_s` no block stays in use.
 """
 
 from __future__ import annotations
@@ -150,17 +150,19 @@ def test_a_hung_engine_step_makes_the_node_unready_fails_its_request_with_503_an
         assert code == 200 and answer["usage"]["completion_tokens"] == 4
 
 
-def test_blocks_given_back_during_a_35_s_hang_are_not_lost(tiny_model_dir, tmp_path):
+def test_blocks_given_back_during_a_hang_past_the_pool_call_timeout_are_not_lost(tiny_model_dir, tmp_path):
     # The decode engine hangs right after it reserved blocks for a pull: the pull's next pool call (keying
-    # the blocks read) waits behind the hang longer than its caller (30 s), which gives up and recomputes.
-    overrides = {"engine": {"stall_timeout_s": 120},  # the watchdog must not end this node
+    # the blocks read) waits behind the hang (6 s) longer than its caller (engine.pool_call_timeout_s, 3 s),
+    # which gives up and recomputes; the call still runs after the hang and gives the blocks back.
+    overrides = {"engine": {"stall_timeout_s": 120,  # the watchdog must not end this node
+                            "pool_call_timeout_s": 3},
                  "router": {"request_timeout_s": 300}}
     with Cluster(tiny_model_dir, overrides=overrides, env=_hang_env(tmp_path)) as c:
         [node] = c.decode_urls
         with ThreadPoolExecutor(2) as pool:
             background = pool.submit(post, c.url, LONG, 240.0)  # so the engine steps
             wait_for(lambda: get_json(node + "/health")["running"] == 1, what="the background request running")
-            (tmp_path / "decode-0.hang-after-reserve").write_text("35")
+            (tmp_path / "decode-0.hang-after-reserve").write_text("6")
             pulled = pool.submit(post, c.url, {"model": "tiny", "prompt": "p" * 64, "max_tokens": 8,
                                                "temperature": 0, "ignore_eos": True}, 240.0)
             code, answer = pulled.result(timeout=240)
