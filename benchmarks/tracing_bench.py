@@ -8,8 +8,11 @@ Each mode is one ``kvrelay up`` of the default config (`benchmarks.deployment`: 
             which parses every export): the router and each node export one trace per request
 
 Both get the same requests: ``--requests`` prompts of ``--prompt-tokens`` random token ids, ``--max-tokens`` out
-(EOS ignored), ``--concurrency`` at once, after ``--warmup`` requests that are not counted. Output: JSON
-(`benchmarks.common.emit`) with each mode's ``vllm bench serve`` summary, the ratio on / off and the spans received.
+(EOS ignored), ``--concurrency`` at once, after ``--warmup`` requests that are not counted. ``--rounds`` R runs
+each mode R times in the order off, on, on, off, off, on, ... (so a drift of the machine's speed during the run
+weighs on both alike); a mode's output tok/s is its output tokens over its measured seconds, summed over its
+rounds. Output: JSON (`benchmarks.common.emit`) with every round's ``vllm bench serve`` summary, the ratio on / off
+and the spans received.
 
 Defaults: SmolLM2-135M-Instruct (``kvrelay model pull smollm2-135m-instruct``), 16 at once, 288-token prompts,
 32 tokens out, as the serving benchmark's standard load. ``--quick`` checks that the bench runs (any model, a
@@ -59,6 +62,18 @@ async def _load(url: str, model: str, specs: list[RequestSpec], concurrency: int
     return summary
 
 
+def round_order(rounds: int) -> list[str]:
+    """The modes in the order they run: off, on, then on, off, and so on (``rounds`` of each)."""
+    return [mode for r in range(rounds) for mode in (MODES if r % 2 == 0 else MODES[::-1])]
+
+
+def combined(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """One mode's rounds as one: ``output_throughput`` = all output tokens over all measured seconds."""
+    seconds = sum(s["duration"] for s in summaries)
+    tokens = sum(s["total_output_tokens"] for s in summaries)
+    return {"output_throughput": tokens / seconds if seconds > 0 else 0.0}
+
+
 def run_mode(args: argparse.Namespace, mode: str, receiver: OtlpReceiver, vocab: int) -> dict[str, Any]:
     """One deployment (``mode``: off or on), warmed, then the measured load; its summary."""
     overrides: dict[str, Any] = {"observability": {"otlp_endpoint": receiver.url}} if mode == "on" else {}
@@ -80,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--prompt-tokens", type=int, default=288)
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=2, help="deployments per mode, alternating (off, on, on, off, ...)")
     p.add_argument("--quick", action="store_true", help="a few short requests: checks that the bench runs")
     p.add_argument("--out", default=None, help="also write the JSON here")
     args = p.parse_args(argv)
@@ -92,15 +108,18 @@ def main(argv: list[str] | None = None) -> int:
     from model.config import read_model_config  # config parsing only: no torch
 
     vocab = read_model_config(args.model).vocab_size
-    summaries: dict[str, dict[str, Any]] = {}
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
+    summaries: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
     with OtlpReceiver() as receiver:
-        for mode in MODES:
-            summaries[mode] = run_mode(args, mode, receiver, vocab)
+        for mode in round_order(1 if args.quick else args.rounds):
+            summaries[mode].append(run_mode(args, mode, receiver, vocab))
         spans = receiver.spans()
-    report = tracing_report(summaries["off"], summaries["on"], spans=len(spans),
+    report = tracing_report(combined(summaries["off"]), combined(summaries["on"]), spans=len(spans),
                             traces=len({s.trace_id for s in spans}))
     emit({"bench": "tracing", **machine_label(), "model": str(args.model), "requests": args.requests,
           "concurrency": args.concurrency, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
+          "rounds": len(summaries["off"]),
           **report, "summaries": summaries}, args.out)
     return 0
 

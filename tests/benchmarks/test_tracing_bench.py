@@ -9,7 +9,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from benchmarks.otlp_receiver import parse_export
-from benchmarks.tracing_bench import TARGET_RATIO, tracing_report
+from benchmarks.tracing_bench import TARGET_RATIO, combined, round_order, tracing_report
 
 
 def test_the_ratio_is_traced_over_untraced_output_throughput():
@@ -18,6 +18,14 @@ def test_the_ratio_is_traced_over_untraced_output_throughput():
                       "met": True, "spans": 26, "traces": 2}
     assert tracing_report({"output_throughput": 200.0}, {"output_throughput": 190.0}, spans=0, traces=0)["met"] is False
     assert tracing_report({"output_throughput": 0.0}, {"output_throughput": 5.0}, spans=0, traces=0)["ratio"] is None
+
+
+def test_rounds_alternate_and_combine_by_tokens_over_seconds():
+    assert round_order(1) == ["off", "on"]
+    assert round_order(3) == ["off", "on", "on", "off", "off", "on"]
+    rounds = [{"duration": 60.0, "total_output_tokens": 1800}, {"duration": 40.0, "total_output_tokens": 1400}]
+    assert combined(rounds) == {"output_throughput": 32.0}  # 3200 tokens in 100 s, not the mean of 30 and 35
+    assert combined([{"duration": 0.0, "total_output_tokens": 0}]) == {"output_throughput": 0.0}
 
 
 def test_the_receiver_parses_what_the_otlp_exporter_sends():
