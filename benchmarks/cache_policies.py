@@ -1,6 +1,6 @@
 """``kvrelay bench cache-policies``: prefix-cache eviction policies replayed offline on a trace, against
 the unbounded cache and the offline optimum (Belady) at the same capacity: the study that chose the
-store's default tier policy (``cold-tail``, `kvstore.policy`; README "Tier policy").
+store's default tier policy (``cold-tail``, `kvstore.policy`; docs/concepts/tiers.md).
 
     kvrelay bench cache-policies                                  # capacities 2733 and 8000 blocks
     kvrelay bench cache-policies --capacities 1%,2%,5%,10%,20%,50%,100%   # of the unbounded footprint

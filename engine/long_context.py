@@ -35,7 +35,7 @@ COUNTS = ("device_budget_tokens", "sink_tokens", "recent_tokens", "recall_blocks
 # tables are made for one fraction.
 OVERRIDABLE = ("policy", *COUNTS, "selection", "speculation_alpha")
 # 24 of 64 channels on SmolLM2: InfiniGen's Llama setup keeps the union of the query's and the key's top 20%
-# (up to 40%); on the passkey task 0.25 lost digits that 0.375 keeps (README, long contexts).
+# (up to 40%); on the passkey task 0.25 lost digits that 0.375 keeps (docs/concepts/long-context.md).
 DEFAULT_PARTIAL_CHANNELS_FRAC = 0.375
 DEFAULT_SPECULATION_ALPHA = 4.0  # InfiniGen's speed-up runs; 5 in its accuracy runs
 
