@@ -409,7 +409,7 @@ class Router:
             [logprobs_body(req, tok, ids, lps) for ids, lps in zip(token_ids, logprobs, strict=True)],
             prompt_tokens=sum(len(r.prompt_token_ids) for r in reqs), parsed=parsed)
         if req.timings:
-            body["kvrelay"] = {"timings": trace.timings(), "plan": trace.plan}
+            body["kvrelay"] = trace.answer_field()
         return web.json_response(body)
 
     def _sample_text(self, req: GenerationRequest) -> SampleText:
@@ -482,7 +482,7 @@ class Router:
         last = usage_chunk(req, name, sum(t.num_tokens for t in texts),
                            sum(len(r.prompt_token_ids) for r in reqs)) if req.include_usage else None
         if req.timings:  # on the usage chunk, or on a chunk of its own (no choices, as the usage chunk)
-            last = {**(last or extension_chunk(req, name)), "kvrelay": {"timings": trace.timings(), "plan": trace.plan}}
+            last = {**(last or extension_chunk(req, name)), "kvrelay": trace.answer_field()}
         tail = _sse(last) if last is not None else b""
         trace.status = "200"  # a client that closes once it has read [DONE] may cancel this handler in the write
         try:

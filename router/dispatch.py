@@ -192,8 +192,7 @@ class Dispatcher:
                 reservation.prefilled()
             first = None
             if prefilled is not None:
-                self._first_token(req, reservation, placed_at)
-                trace.first_token()
+                self._first_token(req, reservation, placed_at, trace)
                 pre, lease.owner = prefilled
                 first = pre.first_token_ids
                 # The owner's URL as this router reached it (configured, so decode nodes accept it), not
@@ -214,8 +213,7 @@ class Dispatcher:
             async for delta in self._decode(req, salt, ticket.keys, first, handle, finished,
                                             _Started(reservation, lease), reservation.decode, trace):
                 if not generated:
-                    self._first_token(req, reservation, placed_at)
-                    trace.first_token()
+                    self._first_token(req, reservation, placed_at, trace)
                 if delta.index == 0:
                     self._paced(req, reservation, len(delta.token_ids))
                 generated += len(delta.token_ids)
@@ -238,8 +236,11 @@ class Dispatcher:
         expected = min(req.params.max_tokens, self.queue.config.decode_reserve_tokens)
         reservation.decode.observe_tokens(id(reservation), tokens=tokens, now=time.monotonic(), expected=expected)
 
-    def _first_token(self, req: GenerationRequest, reservation: Reservation, placed_at: float) -> None:
-        """The request's first token came: its prompt left its node's queue; the plan hears how long it took."""
+    def _first_token(self, req: GenerationRequest, reservation: Reservation, placed_at: float,
+                     trace: RunTrace) -> None:
+        """The request's first token came: its prompt left its node's queue; the plan and ``trace`` hear how long
+        it took."""
+        trace.first_token()
         reservation.prefilled()
         choice = reservation.choice
         if choice is not None:

@@ -170,6 +170,10 @@ class RequestTrace:
         """The first prompt's plan ("disaggregated" or "local"); "" before placement."""
         return self.runs[0].plan if self.runs else ""
 
+    def answer_field(self) -> dict[str, object]:
+        """The answer's ``kvrelay`` object when the client asked for timings: ``{"timings": ..., "plan": ...}``."""
+        return {"timings": self.timings(), "plan": self.plan}
+
     def end(self, *, status: str, output_tokens: int = 0) -> None:
         """The answer is complete (``status``: the HTTP status, or how it ended): the root span ends."""
         root = self.root
