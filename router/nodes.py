@@ -216,18 +216,13 @@ class NodeSet:
         Under ``auto``, a prefill node that serves whole requests (`NodeCapacity.whole_requests`) with room
         takes the request itself, as a decode node does under a local plan, when it is less loaded than the best
         decode node (`_whole_cost`: its samples weighed as ``load_weight_tokens`` each, plus the prompt tokens
-        queued on it, less the prompt tokens it holds; the decode node wins a tie)."""
+        queued on it, less the prompt tokens it holds; on the decode node's side also the queue of the prefill node
+        its plan would prefill on, since the prompt waits there either way; the decode node wins a tie)."""
         mode = self.disaggregation
         decode = self.pick_decode(keys, fits=need.fits_decode)
         whole, whole_held = self._pick_whole(keys, need) if mode == "auto" else (None, 0)
-        if whole is not None and (decode is None or self._whole_cost(whole, whole_held) < self._whole_cost(
-                decode, self.index.prefix_blocks(keys, [decode.name])[decode.name])):
-            choice = choose_plan("never", prompt_tokens=need.prompt_tokens, block_size_tokens=self.block_size_tokens,
-                                 decode=whole, decode_held_blocks=whole_held, prefill=None, prefill_held_blocks=0,
-                                 calibration=self.calibration)
-            return Reservation(need, whole, None, choice)
         if decode is None:
-            return None
+            return self._place_whole(need, whole, whole_held) if whole is not None else None
         prefill = None
         any_prefill = mode != "never" and self.any_healthy(self.prefill)
         if any_prefill:
@@ -240,11 +235,27 @@ class NodeSet:
                              prefill_held_blocks=held[prefill.name] if prefill is not None else 0,
                              calibration=self.calibration, tpot_slo_s=self.tpot_slo_s,
                              ttft_slo_s=self.ttft_slo_s)
+        if whole is not None:
+            # The decode node's side of the comparison: its own load, and, when its plan prefills on a prefill
+            # node, that node's queue too (the prompt waits there either way)
+            decode_cost = self._whole_cost(decode, held[decode.name])
+            if choice.plan != LOCAL and prefill is not None:
+                decode_cost += prefill.queued_tokens
+            if self._whole_cost(whole, whole_held) < decode_cost:
+                return self._place_whole(need, whole, whole_held)
         if choice.plan == LOCAL:
             if any_prefill and not need.fits_local(decode):
                 return None  # a choice between nodes that are both full: wait
             prefill = None
         return Reservation(need, decode, prefill, choice)
+
+    def _place_whole(self, need: Need, whole: Node, whole_held: int) -> Reservation:
+        """Reserve ``whole`` (a prefill node that serves whole requests) as the request's decode node, prefilling
+        it itself."""
+        choice = choose_plan("never", prompt_tokens=need.prompt_tokens, block_size_tokens=self.block_size_tokens,
+                             decode=whole, decode_held_blocks=whole_held, prefill=None, prefill_held_blocks=0,
+                             calibration=self.calibration)
+        return Reservation(need, whole, None, choice)
 
     def _pick_whole(self, keys: Sequence[BlockKey], need: Need) -> tuple[Node | None, int]:
         """The least loaded healthy prefill node that serves whole requests and has room for this one (as a

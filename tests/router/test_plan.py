@@ -284,6 +284,30 @@ def test_auto_places_whole_requests_on_a_prefill_node_that_serves_them_when_it_i
     assert (r1.decode, r2.decode) == (d, d)
 
 
+def test_a_whole_request_weighs_the_prefill_queue_its_decode_plan_would_wait_in():
+    """When the decode node's plan prefills on the prefill node, the prompt waits in that node's queue either way:
+    the queue counts on both sides, so the prefill node's own samples against the decode node's decide."""
+    nodes = NodeSet(["http://p0"], ["http://d0"], block_size_tokens=B, disaggregation="auto", load_weight_tokens=64)
+    (p,), (d,) = nodes.prefill, nodes.decode
+    # The prefill node prefills 10x faster than the decode node: long prompts are disaggregated
+    p.capacity = NodeCapacity(1000, 1000, 64, 512, 10000.0, 0.02, whole_requests=True)
+    d.capacity = NodeCapacity(1000, 1000, 64, 512, 1000.0, 0.02)
+    long = Need(prompt_tokens=400, prefill_blocks=25, decode_blocks=26, seqs=1)
+    first = nodes.place(long, keys(25))  # both idle: the decode node wins the tie; its plan pulls from p
+    assert (first.decode, first.prefill, first.choice.plan) == (d, p, DISAGGREGATED)
+    assert (p.queued_tokens, d.reserved_seqs) == (400, 1)
+    # p: no samples + 400 queued = 400; d: one sample (64) + p's 400 its plan would wait in = 464: p takes it whole
+    second = nodes.place(long, keys(25))
+    assert (second.decode, second.prefill) == (p, None)
+    assert (p.queued_tokens, p.reserved_seqs) == (800, 1)
+    # p: 64 + 800 = 864; d: 64 + 800 = 864: a tie goes to the decode node
+    third = nodes.place(long, keys(25))
+    assert (third.decode, third.prefill, third.choice.plan) == (d, p, DISAGGREGATED)
+    for r in (first, second, third):
+        r.release()
+    assert (p.reserved_seqs, p.queued_tokens, d.reserved_seqs, d.queued_tokens) == (0, 0, 0, 0)
+
+
 def test_a_load_report_says_whether_a_prefill_node_serves_whole_requests():
     report = {"kv_blocks": 10, "free_blocks": 10, "max_num_seqs": 4, "max_num_batched_tokens": 64,
               "prefill_tokens_per_s": 0.0, "decode_step_s": 0.0}
