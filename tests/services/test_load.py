@@ -74,13 +74,16 @@ def _back_to(c: Cluster, baseline: dict[str, Any]) -> None:
     assert {k: v for k, v in after.items() if k.endswith("fds") and v > baseline[k]} == {}, baseline
 
 
-@pytest.mark.parametrize("prefill, decode", [(1, 1), pytest.param(2, 2, marks=pytest.mark.slow)])
-def test_four_thousand_clients_at_once_are_all_served_in_full(tiny_model_dir, prefill, decode):
+# Issue 28's 4,000 clients take ~90 s of CI on 2 cores; the default run sends 1,000 at once (far past the
+# 32-sequence batch, the same paths), `-m slow` the issue's 4,000 on 1P1D and 2P2D.
+@pytest.mark.parametrize("prefill, decode, clients", [
+    (1, 1, 1000), pytest.param(1, 1, 4000, marks=pytest.mark.slow), pytest.param(2, 2, 4000, marks=pytest.mark.slow)])
+def test_thousands_of_clients_at_once_are_all_served_in_full(tiny_model_dir, prefill, decode, clients):
     with Cluster(tiny_model_dir, prefill=prefill, decode=decode, overrides=NO_TIMEOUT) as c:
         baseline = _idle_baseline(c)
-        report: LoadReport = asyncio.run(hammer(c.url, c.model_name, clients=4000, seed=2))
+        report: LoadReport = asyncio.run(hammer(c.url, c.model_name, clients=clients, seed=2))
         print(f"\n{prefill}P{decode}D:", report.statuses, report.figures())
-        assert report.statuses == {200: 4000}, [a for a in report.answers if a.status != 200][:5]
+        assert report.statuses == {200: clients}, [a for a in report.answers if a.status != 200][:5]
         short = [a for a in report.answers if not a.disconnected and a.tokens != a.wanted]
         assert short == []
         nodes = get_json(c.url + "/health")["nodes"]
@@ -88,10 +91,11 @@ def test_four_thousand_clients_at_once_are_all_served_in_full(tiny_model_dir, pr
         _back_to(c, baseline)
 
 
-def test_a_queue_bound_of_100_refuses_the_rest_with_retry_after_and_nothing_else(tiny_model_dir):
+@pytest.mark.parametrize("clients", [1000, pytest.param(4000, marks=pytest.mark.slow)])
+def test_a_queue_bound_of_100_refuses_the_rest_with_retry_after_and_nothing_else(tiny_model_dir, clients):
     with Cluster(tiny_model_dir, overrides={"router": {**NO_TIMEOUT["router"], "max_queued_requests": 100}}) as c:
         baseline = _idle_baseline(c)
-        report: LoadReport = asyncio.run(hammer(c.url, c.model_name, clients=4000, seed=2))
+        report: LoadReport = asyncio.run(hammer(c.url, c.model_name, clients=clients, seed=2))
         print("\nqueue bound 100:", report.statuses, report.figures())
         assert set(report.statuses) == {200, 429}, report.statuses
         assert report.statuses[200] >= 100  # at least the queue's worth, plus what was placed at once
