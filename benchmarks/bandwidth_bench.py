@@ -2,11 +2,14 @@
 
 Decoding one sequence reads every weight once per token, so no engine can beat
 
-    limit (tokens/s) = copy bandwidth (bytes/s) / weight bytes per token
+    limit (tokens/s) = read bandwidth (bytes/s) / weight bytes per token
 
-where the copy bandwidth is measured here, now, as bytes copied per second by ``Tensor.copy_`` of a
-buffer far larger than the caches (best of 3), and the weight bytes are every parameter once (a
-tied embedding counts once: the head reads all of it, the lookup one row). The engine runs in
+where the read bandwidth is measured here, now, as bytes read per second by a float32 ``Tensor.sum`` over a
+buffer far larger than the caches (best of 3, same threads), and the weight bytes are every parameter once (a
+tied embedding counts once: the head reads all of it, the lookup one row). The copy bandwidth (``Tensor.copy_``,
+bytes read plus bytes written) is reported beside it. Until stop 43 the limit was the copy's bytes copied per
+second, which counts half of the traffic a copy makes: about half the read bandwidth on this machine, so
+fractions measured against it read about twice too high. The engine runs in
 process on the real model (``--dtype auto``: bf16 here), one greedy sequence, and its decode rate
 is taken from the first token to the last. Both use the same torch thread count. Bandwidth and
 decode are measured in ``--rounds`` back-to-back pairs and the round of median fraction is
@@ -30,7 +33,8 @@ COPY_BYTES = 1 << 30
 
 
 def copy_bandwidth(nbytes: int = COPY_BYTES, repeats: int = 5) -> float:
-    """Bytes copied per second (best of ``repeats``) between two ``nbytes`` buffers, first touch excluded."""
+    """Bytes read plus bytes written per second (best of ``repeats``) copying one ``nbytes`` buffer to another,
+    first touch excluded."""
     src = torch.ones(nbytes, dtype=torch.uint8)
     dst = torch.zeros_like(src)
     best = float("inf")
@@ -38,7 +42,19 @@ def copy_bandwidth(nbytes: int = COPY_BYTES, repeats: int = 5) -> float:
         t0 = time.perf_counter()
         dst.copy_(src)
         best = min(best, time.perf_counter() - t0)
-    return nbytes / best
+    return 2 * nbytes / best
+
+
+def read_bandwidth(nbytes: int = COPY_BYTES, repeats: int = 5) -> float:
+    """Bytes read per second (best of ``repeats``) by a float32 sum over an ``nbytes`` buffer, first touch
+    excluded: what reading every weight once per token can reach at most."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        src.sum()
+        best = min(best, time.perf_counter() - t0)
+    return src.numel() * 4 / best
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -53,9 +69,9 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 def decode_rounds(model_dir: str, *, dtype: str, prompt_tokens: int, new_tokens: int,
                   rounds: int) -> dict[str, Any]:
-    """``rounds`` pairs, each the copy bandwidth (best of 3, fresh buffers) then one batch-1 greedy decode
-    (tokens per second after the first token), measured back to back so that both see the same machine:
-    on this shared VM the copy bandwidth reads ~21 GB/s in some minutes and ~38 GB/s in others."""
+    """``rounds`` pairs, each the read and copy bandwidths (best of 3, fresh buffers) then one batch-1 greedy
+    decode (tokens per second after the first token), measured back to back so that both see the same machine:
+    on this shared VM the bandwidth moves by nearly 2x from one minute to the next."""
     from engine.engine import EngineConfig, LLMEngine
     from model.loader import load_model
     from model.sampling import SamplingParams
@@ -79,11 +95,11 @@ def decode_rounds(model_dir: str, *, dtype: str, prompt_tokens: int, new_tokens:
     decode("warm-up")
     per_round = []
     for r in range(rounds):
-        bandwidth = copy_bandwidth(repeats=3)
+        read, copy = read_bandwidth(repeats=3), copy_bandwidth(repeats=3)
         rate = decode(f"r{r}")
-        limit = bandwidth / nbytes
-        per_round.append({"copy_bytes_per_s": bandwidth, "decode_tok_s": rate, "limit_tok_s": limit,
-                          "fraction_of_limit": rate / limit})
+        limit = read / nbytes
+        per_round.append({"read_bytes_per_s": read, "copy_bytes_per_s": copy, "decode_tok_s": rate,
+                          "limit_tok_s": limit, "fraction_of_limit": rate / limit})
     median = sorted(per_round, key=lambda x: x["fraction_of_limit"])[(rounds - 1) // 2]
     return {**median, "rounds": per_round, "weight_bytes": nbytes,
             "dtype": str(next(loaded.model.parameters()).dtype).removeprefix("torch.")}
@@ -95,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--rounds", type=int, default=5, help="copy-bandwidth + decode pairs; the median is reported")
+    p.add_argument("--rounds", type=int, default=5, help="bandwidth + decode pairs; the median is reported")
     p.add_argument("--out", default=None, help="also write the JSON here")
     args = p.parse_args(argv)
     if args.rounds < 1:

@@ -10,8 +10,8 @@ emits); where they are missing, where the CPU lacks bf16 matmul support (AVX2-on
 needs AVX512-BF16/AMX or AVX-NE-CONVERT), or where they refuse a weight, the kernel falls back to
 ``F.linear``.
 
-A float32 weight is multiplied at 1 to `kernels.cpu_linear.MAX_ROWS` rows (decode steps) by the C++ few-row
-kernel of `kernels.cpu_linear`, which reads the weight near the machine's read bandwidth where oneDNN/MKL's
+A float32 weight is multiplied at 1 to `kernels.cpu_small.MAX_ROWS` rows (decode steps) by the C++ few-row
+kernel of `kernels.cpu_small`, which reads the weight near the machine's read bandwidth where oneDNN/MKL's
 matrix-vector path reaches about half of it; larger batches (prefill chunks) stay on ``F.linear``.
 """
 
@@ -22,7 +22,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_linear
+from kernels import cpu_small
 
 log = logging.getLogger(__name__)
 PACKED_DTYPES = (torch.bfloat16,)
@@ -35,15 +35,15 @@ class LinearKernel:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.weight, self.bias = weight, bias
         self.packed = _pack(weight)
-        self.small = cpu_linear.load() if cpu_linear.supports(weight, bias) else None
+        self.small = cpu_small.load() if cpu_small.supports(weight, bias) else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[T, in]`` → ``[T, out]`` in ``x.dtype``."""
         if self.packed is not None and x.dim() == 2 and x.shape[0] > 0:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        if (self.small is not None and x.dim() == 2 and 0 < x.shape[0] <= cpu_linear.MAX_ROWS
+        if (self.small is not None and x.dim() == 2 and 0 < x.shape[0] <= cpu_small.MAX_ROWS
                 and x.dtype == torch.float32 and x.device.type == "cpu"):
-            return cpu_linear.small_linear(self.small, x.contiguous(), self.weight, self.bias)
+            return cpu_small.small_linear(self.small, x.contiguous(), self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu_small
 from model.attention import AttentionBackend, AttentionBatch, paged_attention
 from model.config import ModelConfig
 from model.linear_kernel import LinearKernel
@@ -37,7 +38,12 @@ class RMSNorm(nn.Module):
         self.scale_in_float32 = scale_in_float32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=self.eps)  # one fused op, same math
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32 and x.device.type == "cpu" \
+                and self.weight.is_contiguous():
+            ext = cpu_small.load()  # one pass per row (`kernels.cpu_small`); same math, None if it did not build
+            if ext is not None:
+                return cpu_small.rms_norm(ext, x, self.weight, self.eps)
+        normed = F.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=self.eps)
         if self.scale_in_float32:
             return (self.weight.float() * normed).to(x.dtype)
         return self.weight * normed.to(x.dtype)
