@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_linear
+from kernels import cpu_small
 from model.linear_kernel import LinearKernel, packing_supported
 
 
@@ -25,8 +25,8 @@ def test_bf16_packed_equals_f_linear(rows: int, with_bias: bool) -> None:
 
 
 def test_float32_is_not_packed() -> None:
-    """float32 is never packed: past the few-row kernel's rows (`kernels.cpu_linear`, tested there) it is
+    """float32 is never packed: past the few-row kernel's rows (`kernels.cpu_small`, tested there) it is
     F.linear itself."""
-    weight, x = torch.randn(8, 4), torch.randn(cpu_linear.MAX_ROWS + 1, 4)
+    weight, x = torch.randn(8, 4), torch.randn(cpu_small.MAX_ROWS + 1, 4)
     kernel = LinearKernel(weight, None)
     assert kernel.packed is None and torch.equal(kernel(x), F.linear(x, weight))
