@@ -19,44 +19,21 @@ subtracts the row maximum), so only the summation order differs from the referen
 
 from __future__ import annotations
 
-import logging
-import os
-import threading
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
 from kernels import reference
+from kernels.cpu_build import LazyExtension
 
-log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "decode_attention.cpp"
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
-DISABLE_ENV = "KVRELAY_CPU_KERNELS"
-
-_lock = threading.Lock()
-_loaded: ModuleType | None = None
-_tried = False
+_EXTENSION = LazyExtension("kvrelay_cpu_attention", SOURCE, "CPU decode attention through torch ops")
 
 
 def load() -> ModuleType | None:
     """The compiled extension (built on first call), or None when disabled or the build failed."""
-    global _loaded, _tried
-    with _lock:
-        if _tried:
-            return _loaded
-        _tried = True
-        if os.environ.get(DISABLE_ENV, "1") == "0":
-            log.info("%s=0: CPU decode attention through torch ops", DISABLE_ENV)
-            return None
-        try:
-            from torch.utils.cpp_extension import load as build
-
-            _loaded = build("kvrelay_cpu_attention", [str(SOURCE)], extra_cflags=CFLAGS, verbose=False)
-        except Exception as exc:  # noqa: BLE001 - any build failure falls back to the torch path
-            log.warning("could not build the C++ CPU decode attention (%s); using torch ops instead", exc)
-            _loaded = None
-        return _loaded
+    return _EXTENSION.load()
 
 
 def paged_decode_attention(ext: ModuleType, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

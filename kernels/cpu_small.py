@@ -17,42 +17,21 @@ keeps F.linear.
 
 from __future__ import annotations
 
-import logging
-import os
-import threading
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
-from kernels.cpu_attention import CFLAGS, DISABLE_ENV
+from kernels.cpu_build import LazyExtension
 
-log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "small_ops.cpp"
 MAX_ROWS = 16  # measured: equal to F.linear at 32 rows, faster below
-
-_lock = threading.Lock()
-_loaded: ModuleType | None = None
-_tried = False
+_EXTENSION = LazyExtension("kvrelay_cpu_small_ops", SOURCE, "F.linear and torch's RMSNorm instead")
 
 
 def load() -> ModuleType | None:
     """The compiled extension (built on first call), or None when disabled or the build failed."""
-    global _loaded, _tried
-    with _lock:
-        if _tried:
-            return _loaded
-        _tried = True
-        if os.environ.get(DISABLE_ENV, "1") == "0":
-            return None
-        try:
-            from torch.utils.cpp_extension import load as build
-
-            _loaded = build("kvrelay_cpu_small_ops", [str(SOURCE)], extra_cflags=CFLAGS, verbose=False)
-        except Exception as exc:  # noqa: BLE001 - any build failure falls back to F.linear
-            log.warning("could not build the C++ small linear kernel (%s); using F.linear instead", exc)
-            _loaded = None
-        return _loaded
+    return _EXTENSION.load()
 
 
 def small_linear(ext: ModuleType, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
