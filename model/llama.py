@@ -15,6 +15,8 @@ math in float32 (the backends accumulate in float32).
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -36,13 +38,18 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
         self.scale_in_float32 = scale_in_float32
+        self.fast: ModuleType | None = None  # set by `prepare`
+
+    def prepare(self) -> None:
+        """Take the one-pass C++ RMSNorm (`kernels.cpu_small`) for float32 inputs when the weight is a float32
+        CPU tensor and the extension built; same math."""
+        w = self.weight
+        self.fast = cpu_small.load() if w.dtype == torch.float32 and w.device.type == "cpu" and w.is_contiguous() \
+            else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32 and x.device.type == "cpu" \
-                and self.weight.is_contiguous():
-            ext = cpu_small.load()  # one pass per row (`kernels.cpu_small`); same math, None if it did not build
-            if ext is not None:
-                return cpu_small.rms_norm(ext, x, self.weight, self.eps)
+        if self.fast is not None and x.dtype == torch.float32 and x.device.type == "cpu":
+            return cpu_small.rms_norm(self.fast, x, self.weight, self.eps)
         normed = F.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=self.eps)
         if self.scale_in_float32:
             return (self.weight.float() * normed).to(x.dtype)
@@ -271,9 +278,9 @@ class LlamaForCausalLM(nn.Module):
     def prepare_for_inference(self) -> None:
         """Merge q/k/v and gate/up into one matmul each (fewer, larger matmuls a step: on a CPU every
         matmul is a parallel region whose threads wait for each other) and pick each weight's fastest
-        matmul kernel (`model.linear_kernel`); restack the experts of MoE layers (`model.moe.SparseMoe`,
-        through the Triton fused-MoE kernel when the weights are on CUDA). Same results; call once,
-        after loading."""
+        matmul kernel (`model.linear_kernel`) and each RMSNorm's (`RMSNorm.prepare`); restack the experts of
+        MoE layers (`model.moe.SparseMoe`, through the Triton fused-MoE kernel when the weights are on CUDA).
+        Same results; call once, after loading."""
         for layer in self.model.layers:
             layer.self_attn.prepare()
             if isinstance(layer.ffn, SparseMoe):
@@ -281,6 +288,9 @@ class LlamaForCausalLM(nn.Module):
             else:
                 layer.ffn.prepare()
         self.head = LinearKernel(self.lm_head.weight, None)
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.prepare()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden_size]`` → float32 ``[N, vocab_size]``."""

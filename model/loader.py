@@ -121,7 +121,8 @@ def _no_weight_init() -> Iterator[None]:
     """Modules built inside skip their random initialisation (every in-place ``torch.nn.init`` function does
     nothing), as transformers' ``no_init_weights`` does: the checkpoint overwrites every parameter, and a random
     fill on the meta device goes through torch's reference ops, whose first use imports ``torch._dynamo``
-    (~1.4 s of CPU in every node that loads a model)."""
+    (~1.4 s of CPU in every node that loads a model). It patches ``torch.nn.init`` for the whole process while
+    inside: no other thread may build modules meanwhile (a load does, at start-up)."""
     names = [n for n in dir(nn.init) if n.endswith("_") and not n.startswith("_") and callable(getattr(nn.init, n))]
     saved = {n: getattr(nn.init, n) for n in names}
 

@@ -88,6 +88,9 @@ def test_the_model_s_rms_norm_takes_it_for_float32_only(ext) -> None:
     norm = RMSNorm(64, 1e-6)
     norm.weight.data.normal_()
     x = torch.randn(4, 64)
+    assert norm.fast is None and torch.equal(norm(x), norm.weight * torch.nn.functional.rms_norm(x, (64,), eps=1e-6))
+    norm.prepare()
+    assert norm.fast is ext
     want = norm.weight * torch.nn.functional.rms_norm(x, (64,), eps=1e-6)
     torch.testing.assert_close(norm(x), want, rtol=1e-5, atol=1e-5)
     assert torch.equal(norm(x), cpu_small.rms_norm(ext, x, norm.weight, 1e-6))
