@@ -195,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.transformers:
             hf = transformers_ttft(a.model, prompts[n], dtype=dtype)
             rows[n].update(transformers_s=hf, engine_over_transformers=ttft / hf)
+    vllm_args: list[str] | None = None
     if a.serve:
         from benchmarks.deployment import Deployment
 
@@ -210,8 +211,8 @@ def main(argv: list[str] | None = None) -> int:
                 for n in lengths:
                     rows[n]["vllm_s"] = served_ttft(peer.url, name, prompts[n])
                     rows[n]["kvrelay_1p1d_over_vllm"] = rows[n]["kvrelay_1p1d_s"] / rows[n]["vllm_s"]
-                    rows[n]["vllm_args"] = vllm_args
     emit({"bench": "prefill", "model": a.model, "dtype": dtype_name, "torch_threads": torch.get_num_threads(),
           "max_num_batched_tokens": a.max_num_batched_tokens, "matmul_flop_s": rate, "repeats": a.repeats,
+          **({"vllm_args": vllm_args} if vllm_args is not None else {}),
           "lengths": {str(n): row for n, row in rows.items()}, **machine_label()}, a.out)
     return 0
