@@ -33,10 +33,12 @@ def test_blocks_demoted_to_pinned_host_and_promoted_back_are_bit_exact_and_pass_
     for k, d in zip(keys, digests):  # the Triton kernel's digests (taken on device) equal xxhash's on the CPU
         where = store.block_pool.block_id_of(k)
         assert (store.block_pool.digest_of(where) if where is not None else store.host.digest_of(k)) == d
-    match = store.match_prefix(keys[:16])
-    assert match.num_hits("host") >= 8
-    ids = store.load(keys[:16], match)
-    assert len(ids) == 16
+    # The device holds the last 8 blocks written; the first 16 are on the host. Loading 8 of those fills the
+    # whole device pool: each allocation evicts a cached block (its copy already on the host).
+    match = store.match_prefix(keys[:8])
+    assert match.num_hits("host") == 8
+    ids = store.load(keys[:8], match)
+    assert len(ids) == 8
     for i, b in enumerate(ids):
         assert torch.equal(store.device_pool[b].cpu(), values[i]), f"block {i}"
     assert store.metrics.registry.get_sample_value("kvrelay_kv_integrity_failures_total", {"where": "host"}) is None
@@ -48,5 +50,5 @@ def test_blocks_demoted_to_pinned_host_and_promoted_back_are_bit_exact_and_pass_
 def test_nvml_reads_free_memory_and_a_fraction_sizes_the_device_tier():
     free = nvml_free_bytes()
     assert abs(free - torch.cuda.mem_get_info()[0]) < 1 << 30  # the same device, read two ways
-    got = DeviceTierConfig(free_memory_frac=0.5).resolve_bytes()
+    got = DeviceTierConfig(free_memory_frac=0.5).resolve_bytes("cuda")  # GPU memory, not the host's
     assert abs(got - free // 2) < 1 << 30  # other processes may allocate between the two readings
