@@ -3,7 +3,7 @@
     kvrelay model pull NAME [--dir DIR] | kvrelay model list
     kvrelay tiny-model DIR [--seed S --layers N --hidden N --heads N --kv-heads N --vocab N --intermediate N
                             --weights-dtype float32|bfloat16|float16
-                            --arch llama|qwen3|qwen3-moe|mixtral|gpt-oss]
+                            --arch llama|qwen3|qwen3-moe|mixtral|gpt-oss|deepseek-v3]
     kvrelay generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3) --max-tokens N
                      [--min-tokens N --ignore-eos --json]
     kvrelay store stats|clear|verify --config FILE [--node NAME]
@@ -25,7 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-TINY_ARCH_CHOICES = ("llama", "qwen3", "qwen3-moe", "mixtral", "gpt-oss")  # model.tiny.TINY_ARCHS (torch-free here)
+# model.tiny.TINY_ARCHS (torch-free here)
+TINY_ARCH_CHOICES = ("llama", "qwen3", "qwen3-moe", "mixtral", "gpt-oss", "deepseek-v3")
 
 NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")  # an agent name and a path component
 
@@ -237,8 +238,8 @@ def _cmd_role(args: argparse.Namespace) -> int:
 
 
 BENCH_NAMES = ("bandwidth", "cache-policies", "cuda-graphs", "decode", "disk-prefix", "dtype", "goodput", "hybrid-kv",
-               "kernel", "load", "long-context", "memory", "migration", "prefill", "serve", "structured", "tiers",
-               "tracing", "transfer", "vllm-client")
+               "kernel", "load", "long-context", "memory", "migration", "mla", "prefill", "serve", "structured",
+               "tiers", "tracing", "transfer", "vllm-client")
 
 
 def _bench_main(name: str) -> Callable[[list[str]], int]:
@@ -270,6 +271,8 @@ def _bench_main(name: str) -> Callable[[list[str]], int]:
         from benchmarks.memory_bench import main
     elif name == "migration":
         from benchmarks.migration_bench import main
+    elif name == "mla":
+        from benchmarks.mla_bench import main
     elif name == "prefill":
         from benchmarks.prefill_bench import main
     elif name == "serve":

@@ -108,9 +108,9 @@ class LLMEngine:
         device = next(self.model.parameters()).device
         if spec is None:
             spec = self.block_spec_for(loaded, self.config.block_size_tokens, kv_dtype=self.config.kv_dtype)
-        elif (spec.num_layers * spec.num_groups, spec.num_groups, spec.num_kv_heads, spec.head_dim,
-              spec.model_fingerprint) != (cfg.num_hidden_layers, len(cfg.kv_groups), cfg.num_key_value_heads,
-                                          cfg.head_dim, loaded.fingerprint):
+        elif (spec.num_layers * spec.num_groups, spec.num_groups, spec.num_planes, spec.num_kv_heads, spec.head_dim,
+              spec.model_fingerprint) != (cfg.num_hidden_layers, len(cfg.kv_groups), *cfg.kv_planes,
+                                          loaded.fingerprint):
             groups = f" × {spec.num_groups} groups" if spec.num_groups > 1 else ""
             raise ValueError(f"the block spec ({spec.num_layers} layers{groups}, {spec.num_kv_heads} KV heads of "
                              f"{spec.head_dim}, model {spec.model_fingerprint[:12]}) is not this model's")

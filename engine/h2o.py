@@ -131,10 +131,11 @@ class H2O:
         if len(shared) > pool.num_free_blocks + freed:
             return False
         table = torch.tensor(seq.block_table[:nb_old], dtype=torch.int64, device=kv.device)
-        # [nb, L, 2, H, B, D] → [L, 2, H, nb·B, D]: the sequence's rows in order
-        rows = kv[table].permute(1, 2, 3, 0, 4, 5).reshape(num_layers, 2, heads, nb_old * bs, -1)
+        # [nb, L, P, H, B, D] → [L, P, H, nb·B, D]: the sequence's rows in order (P planes: K and V)
+        planes = kv.shape[2]
+        rows = kv[table].permute(1, 2, 3, 0, 4, 5).reshape(num_layers, planes, heads, nb_old * bs, -1)
         d = rows.shape[-1]
-        kept = rows.gather(3, idx[:, None, :, :, None].expand(num_layers, 2, heads, keep, d))
+        kept = rows.gather(3, idx[:, None, :, :, None].expand(num_layers, planes, heads, keep, d))
         tables = owner.tables
         tables.replace(seq, nb_new, len(seq.block_table))
         fresh = pool.allocate(len(shared))  # cannot fail: counted above
@@ -142,9 +143,9 @@ class H2O:
             tables.replace(seq, i, i + 1, [b])
         if first_block >= nb_new:
             return True
-        padded = kept.new_zeros(num_layers, 2, heads, nb_new * bs, d)
+        padded = kept.new_zeros(num_layers, planes, heads, nb_new * bs, d)
         padded[:, :, :, :keep] = kept
-        blocks = padded.reshape(num_layers, 2, heads, nb_new, bs, d).permute(3, 0, 1, 2, 4, 5)
+        blocks = padded.reshape(num_layers, planes, heads, nb_new, bs, d).permute(3, 0, 1, 2, 4, 5)
         dst = torch.tensor(seq.block_table[first_block:nb_new], dtype=torch.int64, device=kv.device)
         kv[dst] = blocks[first_block:].to(kv.dtype)
         return True

@@ -8,9 +8,11 @@ from model.config import ModelConfig
 
 
 def kv_block_spec(cfg: ModelConfig, *, fingerprint: str, block_size_tokens: int, dtype: str) -> BlockSpec:
-    """The KV block layout of a model: every layer of each `ModelConfig.kv_groups` group in one block (the
-    one builder: the engine and ``kvrelay store`` both call it)."""
+    """The KV block layout of a model: every layer of each `ModelConfig.kv_groups` group in one block, each
+    layer as `ModelConfig.kv_planes` says (K and V heads, or MLA's one latent row); the one builder: the engine
+    and ``kvrelay store`` both call it."""
     groups = cfg.kv_groups
-    return BlockSpec(num_layers=len(groups[0].layers), num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+    planes, heads, width = cfg.kv_planes
+    return BlockSpec(num_layers=len(groups[0].layers), num_kv_heads=heads, head_dim=width,
                      block_size_tokens=block_size_tokens, dtype=dtype, model_fingerprint=fingerprint,
-                     num_groups=len(groups))
+                     num_groups=len(groups), num_planes=planes)

@@ -323,3 +323,88 @@ def score_blocks(q: torch.Tensor, summaries: torch.Tensor, cand_rows: torch.Tens
     qf = q.float()[cand_rows.long()].reshape(c, hkv, q.shape[1] // hkv, q.shape[2])  # [C, Hkv, G, D]
     lo, hi = summaries[:, :, None, 0], summaries[:, :, None, 1]  # [C, Hkv, 1, D]
     return torch.maximum(qf * lo, qf * hi).sum(dim=(2, 3)) * scale
+
+
+def paged_mla_decode(
+    q: torch.Tensor,
+    latent_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    kv_lora_rank: int,
+    scale: float,
+) -> torch.Tensor:
+    """Absorbed multi-head latent attention for one query token per sequence (DeepSeek decode).
+
+    Every query head attends over the sequence's cached latent rows ``[c | k_rope]``: its logit for token j is
+    ``scale · q_h · row_j`` (``q_h = [q_nope_h · W_UK_h | q_rope_h]``, absorbed by the caller), and its output
+    is ``sum_j softmax_j · c_j``, the first ``kv_lora_rank`` columns of the rows (the caller multiplies it by
+    ``W_UV``). The same as `paged_decode_attention` with one KV head whose values are the rows' latents.
+
+    Args:
+        q: ``[N, Hq, W]``, ``W = kv_lora_rank + rope width``.
+        latent_cache: ``[num_blocks, B, W]`` (any strides, last dim contiguous): one layer's plane of the pool.
+        block_tables: ``[N, max_blocks]`` integer; seq_lens: ``[N]`` integer, each >= 1.
+        kv_lora_rank: the latent's width (< W).
+
+    Returns:
+        ``[N, Hq, kv_lora_rank]`` in ``q.dtype``; float32 math.
+    """
+    n, num_heads, width = q.shape
+    out = torch.empty((n, num_heads, kv_lora_rank), dtype=q.dtype, device=q.device)
+    block_size = latent_cache.shape[1]
+    for i in range(n):
+        length = int(seq_lens[i])
+        blocks = block_tables[i, : (length + block_size - 1) // block_size].long()
+        rows = latent_cache[blocks].reshape(-1, width)[:length].float()  # [L, W]
+        probs = torch.softmax((q[i].float() @ rows.T) * scale, dim=-1)  # [Hq, L]
+        out[i] = (probs @ rows[:, :kv_lora_rank]).to(q.dtype)
+    return out
+
+
+def mla_unabsorbed_attention(
+    q_nope: torch.Tensor,
+    q_rope: torch.Tensor,
+    latent_cache: torch.Tensor,
+    kv_b_weight: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    *,
+    v_head_dim: int,
+    scale: float,
+) -> torch.Tensor:
+    """Multi-head latent attention computed as transformers does, the oracle of the absorbed path: each
+    sequence's cached latents are expanded to per-head keys and values, ``[k_nope | v] = c · kv_b_weightᵀ``,
+    the shared ``k_rope`` is appended to every head's key, and the queries attend causally.
+
+    Args:
+        q_nope: ``[T, H, nope]``; q_rope: ``[T, H, rope]`` (rotated). Tokens laid out by ``query_start_loc``.
+        latent_cache: ``[num_blocks, B, kv_lora_rank + rope]``; the tokens' own rows already written.
+        kv_b_weight: ``[H · (nope + v_head_dim), kv_lora_rank]`` (``kv_b_proj.weight``).
+        block_tables: ``[N, M]``; seq_lens: ``[N]`` each sequence's length after this step;
+        query_start_loc: ``[N + 1]`` cumulative query counts (a decode sequence has one query).
+
+    Returns:
+        ``[T, H, v_head_dim]`` in ``q_nope.dtype``; float32 math.
+    """
+    t, heads, nope = q_nope.shape
+    rank = kv_b_weight.shape[1]
+    block_size = latent_cache.shape[1]
+    out = torch.empty((t, heads, v_head_dim), dtype=q_nope.dtype, device=q_nope.device)
+    w = kv_b_weight.float().view(heads, nope + v_head_dim, rank)
+    for i in range(block_tables.shape[0]):
+        start, end, length = int(query_start_loc[i]), int(query_start_loc[i + 1]), int(seq_lens[i])
+        if end == start:
+            continue
+        blocks = block_tables[i, : (length + block_size - 1) // block_size].long()
+        rows = latent_cache[blocks].reshape(-1, latent_cache.shape[-1])[:length].float()  # [L, W]
+        kv = torch.einsum("lr,hcr->hlc", rows[:, :rank], w)  # [H, L, nope + v]
+        keys = torch.cat([kv[..., :nope], rows[None, :, rank:].expand(heads, -1, -1)], dim=-1)
+        values = kv[..., nope:]
+        q = torch.cat([q_nope[start:end], q_rope[start:end]], dim=-1).float().transpose(0, 1)  # [H, n, nope+rope]
+        scores = (q @ keys.transpose(1, 2)) * scale  # [H, n, L]
+        pos = torch.arange(length - (end - start), length, device=q.device)
+        scores = scores.masked_fill(torch.arange(length, device=q.device)[None, :] > pos[:, None], float("-inf"))
+        out[start:end] = (torch.softmax(scores, dim=-1) @ values).transpose(0, 1).to(out.dtype)
+    return out

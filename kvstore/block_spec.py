@@ -2,11 +2,14 @@
 
 A pool of blocks on any tier is one tensor of shape::
 
-    [num_blocks, num_layers, 2, num_kv_heads, block_size_tokens, head_dim]
-                            k|v
+    [num_blocks, num_layers, num_planes, num_kv_heads, block_size_tokens, head_dim]
+                             k|v (2), or one latent (1)
 
 so block ``b`` is one contiguous byte range of ``block_bytes`` bytes, and inside it each
-``(layer, k|v, head)`` is a contiguous ``block_size_tokens x head_dim`` tile.
+``(layer, plane, head)`` is a contiguous ``block_size_tokens x head_dim`` tile. A GQA model caches two
+planes, K and V heads; multi-head latent attention (DeepSeek, `model.config.MlaConfig`) caches one plane of
+one "head" as wide as its latent row (``kv_lora_rank + qk_rope_head_dim``). Nothing outside `model/` and
+`kernels/` reads what a plane means: tiers, records, digests and transfers move the bytes.
 
 With ``num_groups`` G > 1 (a hybrid model: `model.config.ModelConfig.kv_groups`) a block holds one
 group's ``num_layers`` layers, and a sequence's 16-token block i is G blocks: its table lists them
@@ -44,10 +47,13 @@ class BlockSpec:
     dtype: str = "float32"
     model_fingerprint: str = ""
     num_groups: int = 1
+    num_planes: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size_tokens", "num_groups"):
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size_tokens", "num_groups", "num_planes"):
             require_int(f"BlockSpec.{name}", getattr(self, name))
+        if self.num_planes not in (1, 2):
+            raise ValueError(f"BlockSpec.num_planes must be 2 (K and V) or 1 (a latent), got {self.num_planes}")
         if self.dtype not in DTYPE_NAME_TO_TORCH:
             raise ValueError(
                 f"BlockSpec.dtype {self.dtype!r} is not supported; use one of {sorted(DTYPE_NAME_TO_TORCH)}"
@@ -63,13 +69,14 @@ class BlockSpec:
 
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:
-        """Shape of one block: ``(num_layers, 2, num_kv_heads, block_size_tokens, head_dim)``."""
-        return (self.num_layers, 2, self.num_kv_heads, self.block_size_tokens, self.head_dim)
+        """Shape of one block: ``(num_layers, num_planes, num_kv_heads, block_size_tokens, head_dim)``."""
+        return (self.num_layers, self.num_planes, self.num_kv_heads, self.block_size_tokens, self.head_dim)
 
     @property
     def block_bytes(self) -> int:
-        """Bytes in one block: ``2·L·H·B·D·itemsize`` (L: the layers of one group)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.block_size_tokens * self.head_dim * self.itemsize
+        """Bytes in one block: ``P·L·H·B·D·itemsize`` (P: planes; L: the layers of one group)."""
+        return (self.num_planes * self.num_layers * self.num_kv_heads * self.block_size_tokens * self.head_dim
+                * self.itemsize)
 
     @property
     def token_bytes(self) -> int:
@@ -105,4 +112,6 @@ class BlockSpec:
         )
         if self.num_groups > 1:  # one group: the v1 text, so existing disk tiers and peers stay valid
             text += f"|groups={self.num_groups}"
+        if self.num_planes != 2:  # K and V: the v1 text
+            text += f"|planes={self.num_planes}"
         return hashlib.sha256(text.encode()).digest()

@@ -189,7 +189,8 @@ class TorchBackend:
 
 class TritonBackend:
     """Triton kernels: KV write, split-K decode attention, and the unified paged kernel
-    (`kernels.triton_unified`) for prefill and for steps that mix prefill and decode.
+    (`kernels.triton_unified`) for prefill and for steps that mix prefill and decode; absorbed decode of
+    multi-head latent attention (`model.deepseek`) through `kernels.triton_mla`.
 
     ``supports_cuda_graphs``: its launchers never read device memory on the host (no sync), so a decode
     step through them can be captured in a CUDA graph (`engine.cuda_graphs`). The other backends read
@@ -201,6 +202,7 @@ class TritonBackend:
         from kernels import (  # lazily: Triton needs a GPU or TRITON_INTERPRET
             triton_attention,
             triton_long_context,
+            triton_mla,
             triton_unified,
         )
 
@@ -210,6 +212,7 @@ class TritonBackend:
         self.unified_attention = triton_unified.unified_attention
         self.block_key_summaries = triton_long_context.block_key_summaries
         self.score_blocks = triton_long_context.score_blocks
+        self.mla_decode_attention = triton_mla.paged_mla_decode  # `model.deepseek.MlaAttention` decode
 
 
 BACKEND_NAME_TO_CLASS: dict[str, type] = {"reference": ReferenceBackend, "torch": TorchBackend,
@@ -289,3 +292,4 @@ def paged_attention(
     if hook is not None:
         hook.after_attention(layer)
     return out
+

@@ -10,6 +10,12 @@ Supported families, all one pre-norm decoder (RMSNorm, rotary, GQA attention) wi
     gpt_oss                   attention biases and learned per-head sinks, alternating sliding/full
                               layers, yarn rope; experts with biases and a clamped SwiGLU, routed by
                               a softmax over the top-k router logits (router with a bias)
+    deepseek_v3, deepseek_v2  multi-head latent attention (`MlaConfig`: one cached latent row per token and
+                              layer instead of K and V heads), yarn rope with its softmax mscale; the
+                              first ``first_k_dense_replace`` layers dense, then experts plus shared experts,
+                              routed group-limited (V3: sigmoid scores + a correction bias, top-2 sum per
+                              group; V2: softmax, greedy or max per group) and scaled by
+                              ``routed_scaling_factor``
 
 Rope settings are read from either form a checkpoint may use::
 
@@ -33,11 +39,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gpt_oss")
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gpt_oss",
+                                         "deepseek_v3", "deepseek_v2")
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn")
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 MOE_ACTIVATIONS: tuple[str, ...] = ("silu", "swiglu_oai")
-MOE_ROUTINGS: tuple[str, ...] = ("softmax_topk", "topk_softmax")
+MOE_ROUTINGS: tuple[str, ...] = ("softmax_topk", "topk_softmax", "sigmoid_group_topk", "softmax_group_topk")
 SUPPORTED_ACTIVATIONS: tuple[str, ...] = ("silu",)
 DEFAULT_ROPE_THETA = 10000.0
 
@@ -103,6 +110,14 @@ class MoeConfig:
             ``swiglu_limit``, up clamped to ±``swiglu_limit``, ``(up + 1) * gate * sigmoid(alpha * gate)``).
         sparse_layers: per layer, True where the MLP is the mixture (Qwen3-MoE's ``mlp_only_layers``
             and ``decoder_sparse_step`` leave some layers dense).
+        num_groups, topk_group: DeepSeek's group-limited routing (``sigmoid_group_topk``,
+            ``softmax_group_topk``): the experts fall in ``num_groups`` equal groups and each token chooses
+            among the experts of its ``topk_group`` best groups only (1 and 1 for other routings).
+        routed_scaling_factor: the chosen weights are multiplied by it (DeepSeek; 1.0 otherwise).
+        shared_intermediate_size: width of the shared experts' one SwiGLU MLP added to every token's output
+            (DeepSeek: ``moe_intermediate_size * n_shared_experts``), or 0 for none.
+        score_correction_bias: the router has ``e_score_correction_bias`` [E], added to the scores for the
+            choice only (DeepSeek-V3).
     """
 
     num_experts: int
@@ -116,8 +131,19 @@ class MoeConfig:
     sparse_layers: tuple[bool, ...]
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    num_groups: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_intermediate_size: int = 0
+    score_correction_bias: bool = False
 
     def __post_init__(self) -> None:
+        if self.num_groups <= 0 or self.num_experts % self.num_groups or not 0 < self.topk_group <= self.num_groups:
+            raise ValueError(f"config.json: n_group ({self.num_groups}) must divide the {self.num_experts} experts "
+                             f"and topk_group ({self.topk_group}) must be in 1..n_group")
+        if self.num_groups > 1 and self.routing == "sigmoid_group_topk" and self.num_experts // self.num_groups < 2:
+            raise ValueError("config.json: DeepSeek-V3 routing scores a group by its top 2 experts; each of the "
+                             f"{self.num_groups} groups needs at least 2 of the {self.num_experts} experts")
         if not 0 < self.top_k <= self.num_experts:
             raise ValueError(f"config.json: num_experts_per_tok ({self.top_k}) must be in 1..num_experts "
                              f"({self.num_experts})")
@@ -127,6 +153,50 @@ class MoeConfig:
         if self.routing not in MOE_ROUTINGS or self.activation not in MOE_ACTIVATIONS:
             raise ValueError(f"MoE routing {self.routing!r} / activation {self.activation!r}: use one of "
                              f"{list(MOE_ROUTINGS)} / {list(MOE_ACTIVATIONS)}")
+
+
+@dataclass(frozen=True, slots=True)
+class MlaConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3; `model.deepseek.MlaAttention`).
+
+    Each token caches one row per layer, ``[c | k_rope]`` of ``kv_lora_rank + qk_rope_head_dim`` values: the
+    normalised KV latent and the rotated key part every head shares. Keys and values are ``kv_b_proj`` of the
+    latent (per head ``qk_nope_head_dim`` + ``v_head_dim`` columns).
+
+    Attributes:
+        q_lora_rank: the query's low-rank width (``q_a_proj`` → ``q_a_layernorm`` → ``q_b_proj``), or None
+            for one ``q_proj``.
+        kv_lora_rank: the latent's width.
+        qk_nope_head_dim, qk_rope_head_dim: a query/key head's unrotated and rotated parts.
+        v_head_dim: a value head's width.
+        rope_interleave: rotary pairs are adjacent columns ``(x0, x1), (x2, x3)…`` (DeepSeek's own layout,
+            V2 always; V3 unless ``rope_interleave`` is false), not the two halves.
+        softmax_scale: ``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5``, times yarn's
+            ``mscale(factor, mscale_all_dim) ** 2`` when the rope is scaled (transformers' ``yarn_apply_mscale``).
+    """
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool
+    softmax_scale: float
+
+    def __post_init__(self) -> None:
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"config.json: {name} must be a positive integer, got {value!r}")
+        if self.q_lora_rank is not None and self.q_lora_rank <= 0:
+            raise ValueError(f"config.json: q_lora_rank must be positive or null, got {self.q_lora_rank}")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"config.json: qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
+
+    @property
+    def latent_width(self) -> int:
+        """Values one token caches per layer: ``kv_lora_rank + qk_rope_head_dim``."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +214,9 @@ class ModelConfig:
         norm_scale_in_float32: RMSNorm multiplies by its weight in float32 before casting back
             (gpt-oss keeps its norms in float32); otherwise it casts, then multiplies (Llama).
         moe: the mixture-of-experts MLP, or None for a dense SwiGLU MLP on every layer.
+        mla: multi-head latent attention (DeepSeek), or None for GQA. With MLA, ``head_dim`` is the rotary
+            width ``qk_rope_head_dim`` and ``num_key_value_heads`` equals ``num_attention_heads``, as
+            transformers sets them; the KV cache holds `kv_planes` instead.
     """
 
     model_type: str
@@ -169,6 +242,7 @@ class ModelConfig:
     attention_sinks: bool = False
     norm_scale_in_float32: bool = False
     moe: MoeConfig | None = None
+    mla: MlaConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -215,6 +289,15 @@ class ModelConfig:
         return tuple(self.layer_window(i) for i in range(self.num_hidden_layers))
 
     @property
+    def kv_planes(self) -> tuple[int, int, int]:
+        """What one layer caches per token, as ``(planes, heads, width)`` (`kvstore.block_spec.BlockSpec`):
+        ``(2, num_key_value_heads, head_dim)`` for K and V heads; ``(1, 1, kv_lora_rank + qk_rope_head_dim)``
+        for MLA's one latent row."""
+        if self.mla is not None:
+            return 1, 1, self.mla.latent_width
+        return 2, self.num_key_value_heads, self.head_dim
+
+    @property
     def long_context_refusal(self) -> str | None:
         """Why H2O and InfiniGen cannot run on this model, or None: they keep a subset of rows whose row index
         is no longer the token's position (a window mask needs it), and their per-token weights do not count
@@ -223,6 +306,8 @@ class ModelConfig:
             return f"a model with sliding-window layers ({self.model_type})"
         if self.attention_sinks:
             return f"a model with attention sinks ({self.model_type})"
+        if self.mla is not None:
+            return f"a model with multi-head latent attention ({self.model_type}): its cache holds latents, not keys"
         return None
 
     @property
@@ -277,8 +362,12 @@ class ModelConfig:
         hidden_size = int(need("hidden_size"))
         num_heads = int(need("num_attention_heads"))
         head_dim = config.get("head_dim") or hidden_size // num_heads
-        num_layers = int(need("num_hidden_layers"))
         max_positions = int(config.get("max_position_embeddings", 2048))
+        rope = _parse_rope(config, max_positions)
+        mla = _parse_mla(config, model_type, rope, need) if model_type.startswith("deepseek") else None
+        if mla is not None:
+            head_dim = mla.qk_rope_head_dim  # the rotary width, as transformers sets head_dim
+        num_layers = int(need("num_hidden_layers"))
         if model_type == "qwen2":
             qkv_bias, o_bias = True, False
         else:
@@ -294,7 +383,7 @@ class ModelConfig:
             intermediate_size=int(need("intermediate_size")),
             num_hidden_layers=num_layers,
             num_attention_heads=num_heads,
-            num_key_value_heads=int(config.get("num_key_value_heads") or num_heads),
+            num_key_value_heads=num_heads if mla is not None else int(config.get("num_key_value_heads") or num_heads),
             head_dim=int(head_dim),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=max_positions,
@@ -302,7 +391,7 @@ class ModelConfig:
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=bool(config.get("mlp_bias", False)),
-            rope=_parse_rope(config, max_positions),
+            rope=rope,
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=eos_ids,
             sliding_window_tokens=window,
@@ -311,6 +400,7 @@ class ModelConfig:
             attention_sinks=model_type == "gpt_oss",
             norm_scale_in_float32=model_type == "gpt_oss",
             moe=_parse_moe(config, model_type, num_layers),
+            mla=mla,
         )
 
 
@@ -394,6 +484,8 @@ def _parse_layer_types(config: dict[str, Any], model_type: str, num_layers: int)
 
 
 def _parse_moe(config: dict[str, Any], model_type: str, num_layers: int) -> MoeConfig | None:
+    if model_type.startswith("deepseek"):
+        return _parse_deepseek_moe(config, model_type, num_layers)
     if model_type not in ("qwen3_moe", "mixtral", "gpt_oss"):
         return None
     experts = config.get("num_experts") or config.get("num_local_experts")
@@ -441,3 +533,54 @@ def _parse_yarn(params: dict[str, Any], theta: float, max_positions: int, origin
     return RopeConfig(theta=theta, rope_type="yarn", factor=factor, original_max_position_embeddings=original,
                       beta_fast=float(params.get("beta_fast") or 32.0), beta_slow=float(params.get("beta_slow") or 1.0),
                       truncate=bool(params.get("truncate", True)), attention_factor=float(attention))
+
+
+def _parse_deepseek_moe(config: dict[str, Any], model_type: str, num_layers: int) -> MoeConfig | None:
+    """DeepSeek's experts as transformers reads them: the layers from ``first_k_dense_replace`` on are MoE (the
+    published checkpoints' ``moe_layer_freq`` is 1, and transformers does not read it); none without
+    ``n_routed_experts``."""
+    experts = config.get("n_routed_experts") or config.get("num_local_experts")
+    if not experts:
+        return None
+    first_dense = int(config.get("first_k_dense_replace") or 0)
+    sparse = tuple(i >= first_dense for i in range(num_layers))
+    inter = config.get("moe_intermediate_size")
+    top_k = config.get("num_experts_per_tok")
+    if inter is None or top_k is None:
+        raise ValueError(f"config.json: a {model_type} model with experts needs moe_intermediate_size and "
+                         f"num_experts_per_tok")
+    shared = int(config.get("n_shared_experts") or 0)
+    if model_type == "deepseek_v3":
+        routing, norm, bias = "sigmoid_group_topk", bool(config.get("norm_topk_prob", True)), True
+        groups, topk_group = int(config.get("n_group") or 1), int(config.get("topk_group") or 1)
+    else:
+        method = config.get("topk_method", "greedy")
+        if method not in ("greedy", "group_limited_greedy"):
+            raise ValueError(f"config.json: topk_method {method!r} is not supported for {model_type}; use "
+                             f"'greedy' or 'group_limited_greedy'")
+        routing, norm, bias = "softmax_group_topk", False, False
+        limited = method == "group_limited_greedy"
+        groups = int(config.get("n_group") or 1) if limited else 1
+        topk_group = int(config.get("topk_group") or 1) if limited else 1
+    return MoeConfig(num_experts=int(experts), top_k=int(top_k), intermediate_size=int(inter), routing=routing,
+                     norm_topk_prob=norm, router_bias=False, expert_bias=False, activation="silu",
+                     sparse_layers=sparse, num_groups=groups, topk_group=topk_group,
+                     routed_scaling_factor=float(config.get("routed_scaling_factor") or 1.0),
+                     shared_intermediate_size=int(inter) * shared, score_correction_bias=bias)
+
+
+def _parse_mla(config: dict[str, Any], model_type: str, rope: RopeConfig, need: Any) -> MlaConfig:
+    """DeepSeek's attention shape; the softmax scale as transformers' ``yarn_apply_mscale``."""
+    nope, rot = int(need("qk_nope_head_dim")), int(need("qk_rope_head_dim"))
+    scale = (nope + rot) ** -0.5
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    m_all = params.get("mscale_all_dim")
+    if rope.rope_type != "default" and m_all:
+        factor = float(params["factor"])
+        mscale = 1.0 if factor <= 1 else 0.1 * float(m_all) * math.log(factor) + 1.0
+        scale *= mscale * mscale
+    q_rank = config.get("q_lora_rank")
+    return MlaConfig(q_lora_rank=None if q_rank is None else int(q_rank), kv_lora_rank=int(need("kv_lora_rank")),
+                     qk_nope_head_dim=nope, qk_rope_head_dim=rot, v_head_dim=int(need("v_head_dim")),
+                     rope_interleave=model_type == "deepseek_v2" or bool(config.get("rope_interleave", True)),
+                     softmax_scale=scale)

@@ -2,7 +2,8 @@
 
 Llama, Mistral and Qwen2 are the plain decoder; Qwen3 adds per-head q/k RMSNorm; Qwen3-MoE, Mixtral
 and gpt-oss replace the MLP by a mixture of experts (`model.moe.SparseMoe`); gpt-oss adds attention
-sinks; sliding-window layers pass their window to the attention kernels.
+sinks; sliding-window layers pass their window to the attention kernels. DeepSeek-V2/V3 replace the
+attention by multi-head latent attention and the MLP by experts with shared experts (`model.deepseek`).
 
 One call of `LlamaForCausalLM.forward` is one model step over a flat batch of tokens (no padding),
 laid out as `model.attention.AttentionBatch` describes. Parameter names are exactly the Hugging Face
@@ -24,6 +25,7 @@ from torch import nn
 from kernels import cpu_small
 from model.attention import AttentionBackend, AttentionBatch, paged_attention
 from model.config import ModelConfig
+from model.deepseek import DeepseekMoe, MlaAttention
 from model.linear_kernel import LinearKernel
 from model.moe import SparseMoe
 from model.rope import apply_rotary, rope_inv_freq, rotary_cos_sin
@@ -130,14 +132,15 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``, ``intermediate_size`` wide (default: the config's)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
         bias = config.mlp_bias
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        inter = intermediate_size or config.intermediate_size
+        self.gate_proj = nn.Linear(config.hidden_size, inter, bias=bias)
+        self.up_proj = nn.Linear(config.hidden_size, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, config.hidden_size, bias=bias)
         self.gate_up: LinearKernel | None = None  # set by `prepare`
         self.down: LinearKernel | None = None
 
@@ -171,16 +174,18 @@ def _fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | Non
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``. The MLP is dense or a mixture of
-    experts (`model.moe.SparseMoe`), under the checkpoint's name (``block_sparse_moe`` for Mixtral,
-    ``mlp`` otherwise); `ffn` is it whatever its name."""
+    """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``. The attention is GQA (`Attention`) or
+    multi-head latent (`model.deepseek.MlaAttention`); the MLP is dense or a mixture of experts
+    (`model.moe.SparseMoe`, `model.deepseek.DeepseekMoe`), under the checkpoint's name (``block_sparse_moe``
+    for Mixtral, ``mlp`` otherwise); `ffn` is it whatever its name."""
 
     def __init__(self, config: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
-        self.self_attn = Attention(config, layer_idx)
+        self.self_attn = MlaAttention(config, layer_idx) if config.mla is not None else Attention(config, layer_idx)
         sparse = config.moe is not None and config.moe.sparse_layers[layer_idx]
         self.ffn_name = "block_sparse_moe" if config.model_type == "mixtral" else "mlp"
-        setattr(self, self.ffn_name, SparseMoe(config) if sparse else MLP(config))
+        moe_class = DeepseekMoe if config.model_type.startswith("deepseek") else SparseMoe
+        setattr(self, self.ffn_name, moe_class(config) if sparse else MLP(config))
         f32 = config.norm_scale_in_float32
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, scale_in_float32=f32)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, scale_in_float32=f32)
@@ -245,7 +250,8 @@ class LlamaForCausalLM(nn.Module):
         Args:
             input_ids: ``[T]`` int64 token ids, laid out as ``batch`` describes.
             positions: ``[T]`` int64 position of each token in its sequence.
-            kv_pool: ``[num_blocks, layers per block, 2, num_kv_heads, block_size_tokens, head_dim]``: a
+            kv_pool: ``[num_blocks, layers per block, planes, heads, block_size_tokens, width]`` as
+                `ModelConfig.kv_planes` says (K and V: ``2, num_kv_heads, head_dim``; MLA: one latent row): a
                 block holds the layers of one `ModelConfig.kv_groups` group (all layers with one group);
                 layer i is local layer ``kv_place[i][1]`` of group ``kv_place[i][0]``'s blocks, read and
                 written through ``batch.for_group(group)``. Mutated: every token's key and value are

@@ -9,6 +9,9 @@ tensor names), so loading one exercises what loading the real model does::
     mixtral    4 experts, top 2 (per-expert w1/w2/w3 tensors)
     gpt-oss    4 experts, top 2, fused interleaved expert tensors with biases, router bias, attention
                biases and sinks, yarn rope, sliding (window 32) and full layers alternating
+    deepseek-v3  multi-head latent attention (q rank 32, KV latent 32 + rope 8 per token, interleaved yarn
+               rope with mscale), the first 2 layers dense, then 8 experts in 4 groups (top 2 of the 2 best
+               groups, sigmoid scores with a correction bias, scaled by 2.5) plus one shared expert
 
 The directory loads with `model.loader.load_model`, `model.tokenizer.load_tokenizer` and with
 transformers' ``AutoModelForCausalLM`` / ``AutoTokenizer``. The tokenizer is byte-level::
@@ -37,7 +40,7 @@ from model.tokenizer import byte_level_alphabet
 
 BOS_TOKEN, EOS_TOKEN = "<s>", "</s>"
 BOS_ID, EOS_ID = 256, 257
-TINY_ARCHS: tuple[str, ...] = ("llama", "qwen3", "qwen3-moe", "mixtral", "gpt-oss")
+TINY_ARCHS: tuple[str, ...] = ("llama", "qwen3", "qwen3-moe", "mixtral", "gpt-oss", "deepseek-v3")
 TINY_WINDOW = 32  # gpt-oss's sliding window here: short, so test prompts reach past it
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
@@ -164,6 +167,15 @@ def _arch_config(arch: str, base: dict[str, Any]) -> dict[str, Any]:
                 "num_experts_per_tok": 2, "moe_intermediate_size": hidden // 2, "norm_topk_prob": True,
                 "decoder_sparse_step": 1, "mlp_only_layers": [0], "use_sliding_window": False,
                 "sliding_window": None, "max_window_layers": layers}
+    if arch == "deepseek-v3":
+        return {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "num_key_value_heads": heads,
+                "q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "head_dim": 8,
+                "v_head_dim": 16, "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2,
+                "n_group": 4, "topk_group": 2, "moe_intermediate_size": hidden // 2, "first_k_dense_replace": 2,
+                "routed_scaling_factor": 2.5, "norm_topk_prob": True, "topk_method": "noaux_tc",
+                "scoring_func": "sigmoid", "moe_layer_freq": 1, "rope_interleave": True,
+                "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512,
+                                 "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}}
     if arch == "mixtral":
         return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": 4,
                 "num_experts_per_tok": 2, "sliding_window": None, "router_jitter_noise": 0.0}
@@ -198,15 +210,20 @@ def _random_weights(config: dict[str, Any], seed: int, dtype: torch.dtype = torc
     moe_layers = set()
     if model_type in ("qwen3_moe", "mixtral", "gpt_oss"):
         moe_layers = set(range(config["num_hidden_layers"])) - set(config.get("mlp_only_layers", []))
+    if model_type == "deepseek_v3":
+        moe_layers = set(range(config["first_k_dense_replace"], config["num_hidden_layers"]))
 
     weights = {"model.embed_tokens.weight": normal(config["vocab_size"], hidden, std=1.0)}
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
         weights[p + "input_layernorm.weight"] = norm()
-        weights[p + "self_attn.q_proj.weight"] = linear(q_size, hidden) * 2.0  # sharper attention
-        weights[p + "self_attn.k_proj.weight"] = linear(kv_size, hidden) * 2.0
-        weights[p + "self_attn.v_proj.weight"] = linear(kv_size, hidden)
-        weights[p + "self_attn.o_proj.weight"] = linear(hidden, q_size)
+        if model_type == "deepseek_v3":
+            weights.update(_mla_weights(config, p, linear, norm))
+        else:
+            weights[p + "self_attn.q_proj.weight"] = linear(q_size, hidden) * 2.0  # sharper attention
+            weights[p + "self_attn.k_proj.weight"] = linear(kv_size, hidden) * 2.0
+            weights[p + "self_attn.v_proj.weight"] = linear(kv_size, hidden)
+            weights[p + "self_attn.o_proj.weight"] = linear(hidden, q_size)
         weights[p + "post_attention_layernorm.weight"] = norm()
         if i in moe_layers:
             weights.update(_moe_weights(config, p, normal, linear))
@@ -227,10 +244,23 @@ def _random_weights(config: dict[str, Any], seed: int, dtype: torch.dtype = torc
     return dict(sorted(weights.items()))
 
 
+def _mla_weights(config: dict[str, Any], prefix: str, linear: Any, norm: Any) -> dict[str, torch.Tensor]:
+    """One DeepSeek attention layer's tensors (`model.deepseek.MlaAttention`)."""
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    q_rank, rank, rope = config["q_lora_rank"], config["kv_lora_rank"], config["qk_rope_head_dim"]
+    qk, v = config["qk_nope_head_dim"] + rope, config["v_head_dim"]
+    p = prefix + "self_attn."
+    return {p + "q_a_proj.weight": linear(q_rank, hidden), p + "q_a_layernorm.weight": norm(q_rank),
+            p + "q_b_proj.weight": linear(heads * qk, q_rank) * 2.0,  # sharper attention
+            p + "kv_a_proj_with_mqa.weight": linear(rank + rope, hidden) * 2.0,
+            p + "kv_a_layernorm.weight": norm(rank), p + "kv_b_proj.weight": linear(heads * (qk - rope + v), rank),
+            p + "o_proj.weight": linear(hidden, heads * v)}
+
+
 def _moe_weights(config: dict[str, Any], prefix: str, normal: Any, linear: Any) -> dict[str, torch.Tensor]:
     """One MoE layer's tensors under the family's checkpoint names (see `model.moe`)."""
     hidden, model_type = config["hidden_size"], config["model_type"]
-    experts = config.get("num_experts") or config["num_local_experts"]
+    experts = config.get("num_experts") or config.get("num_local_experts") or config["n_routed_experts"]
     inter = config.get("moe_intermediate_size") or config["intermediate_size"]
     out: dict[str, torch.Tensor] = {}
     if model_type == "gpt_oss":
@@ -251,6 +281,12 @@ def _moe_weights(config: dict[str, Any], prefix: str, normal: Any, linear: Any) 
         out[p + f"experts.{e}.{names[0]}.weight"] = linear(inter, hidden)
         out[p + f"experts.{e}.{names[1]}.weight"] = linear(inter, hidden)
         out[p + f"experts.{e}.{names[2]}.weight"] = linear(hidden, inter)
+    if model_type == "deepseek_v3":
+        out[p + "gate.e_score_correction_bias"] = normal(experts, std=0.1)
+        shared = inter * config["n_shared_experts"]
+        for name, shape in (("gate_proj", (shared, hidden)), ("up_proj", (shared, hidden)),
+                            ("down_proj", (hidden, shared))):
+            out[p + f"shared_experts.{name}.weight"] = linear(*shape)
     return out
 
 

@@ -18,6 +18,22 @@ HF_CONFIGS: dict[str, tuple[str, dict]] = {
     "mistral": ("MistralConfig", dict(_COMMON, num_attention_heads=4, num_key_value_heads=1)),
     "mistral_window_40": ("MistralConfig", dict(_COMMON, num_attention_heads=4, num_key_value_heads=2,
                                                 sliding_window=40)),
+    # DeepSeek-V2: a plain q_proj, softmax routing limited to the 2 best of 4 groups, 2 shared experts, yarn with
+    # mscale (its softmax scale), rotary through complex pairs (transformers' V2).
+    "deepseek_v2_group_limited": ("DeepseekV2Config", dict(
+        _COMMON, num_hidden_layers=4, num_attention_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=2,
+        num_experts_per_tok=2, n_group=4, topk_group=2, topk_method="group_limited_greedy",
+        routed_scaling_factor=1.5, first_k_dense_replace=1,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "original_max_position_embeddings": 256, "mscale": 0.707,
+                         "mscale_all_dim": 0.707})),
+    # DeepSeek-V3 with its less common options: no q LoRA, rotary over halves (rope_interleave false), one group.
+    "deepseek_v3_halves_one_group": ("DeepseekV3Config", dict(
+        _COMMON, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1,
+        num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, rope_interleave=False)),
     "llama_head_dim_32": ("LlamaConfig", dict(
         _COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
         rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})),

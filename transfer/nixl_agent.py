@@ -3,7 +3,7 @@
 ::
 
     KvAgent("prefill-0", spec, [("device", device_pool), ("host", host_pool)])
-      │ registers each pool tensor [num_blocks, L, 2, H, B, D] once (one region per tier)
+      │ registers each pool tensor [num_blocks, L, P, H, B, D] once (one region per tier)
       │ prepares, per tier, a descriptor list with one descriptor per block:
       │     desc[b] = (base + b·stride, block_bytes, device id)
       │     local side ("NIXL_INIT_AGENT")  and  loopback side (own name, for local_copy)
@@ -351,10 +351,10 @@ class KvAgent:
         wait for it. Goes through NIXL as a loopback WRITE when both tiers are registered, else torch.
 
         ``layers`` (one layer index per pair): copy only that layer's slice of each block (a block is
-        ``[L, 2, H, B, D]``, so a layer is one contiguous ``block_bytes / L`` range): InfiniGen's
-        per-layer recall. None copies whole blocks. ``rows`` (with ``layers``): ``(src_rows, dst_rows)``,
-        one token row (offset in its block) per pair: copy only that token's keys and values of that
-        layer (``2 * H`` runs of ``D`` elements: one descriptor each), InfiniGen's speculative prefetch.
+        ``[L, P, H, B, D]``, P planes: K and V, or one latent; so a layer is one contiguous ``block_bytes / L``
+        range): InfiniGen's per-layer recall. None copies whole blocks. ``rows`` (with ``layers``):
+        ``(src_rows, dst_rows)``, one token row (offset in its block) per pair: copy only that token's planes of
+        that layer (``P * H`` runs of ``D`` elements: one descriptor each), InfiniGen's speculative prefetch.
 
         Returns:
             ``"nixl"`` or ``"torch"``: the path that moved the bytes.
@@ -401,19 +401,19 @@ class KvAgent:
         layers: Sequence[int], rows: tuple[Sequence[int], Sequence[int]] | None, timeout_s: float,
     ) -> None:
         """Layer slices (``rows`` None) or token rows of layer slices: one descriptor per slice, or per
-        (pair, K/V, head) run of ``D`` elements (a slice is ``[2, H, B, D]``)."""
+        (pair, plane, head) run of ``D`` elements (a slice is ``[P, H, B, D]``)."""
         spec = self.spec
         layer_bytes = spec.block_bytes // spec.num_layers
-        run_bytes = layer_bytes // (2 * spec.num_kv_heads * spec.block_size_tokens)  # one token, one head: D
+        planes = spec.num_planes * spec.num_kv_heads
+        run_bytes = layer_bytes // (planes * spec.block_size_tokens)  # one token, one plane, one head: D
 
         def descs(pool: TierPool, ids: Sequence[int], side: int) -> np.ndarray:
             base = (np.uint64(pool.region.base_addr)
                     + np.asarray(ids, dtype=np.uint64) * np.uint64(pool.region.block_stride_bytes)
                     + np.asarray(layers, dtype=np.uint64) * np.uint64(layer_bytes))
             length = layer_bytes
-            if rows is not None:  # runs (kv, head) of each pair's row: offsets kv·H·B·D + head·B·D + row·D
-                runs = np.arange(2 * spec.num_kv_heads, dtype=np.uint64) * np.uint64(spec.block_size_tokens
-                                                                                       * run_bytes)
+            if rows is not None:  # runs (plane, head) of each pair's row: offsets plane·H·B·D + head·B·D + row·D
+                runs = np.arange(planes, dtype=np.uint64) * np.uint64(spec.block_size_tokens * run_bytes)
                 row = np.asarray(rows[side], dtype=np.uint64) * np.uint64(run_bytes)
                 base = ((base + row)[:, None] + runs[None, :]).reshape(-1)
                 length = run_bytes

@@ -112,7 +112,7 @@ def test_every_bench_name_resolves_to_its_main() -> None:
         "hybrid-kv": "benchmarks.hybrid_kv_bench",
         "kernel": "benchmarks.kernel_bench", "load": "benchmarks.load",
         "long-context": "benchmarks.long_context_bench", "memory": "benchmarks.memory_bench",
-        "migration": "benchmarks.migration_bench", "prefill": "benchmarks.prefill_bench",
+        "migration": "benchmarks.migration_bench", "mla": "benchmarks.mla_bench", "prefill": "benchmarks.prefill_bench",
         "serve": "benchmarks.serve_bench", "structured": "benchmarks.structured_bench",
         "tiers": "benchmarks.tier_bench", "tracing": "benchmarks.tracing_bench",
         "transfer": "benchmarks.transfer_bench",

@@ -236,3 +236,26 @@ def test_verify_refuses_records_of_another_model_and_deletes_nothing(verify_conf
         assert all(tier.contains(k) for k in keys)
     finally:
         tier.close()
+
+
+def test_verify_finds_a_bad_latent_block_of_a_deepseek_model_as_of_a_gqa_one(tmp_path, monkeypatch, capsys):
+    """DeepSeek-V3's blocks hold one latent row per token and layer (`BlockSpec.num_planes` 1): the spec ``kvrelay
+    store`` builds from config.json is the served one, and a flipped byte in a record is found and deleted."""
+    from model.tiny import write_tiny_model
+
+    model_dir = write_tiny_model(tmp_path / "ds", arch="deepseek-v3", layers=4)
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "ds.yaml"
+    config.write_text(f"model: {{path: {model_dir}, dtype: float32}}\n"
+                      "kvstore:\n  block_size_tokens: 4\n  device: {bytes: 8KiB}\n  disk: {path: kv, bytes: 1MiB}\n")
+    spec = served_spec(model_dir)
+    assert node_block_spec(load_config(config)) == spec
+    assert (spec.num_planes, spec.num_kv_heads, spec.head_dim, spec.block_bytes) == (1, 1, 40, 4 * 40 * 4 * 4)
+    keys = write_node_tier(tmp_path, spec, 3)
+    flip_payload_byte(tmp_path / "kv" / "decode-0", keys[2])
+    assert main(["store", "verify", "--config", str(config)]) == 1
+    [line] = verify_lines(capsys)
+    assert (line["checked"], line["bad"], line["deleted"]) == (
+        3, [{"key": keys[2].hex(), "problem": "xxh3 checksum mismatch"}], 1)
+    assert main(["store", "verify", "--config", str(config)]) == 0
+    assert [line["checked"] for line in verify_lines(capsys)] == [2]

@@ -31,6 +31,20 @@ def test_golden_values_pin_the_key_spec():
     assert golden[0].hex() == "3c840ef0edf356874d0b19734004848e38be72fe9f24d5d23e00fd3f708da272"
 
 
+def test_a_one_plane_latent_spec_names_its_layout_and_sizes_its_blocks():
+    """MLA (DeepSeek): one plane of one row per token and layer; a two-plane spec keeps the v1 text."""
+    latent = BlockSpec(num_layers=2, num_kv_heads=1, head_dim=40, block_size_tokens=4, model_fingerprint="m",
+                       num_planes=1)
+    assert latent.block_shape == (2, 1, 1, 4, 40) and latent.block_bytes == 2 * 40 * 4 * 4
+    assert latent.token_bytes == 2 * 40 * 4
+    assert latent.fingerprint.hex() == hashlib.sha256(
+        b"kvrelay.spec.v1|layers=2|kv_heads=1|head_dim=40|block=4|dtype=float32|model=m|planes=1").hexdigest()
+    assert BlockSpec(num_layers=2, num_kv_heads=2, head_dim=16, block_size_tokens=4, model_fingerprint="m",
+                     num_planes=2).fingerprint == SPEC.fingerprint
+    with pytest.raises(ValueError, match="num_planes must be 2 .K and V. or 1 .a latent., got 3"):
+        BlockSpec(num_layers=2, num_kv_heads=1, head_dim=40, num_planes=3)
+
+
 def test_salt_and_fingerprint_separate_keys_and_chain_names_whole_prefix():
     fp = SPEC.fingerprint
     toks = list(range(8))

@@ -105,7 +105,8 @@ def test_unknown_architecture_lists_supported(tiny_dir: Path, tmp_path: Path) ->
     model_dir = _copy(tiny_dir, tmp_path / "m")
     config = json.loads((model_dir / "config.json").read_text())
     (model_dir / "config.json").write_text(json.dumps({**config, "model_type": "phi3"}))
-    supported = r"\['llama', 'mistral', 'qwen2', 'qwen3', 'qwen3_moe', 'mixtral', 'gpt_oss'\]"
+    supported = (r"\['llama', 'mistral', 'qwen2', 'qwen3', 'qwen3_moe', 'mixtral', 'gpt_oss', 'deepseek_v3', "
+                 r"'deepseek_v2'\]")
     with pytest.raises(ValueError, match=r"'phi3'.*" + supported):
         load_model(model_dir)
 

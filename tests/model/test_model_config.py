@@ -93,7 +93,7 @@ def test_mistral_sliding_window_slides_every_layer_and_no_longer_caps_the_contex
 
 def test_unknown_model_type_lists_supported_ones() -> None:
     expected = (r"model_type 'gemma2'.*supported model types: \['llama', 'mistral', 'qwen2', 'qwen3', "
-                r"'qwen3_moe', 'mixtral', 'gpt_oss'\]")
+                r"'qwen3_moe', 'mixtral', 'gpt_oss', 'deepseek_v3', 'deepseek_v2'\]")
     with pytest.raises(ValueError, match=expected):
         ModelConfig.from_hf_dict({**LLAMA31_CLASSIC, "model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"]})
 

@@ -126,15 +126,18 @@ class Served(NamedTuple):
     pulled_blocks: float
 
 
-def test_gpt_oss_prefix_hits_from_host_and_disk_equal_the_cold_tokens(family):
+@pytest.mark.parametrize("arch", ["gpt-oss", "deepseek-v3"])
+def test_prefix_hits_from_host_and_disk_equal_the_cold_tokens(family, arch):
     """A long prompt (4 full blocks) cold, then from the prefill node's host tier, then from its disk tier;
-    each time the decode node pulls the 4 blocks the prefill node loaded, and decodes from them.
+    each time the decode node pulls the 4 blocks the prefill node loaded, and decodes from them. gpt-oss pages
+    its full and sliding layers in blocks of their own; DeepSeek-V3's blocks hold one latent row per token and
+    layer.
 
     8 device and 8 host blocks on each node, LRU in every tier: one filler of 7 full blocks (+ a tail: 8 device
     blocks) pushes every cached device block to host; three more overflow the host, oldest (the prompt's) first,
     on to disk."""
-    path, expected = family("gpt-oss")
-    one_block, groups = block_shape(path)  # 2 pool blocks (full layers, sliding layers) per 16-token block
+    path, expected = family(arch)
+    one_block, groups = block_shape(path)  # gpt-oss: 2 pool blocks (full layers, sliding layers) per 16 tokens
     lru = {"policy": "lru"}
     overrides = {"kvstore": {"integrity": "all", "device": {"bytes": 8 * one_block, **lru},
                              "host": {"bytes": 8 * one_block, **lru}, "disk": lru}}
@@ -165,8 +168,11 @@ def test_gpt_oss_prefix_hits_from_host_and_disk_equal_the_cold_tokens(family):
         assert serve(prompt) == Served(cold.tokens, {"device": 0, "host": 0, "disk": 4 * groups}, 4 * BLOCK_TOKENS, 4)
         assert integrity_failures(prefill) == 0 and integrity_failures(decode) == 0
         assert transfer(decode)[1] == 0
-        assert node_info(c, decode)["kv_block_groups"] == [{"layers": [1, 3], "window": None},
-                                                           {"layers": [0, 2], "window": 32}]
+        if arch == "gpt-oss":
+            assert node_info(c, decode)["kv_block_groups"] == [{"layers": [1, 3], "window": None},
+                                                               {"layers": [0, 2], "window": 32}]
+        else:  # 4 layers × one latent row of 32 + 8 float32 values × 16 tokens
+            assert one_block == 4 * (32 + 8) * 4 * BLOCK_TOKENS
 
 
 def node_info(c: Cluster, url: str) -> dict:

@@ -135,3 +135,25 @@ def test_sampled_integrity_catches_a_damaged_block_it_samples(tiny_model_dir, re
         assert m.get('kvrelay_kv_integrity_failures_total{where="nixl_read"}', 0.0) == 1
         wait_for(lambda: pools_idle(c), what="pools back to baseline")
     assert out["choices"][0]["text"] == reference_text
+
+
+def test_a_damaged_latent_block_of_a_deepseek_model_is_recomputed_not_served(tmp_path):
+    """DeepSeek-V3's blocks (one latent row per token and layer) under the same damage as above: the flipped
+    bit is caught by the handle's digest over the latent bytes, counted, and the prompt recomputed."""
+    from model.tiny import write_tiny_model
+
+    model_dir = write_tiny_model(tmp_path / "ds", arch="deepseek-v3", layers=4)
+    engine = LLMEngine(load_model(model_dir), EngineConfig(num_blocks=64))
+    [[want]] = engine.generate([PROMPT], SamplingParams(max_tokens=12, ignore_eos=True))
+    block_bytes = LLMEngine.block_spec_for(load_model(model_dir), 16).block_bytes
+    overrides = {"prefill": {"inject_faults": ["corrupt_published_block"]}, "kvstore": {"integrity": "all"}}
+    with Cluster(model_dir, overrides=overrides) as c:
+        code, out = post(c.url, {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0,
+                                 "ignore_eos": True})
+        assert code == 200, out
+        m = metrics(c.decode_urls[0])
+        assert m.get('kvrelay_kv_integrity_failures_total{where="nixl_read"}', 0.0) == 1
+        assert m.get('kvrelay_kv_integrity_checks_total{where="nixl_read"}', 0.0) == NUM_BLOCKS
+        assert m.get("kvrelay_kv_transfer_bytes_total", 0.0) == NUM_BLOCKS * block_bytes  # latent-sized blocks
+        wait_for(lambda: pools_idle(c), what="pools back to baseline")
+    assert out["choices"][0]["text"] == load_tokenizer(model_dir).decode(want)
