@@ -124,6 +124,18 @@ def kvstore_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {"kvstore": kv} if kv else {}
 
 
+def vllm_args(args: argparse.Namespace) -> list[str]:
+    """vLLM's flags for baseline 'vllm': ``--vllm-args`` split as a shell would, else ``--dtype`` of what kvrelay's
+    default ``model.dtype: auto`` resolves to on this machine (vLLM's CPU build would otherwise run bf16 on a
+    CPU without bf16 instructions, emulated, where kvrelay runs float32)."""
+    import shlex
+
+    from model.dtype import resolve_dtype
+
+    given = getattr(args, "vllm_args", None)
+    return shlex.split(given) if given is not None else ["--dtype", resolve_dtype("auto", "cpu")]
+
+
 def run_baselines(args: argparse.Namespace, baselines: list[str], make: MakeWorkload, model_dir: str,
                   out_dir: Path, *, on_disaggregated: Callable[[Any], None] | None = None
                   ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
@@ -150,9 +162,11 @@ def run_baselines(args: argparse.Namespace, baselines: list[str], make: MakeWork
     peers += [("peer", args.peer_url.rstrip("/"))] if args.peer_url else []
     for label, url in peers:
         if url is None:
-            with PeerServer(args.peer_script, model_dir) as peer:
+            extra = vllm_args(args)
+            with PeerServer(args.peer_script, model_dir, extra_args=extra) as peer:
                 client = ClientConfig(peer.url, first_model(peer.url), timeout_s=args.timeout_s)
-                runs += run_rates(client, ServerNodes(), make, args, label=label, out_dir=out_dir)
+                peer_runs = run_rates(client, ServerNodes(), make, args, label=label, out_dir=out_dir)
+            runs += [{**r, "server_args": extra} for r in peer_runs]  # in summary.json: how vLLM was started
         else:
             client = ClientConfig(url, first_model(url), timeout_s=args.timeout_s, api_key=args.api_key)
             runs += run_rates(client, ServerNodes(), make, args, label=label, out_dir=out_dir)

@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peer-url", help="with --baselines: also measure this running OpenAI server (baseline 'peer')")
     p.add_argument("--peer-script", default=str(DEFAULT_PEER_SCRIPT),
                    help="what baseline 'vllm' runs as SCRIPT serve MODEL_DIR PORT")
+    p.add_argument("--vllm-args", default=None,
+                   help="baseline 'vllm''s own flags (default: --dtype of the dtype kvrelay's `model.dtype: auto` "
+                        "resolves to here, bf16 or float32, so both compute alike; '' for vLLM's defaults)")
     k = p.add_argument_group("kvstore of the kvrelay baselines")
     k.add_argument("--kv-policy", choices=POLICY_NAMES, help="every tier's policy (kvstore.<tier>.policy)")
     k.add_argument("--kv-device-bytes", help="kvstore.device.bytes, e.g. 64MiB")

@@ -26,3 +26,14 @@ def test_policy_alone_applies_to_every_tier_and_nothing_given_changes_nothing():
     assert kvstore_overrides(args) == {"kvstore": {"device": {"policy": "cold-tail"}, "host": {"policy": "cold-tail"},
                                                    "disk": {"policy": "cold-tail"}}}
     assert kvstore_overrides(argparse.Namespace()) == {}
+
+
+def test_vllm_is_started_with_the_dtype_kvrelay_resolves_unless_its_flags_are_given():
+    from benchmarks.serve_baselines import vllm_args
+    from model.dtype import resolve_dtype
+
+    parser = build_parser()
+    assert vllm_args(parser.parse_args(["--baselines", "vllm"])) == ["--dtype", resolve_dtype("auto", "cpu")]
+    assert vllm_args(parser.parse_args(["--baselines", "vllm", "--vllm-args", ""])) == []
+    assert vllm_args(parser.parse_args(["--baselines", "vllm", "--vllm-args", "--dtype bfloat16 --max-num-seqs 8"])) \
+        == ["--dtype", "bfloat16", "--max-num-seqs", "8"]
