@@ -78,7 +78,7 @@ class DecodeGraphs:
 
     Args:
         model: a `model.llama.LlamaForCausalLM` on ``kv_pool``'s device.
-        kv_pool: ``[num_blocks, L, 2, Hkv, B, D]``, the pool the graphs read and write.
+        kv_pool: ``[num_blocks, L, P, H, B, D]`` (`kvstore.block_spec`), the pool the graphs read and write.
         backend: the attention backend (must have ``supports_cuda_graphs`` when capturing).
         sizes: batch sizes, as `check_batch_sizes` returns them.
         max_model_len: tokens a sequence may reach; sets the block-table width.

@@ -112,8 +112,9 @@ class LLMEngine:
               spec.model_fingerprint) != (cfg.num_hidden_layers, len(cfg.kv_groups), *cfg.kv_planes,
                                           loaded.fingerprint):
             groups = f" × {spec.num_groups} groups" if spec.num_groups > 1 else ""
-            raise ValueError(f"the block spec ({spec.num_layers} layers{groups}, {spec.num_kv_heads} KV heads of "
-                             f"{spec.head_dim}, model {spec.model_fingerprint[:12]}) is not this model's")
+            raise ValueError(f"the block spec ({spec.num_layers} layers{groups}, {spec.num_planes} planes of "
+                             f"{spec.num_kv_heads} heads of {spec.head_dim}, model {spec.model_fingerprint[:12]}) is "
+                             f"not this model's")
         self.spec = spec
         self.max_model_len = self.config.max_model_len or cfg.max_context_tokens
         self.eos_token_ids = frozenset(cfg.eos_token_ids)

@@ -27,7 +27,7 @@ class ModelRunner:
 
     Args:
         model: a `model.llama.LlamaForCausalLM` (``forward(input_ids, positions, kv_pool, batch, backend)``).
-        kv_pool: ``[num_blocks, L, 2, Hkv, B, D]`` on the model's device; written by the model.
+        kv_pool: ``[num_blocks, L, P, H, B, D]`` (`kvstore.block_spec`) on the model's device; written by the model.
         backend: attention backend.
         block_size_tokens: B.
         num_groups: G, the table entries per 16-token block (`kvstore.block_spec`): with G > 1 each group

@@ -84,7 +84,7 @@ class PolicyHost(Protocol):
     store: TieredStore
     pool: BlockPool
     tables: BlockTables  # every block-table edit goes through it
-    kv_pool: torch.Tensor  # [num_blocks, L, 2, Hkv, B, D], the device tier
+    kv_pool: torch.Tensor  # [num_blocks, L, 2, Hkv, B, D], the device tier (policies refuse one-plane MLA pools)
     backend: AttentionBackend
     spec: BlockSpec
     scale: float

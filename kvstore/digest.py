@@ -139,8 +139,8 @@ def _triton_agrees(pool: torch.Tensor, block_id: int, seed: int) -> bool:
 
 
 def digest_slices(pool: torch.Tensor, block_ids: Sequence[int], layers: Sequence[int]) -> list[int]:
-    """Digest of layer ``layers[i]``'s slice ``pool[block_ids[i], layers[i]]`` (``[2, H, B, D]``, contiguous)
-    of each block, seeded by `slice_seed`. ``pool``: ``[num_blocks, L, 2, H, B, D]`` contiguous."""
+    """Digest of layer ``layers[i]``'s slice ``pool[block_ids[i], layers[i]]`` (``[P, H, B, D]``, contiguous)
+    of each block, seeded by `slice_seed`. ``pool``: ``[num_blocks, L, P, H, B, D]`` contiguous."""
     num_layers = pool.shape[1]
     rows = pool.view(pool.shape[0] * num_layers, -1)  # slice (b, l) is row b·L + l
     return digest_blocks(rows, [b * num_layers + lay for b, lay in zip(block_ids, layers, strict=True)],

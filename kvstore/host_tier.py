@@ -1,6 +1,6 @@
 """`HostTier`: the ``host`` tier — device's victim cache in pinned CPU memory.
 
-One pool tensor ``[num_blocks, L, 2, H, B, D]`` (same layout as the device pool, so block ``s`` is one
+One pool tensor ``[num_blocks, L, P, H, B, D]`` (same layout as the device pool, so block ``s`` is one
 contiguous byte range NIXL can register), pinned when CUDA is available and plain otherwise, plus a
 key → slot map kept in LRU order::
 

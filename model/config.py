@@ -535,37 +535,53 @@ def _parse_yarn(params: dict[str, Any], theta: float, max_positions: int, origin
                       truncate=bool(params.get("truncate", True)), attention_factor=float(attention))
 
 
+# transformers' DeepseekV3Config / DeepseekV2Config defaults, for keys a config.json leaves out (published configs
+# give them all).
+_DEEPSEEK_MOE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "deepseek_v3": dict(n_routed_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048, n_shared_experts=1,
+                        n_group=8, topk_group=4, routed_scaling_factor=2.5, first_k_dense_replace=3,
+                        norm_topk_prob=True),
+    "deepseek_v2": dict(n_routed_experts=64, num_experts_per_tok=None, moe_intermediate_size=1407, n_shared_experts=2,
+                        n_group=None, topk_group=None, routed_scaling_factor=1.0, first_k_dense_replace=0,
+                        topk_method="greedy"),
+}
+
+
 def _parse_deepseek_moe(config: dict[str, Any], model_type: str, num_layers: int) -> MoeConfig | None:
-    """DeepSeek's experts as transformers reads them: the layers from ``first_k_dense_replace`` on are MoE (the
-    published checkpoints' ``moe_layer_freq`` is 1, and transformers does not read it); none without
-    ``n_routed_experts``."""
-    experts = config.get("n_routed_experts") or config.get("num_local_experts")
+    """DeepSeek's experts as transformers reads them (its config defaults for absent keys): the layers from
+    ``first_k_dense_replace`` on are MoE (the published checkpoints' ``moe_layer_freq`` is 1, and transformers
+    does not read it); none when ``n_routed_experts`` is null or 0."""
+    defaults = _DEEPSEEK_MOE_DEFAULTS[model_type]
+
+    def get(key: str) -> Any:
+        return config[key] if key in config else defaults.get(key)
+
+    experts = config.get("num_local_experts") or get("n_routed_experts")
     if not experts:
         return None
-    first_dense = int(config.get("first_k_dense_replace") or 0)
+    first_dense = int(get("first_k_dense_replace") or 0)
     sparse = tuple(i >= first_dense for i in range(num_layers))
-    inter = config.get("moe_intermediate_size")
-    top_k = config.get("num_experts_per_tok")
+    inter, top_k = get("moe_intermediate_size"), get("num_experts_per_tok")
     if inter is None or top_k is None:
         raise ValueError(f"config.json: a {model_type} model with experts needs moe_intermediate_size and "
                          f"num_experts_per_tok")
-    shared = int(config.get("n_shared_experts") or 0)
+    shared = int(get("n_shared_experts") or 0)
     if model_type == "deepseek_v3":
-        routing, norm, bias = "sigmoid_group_topk", bool(config.get("norm_topk_prob", True)), True
-        groups, topk_group = int(config.get("n_group") or 1), int(config.get("topk_group") or 1)
+        routing, norm, bias = "sigmoid_group_topk", bool(get("norm_topk_prob")), True
+        groups, topk_group = int(get("n_group") or 1), int(get("topk_group") or 1)
     else:
-        method = config.get("topk_method", "greedy")
+        method = get("topk_method")
         if method not in ("greedy", "group_limited_greedy"):
             raise ValueError(f"config.json: topk_method {method!r} is not supported for {model_type}; use "
                              f"'greedy' or 'group_limited_greedy'")
-        routing, norm, bias = "softmax_group_topk", False, False
+        routing, norm, bias = "softmax_group_topk", False, False  # transformers' V2 does not renormalise
         limited = method == "group_limited_greedy"
-        groups = int(config.get("n_group") or 1) if limited else 1
-        topk_group = int(config.get("topk_group") or 1) if limited else 1
+        groups = int(get("n_group") or 1) if limited else 1
+        topk_group = int(get("topk_group") or 1) if limited else 1
     return MoeConfig(num_experts=int(experts), top_k=int(top_k), intermediate_size=int(inter), routing=routing,
                      norm_topk_prob=norm, router_bias=False, expert_bias=False, activation="silu",
                      sparse_layers=sparse, num_groups=groups, topk_group=topk_group,
-                     routed_scaling_factor=float(config.get("routed_scaling_factor") or 1.0),
+                     routed_scaling_factor=float(get("routed_scaling_factor") or 1.0),
                      shared_intermediate_size=int(inter) * shared, score_correction_bias=bias)
 
 
@@ -576,7 +592,7 @@ def _parse_mla(config: dict[str, Any], model_type: str, rope: RopeConfig, need: 
     params = config.get("rope_parameters") or config.get("rope_scaling") or {}
     m_all = params.get("mscale_all_dim")
     if rope.rope_type != "default" and m_all:
-        factor = float(params["factor"])
+        factor = rope.factor  # yarn without a factor: derived from the context lengths (`_parse_yarn`)
         mscale = 1.0 if factor <= 1 else 0.1 * float(m_all) * math.log(factor) + 1.0
         scale *= mscale * mscale
     q_rank = config.get("q_lora_rank")

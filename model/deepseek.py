@@ -22,8 +22,9 @@ Prefill expands instead, as transformers does: the sequence's cached and new lat
 ``[W_UK[h] · c | k_rope]`` and values ``W_UV[h] · c``, and the new tokens attend causally through fused SDPA.
 Measured here (``kvrelay bench mla``, DeepSeek-V3's head shapes, 16 heads, float32, 2 CPUs) absorbed prefill
 took 1.6–2.2× as long (its scores and outputs are ``rank + rope`` wide instead of 192 and 128), absorbed decode
-0.03–0.13× as long. `MlaAttention.absorbed_decode` / `absorbed_prefill` switch each (tests and the benchmark
-compare both ways; `kernels.reference.mla_unabsorbed_attention` is the oracle).
+0.03–0.13× as long as the per-sequence reference that expands every cached row each step.
+`MlaAttention.absorbed_decode` / `absorbed_prefill` switch each (tests and the benchmark compare both ways;
+`kernels.reference.mla_unabsorbed_attention` is the oracle).
 """
 
 from __future__ import annotations

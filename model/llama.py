@@ -236,6 +236,11 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_inv_freq", rope_inv_freq(config.rope, config.head_dim), persistent=False)
         self.kv_place = {layer: (g, local) for g, group in enumerate(config.kv_groups)
                          for local, layer in enumerate(group.layers)}  # layer -> (KV block group, local layer)
+        # Parameters loaded in float32 whatever the model's dtype (suffixes of their names): DeepSeek's router, as
+        # transformers keeps it (its correction bias decides the experts; bf16 rounding would change the choice).
+        self.float32_parameters: tuple[str, ...] = (
+            (".mlp.gate.weight", ".mlp.gate.e_score_correction_bias") if config.model_type.startswith("deepseek")
+            else ())
 
     def forward(
         self,

@@ -76,6 +76,10 @@ def load_model(
     if quantized:
         raise ValueError(f"{model_dir}: the experts are stored quantized ({quantized[0]!r}, MXFP4 as gpt-oss "
                          f"releases them), which kvrelay does not read; use a bf16 checkpoint of the model")
+    fp8 = sorted(n for n in name_to_file if n.endswith("_scale_inv"))
+    if fp8:
+        raise ValueError(f"{model_dir}: the weights are stored as FP8 with block scales ({fp8[0]!r}, as DeepSeek-V3 "
+                         f"releases them), which kvrelay does not read; convert the checkpoint to bf16 first")
     with torch.device("meta"), _no_weight_init():
         model = LlamaForCausalLM(config)
     name_to_param = dict(model.named_parameters())
@@ -98,7 +102,8 @@ def load_model(
                             f"tensor {name!r} in {path} has shape {tuple(tensor.shape)}; "
                             f"the model expects {tuple(param.shape)} (check config.json against the weights)"
                         )
-                    _assign(model, name, tensor.to(device=device, dtype=torch_dtype))
+                    keep = name.endswith(model.float32_parameters)  # routing that must stay float32
+                    _assign(model, name, tensor.to(device=device, dtype=torch.float32 if keep else torch_dtype))
     if unexpected:
         logger.warning("%s: ignored %d checkpoint tensors the model does not use", model_dir, unexpected)
     if config.tie_word_embeddings and TIED_HEAD not in name_to_file:

@@ -250,3 +250,37 @@ def test_the_gpu_engine_gives_the_cpu_reference_tokens(ds_dir):
                     EngineConfig(num_blocks=96, attention_backend="triton", max_num_batched_tokens=64))
     assert gpu.kv_pool.device.type == "cuda" and gpu.cuda_graph_sizes  # the MLA decode step was captured
     assert [o[0] for o in gpu.generate(PROMPTS, GREEDY)] == _tokens(ds_dir, attention_backend="reference")
+
+
+def test_the_router_stays_float32_in_a_bf16_model_and_fp8_checkpoints_are_refused(ds_dir, tmp_path):
+    """transformers keeps DeepSeek's router in float32 (its correction bias picks the experts, and bf16 rounding
+    of it would change the choice); FP8 checkpoints (block scales ``*_scale_inv``) are refused, not mis-read."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    loaded = load_model(ds_dir, dtype="bfloat16")
+    gate = loaded.model.model.layers[3].mlp.gate
+    stored = load_file(str(ds_dir / "model.safetensors"))
+    assert gate.weight.dtype == gate.e_score_correction_bias.dtype == torch.float32
+    assert torch.equal(gate.e_score_correction_bias, stored["model.layers.3.mlp.gate.e_score_correction_bias"])
+    assert loaded.model.model.layers[3].self_attn.kv_b_proj.weight.dtype == torch.bfloat16
+    fp8 = shutil.copytree(ds_dir, tmp_path / "fp8")
+    save_file({**stored, "model.layers.0.self_attn.q_a_proj.weight_scale_inv": torch.ones(1, 1)},
+              str(fp8 / "model.safetensors"))
+    with pytest.raises(ValueError, match="FP8 with block scales .*'model.layers.0.self_attn.q_a_proj.weight_scale_inv'"
+                                         ".*convert the checkpoint to bf16"):
+        load_model(fp8)
+
+
+@pytest.mark.parametrize("version", ["V3", "V2"])
+def test_absent_moe_keys_take_transformers_defaults(version):
+    import transformers
+
+    minimal = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                   kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, q_lora_rank=None,
+                   num_experts_per_tok=2)
+    model_type = f"deepseek_{version.lower()}"
+    ours = ModelConfig.from_hf_dict({"model_type": model_type, **minimal})
+    hf = ModelConfig.from_hf_dict(getattr(transformers, f"Deepseek{version}Config")(**minimal).to_dict())
+    assert ours.moe == hf.moe and ours.mla == hf.mla
