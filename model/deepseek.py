@@ -44,9 +44,8 @@ from model.rope import apply_rotary
 class MlaAttention(nn.Module):
     """Multi-head latent attention of one layer (see module doc); reads and writes its plane of the pool."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int = 0) -> None:
-        from model.llama import RMSNorm  # llama imports this module
-
+    def __init__(self, config: ModelConfig, layer_idx: int, rms_norm: type[nn.Module]) -> None:
+        """``rms_norm``: the decoder's RMSNorm class (`model.llama.RMSNorm`, which builds this layer)."""
         super().__init__()
         mla = config.mla
         assert mla is not None
@@ -58,10 +57,10 @@ class MlaAttention(nn.Module):
             self.q_proj = nn.Linear(hidden, heads * qk_dim, bias=False)
         else:
             self.q_a_proj = nn.Linear(hidden, mla.q_lora_rank, bias=config.qkv_bias)
-            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, 1e-6)
+            self.q_a_layernorm = rms_norm(mla.q_lora_rank, 1e-6)
             self.q_b_proj = nn.Linear(mla.q_lora_rank, heads * qk_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(hidden, mla.latent_width, bias=config.qkv_bias)
-        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, 1e-6)
+        self.kv_a_layernorm = rms_norm(mla.kv_lora_rank, 1e-6)
         self.kv_b_proj = nn.Linear(mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False)
         self.o_proj = nn.Linear(heads * mla.v_head_dim, hidden, bias=config.o_bias)
         self.scale = mla.softmax_scale
@@ -185,13 +184,12 @@ class DeepseekMoe(SparseMoe):
     restacked by `SparseMoe.prepare`) chosen by `route_grouped`, plus the shared experts' one SwiGLU MLP
     (``mlp.shared_experts``) added to every token."""
 
-    def __init__(self, config: ModelConfig) -> None:
-        from model.llama import MLP  # llama imports this module
-
+    def __init__(self, config: ModelConfig, mlp: type[nn.Module]) -> None:
+        """``mlp``: the decoder's SwiGLU class (`model.llama.MLP`, which builds this layer), for the shared experts."""
         super().__init__(config)
         if self.moe.score_correction_bias:
             self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(self.moe.num_experts))
-        self.shared_experts = (MLP(config, intermediate_size=self.moe.shared_intermediate_size)
+        self.shared_experts = (mlp(config, intermediate_size=self.moe.shared_intermediate_size)
                                if self.moe.shared_intermediate_size else None)
 
     def prepare(self, *, use_triton: bool = False) -> None:

@@ -181,11 +181,17 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, config: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
-        self.self_attn = MlaAttention(config, layer_idx) if config.mla is not None else Attention(config, layer_idx)
+        self.self_attn = (MlaAttention(config, layer_idx, RMSNorm) if config.mla is not None
+                          else Attention(config, layer_idx))
         sparse = config.moe is not None and config.moe.sparse_layers[layer_idx]
         self.ffn_name = "block_sparse_moe" if config.model_type == "mixtral" else "mlp"
-        moe_class = DeepseekMoe if config.model_type.startswith("deepseek") else SparseMoe
-        setattr(self, self.ffn_name, moe_class(config) if sparse else MLP(config))
+        if not sparse:
+            ffn: nn.Module = MLP(config)
+        elif config.model_type.startswith("deepseek"):
+            ffn = DeepseekMoe(config, MLP)
+        else:
+            ffn = SparseMoe(config)
+        setattr(self, self.ffn_name, ffn)
         f32 = config.norm_scale_in_float32
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, scale_in_float32=f32)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, scale_in_float32=f32)
