@@ -10,7 +10,12 @@
 // ~10 GB/s here against ~20 GB/s of read bandwidth). Output rows are split over torch's thread pool.
 // Sums run in another order than F.linear's (and -ffast-math lets the compiler reassociate): results differ
 // in the last bits, as any two BLAS libraries do.
-#include <torch/extension.h>
+// Narrow headers, not <torch/extension.h>: that one parses for ~40 s here, and every clean clone (CI) builds
+// these files; with these each builds in ~15 s.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/csrc/utils/pybind.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -46,20 +51,20 @@ inline float dot1(const float* __restrict w, int64_t in, const float* __restrict
 
 }  // namespace
 
-torch::Tensor small_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+at::Tensor small_linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "small_linear: x must be [T, in] and w [out, in]");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && w.scalar_type() == torch::kFloat32,
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat,
               "small_linear: x and w must be float32");
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "small_linear: x and w must be contiguous");
   TORCH_CHECK(x.size(1) == w.size(1), "small_linear: x has ", x.size(1), " columns, w ", w.size(1));
   const int64_t t_rows = x.size(0), in = x.size(1), out = w.size(0);
   const float* b = nullptr;
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == out,
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == out,
                 "small_linear: bias must be float32 [out] contiguous");
     b = bias->data_ptr<float>();
   }
-  auto y = torch::empty({t_rows, out}, x.options());
+  auto y = at::empty({t_rows, out}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
@@ -85,14 +90,14 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch
 // rms_norm: y = (x * rsqrt(mean(x^2) + eps)) * w per row, Llama's RMSNorm in one pass over each row (torch's
 // composite runs five ops of ~10 us each on a 576-wide row).
 //   x [T, H] float32 contiguous, w [H] float32 contiguous; returns [T, H] float32
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 1 && x.size(1) == w.size(0),
               "rms_norm: x must be [T, H] and w [H]");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && w.scalar_type() == torch::kFloat32,
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat,
               "rms_norm: x and w must be float32");
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "rms_norm: x and w must be contiguous");
   const int64_t rows = x.size(0), h = x.size(1);
-  auto y = torch::empty_like(x);
+  auto y = at::empty_like(x);
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
