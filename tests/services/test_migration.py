@@ -13,7 +13,6 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
-import pytest
 
 from engine.engine import EngineConfig, LLMEngine
 from model.loader import load_model
@@ -71,13 +70,14 @@ class Stream:
         return self
 
 
-@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
-def test_killing_a_decode_node_under_50_streams_moves_them_all(tiny_model_dir, sampling):
+def test_killing_a_decode_node_under_50_streams_moves_them_all(tiny_model_dir):
+    """Half the streams greedy, half seeded samples (top-p), in one deployment: both kinds must resume exactly
+    (one run for both: each such run costs ~35 s of CI)."""
     rng = random.Random(7)
     prefix = [rng.randrange(3, 256) for _ in range(PREFIX_TOKENS)]
     prompts = [prefix + [rng.randrange(3, 256) for _ in range(8)] for _ in range(STREAMS)]
     bodies = [{"max_tokens": MAX_TOKENS, "extra_body": {"ignore_eos": True}, "temperature": 0}
-              if sampling == "greedy" else
+              if i % 2 == 0 else
               {"max_tokens": MAX_TOKENS, "extra_body": {"ignore_eos": True}, "temperature": 1.0, "top_p": 0.95,
                "seed": 1000 + i} for i in range(STREAMS)]
     params = [SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=b["temperature"],
