@@ -7,6 +7,7 @@ MODEL ?= smollm2-135m-instruct
 MODEL_DIR ?= .models/$(MODEL)
 TINY_DIR := .models/tiny
 PYTEST_ARGS ?=
+CPU_TORCH ?= torch==2.13.0
 
 .PHONY: serve model test bench bench-real bench-long-context bench-families bench-load bench-goodput bench-first-run \
 	bench-structured lint docs gpu-check clean
@@ -14,6 +15,9 @@ PYTEST_ARGS ?=
 $(BIN)/kvrelay: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
+	# No NVIDIA GPU: torch's CPU build first (here it lies on disk; half the install time and size of the CUDA
+	# build and its 3 GB of CUDA libraries). Set CPU_TORCH= to keep the CUDA build.
+	command -v nvidia-smi >/dev/null || test -z '$(CPU_TORCH)' || $(BIN)/pip install -q '$(CPU_TORCH)'
 	$(BIN)/pip install -q -e '.[test,dev]'
 	# Hugging Face's `kernels` distribution (pulled in by transformers 5.25+) is imported as this project's kernels/
 	$(BIN)/pip uninstall -q -y kernels 2>/dev/null || true
