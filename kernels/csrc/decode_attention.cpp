@@ -103,8 +103,8 @@ void check_cache(const at::Tensor& cache, const at::Tensor& q, const char* name)
 }  // namespace
 
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
-                                     at::Tensor block_tables, at::Tensor seq_lens, double scale,
-                                     int64_t window, c10::optional<at::Tensor> sinks) {
+                                  at::Tensor block_tables, at::Tensor seq_lens, double scale,
+                                  int64_t window, c10::optional<at::Tensor> sinks) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [N, Hq, D]");
   TORCH_CHECK(q.device().is_cpu(), "q must be on the CPU");
   check_cache(k_cache, q, "k_cache");
