@@ -11,7 +11,7 @@ import aiohttp
 from aiohttp import web
 
 from engine.worker import EngineWorker
-from transfer.config import TransferConfig
+from transfer.config import TransferConfig, client_keepalive_s
 from transfer.handle import KvHandle
 from transfer.node_agent import make_agent, worker_pool_calls
 from transfer.peer_cache import PeerCache
@@ -43,7 +43,8 @@ class DecodeTransfer:
         app.on_cleanup.append(self._close)
 
     async def _start(self, app: web.Application) -> None:
-        self._session = aiohttp.ClientSession()
+        keepalive_s = client_keepalive_s(self.config.node_keepalive_s)
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(keepalive_timeout=keepalive_s))
         self._peers = PeerCache(self.agent, self._session, config=self.config)
         self._puller = Puller(self.agent, self.worker.engine.pool, self._peers, config=self.config,
                               pool_calls=worker_pool_calls(self.worker), store=self.worker.engine.store)

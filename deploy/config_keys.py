@@ -200,7 +200,8 @@ KEYS: Mapping[str, Key] = _table(
     Key("internal.drain_timeout_s", positive_float, 30.0, "On SIGTERM, how long admitted requests may take to "
         "finish.", unit="s"),
     Key("internal.keepalive_timeout_s", positive_float, 75.0, "An idle HTTP connection to a node is closed after "
-        "this.", unit="s"),
+        "this by the node; its callers (router, decode nodes) close theirs after half of it, at most 15 s.",
+        unit="s"),
     Key("internal.persist_timeout_s", positive_float, 300.0, "After the drain, the bound on writing the device "
         "and host tiers to disk (`kvrelay up` waits as long); raise it for host tiers over ~100 GiB.", unit="s"),
     # ---------------------------------------------------------------- prefill

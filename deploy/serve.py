@@ -131,7 +131,8 @@ def build_app(config: Any, role: str, index: int, *, name: str | None = None,
             request_timeout_s=r.request_timeout_s, max_n=r.max_n, internal_token=internal.token,
             load_weight_tokens=r.load_weight_tokens, long_context=config.decode.long_context,
             max_concurrent_requests=r.max_concurrent_requests, max_connections_per_node=r.max_connections_per_node,
-            connect_timeout_s=r.connect_timeout_s, prefill_dns=r.prefill_dns, decode_dns=r.decode_dns,
+            connect_timeout_s=r.connect_timeout_s, node_keepalive_timeout_s=internal.keepalive_timeout_s,
+            prefill_dns=r.prefill_dns, decode_dns=r.decode_dns,
             dns_interval_s=r.dns_interval_s, max_queued_requests=r.max_queued_requests,
             max_queued_bytes=r.max_queued_bytes, queue_timeout_s=r.queue_timeout_s,
             decode_reserve_tokens=r.decode_reserve_tokens, migration_limit=r.migration_limit,
@@ -167,7 +168,8 @@ def build_app(config: Any, role: str, index: int, *, name: str | None = None,
     restrict_transfer_to(internal.bind)  # before the NIXL agent exists
 
     transfer_config = TransferConfig(agent_name=name, lease_ttl_s=config.prefill.lease_ttl_s,
-                                     internal_token=internal.token, inject_faults=config.prefill.inject_faults)
+                                     internal_token=internal.token, inject_faults=config.prefill.inject_faults,
+                                     node_keepalive_s=internal.keepalive_timeout_s)
     from decode.config import DecodeConfig
 
     decode_config = DecodeConfig(config.decode.on_transfer_failure, config.decode.transfer_timeout_s,

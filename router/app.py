@@ -138,7 +138,8 @@ class Router:
         self.metrics = RouterMetrics()
         self.backends = Backends(internal_token=config.internal_token, timeout_s=config.request_timeout_s,
                                  connect_timeout_s=config.connect_timeout_s,
-                                 max_connections_per_node=config.max_connections_per_node)
+                                 max_connections_per_node=config.max_connections_per_node,
+                                 node_keepalive_s=config.node_keepalive_timeout_s)
         self.num_admitted = 0  # requests between admission and their last byte
         self.nodes: NodeSet | None = None
         self.dispatcher: Dispatcher | None = None

@@ -11,7 +11,7 @@ import aiohttp
 
 from router.node_state import Node
 from router.nodes import NodeLost
-from transfer.config import TOKEN_HEADER
+from transfer.config import TOKEN_HEADER, client_keepalive_s
 from transfer.wire import WireError, decode_release_reply, encode_lease_request, new_unpacker, unpack
 
 log = logging.getLogger(__name__)
@@ -54,30 +54,32 @@ class Backends:
             failure and is not timed here (the request's own deadline bounds it), so load never takes
             a healthy node out.
         max_connections_per_node: pooled request connections per node (each running request holds one).
+        node_keepalive_s: the nodes' idle-connection timeout; pooled connections idle for
+            `transfer.config.client_keepalive_s` of it are closed here first.
     """
 
     def __init__(self, *, internal_token: str | None, timeout_s: float, connect_timeout_s: float = 5.0,
-                 max_connections_per_node: int = 1024) -> None:
+                 max_connections_per_node: int = 1024, node_keepalive_s: float = 75.0) -> None:
         self._headers = {"Content-Type": "application/msgpack"}
         if internal_token:
             self._headers[TOKEN_HEADER] = internal_token
         self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s, sock_read=timeout_s)
         self._connect_timeout_s = connect_timeout_s
         self._limit = max_connections_per_node
+        self._keepalive_s = client_keepalive_s(node_keepalive_s)
         self._session: aiohttp.ClientSession | None = None
         self._control: aiohttp.ClientSession | None = None
         self._health: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
-        self._session = aiohttp.ClientSession(
-            timeout=self._timeout, headers=self._headers,
-            connector=aiohttp.TCPConnector(limit=0, limit_per_host=self._limit))
-        self._control = aiohttp.ClientSession(
-            timeout=self._timeout, headers=self._headers,
-            connector=aiohttp.TCPConnector(limit=0, limit_per_host=CONTROL_CONNECTIONS_PER_NODE))
-        self._health = aiohttp.ClientSession(
-            timeout=self._timeout, headers=self._headers,
-            connector=aiohttp.TCPConnector(limit=0, limit_per_host=HEALTH_CONNECTIONS_PER_NODE))
+        def pool(per_node: int) -> aiohttp.TCPConnector:
+            return aiohttp.TCPConnector(limit=0, limit_per_host=per_node, keepalive_timeout=self._keepalive_s)
+
+        self._session = aiohttp.ClientSession(timeout=self._timeout, headers=self._headers, connector=pool(self._limit))
+        self._control = aiohttp.ClientSession(timeout=self._timeout, headers=self._headers,
+                                              connector=pool(CONTROL_CONNECTIONS_PER_NODE))
+        self._health = aiohttp.ClientSession(timeout=self._timeout, headers=self._headers,
+                                             connector=pool(HEALTH_CONNECTIONS_PER_NODE))
 
     async def close(self) -> None:
         for session in (self._session, self._control, self._health):

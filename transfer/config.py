@@ -22,6 +22,16 @@ LEASE_HEADER = "X-Kvrelay-Lease"
 PUBLISH_FAULTS = ("corrupt_published_block", "overwrite_leased_blocks", "handle_names_absent_blocks",
                   "handle_with_other_keys", "malformed_handle")
 HANDLE_FAULTS = frozenset(PUBLISH_FAULTS[2:])
+# aiohttp's own idle time for a pooled client connection.
+AIOHTTP_CLIENT_KEEPALIVE_S = 15.0
+
+
+def client_keepalive_s(node_keepalive_s: float) -> float:
+    """How long a pooled connection to a node may sit idle on the caller's side (the router's, a decode node's
+    to its prefill nodes): half the node's own idle timeout (``internal.keepalive_timeout_s``), so that the
+    caller always closes first and never sends a request down a connection the node is closing, and at most
+    aiohttp's default (15 s). Seconds."""
+    return min(AIOHTTP_CLIENT_KEEPALIVE_S, node_keepalive_s / 2)
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +51,8 @@ class TransferConfig:
         inject_faults: `PUBLISH_FAULTS` to inject (tests only).
         max_quarantined_blocks: blocks a reader may hold back for abandoned reads before `pull`
             refuses new work (see `Puller`).
+        node_keepalive_s: the nodes' idle-connection timeout (``internal.keepalive_timeout_s``); a reader's
+            pooled connections to owners close after `client_keepalive_s` of it.
     """
 
     agent_name: str
@@ -52,13 +64,14 @@ class TransferConfig:
     reap_interval_s: float = 0.5
     notif_poll_interval_s: float = 0.005
     max_quarantined_blocks: int = 1 << 20
+    node_keepalive_s: float = 75.0
     inject_faults: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.agent_name or len(self.agent_name) > 128:
             raise ValueError(f"transfer.agent_name must be 1..128 characters, got {self.agent_name!r}")
         for name in ("lease_ttl_s", "handshake_timeout_s", "renew_timeout_s", "reap_interval_s",
-                     "notif_poll_interval_s"):
+                     "notif_poll_interval_s", "node_keepalive_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"transfer.{name} must be a positive number of seconds, got {value!r}")

@@ -226,3 +226,25 @@ def test_several_prompts_make_one_request_each_and_echo_keeps_the_prompt_text(se
                             served) == "round trip"
     with pytest.raises(ApiError, match="tokens is required"):
         parse_detokenize({"model": "tiny"}, served)
+
+
+@pytest.mark.parametrize(("node_keepalive_s", "client_s"), [(75.0, 15.0), (30.0, 15.0), (20.0, 10.0), (2.0, 1.0)])
+def test_pooled_connections_to_nodes_close_before_the_nodes_close_them(node_keepalive_s, client_s):
+    """The router's three pools and a decode node's pool to its owners idle out at half the nodes' own
+    keep-alive (at most aiohttp's 15 s): the caller closes first, so no request goes down a closing connection."""
+    import asyncio
+
+    from router.backends import Backends
+    from transfer.config import client_keepalive_s
+
+    assert client_keepalive_s(node_keepalive_s) == client_s
+
+    async def pools() -> list[float]:
+        backends = Backends(internal_token=None, timeout_s=5.0, node_keepalive_s=node_keepalive_s)
+        await backends.start()
+        try:
+            return [s.connector._keepalive_timeout for s in (backends._session, backends._control, backends._health)]
+        finally:
+            await backends.close()
+
+    assert asyncio.run(pools()) == [client_s] * 3
