@@ -9,7 +9,8 @@ split over torch's own thread pool (``at::parallel_for``). Measured here for Smo
 query heads, 3 KV heads, 64 dims, 288-token contexts, bf16, 2 threads): 21 µs against 112 µs at 1
 sequence, 262 µs against 421 µs at 16.
 
-It is compiled on first use with torch's extension builder (g++, about 20 s, once per machine:
+It is compiled on first use with torch's extension builder (g++, about 20 s, once per machine, with
+``csrc/small_ops.cpp`` beside it as one extension, `kernels.cpu_build.CPU_KERNELS`:
 cached under ``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``). ``-ffast-math`` lets the
 compiler vectorize ``exp`` (glibc's vector math); scores are finite by construction (the softmax
 subtracts the row maximum), so only the summation order differs from the reference (observed
@@ -19,21 +20,18 @@ subtracts the row maximum), so only the summation order differs from the referen
 
 from __future__ import annotations
 
-from pathlib import Path
 from types import ModuleType
 
 import torch
 
 from kernels import reference
-from kernels.cpu_build import LazyExtension
-
-SOURCE = Path(__file__).parent / "csrc" / "decode_attention.cpp"
-_EXTENSION = LazyExtension("kvrelay_cpu_attention", SOURCE, "CPU decode attention through torch ops")
+from kernels.cpu_build import CPU_KERNELS
 
 
 def load() -> ModuleType | None:
-    """The compiled extension (built on first call), or None when disabled or the build failed."""
-    return _EXTENSION.load()
+    """The compiled extension (`kernels.cpu_build.CPU_KERNELS`, built on first call), or None when disabled or the
+    build failed."""
+    return CPU_KERNELS.load()
 
 
 def paged_decode_attention(ext: ModuleType, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

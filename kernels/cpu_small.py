@@ -17,21 +17,19 @@ keeps F.linear.
 
 from __future__ import annotations
 
-from pathlib import Path
 from types import ModuleType
 
 import torch
 
-from kernels.cpu_build import LazyExtension
+from kernels.cpu_build import CPU_KERNELS
 
-SOURCE = Path(__file__).parent / "csrc" / "small_ops.cpp"
 MAX_ROWS = 16  # measured: equal to F.linear at 32 rows, faster below
-_EXTENSION = LazyExtension("kvrelay_cpu_small_ops", SOURCE, "F.linear and torch's RMSNorm instead")
 
 
 def load() -> ModuleType | None:
-    """The compiled extension (built on first call), or None when disabled or the build failed."""
-    return _EXTENSION.load()
+    """The compiled extension (`kernels.cpu_build.CPU_KERNELS`, built on first call), or None when disabled or the
+    build failed."""
+    return CPU_KERNELS.load()
 
 
 def small_linear(ext: ModuleType, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -10,12 +10,11 @@
 //   sinks        None, or float32 [Hq] contiguous: one more softmax logit per query head, not scaled (gpt-oss)
 //   returns      [N, Hq, D] in q's dtype
 // Work is split over (sequence, kv head) pairs with at::parallel_for (torch's thread pool).
+// Bound into Python by small_ops.cpp (one extension, its two files compiled side by side).
 // Narrow headers, not <torch/extension.h>: that one parses for ~40 s here, and every clean clone (CI) builds
-// these files; with these each builds in ~15 s.
+// these files.
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
-#include <torch/csrc/utils/pybind.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -148,8 +147,4 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v
     TORCH_CHECK(false, "paged_decode_attention: dtype must be float32 or bfloat16, got ", q.scalar_type());
   }
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
 }

@@ -10,6 +10,8 @@
 // ~10 GB/s here against ~20 GB/s of read bandwidth). Output rows are split over torch's thread pool.
 // Sums run in another order than F.linear's (and -ffast-math lets the compiler reassociate): results differ
 // in the last bits, as any two BLAS libraries do.
+// This file also holds the Python module of the whole extension (kernels/cpu_build.py: CPU_KERNELS), whose
+// other file, decode_attention.cpp, compiles beside it.
 // Narrow headers, not <torch/extension.h>: that one parses for ~40 s here, and every clean clone (CI) builds
 // these files; with these each builds in ~15 s.
 #include <ATen/core/Tensor.h>
@@ -117,7 +119,13 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps) {
   return y;
 }
 
+// decode_attention.cpp
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                  at::Tensor block_tables, at::Tensor seq_lens, double scale,
+                                  int64_t window, c10::optional<at::Tensor> sinks);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_linear", &small_linear, "y = x W^T + b for a few rows of x (CPU, float32)");
   m.def("rms_norm", &rms_norm, "Llama RMSNorm per row (CPU, float32)");
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
 }
