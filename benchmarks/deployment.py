@@ -143,7 +143,7 @@ class Deployment:
                 self.stop()
                 raise RuntimeError(f"kvrelay up did not become ready; router /health: {health}\n"
                                    + "".join(self.log[-40:]))
-            time.sleep(0.2)
+            time.sleep(0.05)
         nodes = json.loads(get_text(self.url + "/health"))["nodes"]
         self.prefill_urls = [n["url"] for name, n in sorted(nodes.items()) if name.startswith("prefill")]
         self.decode_urls = [n["url"] for name, n in sorted(nodes.items()) if name.startswith("decode")]
