@@ -2,10 +2,11 @@
 
 At 1 to 16 rows a float32 linear layer reads every weight once and does little else: it is bound by memory
 bandwidth. oneDNN/MKL's matrix-vector path reads SmolLM2's weights at ~10 GB/s on this 2-core machine, whose
-read bandwidth is ~20 GB/s, and its few-row path (2 to 16 rows) at ~5 GB/s. The extension reads four weight
-rows at a time against each load of ``x`` (measured here on SmolLM2's 121 weights: 1.6× F.linear at 1 row,
-3.1× at 2, 2.1× at 8, 1.3× at 16, even at 32). `model.linear_kernel.LinearKernel` uses it for float32 weights
-at up to `MAX_ROWS` rows; ``KVRELAY_CPU_KERNELS=0`` turns it off with the other C++ CPU kernels.
+read bandwidth is ~20 GB/s, and its few-row path (2 to 16 rows) at ~5 GB/s. The extension reads eight weight
+rows at a time against each load of ``x`` (measured on the AVX2 VM with four rows, on SmolLM2's 121 weights: 1.6×
+F.linear at 1 row, 3.1× at 2, 2.1× at 8, 1.3× at 16, even at 32; eight rows gave 5-25% more GB/s than four at 1
+and 4 rows on a Zen 4 VM, for its AVX-512 and its AVX2 code alike). `model.linear_kernel.LinearKernel` uses it
+for float32 weights at up to `MAX_ROWS` rows; ``KVRELAY_CPU_KERNELS=0`` turns it off with the other C++ CPU kernels.
 
 `rms_norm` is Llama's RMSNorm in one pass per row: torch's composite (pow, mean, add, rsqrt, mul) took ~70 µs
 per call on a 576-wide row here, 61 calls a step (~4 ms of a ~48 ms batch-1 step); `model.llama.RMSNorm` uses
