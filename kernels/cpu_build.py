@@ -5,7 +5,7 @@ All of them are one extension, `CPU_KERNELS` (`kernels.cpu_small` and `kernels.c
 the machine's cores; cached per machine under ``~/.cache/torch_extensions``) the first time and returns the
 module, or None when ``KVRELAY_CPU_KERNELS=0`` turns the C++ kernels off or the build failed (logged once;
 callers keep their torch path). One extension, not one per file: a clean clone (CI, a user's first start)
-builds them in the time of the slower file (~18 s here) instead of both in turn (~33 s).
+builds the files at once instead of one after the other (11.9 s against 22.2 s on a 2-core Zen 4 VM).
 """
 
 from __future__ import annotations

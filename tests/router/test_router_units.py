@@ -230,8 +230,10 @@ def test_several_prompts_make_one_request_each_and_echo_keeps_the_prompt_text(se
 
 @pytest.mark.parametrize(("node_keepalive_s", "client_s"), [(75.0, 15.0), (30.0, 15.0), (20.0, 10.0), (2.0, 1.0)])
 def test_pooled_connections_to_nodes_close_before_the_nodes_close_them(node_keepalive_s, client_s):
-    """The router's three pools and a decode node's pool to its owners idle out at half the nodes' own
-    keep-alive (at most aiohttp's 15 s): the caller closes first, so no request goes down a closing connection."""
+    """The router's three pools idle out at half the nodes' own keep-alive (at most aiohttp's 15 s; a decode
+    node's pool to its owners takes the same `client_keepalive_s`): the caller closes first, so no request goes
+    down a connection the node is closing. test_load's 4,000-client variants (`-m slow`) run with a 2 s node
+    keep-alive and assert that no node was ever taken out."""
     import asyncio
 
     from router.backends import Backends
