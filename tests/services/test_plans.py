@@ -79,6 +79,10 @@ def test_auto_keeps_short_and_held_prompts_on_the_decode_node_and_sends_long_one
         assert complete(c.url, warm) == expected[0]
         assert plans(c.url) == (1, 0) and pulled_bytes(decode) > 0
         wait_for_the_pull_rate(c)
+        # The router's index of the decode node: the 37 pulled blocks, and the 38th, filled by decoding, whose KV
+        # event comes a little after the answer (reading the count before it came made the check below wait for
+        # 53 while the index went from 38 to 54).
+        wait_for(lambda: decode_node(c)["kv_keys"] == (600 + 15) // 16, what="the warm request's 38 blocks indexed")
         before, keys = pulled_bytes(decode), decode_node(c)["kv_keys"]
         # An idle decode node takes a shorter prompt itself: no pull, and its blocks are published like a prefill
         # node's (KV events: the router's index has them).
