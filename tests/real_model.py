@@ -35,7 +35,7 @@ def cache_dir() -> Path:
 
 def real_model() -> RealModel:
     """Download (once), unpack the GGUF (once) and pull float32 (once); later calls only look. Processes that
-    call it at once (pytest-xdist's workers) take turns on a lock file in the cache, so only one downloads."""
+    call it at once (two test runs on one machine) take turns on a lock file in the cache, so only one downloads."""
     root = cache_dir() / NAME
     root.mkdir(parents=True, exist_ok=True)
     with (root / ".lock").open("w") as lock:

@@ -8,13 +8,14 @@
 // At one to a few rows a linear layer is a matrix-vector product that reads every weight once: memory-bound.
 // Eight weight rows at a time give eight independent sums that share each load of x (oneDNN/MKL's sgemv reaches
 // ~10 GB/s on the AVX2 VM against ~20 GB/s of read bandwidth). Eight rows, not four: 5-25% more GB/s at 1 and 4
-// rows on SmolLM2's shapes, AVX-512 and AVX2 code alike (measured on a Zen 4 VM, 2026-12-04). Output rows are split over torch's thread pool.
+// rows on SmolLM2's shapes, AVX-512 and AVX2 code alike (measured on a Zen 4 VM, 2026-12-04). Output rows are
+// split over torch's thread pool.
 // Sums run in another order than F.linear's (and -ffast-math lets the compiler reassociate): results differ
 // in the last bits, as any two BLAS libraries do.
 // This file also holds the Python module of the whole extension (kernels/cpu_build.py: CPU_KERNELS), whose
 // other file, decode_attention.cpp, compiles beside it.
-// Narrow headers, not <torch/extension.h>: that one parses for ~40 s here, and every clean clone (CI) builds
-// these files; with these each builds in ~15 s.
+// Narrow headers, not <torch/extension.h>: that one parses for ~40 s on the AVX2 VM, and every clean clone (CI)
+// builds these files.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -113,7 +114,8 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps) {
   return y;
 }
 
-// decode_attention.cpp
+// Defined in decode_attention.cpp. A declaration that drifted from the definition would name another (mangled)
+// symbol, and the extension would fail to import: the CPU kernel tests load it.
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                                   at::Tensor block_tables, at::Tensor seq_lens, double scale,
                                   int64_t window, c10::optional<at::Tensor> sinks);
