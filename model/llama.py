@@ -43,14 +43,14 @@ class RMSNorm(nn.Module):
         self.fast: ModuleType | None = None  # set by `prepare`
 
     def prepare(self) -> None:
-        """Take the one-pass C++ RMSNorm (`kernels.cpu_small`) for float32 inputs when the weight is a float32
-        CPU tensor and the extension built; same math."""
+        """Take the one-pass C++ RMSNorm (`kernels.cpu_small`) when the weight is a float32 CPU tensor, or a bf16
+        one scaled after the cast back (Llama's order), and the extension built; same math."""
         w = self.weight
-        self.fast = cpu_small.load() if w.dtype == torch.float32 and w.device.type == "cpu" and w.is_contiguous() \
-            else None
+        takes = w.dtype == torch.float32 or (w.dtype == torch.bfloat16 and not self.scale_in_float32)
+        self.fast = cpu_small.load() if takes and w.device.type == "cpu" and w.is_contiguous() else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fast is not None and x.dtype == torch.float32 and x.device.type == "cpu":
+        if self.fast is not None and x.dtype == self.weight.dtype and x.device.type == "cpu":
             return cpu_small.rms_norm(self.fast, x, self.weight, self.eps)
         normed = F.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=self.eps)
         if self.scale_in_float32:

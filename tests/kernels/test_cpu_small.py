@@ -78,11 +78,25 @@ def test_rms_norm_equals_a_float64_norm(ext, shape: tuple[int, ...]) -> None:
 def test_rms_norm_refuses_bad_inputs_by_name(ext) -> None:
     with pytest.raises(RuntimeError, match="x must be \\[T, H\\] and w \\[H\\]"):
         ext.rms_norm(torch.randn(2, 8), torch.randn(7), 1e-6)
-    with pytest.raises(RuntimeError, match="must be float32"):
+    with pytest.raises(RuntimeError, match="must both be float32 or both bfloat16"):
         ext.rms_norm(torch.randn(2, 8).double(), torch.randn(8), 1e-6)
 
 
-def test_the_model_s_rms_norm_takes_it_for_float32_only(ext) -> None:
+def test_rms_norm_in_bf16_equals_llama_s_cast_then_scale(ext) -> None:
+    """bf16: normalised in float32, rounded to bf16, then scaled by the bf16 weight (`model.llama.RMSNorm`)."""
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(33, 576, generator=g) * 3).bfloat16()
+    w = torch.randn(576, generator=g).bfloat16()
+    got = cpu_small.rms_norm(ext, x, w, 1e-5)
+    want = w * F.rms_norm(x.double(), (576,), eps=1e-5).bfloat16()
+    assert got.dtype == torch.bfloat16 and got.shape == x.shape
+    # float32 sums against float64: the normalised value may round to the neighbouring bf16, no further
+    torch.testing.assert_close(got.double(), want.double(), rtol=2**-7, atol=0)
+    with pytest.raises(RuntimeError, match="must both be float32 or both bfloat16"):
+        ext.rms_norm(x, w.float(), 1e-6)
+
+
+def test_the_model_s_rms_norm_takes_it_for_float32_and_bf16(ext) -> None:
     from model.llama import RMSNorm
 
     norm = RMSNorm(64, 1e-6)
@@ -94,5 +108,97 @@ def test_the_model_s_rms_norm_takes_it_for_float32_only(ext) -> None:
     want = norm.weight * torch.nn.functional.rms_norm(x, (64,), eps=1e-6)
     torch.testing.assert_close(norm(x), want, rtol=1e-5, atol=1e-5)
     assert torch.equal(norm(x), cpu_small.rms_norm(ext, x, norm.weight, 1e-6))
-    xb = x.bfloat16()  # bf16 keeps torch's path: cast back before scaling, as Llama does
+    xb = x.bfloat16()  # a float32 weight over bf16 x keeps torch's path (float32 out)
     assert torch.equal(norm(xb), norm.weight * torch.nn.functional.rms_norm(xb.float(), (64,), eps=1e-6).bfloat16())
+    bf = RMSNorm(64, 1e-6).bfloat16()
+    bf.weight.data.normal_()
+    torch_path = bf(xb)
+    bf.prepare()
+    assert bf.fast is ext and torch.equal(bf(xb), cpu_small.rms_norm(ext, xb, bf.weight, 1e-6))
+    torch.testing.assert_close(bf(xb).double(), torch_path.double(), rtol=2**-7, atol=0)
+    gpt_oss = RMSNorm(64, 1e-6, scale_in_float32=True).bfloat16()  # scaled before the cast: torch's path
+    gpt_oss.prepare()
+    assert gpt_oss.fast is None
+
+
+def _bf16_product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x.double(), w.double(), None if b is None else b.double())
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 17])  # tiles of eight rows and their rest
+@pytest.mark.parametrize("shape", [(960, 576), (3, 5), (17, 33), (49, 1536)])  # whole and partial groups, odd in
+@pytest.mark.parametrize("bias", [False, True])
+def test_blocked_linear_equals_a_float64_product_rounded_to_bf16(ext, rows: int, shape: tuple[int, int],
+                                                                  bias: bool) -> None:
+    out, inp = shape
+    g = torch.Generator().manual_seed(rows * 100 + out + inp)
+    x = torch.randn(rows, inp, generator=g).bfloat16()
+    w = (torch.randn(out, inp, generator=g) * 0.05).bfloat16()
+    b = torch.randn(out, generator=g).bfloat16() if bias else None
+    blocked = cpu_small.block_weight(w)
+    assert blocked.shape == (-(-out // 16), -(-inp // 2), 16, 2)
+    got = cpu_small.blocked_linear(ext, x, blocked, b, out)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out)
+    want = _bf16_product(x, w, b)
+    # float32 sums of exact bf16 products: at most the neighbouring bf16 of the float64 result
+    torch.testing.assert_close(got.double(), want, rtol=2**-7, atol=1e-4)
+
+
+def test_block_weight_layout() -> None:
+    """Block (g, j) holds output rows 16g..16g+15 by inputs 2j, 2j+1; padding is zero."""
+    w = torch.arange(20 * 3, dtype=torch.float32).view(20, 3).bfloat16()
+    blocked = cpu_small.block_weight(w)
+    assert blocked.shape == (2, 2, 16, 2)
+    assert torch.equal(blocked[0, 0, 5], w[5, 0:2]) and torch.equal(blocked[1, 1, 3, 0], w[19, 2])
+    assert blocked[1, 1, 3, 1] == 0 and blocked[1, 0, 4:].abs().sum() == 0
+
+
+def test_blocked_linear_refuses_bad_inputs_by_name(ext) -> None:
+    w = cpu_small.block_weight(torch.randn(20, 6).bfloat16())
+    x = torch.randn(1, 6).bfloat16()
+    with pytest.raises(RuntimeError, match="x has 7 columns, wb 3 pairs"):
+        cpu_small.blocked_linear(ext, torch.randn(1, 7).bfloat16(), w, None, 20)
+    with pytest.raises(RuntimeError, match="must be bfloat16"):
+        cpu_small.blocked_linear(ext, x.float(), w, None, 20)
+    with pytest.raises(RuntimeError, match="33 outputs do not fit 2 groups of 16"):
+        cpu_small.blocked_linear(ext, x, w, None, 33)
+    with pytest.raises(RuntimeError, match="bias must be bfloat16 \\[out\\]"):
+        cpu_small.blocked_linear(ext, x, w, torch.randn(19).bfloat16(), 20)
+    with pytest.raises(RuntimeError, match="must be contiguous"):
+        cpu_small.blocked_linear(ext, torch.randn(6, 2).bfloat16().t(), w, None, 20)
+
+
+def test_linear_kernel_takes_blocked_for_bf16_at_up_to_its_rows_only(ext, monkeypatch) -> None:
+    w, b = (torch.randn(40, 32) * 0.1).bfloat16(), torch.randn(40).bfloat16()
+    kernel = LinearKernel(w, b)
+    assert kernel.blocks is ext and kernel.small is None
+    calls: list[int] = []
+    real = cpu_small.blocked_linear
+    monkeypatch.setattr(cpu_small, "blocked_linear", lambda e, x, *a: calls.append(x.shape[0]) or real(e, x, *a))
+    for rows in (1, cpu_small.BLOCKED_MAX_ROWS, cpu_small.BLOCKED_MAX_ROWS + 1, 64):
+        x = torch.randn(rows, 32).bfloat16()
+        torch.testing.assert_close(kernel(x).double(), _bf16_product(x, w, b), rtol=2**-7, atol=1e-4)
+    assert calls == [1, cpu_small.BLOCKED_MAX_ROWS]
+    assert LinearKernel(w.float(), None).blocks is None
+
+
+def test_blocked_linear_without_avx512_bf16_gives_the_same_results(tmp_path) -> None:
+    """The plain C++ path (CPUs without AVX512-BF16) sums the same layout in float32: built here with the
+    instructions turned off, it agrees with the product as the VDPBF16PS path does."""
+    import shutil
+
+    from torch.utils.cpp_extension import load as build
+
+    if shutil.which("g++") is None:
+        pytest.fail("g++ is needed to build the C++ kernels")
+    from kernels.cpu_build import CFLAGS, CSRC
+
+    plain = build("kvrelay_small_ops_no_bf16", [str(CSRC / "small_ops.cpp"), str(CSRC / "decode_attention.cpp")],
+                  extra_cflags=[*CFLAGS, "-mno-avx512bf16"], build_directory=str(tmp_path), verbose=False)
+    g = torch.Generator().manual_seed(3)
+    for rows, (out, inp) in ((1, (960, 576)), (9, (17, 33))):
+        x = torch.randn(rows, inp, generator=g).bfloat16()
+        w = (torch.randn(out, inp, generator=g) * 0.05).bfloat16()
+        b = torch.randn(out, generator=g).bfloat16()
+        got = cpu_small.blocked_linear(plain, x, cpu_small.block_weight(w), b, out)
+        torch.testing.assert_close(got.double(), _bf16_product(x, w, b), rtol=2**-7, atol=1e-4)
