@@ -97,3 +97,24 @@ def supports_blocked(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether `blocked_linear` takes this weight (and bias): bf16 on the CPU."""
     return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
             and (bias is None or (bias.dtype == torch.bfloat16 and bias.dim() == 1)))
+
+
+def rotary(ext: ModuleType, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`model.rope.apply_rotary` through ``ext``: x float32 or bf16 ``[T, H, D]`` (last dimension contiguous),
+    cos and sin ``[T, D]`` of x's dtype; returns a new contiguous ``[T, H, D]``, bit for bit as torch's ops.
+
+    Raises:
+        RuntimeError: naming the shape, dtype or layout that does not fit.
+    """
+    return ext.rotary(x, cos.contiguous(), sin.contiguous())
+
+
+def silu_mul(ext: ModuleType, gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` through ``ext`` for ``gate, up = gate_up.chunk(2, -1)``: gate_up float32 or bf16
+    ``[T, 2I]`` (last dimension contiguous); returns ``[T, I]`` of its dtype (bf16: silu rounded to bf16 before the
+    product, as torch's two ops; its exp may differ from torch's in the last float32 bit).
+
+    Raises:
+        RuntimeError: naming the shape, dtype or layout that does not fit.
+    """
+    return ext.silu_mul(gate_up)

@@ -88,6 +88,7 @@ class Attention(nn.Module):
         self.window = config.layer_window(layer_idx)
         self.qkv: LinearKernel | None = None  # set by `prepare`
         self.out: LinearKernel | None = None
+        self.small_ops: ModuleType | None = None
         self.sinks_f32: torch.Tensor | None = None
 
     def prepare(self) -> None:
@@ -95,6 +96,7 @@ class Attention(nn.Module):
         the fastest matmul kernels for it and o_proj."""
         self.qkv = LinearKernel(*_fuse_linears(self.q_proj, self.k_proj, self.v_proj))
         self.out = LinearKernel(self.o_proj.weight, self.o_proj.bias)
+        self.small_ops = _small_ops_for(self.o_proj.weight)
         if self.has_sinks:
             self.sinks_f32 = self.sinks.detach().float().contiguous()
 
@@ -111,7 +113,7 @@ class Attention(nn.Module):
         cos, sin = cos_sin
         if self.qkv is not None and not self.qk_norm:  # q and k side by side: one rotation for both
             qk, v = self.qkv(x).split([(heads + kv_heads) * dim, kv_heads * dim], dim=-1)
-            q, k = apply_rotary(qk.reshape(t, heads + kv_heads, dim), cos, sin).split([heads, kv_heads], dim=1)
+            q, k = self._rotate(qk.reshape(t, heads + kv_heads, dim), cos, sin).split([heads, kv_heads], dim=1)
         else:
             if self.qkv is not None:
                 q, k, v = self.qkv(x).split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
@@ -120,7 +122,7 @@ class Attention(nn.Module):
             q, k = q.reshape(t, heads, dim), k.reshape(t, kv_heads, dim)
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
         v = v.reshape(t, kv_heads, dim)
         sinks = None
         if self.has_sinks:
@@ -129,6 +131,12 @@ class Attention(nn.Module):
                               window=self.window, sinks=sinks)
         out = out.reshape(t, self.num_heads * self.head_dim)
         return self.out(out) if self.out is not None else self.o_proj(out)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """`apply_rotary`, in one C++ pass where `prepare` found the CPU kernels (same bits)."""
+        if self.small_ops is not None and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
+            return cpu_small.rotary(self.small_ops, x, cos, sin)
+        return apply_rotary(x, cos, sin)
 
 
 class MLP(nn.Module):
@@ -143,18 +151,32 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, config.hidden_size, bias=bias)
         self.gate_up: LinearKernel | None = None  # set by `prepare`
         self.down: LinearKernel | None = None
+        self.small_ops: ModuleType | None = None
 
     def prepare(self) -> None:
         """One ``[gate; up]`` weight for one matmul a step (gate/up_proj become views of it), and the
         fastest matmul kernels for it and down_proj."""
         self.gate_up = LinearKernel(*_fuse_linears(self.gate_proj, self.up_proj))
         self.down = LinearKernel(self.down_proj.weight, self.down_proj.bias)
+        self.small_ops = _small_ops_for(self.down_proj.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None and self.down is not None:
-            gate, up = self.gate_up(x).chunk(2, dim=-1)
+            gate_up = self.gate_up(x)
+            if (self.small_ops is not None and gate_up.dim() == 2 and gate_up.device.type == "cpu"
+                    and gate_up.dtype in (torch.float32, torch.bfloat16)):
+                return self.down(cpu_small.silu_mul(self.small_ops, gate_up))
+            gate, up = gate_up.chunk(2, dim=-1)
             return self.down(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _small_ops_for(weight: torch.Tensor) -> ModuleType | None:
+    """The C++ CPU kernels (`kernels.cpu_small`) for a layer whose weights are float32 or bf16 on the CPU, else
+    None (torch's ops)."""
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    return cpu_small.load()
 
 
 def _fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -26,10 +26,12 @@ namespace {
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 
-template <typename T>
-void decode_kernel(const T* q, const T* k_cache, const T* v_cache, int64_t block_stride, const int32_t* tables,
-                   int64_t table_width, const int64_t* lens, T* out, int64_t n_seqs, int64_t hq, int64_t hkv,
-                   int64_t block_size, int64_t d, float scale, int64_t window, const float* sinks) {
+// DC: the head dim when known at compile time (64, 128: fully unrolled, vectorized loops), else 0 (d_any).
+template <typename T, int DC>
+void decode_heads(const T* q, const T* k_cache, const T* v_cache, int64_t block_stride, const int32_t* tables,
+                  int64_t table_width, const int64_t* lens, T* out, int64_t n_seqs, int64_t hq, int64_t hkv,
+                  int64_t block_size, int64_t d_any, float scale, int64_t window, const float* sinks) {
+  const int64_t d = DC > 0 ? DC : d_any;
   const int64_t group = hq / hkv;
   at::parallel_for(0, n_seqs * hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * d), acc(group * d), row(d), scores;
@@ -90,6 +92,21 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, int64_t block
         for (int64_t i = 0; i < d; ++i) out[(n * hq + head0 + g) * d + i] = static_cast<T>(acc[g * d + i]);
     }
   });
+}
+
+template <typename T>
+void decode_kernel(const T* q, const T* k_cache, const T* v_cache, int64_t block_stride, const int32_t* tables,
+                   int64_t table_width, const int64_t* lens, T* out, int64_t n_seqs, int64_t hq, int64_t hkv,
+                   int64_t block_size, int64_t d, float scale, int64_t window, const float* sinks) {
+  if (d == 64)
+    decode_heads<T, 64>(q, k_cache, v_cache, block_stride, tables, table_width, lens, out, n_seqs, hq, hkv, block_size,
+                        d, scale, window, sinks);
+  else if (d == 128)
+    decode_heads<T, 128>(q, k_cache, v_cache, block_stride, tables, table_width, lens, out, n_seqs, hq, hkv,
+                         block_size, d, scale, window, sinks);
+  else
+    decode_heads<T, 0>(q, k_cache, v_cache, block_stride, tables, table_width, lens, out, n_seqs, hq, hkv, block_size,
+                       d, scale, window, sinks);
 }
 
 void check_cache(const at::Tensor& cache, const at::Tensor& q, const char* name) {

@@ -252,6 +252,95 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps) {
   return y;
 }
 
+// rotary: NeoX-style rotation (model/rope.py apply_rotary) in one pass: y = x * cos + rotate_half(x) * sin, where
+// rotate_half(x) = [-x[D/2:], x[:D/2]].
+//   x   [T, H, D] float32 or bfloat16, last dimension contiguous (rows may be strided: a split of a wider matmul)
+//   cos, sin [T, D] of x's dtype, contiguous
+//   returns [T, H, D] of x's dtype, contiguous, rounded as torch's three ops are: each product to x's dtype, then
+//   their sum (the same bits, float32 and bf16).
+namespace {
+
+// Products rounded apart from the sum (no FMA contraction under -ffast-math): float32 then equals torch's ops.
+template <typename T>
+__attribute__((optimize("fp-contract=off"))) void rotary_head(const T* x, const T* c, const T* s, T* y,
+                                                             int64_t d) {
+  const int64_t half = d / 2;
+  for (int64_t i = 0; i < d; ++i) {
+    const float rot = i < half ? -static_cast<float>(x[i + half]) : static_cast<float>(x[i - half]);
+    const T a = static_cast<T>(static_cast<float>(x[i]) * static_cast<float>(c[i]));
+    const T b = static_cast<T>(rot * static_cast<float>(s[i]));
+    y[i] = static_cast<T>(static_cast<float>(a) + static_cast<float>(b));
+  }
+}
+
+template <typename T>
+void rotary_rows(const T* xp, int64_t xs0, int64_t xs1, const T* cp, const T* sp, T* yp, int64_t t_rows,
+                 int64_t heads, int64_t d) {
+  at::parallel_for(0, t_rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t h = 0; h < heads; ++h) rotary_head(xp + t * xs0 + h * xs1, cp + t * d, sp + t * d,
+                                                      yp + (t * heads + h) * d, d);
+  });
+}
+
+// silu(g) * u per element, g and u the two halves of each row (a fused [gate; up] matmul's output); bf16 rounds
+// silu's result to bf16 before the product, as torch's two ops do.
+template <typename T>
+void silu_mul_rows(const T* xp, int64_t xs0, T* yp, int64_t t_rows, int64_t inter) {
+  at::parallel_for(0, t_rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* g = xp + t * xs0;
+      const T* u = g + inter;
+      T* y = yp + t * inter;
+#pragma omp simd
+      for (int64_t i = 0; i < inter; ++i) {
+        const float gf = static_cast<float>(g[i]);
+        const T act = static_cast<T>(gf / (1.0f + std::exp(-gf)));
+        y[i] = static_cast<T>(static_cast<float>(act) * static_cast<float>(u[i]));
+      }
+    }
+  });
+}
+
+bool float_or_bf16(const at::Tensor& x) {
+  return x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16;
+}
+
+}  // namespace
+
+at::Tensor rotary(at::Tensor x, at::Tensor cos, at::Tensor sin) {
+  TORCH_CHECK(x.dim() == 3 && cos.dim() == 2 && sin.sizes() == cos.sizes() && cos.size(0) == x.size(0) &&
+                  cos.size(1) == x.size(2) && x.size(2) % 2 == 0,
+              "rotary: x must be [T, H, D] (D even) and cos, sin [T, D]");
+  TORCH_CHECK(float_or_bf16(x) && cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
+              "rotary: x, cos and sin must all be float32 or all bfloat16");
+  TORCH_CHECK(x.stride(2) == 1 && cos.is_contiguous() && sin.is_contiguous(),
+              "rotary: x's last dimension, cos and sin must be contiguous");
+  auto y = at::empty({x.size(0), x.size(1), x.size(2)}, x.options());
+  if (x.scalar_type() == at::kFloat)
+    rotary_rows(x.data_ptr<float>(), x.stride(0), x.stride(1), cos.data_ptr<float>(), sin.data_ptr<float>(),
+                y.data_ptr<float>(), x.size(0), x.size(1), x.size(2));
+  else
+    rotary_rows(x.data_ptr<at::BFloat16>(), x.stride(0), x.stride(1), cos.data_ptr<at::BFloat16>(),
+                sin.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(), x.size(0), x.size(1), x.size(2));
+  return y;
+}
+
+//   gate_up [T, 2 I] float32 or bfloat16, last dimension contiguous; returns [T, I] silu(gate) * up, contiguous.
+at::Tensor silu_mul(at::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "silu_mul: gate_up must be [T, 2 I]");
+  TORCH_CHECK(float_or_bf16(gate_up), "silu_mul: gate_up must be float32 or bfloat16");
+  TORCH_CHECK(gate_up.stride(1) == 1, "silu_mul: gate_up's last dimension must be contiguous");
+  const int64_t inter = gate_up.size(1) / 2;
+  auto y = at::empty({gate_up.size(0), inter}, gate_up.options());
+  if (gate_up.scalar_type() == at::kFloat)
+    silu_mul_rows(gate_up.data_ptr<float>(), gate_up.stride(0), y.data_ptr<float>(), gate_up.size(0), inter);
+  else
+    silu_mul_rows(gate_up.data_ptr<at::BFloat16>(), gate_up.stride(0), y.data_ptr<at::BFloat16>(),
+                  gate_up.size(0), inter);
+  return y;
+}
+
 // Defined in decode_attention.cpp. A declaration that drifted from the definition would name another (mangled)
 // symbol, and the extension would fail to import: the CPU kernel tests load it.
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
@@ -261,6 +350,8 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_linear", &small_linear, "y = x W^T + b for a few rows of x (CPU, float32)");
   m.def("blocked_linear", &blocked_linear, "y = x W^T + b for a few rows of x, W blocked (CPU, bf16)");
+  m.def("rotary", &rotary, "NeoX rotary embedding of [T, H, D] (CPU, float32 or bf16)");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a [T, 2 I] [gate; up] row (CPU, float32 or bf16)");
   m.def("rms_norm", &rms_norm, "Llama RMSNorm per row (CPU, float32 or bf16)");
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
 }

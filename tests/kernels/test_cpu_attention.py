@@ -22,12 +22,12 @@ def ext():
     return built
 
 
-def _inputs(lens: tuple[int, ...], dtype: str, group: int, seed: int):
-    spec = BlockSpec(num_layers=3, num_kv_heads=2, head_dim=64, block_size_tokens=16, dtype=dtype)
+def _inputs(lens: tuple[int, ...], dtype: str, group: int, seed: int, head_dim: int = 64):
+    spec = BlockSpec(num_layers=3, num_kv_heads=2, head_dim=head_dim, block_size_tokens=16, dtype=dtype)
     num_blocks = sum(-(-n // 16) for n in lens) + 3
     pool, k_cache, v_cache = make_layer(spec, num_blocks, torch.device("cpu"), seed)
     tables = make_block_tables(lens, 16, max(-(-n // 16) for n in lens) + 2, num_blocks, seed)
-    q = torch.randn(len(lens), group * 2, 64, generator=torch.Generator().manual_seed(seed)).to(k_cache.dtype)
+    q = torch.randn(len(lens), group * 2, head_dim, generator=torch.Generator().manual_seed(seed)).to(k_cache.dtype)
     return q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32)
 
 
@@ -39,6 +39,16 @@ def test_decode_equals_reference_fp32(ext, name: str, group: int) -> None:
     got = cpu_attention.paged_decode_attention(ext, q, k_cache, v_cache, tables, seq_lens, scale=0.125)
     want = reference.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale=0.125)
     assert got.shape == want.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("head_dim", [128, 40])  # the other compiled head dim, and one sized at run time
+def test_decode_equals_reference_at_other_head_dims(ext, head_dim: int) -> None:
+    q, k_cache, v_cache, tables, seq_lens = _inputs(DECODE_LENS["ragged"], "float32", 3, seed=head_dim,
+                                                    head_dim=head_dim)
+    got = cpu_attention.paged_decode_attention(ext, q, k_cache, v_cache, tables, seq_lens, scale=0.125)
+    want = reference.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale=0.125)
+    assert got.shape == (len(DECODE_LENS["ragged"]), 6, head_dim)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 

@@ -202,3 +202,57 @@ def test_blocked_linear_without_avx512_bf16_gives_the_same_results(tmp_path) -> 
         b = torch.randn(out, generator=g).bfloat16()
         got = cpu_small.blocked_linear(plain, x, cpu_small.block_weight(w), b, out)
         torch.testing.assert_close(got.double(), _bf16_product(x, w, b), rtol=2**-7, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_equals_apply_rotary_bit_for_bit(ext, dtype: torch.dtype) -> None:
+    from model.rope import apply_rotary
+
+    g = torch.Generator().manual_seed(11)
+    qkv = torch.randn(19, 960, generator=g).to(dtype)
+    x = qkv[:, :768].reshape(19, 12, 64)  # strided rows, as the split of a fused q/k/v matmul
+    angles = torch.randn(19, 64, generator=g) * 50
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    got = cpu_small.rotary(ext, x, cos, sin)
+    assert got.is_contiguous() and torch.equal(got, apply_rotary(x, cos, sin))
+    with pytest.raises(RuntimeError, match="x must be \\[T, H, D\\] \\(D even\\) and cos, sin \\[T, D\\]"):
+        ext.rotary(x, cos[:, :32].contiguous(), sin[:, :32].contiguous())
+    with pytest.raises(RuntimeError, match="must all be float32 or all bfloat16"):
+        ext.rotary(x.double(), cos, sin)
+    with pytest.raises(RuntimeError, match="last dimension, cos and sin must be contiguous"):
+        ext.rotary(torch.randn(19, 12, 128).to(dtype)[..., ::2], cos, sin)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_equals_torch_s_ops(ext, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(12)
+    gate_up = (torch.randn(9, 2 * 1536, generator=g) * 4).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    got = cpu_small.silu_mul(ext, gate_up)
+    want = F.silu(gate) * up
+    assert got.dtype == dtype and got.shape == (9, 1536)
+    # its exp and division may differ from torch's in the last float32 bit: at most the neighbouring value
+    rtol = 2**-7 if dtype == torch.bfloat16 else 1e-6
+    torch.testing.assert_close(got.double(), want.double(), rtol=rtol, atol=1e-6)
+    with pytest.raises(RuntimeError, match="gate_up must be \\[T, 2 I\\]"):
+        ext.silu_mul(gate_up[:, :5])
+    with pytest.raises(RuntimeError, match="must be float32 or bfloat16"):
+        ext.silu_mul(gate_up.double())
+
+
+def test_the_model_rotates_and_activates_through_them(ext) -> None:
+    """`Attention` and `MLP` take the C++ rotary and silu_mul once prepared on the CPU, with the same results."""
+    from model.config import ModelConfig
+    from model.llama import MLP, Attention
+
+    config = ModelConfig.from_hf_dict({"model_type": "llama", "hidden_size": 64, "intermediate_size": 96,
+                                  "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                  "vocab_size": 32})
+    attn, mlp = Attention(config), MLP(config)
+    assert attn.small_ops is None and mlp.small_ops is None
+    x = torch.randn(3, 64)
+    before = mlp(x)
+    attn.prepare()
+    mlp.prepare()
+    assert attn.small_ops is ext and mlp.small_ops is ext
+    torch.testing.assert_close(mlp(x), before, rtol=1e-5, atol=1e-6)
