@@ -150,6 +150,7 @@ class TorchBackend:
 
     def __init__(self) -> None:
         self._cpu_kernels = cpu_attention.load()
+        self.cpu_decode_kernels = self._cpu_kernels  # the C++ decode attention's extension, or None
         # (slot_mapping, block_size, plan) of the current step, one per KV block group (`AttentionBatch.for_group`)
         self._slots: list[tuple[torch.Tensor, int, torch_attention.SlotPlan]] = []
         # (block_tables, seq_lens, block_size, window -> plan) of the current step

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import cpu_small
-from model.attention import AttentionBackend, AttentionBatch, paged_attention
+from model.attention import AttentionBackend, AttentionBatch, TorchBackend, paged_attention
 from model.config import ModelConfig
 from model.deepseek import DeepseekMoe, MlaAttention
 from model.linear_kernel import LinearKernel
@@ -217,6 +217,8 @@ class DecoderLayer(nn.Module):
         f32 = config.norm_scale_in_float32
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, scale_in_float32=f32)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, scale_in_float32=f32)
+        # (extension, arguments before the step's, arguments after) of `decode_fused`; set by `prepare_fused`
+        self.fused: tuple[ModuleType, tuple, tuple] | None = None
 
     @property
     def ffn(self) -> nn.Module:
@@ -235,6 +237,35 @@ class DecoderLayer(nn.Module):
             hook.layer_input(self.self_attn.layer_idx, x[p:], (cos_sin[0][p:], cos_sin[1][p:]))
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, layer_cache, batch, backend)
         return x + self.ffn(self.post_attention_layernorm(x))
+
+    def prepare_fused(self) -> None:
+        """After the sub-modules' `prepare`: take the one-call C++ layer (`decode_fused`) when this layer is plain
+        GQA attention (no q/k norm, no sinks) and a dense MLP whose four weights have blocked bf16 copies and
+        whose norms run in C++; else keep ``fused`` None."""
+        attn, ffn = self.self_attn, self.ffn
+        norms = (self.input_layernorm, self.post_attention_layernorm)
+        if not (isinstance(attn, Attention) and isinstance(ffn, MLP) and not attn.qk_norm and not attn.has_sinks
+                and all(n.fast is not None and n.weight.dtype == torch.bfloat16 for n in norms)
+                and norms[0].eps == norms[1].eps):
+            return
+        kernels = (attn.qkv, attn.out, ffn.gate_up, ffn.down)
+        if any(k is None or k.blocked is None for k in kernels):
+            return
+        qkv, out, gate_up, down = kernels
+        dims = [attn.num_heads, attn.num_kv_heads, attn.head_dim, ffn.down_proj.weight.shape[1]]
+        before = (norms[0].weight, norms[1].weight, norms[0].eps, qkv.blocked, qkv.bias, out.blocked, out.bias,
+                  gate_up.blocked, gate_up.bias, down.blocked, down.bias, dims)
+        self.fused = (qkv.blocks, before, (attn.scale, attn.window or 0))
+
+    def decode_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer_cache: torch.Tensor,
+                     batch: AttentionBatch) -> torch.Tensor:
+        """`forward` for a step of 1 to `kernels.cpu_small.BLOCKED_MAX_ROWS` bf16 decode tokens and no KV hook,
+        in one C++ call (``kernels/csrc/decode_layer.cpp``): the same kernels in the same order, the same bits,
+        without ~35 torch ops and Python calls a layer. Needs ``fused`` (`prepare_fused`)."""
+        assert self.fused is not None
+        ext, before, after = self.fused
+        return ext.decode_layer(x, *before, cos, sin, layer_cache, batch.slot_mapping, batch.decode_block_tables,
+                                batch.decode_seq_lens, *after)
 
 
 class DecoderModel(nn.Module):
@@ -305,10 +336,24 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"kv_pool blocks hold {kv_pool.shape[1]} layers; the model's hold {per_block}")
         x = self.model.embed_tokens(input_ids)
         cos_sin = self.rotary(positions, x.dtype)
+        fused = self._fused_step(x, kv_pool, batch, backend)
         for i, layer in enumerate(self.model.layers):
             group, local = self.kv_place[i]
-            x = layer(x, cos_sin, kv_pool[:, local], batch.for_group(group), backend)
+            if fused and layer.fused is not None:
+                x = layer.decode_fused(x, *cos_sin, kv_pool[:, local], batch.for_group(group))
+            else:
+                x = layer(x, cos_sin, kv_pool[:, local], batch.for_group(group), backend)
         return self.model.norm(x)
+
+    @staticmethod
+    def _fused_step(x: torch.Tensor, kv_pool: torch.Tensor, batch: AttentionBatch, backend: AttentionBackend) -> bool:
+        """Whether this step's layers may run as one C++ call each (`DecoderLayer.decode_fused`): only decode
+        tokens, at most `kernels.cpu_small.BLOCKED_MAX_ROWS`, bf16 activations and KV on the CPU, no KV hook (H2O,
+        InfiniGen), and the CPU backend with its C++ decode attention."""
+        return (batch.num_prefill_tokens == 0 and 0 < x.shape[0] <= cpu_small.BLOCKED_MAX_ROWS
+                and batch.kv_hook is None and batch.step_block_tables is None and x.dtype == torch.bfloat16
+                and kv_pool.dtype == torch.bfloat16 and x.device.type == "cpu" and isinstance(backend, TorchBackend)
+                and backend.cpu_decode_kernels is not None)
 
     def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos, sin`` ``[T, head_dim]`` of ``positions`` for this model's rope (yarn's factor applied)."""
@@ -330,6 +375,8 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.prepare()
+        for layer in self.model.layers:
+            layer.prepare_fused()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden_size]`` → float32 ``[N, vocab_size]``."""

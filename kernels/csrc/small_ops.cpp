@@ -22,15 +22,9 @@
 #include <torch/csrc/utils/pybind.h>
 #include <ATen/Parallel.h>
 
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <vector>
+#include "small_ops.h"
 
-#if defined(__AVX512BF16__)
-#include <immintrin.h>
-#endif
+using namespace kvrelay_cpu;  // NOLINT: this file binds the header's cores
 
 namespace {
 
@@ -105,50 +99,6 @@ at::Tensor small_linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bi
 //   returns [T, out] bfloat16: float32 sums plus the bias, rounded once to bf16 (round to nearest even), as
 //   oneDNN's bf16 matmul does; the sums run in another order than its.
 // Without AVX512-BF16 the same layout is summed in float32 by plain C++ (bf16 -> float32 is a 16-bit shift).
-namespace {
-
-constexpr int kLanes = 16;
-constexpr int kTile = 8;  // rows of x per pass over a group's blocks: eight sums in registers
-
-#if defined(__AVX512BF16__)
-template <int TT>
-inline void group_dot(const uint32_t* __restrict w, int64_t k2, const uint32_t* __restrict x, int64_t xs,
-                      float* __restrict s) {
-  __m512 acc[TT];
-  for (int t = 0; t < TT; ++t) acc[t] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < k2; ++j) {
-    const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + j * kLanes);
-    for (int t = 0; t < TT; ++t) acc[t] = _mm512_dpbf16_ps(acc[t], wv, (__m512bh)_mm512_set1_epi32(x[t * xs + j]));
-  }
-  for (int t = 0; t < TT; ++t) _mm512_storeu_ps(s + t * kLanes, acc[t]);
-}
-#else
-inline float bf16_bits_to_float(uint32_t v) {
-  const uint32_t u = v << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-
-template <int TT>
-inline void group_dot(const uint32_t* __restrict w, int64_t k2, const uint32_t* __restrict x, int64_t xs,
-                      float* __restrict s) {
-  float acc[TT][kLanes] = {};
-  for (int64_t j = 0; j < k2; ++j) {
-    const uint32_t* wj = w + j * kLanes;
-    for (int t = 0; t < TT; ++t) {
-      const float x0 = bf16_bits_to_float(x[t * xs + j] & 0xffffu), x1 = bf16_bits_to_float(x[t * xs + j] >> 16);
-#pragma omp simd
-      for (int l = 0; l < kLanes; ++l)
-        acc[t][l] += bf16_bits_to_float(wj[l] & 0xffffu) * x0 + bf16_bits_to_float(wj[l] >> 16) * x1;
-    }
-  }
-  for (int t = 0; t < TT; ++t)
-    for (int l = 0; l < kLanes; ++l) s[t * kLanes + l] = acc[t][l];
-}
-#endif
-
-}  // namespace
 
 at::Tensor blocked_linear(at::Tensor x, at::Tensor wb, c10::optional<at::Tensor> bias, int64_t out) {
   TORCH_CHECK(x.dim() == 2 && wb.dim() == 4 && wb.size(2) == kLanes && wb.size(3) == 2,
@@ -179,30 +129,7 @@ at::Tensor blocked_linear(at::Tensor x, at::Tensor wb, c10::optional<at::Tensor>
   auto y = at::empty({t_rows, out}, x.options());
   const uint32_t* wp = reinterpret_cast<const uint32_t*>(wb.data_ptr<at::BFloat16>());
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
-  at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
-    alignas(64) float s[kTile * kLanes];
-    for (int64_t g = begin; g < end; ++g) {
-      const uint32_t* wg = wp + g * k2 * kLanes;
-      const int64_t o = g * kLanes, n = std::min<int64_t>(kLanes, out - o);
-      for (int64_t t = 0; t < t_rows; t += kTile) {
-        const int64_t tt = std::min<int64_t>(kTile, t_rows - t);
-        const uint32_t* xt = xp + t * k2;
-        switch (tt) {
-          case 8: group_dot<8>(wg, k2, xt, k2, s); break;
-          case 7: group_dot<7>(wg, k2, xt, k2, s); break;
-          case 6: group_dot<6>(wg, k2, xt, k2, s); break;
-          case 5: group_dot<5>(wg, k2, xt, k2, s); break;
-          case 4: group_dot<4>(wg, k2, xt, k2, s); break;
-          case 3: group_dot<3>(wg, k2, xt, k2, s); break;
-          case 2: group_dot<2>(wg, k2, xt, k2, s); break;
-          default: group_dot<1>(wg, k2, xt, k2, s);
-        }
-        for (int64_t u = 0; u < tt; ++u)
-          for (int64_t k = 0; k < n; ++k)
-            yp[(t + u) * out + o + k] = at::BFloat16(s[u * kLanes + k] + (b ? static_cast<float>(b[o + k]) : 0.f));
-      }
-    }
-  });
+  blocked_rows(xp, t_rows, k2, wp, groups, b, out, yp);
   return y;
 }
 
@@ -211,29 +138,6 @@ at::Tensor blocked_linear(at::Tensor x, at::Tensor wb, c10::optional<at::Tensor>
 //   x [T, H] float32 or bfloat16, contiguous; w [H] of x's dtype, contiguous; returns [T, H] of x's dtype.
 //   bfloat16 follows Llama's numerics (model/llama.py RMSNorm): the sum of squares and the normalisation in
 //   float32, the normalised row rounded to bf16, then multiplied by w and rounded again.
-namespace {
-
-template <typename T>
-void rms_norm_rows(const T* xp, const T* wp, T* yp, int64_t rows, int64_t h, float eps) {
-  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
-    std::vector<float> xf(static_cast<size_t>(h));
-    for (int64_t r = begin; r < end; ++r) {
-      const T* xr = xp + r * h;
-      T* yr = yp + r * h;
-      float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t i = 0; i < h; ++i) {
-        xf[i] = static_cast<float>(xr[i]);
-        ss += xf[i] * xf[i];
-      }
-      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(h) + eps);
-      for (int64_t i = 0; i < h; ++i)
-        yr[i] = static_cast<T>(static_cast<float>(static_cast<T>(xf[i] * inv)) * static_cast<float>(wp[i]));
-    }
-  });
-}
-
-}  // namespace
 
 at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 1 && x.size(1) == w.size(0),
@@ -258,49 +162,8 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps) {
 //   cos, sin [T, D] of x's dtype, contiguous
 //   returns [T, H, D] of x's dtype, contiguous, rounded as torch's three ops are: each product to x's dtype, then
 //   their sum (the same bits, float32 and bf16).
+
 namespace {
-
-// Products rounded apart from the sum (no FMA contraction under -ffast-math): float32 then equals torch's ops.
-template <typename T>
-__attribute__((optimize("fp-contract=off"))) void rotary_head(const T* x, const T* c, const T* s, T* y,
-                                                             int64_t d) {
-  const int64_t half = d / 2;
-  for (int64_t i = 0; i < d; ++i) {
-    const float rot = i < half ? -static_cast<float>(x[i + half]) : static_cast<float>(x[i - half]);
-    const T a = static_cast<T>(static_cast<float>(x[i]) * static_cast<float>(c[i]));
-    const T b = static_cast<T>(rot * static_cast<float>(s[i]));
-    y[i] = static_cast<T>(static_cast<float>(a) + static_cast<float>(b));
-  }
-}
-
-template <typename T>
-void rotary_rows(const T* xp, int64_t xs0, int64_t xs1, const T* cp, const T* sp, T* yp, int64_t t_rows,
-                 int64_t heads, int64_t d) {
-  at::parallel_for(0, t_rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t)
-      for (int64_t h = 0; h < heads; ++h) rotary_head(xp + t * xs0 + h * xs1, cp + t * d, sp + t * d,
-                                                      yp + (t * heads + h) * d, d);
-  });
-}
-
-// silu(g) * u per element, g and u the two halves of each row (a fused [gate; up] matmul's output); bf16 rounds
-// silu's result to bf16 before the product, as torch's two ops do.
-template <typename T>
-void silu_mul_rows(const T* xp, int64_t xs0, T* yp, int64_t t_rows, int64_t inter) {
-  at::parallel_for(0, t_rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const T* g = xp + t * xs0;
-      const T* u = g + inter;
-      T* y = yp + t * inter;
-#pragma omp simd
-      for (int64_t i = 0; i < inter; ++i) {
-        const float gf = static_cast<float>(g[i]);
-        const T act = static_cast<T>(gf / (1.0f + std::exp(-gf)));
-        y[i] = static_cast<T>(static_cast<float>(act) * static_cast<float>(u[i]));
-      }
-    }
-  });
-}
 
 bool float_or_bf16(const at::Tensor& x) {
   return x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16;
@@ -347,11 +210,20 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v
                                   at::Tensor block_tables, at::Tensor seq_lens, double scale,
                                   int64_t window, c10::optional<at::Tensor> sinks);
 
+// Defined in decode_layer.cpp (its contract is there).
+at::Tensor decode_layer(at::Tensor x, at::Tensor in_norm, at::Tensor post_norm, double eps, at::Tensor qkv_w,
+                        c10::optional<at::Tensor> qkv_b, at::Tensor o_w, c10::optional<at::Tensor> o_b,
+                        at::Tensor gate_up_w, c10::optional<at::Tensor> gate_up_b, at::Tensor down_w,
+                        c10::optional<at::Tensor> down_b, std::vector<int64_t> dims, at::Tensor cos, at::Tensor sin,
+                        at::Tensor layer_cache, at::Tensor slot_mapping, at::Tensor block_tables,
+                        at::Tensor seq_lens, double scale, int64_t window);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_linear", &small_linear, "y = x W^T + b for a few rows of x (CPU, float32)");
   m.def("blocked_linear", &blocked_linear, "y = x W^T + b for a few rows of x, W blocked (CPU, bf16)");
   m.def("rotary", &rotary, "NeoX rotary embedding of [T, H, D] (CPU, float32 or bf16)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a [T, 2 I] [gate; up] row (CPU, float32 or bf16)");
   m.def("rms_norm", &rms_norm, "Llama RMSNorm per row (CPU, float32 or bf16)");
+  m.def("decode_layer", &decode_layer, "one Llama decoder layer for a few bf16 decode tokens (CPU)");
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
 }

@@ -191,9 +191,9 @@ def test_blocked_linear_without_avx512_bf16_gives_the_same_results(tmp_path) -> 
 
     if shutil.which("g++") is None:
         pytest.fail("g++ is needed to build the C++ kernels")
-    from kernels.cpu_build import CFLAGS, CSRC
+    from kernels.cpu_build import CFLAGS, CPU_KERNELS
 
-    plain = build("kvrelay_small_ops_no_bf16", [str(CSRC / "small_ops.cpp"), str(CSRC / "decode_attention.cpp")],
+    plain = build("kvrelay_small_ops_no_bf16", [str(s) for s in CPU_KERNELS.sources],
                   extra_cflags=[*CFLAGS, "-mno-avx512bf16"], build_directory=str(tmp_path), verbose=False)
     g = torch.Generator().manual_seed(3)
     for rows, (out, inp) in ((1, (960, 576)), (9, (17, 33))):

@@ -1,0 +1,89 @@
+"""`DecoderLayer.decode_fused` (``kernels/csrc/decode_layer.cpp``): bf16 decode steps of up to
+`kernels.cpu_small.BLOCKED_MAX_ROWS` tokens run each layer as one C++ call, with the bits of the layer's Python path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.engine import EngineConfig, LLMEngine
+from kernels import cpu_small
+from model.llama import DecoderLayer, LlamaForCausalLM
+from model.loader import load_model
+from model.sampling import SamplingParams
+
+# Ten sequences of ragged prompts (one block of 16 tokens to five) and ragged outputs: the first decode steps hold
+# ten tokens (past BLOCKED_MAX_ROWS: the Python path), later ones eight, then fewer as sequences finish.
+PROMPTS = [[(7 * i + 3 * j) % 250 + 1 for j in range(n)] for i, n in enumerate((3, 17, 45, 60, 9, 33, 2, 50, 21, 70))]
+
+
+def _generate(model_dir, monkeypatch: pytest.MonkeyPatch, *, fused: bool):
+    """Tokens and logprobs of every request, and the row counts of the steps that ran fused."""
+    loaded = load_model(model_dir, dtype="bfloat16")
+    engine = LLMEngine(loaded, EngineConfig(num_blocks=96, enable_prefix_caching=False))
+    fused_rows: list[int] = []
+    real = DecoderLayer.decode_fused
+
+    def counting(self, x, *args):
+        if self.self_attn.layer_idx == 0:
+            fused_rows.append(x.shape[0])
+        return real(self, x, *args)
+
+    with monkeypatch.context() as m:
+        m.setattr(DecoderLayer, "decode_fused", counting)
+        if not fused:
+            m.setattr(LlamaForCausalLM, "_fused_step", staticmethod(lambda *a: False))
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=4 + 3 * i, logprobs=3, ignore_eos=True))
+        results: dict[str, tuple[list[int], list]] = {f"r{i}": ([], []) for i in range(len(PROMPTS))}
+        while engine.has_unfinished():
+            for out in engine.step():
+                results[out.request_id][0].extend(out.new_token_ids)
+                results[out.request_id][1].extend(out.logprobs or [])
+    return results, fused_rows
+
+
+@pytest.mark.parametrize("name", ["tiny", "qwen2_bias_tied", "mistral_window_40"])  # plain; q/k/v bias; window
+def test_fused_layers_give_the_python_path_s_tokens_and_logprobs(name, tiny_model_dir, hf_model_dir,
+                                                                 monkeypatch) -> None:
+    model_dir = tiny_model_dir if name == "tiny" else hf_model_dir(name)
+    want, none = _generate(model_dir, monkeypatch, fused=False)
+    got, rows = _generate(model_dir, monkeypatch, fused=True)
+    assert none == []
+    assert got == want  # token ids, and each logprob and its alternatives as exact floats
+    # fused at every row count from the batch limit down to one; never past it
+    assert set(rows) == set(range(1, cpu_small.BLOCKED_MAX_ROWS + 1))
+
+
+def test_only_bf16_dense_gqa_layers_are_fused(tiny_model_dir, hf_model_dir) -> None:
+    assert all(layer.fused is not None for layer in load_model(tiny_model_dir, dtype="bfloat16").model.model.layers)
+    assert all(layer.fused is None for layer in load_model(tiny_model_dir, dtype="float32").model.model.layers)
+    mla = load_model(hf_model_dir("deepseek_v2_group_limited"), dtype="bfloat16").model.model.layers
+    assert all(layer.fused is None for layer in mla)
+
+
+def test_bad_inputs_are_refused_by_name_before_any_write(tiny_model_dir) -> None:
+    model = load_model(tiny_model_dir, dtype="bfloat16").model
+    layer = model.model.layers[0]
+    assert layer.fused is not None
+    ext, before, after = layer.fused
+    cache = torch.zeros(4, 2, 2, 16, 16, dtype=torch.bfloat16)
+    x = torch.randn(1, 64).bfloat16()
+    cos, sin = torch.ones(1, 16).bfloat16(), torch.zeros(1, 16).bfloat16()
+    tables, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    slot_0 = torch.zeros(1, dtype=torch.int64)
+
+    def call(x=x, slots=slot_0, cache=cache, cos=cos):
+        return ext.decode_layer(x, *before, cos, sin, cache, slots, tables, lens, *after)
+
+    assert call().shape == (1, 64) and cache[0, :, :, 0].abs().sum() > 0  # K and V of slot 0 written
+    cache.zero_()
+    with pytest.raises(RuntimeError, match="token 0's slot 64 is past the 4 blocks of the cache"):
+        call(slots=torch.tensor([64]))
+    with pytest.raises(RuntimeError, match="x must be a contiguous bf16 \\[T, hidden\\]"):
+        call(x=x.float())
+    with pytest.raises(RuntimeError, match="cos and sin must be contiguous bf16 \\[T, head_dim\\]"):
+        call(cos=torch.ones(1, 8).bfloat16())
+    with pytest.raises(RuntimeError, match="layer_cache must be bf16 \\[num_blocks, 2, kv_heads, B, head_dim\\]"):
+        call(cache=cache.float())
+    assert cache.abs().sum() == 0
