@@ -1,4 +1,5 @@
-"""Small CPU ops of a decode step (`kernels/csrc/small_ops.cpp`): linear layers for a few rows, and RMSNorm.
+"""Small CPU ops of a decode step (`kernels/csrc/small_ops.cpp`): linear layers for a few rows, RMSNorm, rotary,
+silu × up.
 
 At 1 to 16 rows a float32 linear layer reads every weight once and does little else: it is bound by memory
 bandwidth. oneDNN/MKL's matrix-vector path reads SmolLM2's weights at ~10 GB/s on this 2-core machine, whose
@@ -10,14 +11,19 @@ for float32 weights at up to `MAX_ROWS` rows; ``KVRELAY_CPU_KERNELS=0`` turns it
 
 `blocked_linear` is the bf16 few-row linear layer: the weight is copied once into `block_weight`'s layout
 (sixteen output rows by two inputs per 64-byte block) so that each group of sixteen outputs reads one linear
-stream, multiplied with AVX512-BF16's VDPBF16PS where the CPU has it (plain C++ in float32 elsewhere). Over
-SmolLM2's bf16 weights on a Zen 4 VM it read ~39 GB/s at 1 to 3 rows where oneDNN's packed matmul read ~20
-(the row-major layout summed eight rows at a time read ~20 too); `LinearKernel` uses it at up to
+stream, multiplied with AVX512-BF16's VDPBF16PS where the CPU has it (plain C++ in float32 elsewhere). On a Zen 4 VM, a
+batch-1 SmolLM2 bf16 engine step took 0.58× the time with it than with oneDNN's packed matmul (side by side in
+one process); alone, over SmolLM2's weights, the two ran from 2× apart to even as the VM's memory moved (the
+row-major layout summed eight rows at a time: ~0.65× the blocked one's speed). `LinearKernel` uses it at up to
 `BLOCKED_MAX_ROWS` rows.
 
 `rms_norm` is Llama's RMSNorm in one pass per row: torch's composite (pow, mean, add, rsqrt, mul) took ~70 µs
 per call on a 576-wide row here, 61 calls a step (~4 ms of a ~48 ms batch-1 step); `model.llama.RMSNorm` uses
 it for float32 and for bf16 (~27 µs a call through torch on a Zen 4 VM).
+
+`rotary` and `silu_mul` replace five and three torch ops of each layer with one pass each, rounding as those ops
+do. ``kernels/csrc/decode_layer.cpp`` chains all of them (and the decode attention of `kernels.cpu_attention`)
+into one call per decoder layer: `model.llama.DecoderLayer.decode_fused`.
 
 It is compiled on first use with torch's C++ extension builder (cached per machine); if that fails, the caller
 keeps F.linear.
@@ -32,7 +38,8 @@ import torch
 from kernels.cpu_build import CPU_KERNELS
 
 MAX_ROWS = 16  # measured: equal to F.linear at 32 rows, faster below
-BLOCKED_MAX_ROWS = 8  # blocked_linear: 0.8x oneDNN's packed bf16 matmul at 8 rows, equal at 12 (Zen 4 VM)
+BLOCKED_MAX_ROWS = 16  # blocked_linear: equal to oneDNN's packed matmul at 12 rows, 1.13x its time at 16, but at
+# 9-16 rows the fused decode layer (model.llama) needs it: a batch-16 SmolLM2 step 0.91x (Zen 4 VM)
 
 
 def load() -> ModuleType | None:

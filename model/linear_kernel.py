@@ -15,9 +15,11 @@ kernel of `kernels.cpu_small`, which reads the weight near the machine's read ba
 matrix-vector path reaches about half of it; larger batches (prefill chunks) stay on ``F.linear``.
 
 A bf16 weight is also kept in `kernels.cpu_small.block_weight`'s blocked layout, and multiplied at 1 to
-`kernels.cpu_small.BLOCKED_MAX_ROWS` rows by its C++ kernel (VDPBF16PS with AVX512-BF16): measured on a Zen 4 VM
-over SmolLM2's weights, 0.5-0.65× the time of oneDNN's packed matmul at 1 to 4 rows, 0.8× at 8, equal at 12.
-Its sums run in another order than oneDNN's, so bf16 decode steps of up to eight rows differ from ``F.linear``
+`kernels.cpu_small.BLOCKED_MAX_ROWS` rows by its C++ kernel (VDPBF16PS with AVX512-BF16): on a Zen 4 VM a batch-1
+SmolLM2 engine step took 0.58× the time with it; alone over SmolLM2's weights it took 0.5-1.05× oneDNN's packed
+matmul's time at 1 to 4 rows, 0.8-1.1× at 8, as the VM's memory moved, the same at 12, 1.13× at 16; at 9 to 16
+rows it still pays through `model.llama.DecoderLayer.decode_fused`, which needs it (a batch-16 step 0.91×).
+Its sums run in another order than oneDNN's, so bf16 decode steps of up to sixteen rows differ from ``F.linear``
 by at most a rounding of the bf16 result. The blocked copy costs the weight's size again: a bf16 weight on a CPU
 with oneDNN bf16 support is held three times (row-major, oneDNN-packed, blocked).
 """

@@ -92,7 +92,7 @@ at::Tensor small_linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bi
 // 2*in bytes apart, which the prefetchers follow less well), and with AVX512-BF16 one VDPBF16PS multiplies a
 // block by a pair of x's inputs into sixteen float32 sums: no sum across lanes at the end. oneDNN's packed bf16
 // matmul read SmolLM2's weights at ~20 GB/s at one row on a Zen 4 VM whose float32 sum reads 35-50 GB/s.
-//   x     [T, in] bfloat16, contiguous (T small: each block is loaded once for up to eight rows of x)
+//   x     [T, in] bfloat16, contiguous (T small: each block is loaded once for up to sixteen rows of x)
 //   wb    [G, K2, 16, 2] bfloat16, G = ceil(out / 16), K2 = ceil(in / 2), zero-padded
 //   bias  None, or bfloat16 [out] contiguous
 //   out   the number of output features (16 (G - 1) < out <= 16 G)

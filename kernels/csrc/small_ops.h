@@ -18,7 +18,7 @@
 namespace kvrelay_cpu {
 
 constexpr int kLanes = 16;
-constexpr int kTile = 8;  // rows of x per pass over a group's blocks: eight sums in registers
+constexpr int kTile = 16;  // rows of x per pass over a group's blocks: sixteen sums in registers
 
 #if defined(__AVX512BF16__)
 template <int TT>
@@ -59,6 +59,17 @@ inline void group_dot(const uint32_t* __restrict w, int64_t k2, const uint32_t* 
 #endif
 
 
+// group_dot<tt> for a run-time tt in 1 .. TT.
+template <int TT>
+inline void group_dot_up_to(int64_t tt, const uint32_t* w, int64_t k2, const uint32_t* x, int64_t xs, float* s) {
+  if constexpr (TT == 1) {
+    group_dot<1>(w, k2, x, xs, s);
+  } else {
+    if (tt == TT) group_dot<TT>(w, k2, x, xs, s);
+    else group_dot_up_to<TT - 1>(tt, w, k2, x, xs, s);
+  }
+}
+
 // y[t, :out] = x[t] W^T + b for the blocked W (see small_ops.cpp: blocked_linear); x as rows of k2 bf16 pairs.
 inline void blocked_rows(const uint32_t* xp, int64_t t_rows, int64_t k2, const uint32_t* wp, int64_t groups,
                          const at::BFloat16* b, int64_t out, at::BFloat16* yp) {
@@ -70,16 +81,7 @@ inline void blocked_rows(const uint32_t* xp, int64_t t_rows, int64_t k2, const u
       for (int64_t t = 0; t < t_rows; t += kTile) {
         const int64_t tt = std::min<int64_t>(kTile, t_rows - t);
         const uint32_t* xt = xp + t * k2;
-        switch (tt) {
-          case 8: group_dot<8>(wg, k2, xt, k2, s); break;
-          case 7: group_dot<7>(wg, k2, xt, k2, s); break;
-          case 6: group_dot<6>(wg, k2, xt, k2, s); break;
-          case 5: group_dot<5>(wg, k2, xt, k2, s); break;
-          case 4: group_dot<4>(wg, k2, xt, k2, s); break;
-          case 3: group_dot<3>(wg, k2, xt, k2, s); break;
-          case 2: group_dot<2>(wg, k2, xt, k2, s); break;
-          default: group_dot<1>(wg, k2, xt, k2, s);
-        }
+        group_dot_up_to<kTile>(tt, wg, k2, xt, k2, s);
         for (int64_t u = 0; u < tt; ++u)
           for (int64_t k = 0; k < n; ++k)
             yp[(t + u) * out + o + k] = at::BFloat16(s[u * kLanes + k] + (b ? static_cast<float>(b[o + k]) : 0.f));

@@ -12,15 +12,16 @@ from model.llama import DecoderLayer, LlamaForCausalLM
 from model.loader import load_model
 from model.sampling import SamplingParams
 
-# Ten sequences of ragged prompts (one block of 16 tokens to five) and ragged outputs: the first decode steps hold
-# ten tokens (past BLOCKED_MAX_ROWS: the Python path), later ones eight, then fewer as sequences finish.
-PROMPTS = [[(7 * i + 3 * j) % 250 + 1 for j in range(n)] for i, n in enumerate((3, 17, 45, 60, 9, 33, 2, 50, 21, 70))]
+# Twenty sequences of ragged prompts (one block of 16 tokens to five) and ragged outputs: the first decode steps
+# hold twenty tokens (past BLOCKED_MAX_ROWS: the Python path), later ones sixteen, then fewer as sequences finish.
+PROMPTS = [[(7 * i + 3 * j) % 250 + 1 for j in range(n)]
+           for i, n in enumerate((3, 17, 45, 60, 9, 33, 2, 50, 21, 70) * 2)]
 
 
 def _generate(model_dir, monkeypatch: pytest.MonkeyPatch, *, fused: bool):
     """Tokens and logprobs of every request, and the row counts of the steps that ran fused."""
     loaded = load_model(model_dir, dtype="bfloat16")
-    engine = LLMEngine(loaded, EngineConfig(num_blocks=96, enable_prefix_caching=False))
+    engine = LLMEngine(loaded, EngineConfig(num_blocks=160, enable_prefix_caching=False))
     fused_rows: list[int] = []
     real = DecoderLayer.decode_fused
 
@@ -34,7 +35,7 @@ def _generate(model_dir, monkeypatch: pytest.MonkeyPatch, *, fused: bool):
         if not fused:
             m.setattr(LlamaForCausalLM, "_fused_step", staticmethod(lambda *a: False))
         for i, prompt in enumerate(PROMPTS):
-            engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=4 + 3 * i, logprobs=3, ignore_eos=True))
+            engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=4 + 2 * i, logprobs=3, ignore_eos=True))
         results: dict[str, tuple[list[int], list]] = {f"r{i}": ([], []) for i in range(len(PROMPTS))}
         while engine.has_unfinished():
             for out in engine.step():

@@ -11,7 +11,7 @@ from kernels import cpu_small
 from model.linear_kernel import LinearKernel, packing_supported
 
 
-@pytest.mark.parametrize("rows", [cpu_small.BLOCKED_MAX_ROWS + 1, 16, 300])
+@pytest.mark.parametrize("rows", [cpu_small.BLOCKED_MAX_ROWS + 1, 64, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_bf16_packed_equals_f_linear(rows: int, with_bias: bool) -> None:
     gen = torch.Generator().manual_seed(rows)
