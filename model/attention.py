@@ -149,8 +149,7 @@ class TorchBackend:
     score_blocks = staticmethod(reference.score_blocks)
 
     def __init__(self) -> None:
-        self._cpu_kernels = cpu_attention.load()
-        self.cpu_decode_kernels = self._cpu_kernels  # the C++ decode attention's extension, or None
+        self.cpu_decode_kernels = cpu_attention.load()  # the C++ decode attention's extension, or None
         # (slot_mapping, block_size, plan) of the current step, one per KV block group (`AttentionBatch.for_group`)
         self._slots: list[tuple[torch.Tensor, int, torch_attention.SlotPlan]] = []
         # (block_tables, seq_lens, block_size, window -> plan) of the current step
@@ -169,8 +168,8 @@ class TorchBackend:
                                block_tables: torch.Tensor, seq_lens: torch.Tensor, *, scale: float,
                                token_weights: torch.Tensor | None = None, window: int | None = None,
                                sinks: torch.Tensor | None = None) -> torch.Tensor:
-        if self._cpu_kernels is not None and token_weights is None and cpu_attention.supports(q, k_cache):
-            return cpu_attention.paged_decode_attention(self._cpu_kernels, q, k_cache, v_cache, block_tables,
+        if self.cpu_decode_kernels is not None and token_weights is None and cpu_attention.supports(q, k_cache):
+            return cpu_attention.paged_decode_attention(self.cpu_decode_kernels, q, k_cache, v_cache, block_tables,
                                                         seq_lens, scale=scale, window=window, sinks=sinks)
         plan = None
         if token_weights is None and q.shape[0]:

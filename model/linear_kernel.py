@@ -45,16 +45,15 @@ class LinearKernel:
         self.weight, self.bias = weight, bias
         self.packed = _pack(weight)
         self.small = cpu_small.load() if cpu_small.supports(weight, bias) else None
-        blocks = cpu_small.load() if cpu_small.supports_blocked(weight, bias) else None
-        self.blocked = cpu_small.block_weight(weight) if blocks is not None else None
-        self.blocks = blocks
+        self.blocked_ext = cpu_small.load() if cpu_small.supports_blocked(weight, bias) else None
+        self.blocked = cpu_small.block_weight(weight) if self.blocked_ext is not None else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[T, in]`` → ``[T, out]`` in ``x.dtype``."""
         rows = x.shape[0] if x.dim() == 2 else 0
-        if (self.blocks is not None and 0 < rows <= cpu_small.BLOCKED_MAX_ROWS and x.dtype == torch.bfloat16
+        if (self.blocked_ext is not None and 0 < rows <= cpu_small.BLOCKED_MAX_ROWS and x.dtype == torch.bfloat16
                 and x.device.type == "cpu"):
-            return cpu_small.blocked_linear(self.blocks, x.contiguous(), self.blocked, self.bias,
+            return cpu_small.blocked_linear(self.blocked_ext, x.contiguous(), self.blocked, self.bias,
                                             self.weight.shape[0])
         if self.packed is not None and rows > 0:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")

@@ -255,7 +255,7 @@ class DecoderLayer(nn.Module):
         dims = [attn.num_heads, attn.num_kv_heads, attn.head_dim, ffn.down_proj.weight.shape[1]]
         before = (norms[0].weight, norms[1].weight, norms[0].eps, qkv.blocked, qkv.bias, out.blocked, out.bias,
                   gate_up.blocked, gate_up.bias, down.blocked, down.bias, dims)
-        self.fused = (qkv.blocks, before, (attn.scale, attn.window or 0))
+        self.fused = (qkv.blocked_ext, before, (attn.scale, attn.window or 0))
 
     def decode_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer_cache: torch.Tensor,
                      batch: AttentionBatch) -> torch.Tensor:

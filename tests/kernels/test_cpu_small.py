@@ -171,7 +171,7 @@ def test_blocked_linear_refuses_bad_inputs_by_name(ext) -> None:
 def test_linear_kernel_takes_blocked_for_bf16_at_up_to_its_rows_only(ext, monkeypatch) -> None:
     w, b = (torch.randn(40, 32) * 0.1).bfloat16(), torch.randn(40).bfloat16()
     kernel = LinearKernel(w, b)
-    assert kernel.blocks is ext and kernel.small is None
+    assert kernel.blocked_ext is ext and kernel.small is None
     calls: list[int] = []
     real = cpu_small.blocked_linear
     monkeypatch.setattr(cpu_small, "blocked_linear", lambda e, x, *a: calls.append(x.shape[0]) or real(e, x, *a))
@@ -179,7 +179,7 @@ def test_linear_kernel_takes_blocked_for_bf16_at_up_to_its_rows_only(ext, monkey
         x = torch.randn(rows, 32).bfloat16()
         torch.testing.assert_close(kernel(x).double(), _bf16_product(x, w, b), rtol=2**-7, atol=1e-4)
     assert calls == [1, cpu_small.BLOCKED_MAX_ROWS]
-    assert LinearKernel(w.float(), None).blocks is None
+    assert LinearKernel(w.float(), None).blocked_ext is None
 
 
 def test_blocked_linear_without_avx512_bf16_gives_the_same_results(tmp_path) -> None:

@@ -121,7 +121,7 @@ def test_the_backend_plans_once_per_step_and_anew_for_the_next_step(monkeypatch:
     monkeypatch.setattr(torch_attention, "decode_plan",
                         lambda tables, lens, *rest: plans.append(tuple(lens.tolist())) or real(tables, lens, *rest))
     backend = TorchBackend()
-    backend._cpu_kernels = None  # the torch-op path (where the C++ kernel does not build)
+    backend.cpu_decode_kernels = None  # the torch-op path (where the C++ kernel does not build)
     for step, lens in enumerate([(1, 17, 300), (2, 18, 301, 40)]):
         spec, k_cache, v_cache, tables = _caches(lens, dtype="float32", seed=20 + step)
         seq_lens = torch.tensor(lens, dtype=torch.int32)

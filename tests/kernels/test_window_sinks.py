@@ -283,7 +283,7 @@ def test_torch_backend_plans_once_per_step_and_window(monkeypatch: pytest.Monkey
     monkeypatch.setattr(torch_attention, "decode_plan",
                         lambda *args: plans.append(args[-1]) or real(*args))
     backend = TorchBackend()
-    backend._cpu_kernels = None  # the torch-op path
+    backend.cpu_decode_kernels = None  # the torch-op path
     inputs = decode_inputs(DECODE_LENS, torch.device("cpu"), seed=7)
     sinks = sinks_for(True, torch.device("cpu"))
     for layer in range(4):
