@@ -9,8 +9,9 @@
 //                only (table entries of blocks wholly before them are not read, not even checked)
 //   sinks        None, or float32 [Hq] contiguous: one more softmax logit per query head, not scaled (gpt-oss)
 //   returns      [N, Hq, D] in q's dtype
-// Work is split over (sequence, kv head) pairs with at::parallel_for (torch's thread pool).
-// Bound into Python by small_ops.cpp (one extension, its two files compiled side by side).
+// Work is split over (sequence, kv head, part of the keys) with at::parallel_for (torch's thread pool): see
+// decode_heads.
+// Bound into Python by small_ops.cpp (one extension, its files compiled side by side).
 // Narrow headers, not <torch/extension.h>: that one parses for ~40 s here, and every clean clone (CI) builds
 // these files.
 #include <ATen/core/Tensor.h>
@@ -26,25 +27,47 @@ namespace {
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 
+constexpr float kEmpty = -1e30f;  // the max of a part with no keys (finite: -ffast-math assumes no infinities)
+
 // DC: the head dim when known at compile time (64, 128: fully unrolled, vectorized loops), else 0 (d_any).
+// Work items are (sequence, KV head, part): each part is a contiguous run of the keys a sequence sees. With fewer
+// (sequence, KV head) pairs than twice the threads, each pair's keys are split into parts so that every thread
+// gets work (batch 1 of SmolLM2: 3 KV heads on 2 threads left one idle a third of the time); a part returns its
+// max score, its sum of exp(score - max) and its unnormalised sum of weighted values, and the parts are merged
+// (log-sum-exp) after. The scores and the softmax are float32.
 template <typename T, int DC>
 void decode_heads(const T* q, const T* k_cache, const T* v_cache, int64_t block_stride, const int32_t* tables,
                   int64_t table_width, const int64_t* lens, T* out, int64_t n_seqs, int64_t hq, int64_t hkv,
                   int64_t block_size, int64_t d_any, float scale, int64_t window, const float* sinks) {
   const int64_t d = DC > 0 ? DC : d_any;
-  const int64_t group = hq / hkv;
-  at::parallel_for(0, n_seqs * hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * d), acc(group * d), row(d), scores;
+  const int64_t group = hq / hkv, pairs = n_seqs * hkv;
+  const int64_t threads = at::get_num_threads();
+  const int64_t parts = pairs >= 2 * threads ? 1 : (2 * threads + pairs - 1) / pairs;
+  std::vector<float> part_max(pairs * parts * group), part_sum(pairs * parts * group);
+  std::vector<float> part_acc(pairs * parts * group * d);
+  at::parallel_for(0, pairs * parts, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * d), row(d), scores;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t n = item / hkv, h = item % hkv, len = lens[n];
+      const int64_t pair = item / parts, part = item % parts, n = pair / hkv, h = pair % hkv, len = lens[n];
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      const int64_t span = len - first;  // keys seen: positions first .. len-1, stored from index 0
+      const int64_t per_part = (len - first + parts - 1) / parts;
+      const int64_t lo = std::min(len, first + part * per_part), hi = std::min(len, lo + per_part);
+      const int64_t span = hi - lo;  // this part's keys: positions lo .. hi-1, stored from index 0
       const int64_t head0 = h * group;
+      float* pm = part_max.data() + item * group;
+      float* ps = part_sum.data() + item * group;
+      float* acc = part_acc.data() + item * group * d;
+      std::fill(acc, acc + group * d, 0.0f);
+      if (span == 0) {
+        std::fill(pm, pm + group, kEmpty);
+        std::fill(ps, ps + group, 0.0f);
+        continue;
+      }
       for (int64_t g = 0; g < group; ++g)
         for (int64_t i = 0; i < d; ++i) qf[g * d + i] = to_float(q[(n * hq + head0 + g) * d + i]) * scale;
       scores.assign(group * span, 0.0f);
-      // Pass 1: scores[g, t - first] = (scale q_g) . k_t
-      for (int64_t t = first; t < len; ++t) {
+      // Pass 1: scores[g, t - lo] = (scale q_g) . k_t
+      for (int64_t t = lo; t < hi; ++t) {
         const int64_t block = tables[n * table_width + t / block_size];
         const T* kp = k_cache + block * block_stride + (h * block_size + t % block_size) * d;
         float* kf = row.data();
@@ -55,43 +78,60 @@ void decode_heads(const T* q, const T* k_cache, const T* v_cache, int64_t block_
           float s = 0.0f;
 #pragma omp simd reduction(+ : s)
           for (int64_t i = 0; i < d; ++i) s += qg[i] * kf[i];
-          scores[g * span + t - first] = s;
+          scores[g * span + t - lo] = s;
         }
       }
-      // Softmax per query head, in float32; a sink is one more logit in the max and the sum.
+      // This part's max and sum of exp(score - max), per query head
       for (int64_t g = 0; g < group; ++g) {
         float* sg = scores.data() + g * span;
-        float mx = *std::max_element(sg, sg + span);
-        if (sinks != nullptr) mx = std::max(mx, sinks[head0 + g]);
+        const float mx = *std::max_element(sg, sg + span);
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t t = 0; t < span; ++t) {
           sg[t] = std::exp(sg[t] - mx);  // vectorized through glibc's libmvec
           sum += sg[t];
         }
-        if (sinks != nullptr) sum += std::exp(sinks[head0 + g] - mx);
-        const float inv = 1.0f / sum;
-        for (int64_t t = 0; t < span; ++t) sg[t] *= inv;
+        pm[g] = mx;
+        ps[g] = sum;
       }
-      // Pass 2: out_g = sum_t p[g, t] v_t
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t t = first; t < len; ++t) {
+      // Pass 2: acc_g = sum_t exp(score - max) v_t
+      for (int64_t t = lo; t < hi; ++t) {
         const int64_t block = tables[n * table_width + t / block_size];
         const T* vp = v_cache + block * block_stride + (h * block_size + t % block_size) * d;
         float* vf = row.data();
 #pragma omp simd
         for (int64_t i = 0; i < d; ++i) vf[i] = to_float(vp[i]);
         for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * span + t - first];
-          float* ag = acc.data() + g * d;
+          const float p = scores[g * span + t - lo];
+          float* ag = acc + g * d;
 #pragma omp simd
           for (int64_t i = 0; i < d; ++i) ag[i] += p * vf[i];
         }
       }
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t i = 0; i < d; ++i) out[(n * hq + head0 + g) * d + i] = static_cast<T>(acc[g * d + i]);
     }
   });
+  // Merge the parts of each (sequence, query head); a sink is one more logit in the max and the sum.
+  std::vector<float> merged(d);
+  for (int64_t pair = 0; pair < pairs; ++pair) {
+    const int64_t n = pair / hkv, head0 = pair % hkv * group;
+    for (int64_t g = 0; g < group; ++g) {
+      float mx = sinks != nullptr ? sinks[head0 + g] : kEmpty;
+      for (int64_t part = 0; part < parts; ++part) mx = std::max(mx, part_max[(pair * parts + part) * group + g]);
+      float sum = sinks != nullptr ? std::exp(sinks[head0 + g] - mx) : 0.0f;
+      float* op = merged.data();
+      std::fill(op, op + d, 0.0f);
+      for (int64_t part = 0; part < parts; ++part) {
+        const int64_t at = (pair * parts + part) * group + g;
+        const float w = std::exp(part_max[at] - mx);
+        sum += part_sum[at] * w;
+        const float* a = part_acc.data() + at * d;
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) op[i] += w * a[i];
+      }
+      const float inv = 1.0f / sum;
+      for (int64_t i = 0; i < d; ++i) out[(n * hq + head0 + g) * d + i] = static_cast<T>(op[i] * inv);
+    }
+  }
 }
 
 template <typename T>
