@@ -110,28 +110,31 @@ void decode_heads(const T* q, const T* k_cache, const T* v_cache, int64_t block_
       }
     }
   });
-  // Merge the parts of each (sequence, query head); a sink is one more logit in the max and the sum.
-  std::vector<float> merged(d);
-  for (int64_t pair = 0; pair < pairs; ++pair) {
-    const int64_t n = pair / hkv, head0 = pair % hkv * group;
-    for (int64_t g = 0; g < group; ++g) {
-      float mx = sinks != nullptr ? sinks[head0 + g] : kEmpty;
-      for (int64_t part = 0; part < parts; ++part) mx = std::max(mx, part_max[(pair * parts + part) * group + g]);
-      float sum = sinks != nullptr ? std::exp(sinks[head0 + g] - mx) : 0.0f;
-      float* op = merged.data();
-      std::fill(op, op + d, 0.0f);
-      for (int64_t part = 0; part < parts; ++part) {
-        const int64_t at = (pair * parts + part) * group + g;
-        const float w = std::exp(part_max[at] - mx);
-        sum += part_sum[at] * w;
-        const float* a = part_acc.data() + at * d;
+  // Merge the parts of each (sequence, query head); a sink is one more logit in the max and the sum. Split over the
+  // threads too: at large batches (one part each) this is the softmax's normalisation of every output row.
+  at::parallel_for(0, pairs, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> merged(d);
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t n = pair / hkv, head0 = pair % hkv * group;
+      for (int64_t g = 0; g < group; ++g) {
+        float mx = sinks != nullptr ? sinks[head0 + g] : kEmpty;
+        for (int64_t part = 0; part < parts; ++part) mx = std::max(mx, part_max[(pair * parts + part) * group + g]);
+        float sum = sinks != nullptr ? std::exp(sinks[head0 + g] - mx) : 0.0f;
+        float* op = merged.data();
+        std::fill(op, op + d, 0.0f);
+        for (int64_t part = 0; part < parts; ++part) {
+          const int64_t at = (pair * parts + part) * group + g;
+          const float w = std::exp(part_max[at] - mx);
+          sum += part_sum[at] * w;
+          const float* a = part_acc.data() + at * d;
 #pragma omp simd
-        for (int64_t i = 0; i < d; ++i) op[i] += w * a[i];
+          for (int64_t i = 0; i < d; ++i) op[i] += w * a[i];
+        }
+        const float inv = 1.0f / sum;
+        for (int64_t i = 0; i < d; ++i) out[(n * hq + head0 + g) * d + i] = static_cast<T>(op[i] * inv);
       }
-      const float inv = 1.0f / sum;
-      for (int64_t i = 0; i < d; ++i) out[(n * hq + head0 + g) * d + i] = static_cast<T>(op[i] * inv);
     }
-  }
+  });
 }
 
 template <typename T>
