@@ -54,16 +54,9 @@ Blocked blocked(const at::Tensor& w, const c10::optional<at::Tensor>& bias, int6
   return {reinterpret_cast<const uint32_t*>(w.data_ptr<BF>()), w.size(0), w.size(1), b, out};
 }
 
-// y [T, out] = x [T, in] W^T + b; an odd `in` is padded with a zero input per row.
+// y [T, out] = x [T, in] W^T + b.
 void linear(const Blocked& w, const BF* x, int64_t t_rows, int64_t in, BF* y) {
-  const uint32_t* xp = reinterpret_cast<const uint32_t*>(x);
-  std::vector<uint32_t> padded;
-  if (in % 2 != 0) {
-    padded.assign(static_cast<size_t>(t_rows * w.k2), 0u);
-    for (int64_t t = 0; t < t_rows; ++t) std::memcpy(padded.data() + t * w.k2, x + t * in, in * sizeof(BF));
-    xp = padded.data();
-  }
-  kvrelay_cpu::blocked_rows(xp, t_rows, w.k2, w.w, w.groups, w.bias, w.out, y);
+  kvrelay_cpu::blocked_rows(x, t_rows, in, w.k2, w.w, w.groups, w.bias, w.out, y);
 }
 
 void add_into(BF* x, const BF* y, int64_t n) {  // x += y, rounded to bf16 as torch's bf16 add

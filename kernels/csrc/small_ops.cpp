@@ -116,20 +116,10 @@ at::Tensor blocked_linear(at::Tensor x, at::Tensor wb, c10::optional<at::Tensor>
                 "blocked_linear: bias must be bfloat16 [out] contiguous");
     b = bias->data_ptr<at::BFloat16>();
   }
-  // x's rows as pairs of bf16 (one 32-bit word each); an odd row is copied with a zero after it
-  const uint16_t* x16 = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  std::vector<uint32_t> padded;
-  const uint32_t* xp = reinterpret_cast<const uint32_t*>(x16);
-  if (in % 2 != 0) {
-    padded.assign(static_cast<size_t>(t_rows * k2), 0u);
-    for (int64_t t = 0; t < t_rows; ++t)
-      std::memcpy(padded.data() + t * k2, x16 + t * in, static_cast<size_t>(in) * sizeof(uint16_t));
-    xp = padded.data();
-  }
   auto y = at::empty({t_rows, out}, x.options());
   const uint32_t* wp = reinterpret_cast<const uint32_t*>(wb.data_ptr<at::BFloat16>());
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
-  blocked_rows(xp, t_rows, k2, wp, groups, b, out, yp);
+  blocked_rows(x.data_ptr<at::BFloat16>(), t_rows, in, k2, wp, groups, b, out, yp);
   return y;
 }
 

@@ -70,9 +70,19 @@ inline void group_dot_up_to(int64_t tt, const uint32_t* w, int64_t k2, const uin
   }
 }
 
-// y[t, :out] = x[t] W^T + b for the blocked W (see small_ops.cpp: blocked_linear); x as rows of k2 bf16 pairs.
-inline void blocked_rows(const uint32_t* xp, int64_t t_rows, int64_t k2, const uint32_t* wp, int64_t groups,
-                         const at::BFloat16* b, int64_t out, at::BFloat16* yp) {
+// y[t, :out] = x[t] W^T + b for the blocked W (see small_ops.cpp: blocked_linear), x [T, in] bf16 contiguous,
+// k2 = ceil(in / 2). x's rows are read as pairs of bf16 (one 32-bit word each); with an odd `in` they are copied
+// first, each with a zero after it.
+inline void blocked_rows(const at::BFloat16* x, int64_t t_rows, int64_t in, int64_t k2, const uint32_t* wp,
+                         int64_t groups, const at::BFloat16* b, int64_t out, at::BFloat16* yp) {
+  const uint32_t* xp = reinterpret_cast<const uint32_t*>(x);
+  std::vector<uint32_t> padded;
+  if (in % 2 != 0) {
+    padded.assign(static_cast<size_t>(t_rows * k2), 0u);
+    for (int64_t t = 0; t < t_rows; ++t)
+      std::memcpy(padded.data() + t * k2, x + t * in, static_cast<size_t>(in) * sizeof(at::BFloat16));
+    xp = padded.data();
+  }
   at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
     alignas(64) float s[kTile * kLanes];
     for (int64_t g = begin; g < end; ++g) {
