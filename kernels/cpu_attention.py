@@ -62,3 +62,31 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether `paged_decode_attention` takes these inputs (else use the torch path)."""
     return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and k_cache.dtype == q.dtype
             and q.shape[0] > 0)
+
+
+def prefill_attention(ext: ModuleType, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *,
+                      scale: float) -> torch.Tensor:
+    """`kernels.reference.prefill_attention` (no token weights, window or sinks) through ``ext``'s flash-style
+    bf16 kernel (``csrc/prefill_attention.cpp``).
+
+    q ``[T, Hq, D]`` and the caches ``[num_blocks, Hkv, B, D]`` (each block's ``[Hkv, B, D]`` contiguous) bf16,
+    D a multiple of 16; tables ``[N, ≥ ceil(len/B)]``; sequence n's queries are rows ``query_start_loc[n] ..
+    query_start_loc[n+1]-1``, the last ``q_len`` positions of its ``seq_lens[n]``. Returns bf16 ``[T, Hq, D]``:
+    float32 scores, softmax and sums, the probabilities rounded to bf16 before the product with V (as torch's
+    flash attention in bf16).
+
+    Raises:
+        RuntimeError: naming the broken condition (a length past its table, a block id out of range, more
+            queries than a sequence's length, mismatched shapes or dtypes).
+    """
+    return ext.prefill_attention_bf16(q.contiguous(), k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                      float(scale))
+
+
+def supports_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether `prefill_attention` takes these inputs (else use the torch path)."""
+    return (q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.shape[0] > 0 and q.shape[-1] % 16 == 0
+            and all(c.dtype == torch.bfloat16 and c.dim() == 4 and c.shape[1:] == k_cache.shape[1:]
+                    and c.stride(0) == k_cache.stride(0) and c.stride(3) == 1 and c.stride(2) == c.shape[3]
+                    and c.stride(1) == c.shape[2] * c.shape[3] for c in (k_cache, v_cache)))

@@ -141,10 +141,11 @@ class TorchBackend:
 
     Decode attention goes through the C++ kernel of `kernels.cpu_attention` where it builds and takes
     the inputs (CPU, float32/bf16 KV in the query's dtype, no token weights; window and sinks included),
-    else through torch ops.
+    else through torch ops. Prefill attention goes through its flash-style bf16 kernel there (bf16 q and KV,
+    head dim a multiple of 16, no token weights, window or sinks: SmolLM2 at 2,048 tokens, ~0.5x SDPA's time
+    on a Zen 4 VM), else through SDPA.
     """
 
-    prefill_attention = staticmethod(torch_attention.prefill_attention)
     block_key_summaries = staticmethod(reference.block_key_summaries)
     score_blocks = staticmethod(reference.score_blocks)
 
@@ -163,6 +164,17 @@ class TorchBackend:
             memo = (slot_mapping, block_size, torch_attention.slot_plan(slot_mapping, block_size))
             self._slots = [*self._slots[-(MAX_STEP_GROUPS - 1):], memo]
         torch_attention.write_kv(k_cache, v_cache, key, value, slot_mapping, plan=memo[2])
+
+    def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *,
+                          scale: float, token_weights: torch.Tensor | None = None, window: int | None = None,
+                          sinks: torch.Tensor | None = None) -> torch.Tensor:
+        if (self.cpu_decode_kernels is not None and token_weights is None and window is None and sinks is None
+                and cpu_attention.supports_prefill(q, k_cache, v_cache)):
+            return cpu_attention.prefill_attention(self.cpu_decode_kernels, q, k_cache, v_cache, block_tables,
+                                                   seq_lens, query_start_loc, scale=scale)
+        return torch_attention.prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                                 scale=scale, token_weights=token_weights, window=window, sinks=sinks)
 
     def paged_decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, seq_lens: torch.Tensor, *, scale: float,

@@ -200,6 +200,10 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v
                                   at::Tensor block_tables, at::Tensor seq_lens, double scale,
                                   int64_t window, c10::optional<at::Tensor> sinks);
 
+// Defined in prefill_attention.cpp (its contract is there).
+at::Tensor prefill_attention_bf16(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
+                                  at::Tensor seq_lens, at::Tensor query_start_loc, double scale);
+
 // Defined in decode_layer.cpp (its contract is there).
 at::Tensor decode_layer(at::Tensor x, at::Tensor in_norm, at::Tensor post_norm, double eps, at::Tensor qkv_w,
                         c10::optional<at::Tensor> qkv_b, at::Tensor o_w, c10::optional<at::Tensor> o_b,
@@ -216,4 +220,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "Llama RMSNorm per row (CPU, float32 or bf16)");
   m.def("decode_layer", &decode_layer, "one Llama decoder layer for a few bf16 decode tokens (CPU)");
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
+  m.def("prefill_attention_bf16", &prefill_attention_bf16, "flash-style causal paged prefill attention (CPU, bf16)");
 }

@@ -1,7 +1,8 @@
-"""The C++ CPU decode attention (`kernels.cpu_attention`) against `kernels.reference`.
+"""The C++ CPU decode and bf16 prefill attention (`kernels.cpu_attention`) against `kernels.reference`.
 
 Ragged batches over block tables with shuffled ids and padding past each sequence's blocks, caches
-that are strided slices of a whole KV pool (as the engine passes them), query groups 1/3/8.
+that are strided slices of a whole KV pool (as the engine passes them), query groups 1/3/8; prefill chunks
+over cached prefixes, across the kernel's 16-row tiles and 128-key chunks.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import torch
 
 from kernels import cpu_attention, reference
 from kvstore.block_spec import BlockSpec
-from tests.kernels.test_torch_attention import DECODE_LENS
+from tests.kernels.test_torch_attention import DECODE_LENS, PREFILL_BATCHES
 from tests.kernels.test_triton_attention import make_block_tables, make_layer
 
 
@@ -92,3 +93,89 @@ def test_the_torch_backend_decodes_through_the_kernel(ext, monkeypatch: pytest.M
     got = TorchBackend().paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale=0.125)
     want = reference.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale=0.125)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+# (num_queries, seq_len) per sequence, besides test_torch_attention's: chunks across several 128-key chunks and
+# 16-row tiles, a cold prompt of 129 tokens (one row past a tile), a one-token chunk over a long prefix.
+PREFILL_LONG = [(300, 700), (129, 129), (1, 513), (17, 400)]
+
+
+def _prefill_inputs(parts: list[tuple[int, int]], group: int, seed: int, head_dim: int = 64):
+    lens = tuple(s for _, s in parts)
+    q, k_cache, v_cache, tables, seq_lens = _inputs(lens, "bfloat16", group, seed, head_dim)
+    starts = torch.tensor([0, *torch.tensor([nq for nq, _ in parts]).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(int(starts[-1]), group * 2, head_dim, generator=torch.Generator().manual_seed(seed + 1))
+    return q.bfloat16(), k_cache, v_cache, tables, seq_lens, starts
+
+
+def _assert_prefill_close(got: torch.Tensor, q, k_cache, v_cache, tables, seq_lens, starts) -> None:
+    """float32 math on the bf16 values, but the kernel rounds each probability to bf16 before the product with V
+    (2^-8 relative: at most 2^-8 max|v| on an output, the probabilities summing to 1) and the output once."""
+    want = reference.prefill_attention(q.float(), k_cache.float(), v_cache.float(), tables, seq_lens, starts,
+                                       scale=0.125)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    bound = 2**-8 * float(v_cache.float().abs().max()) + 2**-8 * want.abs() + 1e-5
+    excess = (got.float() - want).abs() - bound
+    assert float(excess.max()) <= 0, f"off by {float(excess.max())} past the bound"
+
+
+@pytest.mark.parametrize("name", [*sorted(PREFILL_BATCHES), "long"])
+@pytest.mark.parametrize("group", [1, 3, 8])
+def test_bf16_prefill_equals_the_float32_math(ext, name: str, group: int) -> None:
+    parts = PREFILL_LONG if name == "long" else PREFILL_BATCHES[name]
+    q, k_cache, v_cache, tables, seq_lens, starts = _prefill_inputs(parts, group, seed=len(name))
+    got = cpu_attention.prefill_attention(ext, q, k_cache, v_cache, tables, seq_lens, starts, scale=0.125)
+    _assert_prefill_close(got, q, k_cache, v_cache, tables, seq_lens, starts)
+
+
+@pytest.mark.parametrize("head_dim", [128, 16, 576])  # Llama's, the smallest taken, absorbed MLA's (512 + 64)
+def test_bf16_prefill_at_other_head_dims(ext, head_dim: int) -> None:
+    q, k_cache, v_cache, tables, seq_lens, starts = _prefill_inputs(PREFILL_BATCHES["ragged"], 3, seed=head_dim,
+                                                                    head_dim=head_dim)
+    got = cpu_attention.prefill_attention(ext, q, k_cache, v_cache, tables, seq_lens, starts, scale=0.125)
+    _assert_prefill_close(got, q, k_cache, v_cache, tables, seq_lens, starts)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ("long", "sequence 1: length 1000 does not fit its block table"),
+    ("bad_block", "sequence 0: block id out of range"),
+    ("queries", "sequence 0: 20 queries for length 19"),
+    ("starts", "query_start_loc must run from 0 to q's rows"),
+    ("dtype", "q must be a contiguous bf16"),
+    ("head_dim", "D is not a multiple of 16"),
+])
+def test_bad_prefill_input_is_refused_with_a_named_reason(ext, change: str, message: str) -> None:
+    q, k_cache, v_cache, tables, seq_lens, starts = _prefill_inputs([(20, 20), (5, 40)], 1, seed=3)
+    if change == "long":
+        seq_lens[1] = 1000
+    elif change == "bad_block":
+        tables[0, 0] = 10_000
+    elif change == "queries":
+        seq_lens[0] = 19
+    elif change == "starts":
+        starts[-1] = 24
+    elif change == "dtype":
+        q = q.float()
+    else:
+        q, k_cache, v_cache, tables, seq_lens, starts = _prefill_inputs([(20, 20), (5, 40)], 1, seed=3, head_dim=40)
+    with pytest.raises(RuntimeError, match=message):
+        cpu_attention.prefill_attention(ext, q, k_cache, v_cache, tables, seq_lens, starts, scale=0.125)
+
+
+def test_the_torch_backend_prefills_bf16_through_the_kernel_only(ext, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 without window, sinks or token weights goes to the kernel; float32 and windows keep SDPA."""
+    from kernels import torch_attention
+    from model.attention import TorchBackend
+
+    sdpa_calls: list[torch.dtype] = []
+    real = torch_attention.prefill_attention
+    monkeypatch.setattr(torch_attention, "prefill_attention",
+                        lambda q, *a, **k: sdpa_calls.append(q.dtype) or real(q, *a, **k))
+    backend = TorchBackend()
+    args = _prefill_inputs(PREFILL_BATCHES["ragged"], 3, seed=11)
+    _assert_prefill_close(backend.prefill_attention(*args, scale=0.125), *args)
+    assert sdpa_calls == []
+    backend.prefill_attention(*args, scale=0.125, window=8)
+    q, k_cache, v_cache, *rest = args
+    backend.prefill_attention(q.float(), k_cache.float(), v_cache.float(), *rest, scale=0.125)
+    assert sdpa_calls == [torch.bfloat16, torch.float32]
