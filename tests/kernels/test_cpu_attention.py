@@ -53,8 +53,12 @@ def test_decode_equals_reference_at_other_head_dims(ext, head_dim: int) -> None:
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
-def test_bf16_equals_the_float32_math_rounded_once(ext) -> None:
-    q, k_cache, v_cache, tables, seq_lens = _inputs(DECODE_LENS["ragged"], "bfloat16", 3, seed=7)
+@pytest.mark.parametrize(("group", "head_dim"), [(3, 64), (1, 64), (8, 64), (3, 128), (8, 128), (3, 40)])
+def test_bf16_equals_the_float32_math_rounded_once(ext, group: int, head_dim: int) -> None:
+    """The AVX-512 bf16 passes (head dims 64 and 128: query heads in register groups of 4 and 2) and the plain
+    loops (40)."""
+    q, k_cache, v_cache, tables, seq_lens = _inputs(DECODE_LENS["ragged"], "bfloat16", group, seed=7,
+                                                    head_dim=head_dim)
     got = cpu_attention.paged_decode_attention(ext, q, k_cache, v_cache, tables, seq_lens, scale=0.125)
     want = reference.paged_decode_attention(q.float(), k_cache.float(), v_cache.float(), tables, seq_lens,
                                             scale=0.125)

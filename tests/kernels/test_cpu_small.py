@@ -185,7 +185,7 @@ def test_linear_kernel_takes_blocked_for_bf16_at_up_to_its_rows_only(ext, monkey
 def test_blocked_linear_without_avx512_bf16_gives_the_same_results(tmp_path) -> None:
     """The plain C++ path (CPUs without AVX512-BF16) sums the same layout in float32: built here with the
     instructions turned off, it agrees with the product as the VDPBF16PS path does (the linear layer and the
-    prefill attention, which share the cores)."""
+    prefill attention, which share the cores, and the decode attention's bf16 passes)."""
     import shutil
 
     from torch.utils.cpp_extension import load as build
@@ -204,11 +204,17 @@ def test_blocked_linear_without_avx512_bf16_gives_the_same_results(tmp_path) -> 
         got = cpu_small.blocked_linear(plain, x, cpu_small.block_weight(w), b, out)
         torch.testing.assert_close(got.double(), _bf16_product(x, w, b), rtol=2**-7, atol=1e-4)
     # the flash-style prefill attention runs on the same cores
-    from kernels import cpu_attention
+    from kernels import cpu_attention, reference
     from tests.kernels.test_cpu_attention import PREFILL_LONG, _assert_prefill_close, _prefill_inputs
 
     args = _prefill_inputs(PREFILL_LONG, 3, seed=5)
     _assert_prefill_close(cpu_attention.prefill_attention(plain, *args, scale=0.125), *args)
+    # and the decode attention's bf16 passes
+    q, k_cache, v_cache, tables, seq_lens, _ = args
+    got = cpu_attention.paged_decode_attention(plain, q[:4], k_cache, v_cache, tables, seq_lens, scale=0.125)
+    want = reference.paged_decode_attention(q[:4].float(), k_cache.float(), v_cache.float(), tables, seq_lens,
+                                            scale=0.125)
+    torch.testing.assert_close(got.float(), want, atol=1e-5, rtol=2**-8)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
