@@ -68,4 +68,5 @@ CSRC = Path(__file__).parent / "csrc"
 CPU_KERNELS = LazyExtension("kvrelay_cpu_kernels",
                             [CSRC / "small_ops.cpp", CSRC / "decode_attention.cpp", CSRC / "decode_layer.cpp",
                              CSRC / "prefill_attention.cpp"],
-                            "F.linear, torch's RMSNorm and decode attention through torch ops instead")
+                            "F.linear, torch's RMSNorm, decode attention through torch ops and prefill "
+                            "attention through SDPA instead")

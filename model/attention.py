@@ -150,7 +150,7 @@ class TorchBackend:
     score_blocks = staticmethod(reference.score_blocks)
 
     def __init__(self) -> None:
-        self.cpu_decode_kernels = cpu_attention.load()  # the C++ decode attention's extension, or None
+        self.cpu_decode_kernels = cpu_attention.load()  # the C++ attention kernels' extension, or None
         # (slot_mapping, block_size, plan) of the current step, one per KV block group (`AttentionBatch.for_group`)
         self._slots: list[tuple[torch.Tensor, int, torch_attention.SlotPlan]] = []
         # (block_tables, seq_lens, block_size, window -> plan) of the current step
