@@ -25,25 +25,17 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512BF16__)
-#include <immintrin.h>
-#endif
+#include "small_ops.h"  // kLanes; <immintrin.h> with AVX512-BF16
 
 namespace {
 
-constexpr int kLanes16 = 16;  // float32 lanes of an AVX-512 register
+using kvrelay_cpu::kLanes;  // float32 lanes of an AVX-512 register
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 
 constexpr float kEmpty = -1e30f;  // the max of a part with no keys (finite: -ffast-math assumes no infinities)
 
-// DC: the head dim when known at compile time (64, 128: fully unrolled, vectorized loops), else 0 (d_any).
-// Work items are (sequence, KV head, part): each part is a contiguous run of the keys a sequence sees. With fewer
-// (sequence, KV head) pairs than twice the threads, each pair's keys are split into parts so that every thread
-// gets work (batch 1 of SmolLM2: 3 KV heads on 2 threads left one idle a third of the time); a part returns its
-// max score, its sum of exp(score - max) and its unnormalised sum of weighted values, and the parts are merged
-// (log-sum-exp) after. The scores and the softmax are float32.
 #if defined(__AVX512BF16__)
 // One vector of the 16 horizontal sums: lane i = v[i][0] + ... + v[i][15] (a transpose by unpacks and lane
 // shuffles with the adds on the way, ~45 instructions against ~8 for each reduction alone).
@@ -70,17 +62,17 @@ void scores_bf16(const c10::BFloat16* qh, int64_t group, const c10::BFloat16* k_
   static_assert(DC % 32 == 0, "whole 32-value rows");
   alignas(64) static const c10::BFloat16 zeros[DC] = {};
   const __m512 sc = _mm512_set1_ps(scale);
-  for (int64_t t0 = lo; t0 < hi; t0 += kLanes16) {
-    const int64_t n = std::min<int64_t>(kLanes16, hi - t0);
-    const c10::BFloat16* kp[kLanes16];
-    for (int64_t i = 0; i < kLanes16; ++i) {
+  for (int64_t t0 = lo; t0 < hi; t0 += kLanes) {
+    const int64_t n = std::min<int64_t>(kLanes, hi - t0);
+    const c10::BFloat16* kp[kLanes];
+    for (int64_t i = 0; i < kLanes; ++i) {
       const int64_t t = t0 + i;
       kp[i] = i < n ? k_cache + table[t / block_size] * block_stride + (h * block_size + t % block_size) * DC : zeros;
     }
     for (int64_t g = 0; g < group; ++g) {
       const c10::BFloat16* qg = qh + g * DC;
-      __m512 v[kLanes16];
-      for (int i = 0; i < kLanes16; ++i) {
+      __m512 v[kLanes];
+      for (int i = 0; i < kLanes; ++i) {
         __m512 acc = _mm512_setzero_ps();
         for (int c = 0; c < DC / 32; ++c)
           acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(kp[i] + 32 * c),
@@ -98,7 +90,7 @@ void scores_bf16(const c10::BFloat16* qh, int64_t group, const c10::BFloat16* k_
 template <int DC>
 void values_bf16(const float* p, int64_t span, int64_t group, const c10::BFloat16* v_cache, int64_t block_stride,
                  const int32_t* table, int64_t h, int64_t block_size, int64_t lo, int64_t hi, float* acc) {
-  constexpr int kVecs = DC / kLanes16, kHeads = kLanes16 / kVecs;
+  constexpr int kVecs = DC / kLanes, kHeads = kLanes / kVecs;
   for (int64_t g0 = 0; g0 < group; g0 += kHeads) {
     const int64_t gn = std::min<int64_t>(kHeads, group - g0);
     __m512 a[kHeads][kVecs];
@@ -109,7 +101,7 @@ void values_bf16(const float* p, int64_t span, int64_t group, const c10::BFloat1
       __m512 vf[kVecs];
       for (int c = 0; c < kVecs; ++c)  // bf16 -> float32: the 16 bits above 16 zeros
         vf[c] = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vp + kLanes16 * c))), 16));
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vp + kLanes * c))), 16));
       for (int g = 0; g < kHeads; ++g) {
         if (g >= gn) break;
         const __m512 w = _mm512_set1_ps(p[(g0 + g) * span + t - lo]);
@@ -117,11 +109,17 @@ void values_bf16(const float* p, int64_t span, int64_t group, const c10::BFloat1
       }
     }
     for (int64_t g = 0; g < gn; ++g)
-      for (int c = 0; c < kVecs; ++c) _mm512_storeu_ps(acc + (g0 + g) * DC + kLanes16 * c, a[g][c]);
+      for (int c = 0; c < kVecs; ++c) _mm512_storeu_ps(acc + (g0 + g) * DC + kLanes * c, a[g][c]);
   }
 }
 #endif
 
+// DC: the head dim when known at compile time (64, 128: fully unrolled, vectorized loops), else 0 (d_any).
+// Work items are (sequence, KV head, part): each part is a contiguous run of the keys a sequence sees. With fewer
+// (sequence, KV head) pairs than twice the threads, each pair's keys are split into parts so that every thread
+// gets work (batch 1 of SmolLM2: 3 KV heads on 2 threads left one idle a third of the time); a part returns its
+// max score, its sum of exp(score - max) and its unnormalised sum of weighted values, and the parts are merged
+// (log-sum-exp) after. The scores and the softmax are float32.
 template <typename T, int DC>
 void decode_heads(const T* q, const T* k_cache, const T* v_cache, int64_t block_stride, const int32_t* tables,
                   int64_t table_width, const int64_t* lens, T* out, int64_t n_seqs, int64_t hq, int64_t hkv,
@@ -150,12 +148,19 @@ void decode_heads(const T* q, const T* k_cache, const T* v_cache, int64_t block_
         std::fill(ps, ps + group, 0.0f);
         continue;
       }
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t i = 0; i < d; ++i) qf[g * d + i] = to_float(q[(n * hq + head0 + g) * d + i]) * scale;
+#if defined(__AVX512BF16__)
+      constexpr bool kFast = std::is_same_v<T, c10::BFloat16> && DC > 0 && DC % 32 == 0;  // scores_bf16, values_bf16
+#else
+      constexpr bool kFast = false;
+#endif
+      if constexpr (!kFast) {
+        for (int64_t g = 0; g < group; ++g)
+          for (int64_t i = 0; i < d; ++i) qf[g * d + i] = to_float(q[(n * hq + head0 + g) * d + i]) * scale;
+      }
       scores.assign(group * span, 0.0f);
       // Pass 1: scores[g, t - lo] = (scale q_g) . k_t
 #if defined(__AVX512BF16__)
-      if constexpr (std::is_same_v<T, c10::BFloat16> && DC > 0 && DC % 32 == 0) {
+      if constexpr (kFast) {
         scores_bf16<DC>(q + (n * hq + head0) * d, group, k_cache, block_stride, tables + n * table_width, h,
                         block_size, lo, hi, scale, scores.data(), span);
       } else
@@ -189,7 +194,7 @@ void decode_heads(const T* q, const T* k_cache, const T* v_cache, int64_t block_
       }
       // Pass 2: acc_g = sum_t exp(score - max) v_t
 #if defined(__AVX512BF16__)
-      if constexpr (std::is_same_v<T, c10::BFloat16> && DC > 0 && DC % 32 == 0) {
+      if constexpr (kFast) {
         values_bf16<DC>(scores.data(), span, group, v_cache, block_stride, tables + n * table_width, h, block_size,
                         lo, hi, acc);
       } else
