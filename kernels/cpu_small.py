@@ -31,6 +31,8 @@ keeps F.linear.
 
 from __future__ import annotations
 
+import ctypes
+import sys
 from types import ModuleType
 
 import torch
@@ -86,6 +88,37 @@ def block_weight(weight: torch.Tensor) -> torch.Tensor:
     padded = torch.zeros(g * 16, k2 * 2, dtype=weight.dtype)
     padded[:out, :inp] = weight
     return padded.view(g, 16, k2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+HUGE_PAGE = 2 << 20  # bytes: x86-64's transparent huge page
+MADV_HUGEPAGE = 14  # Linux's madvise advice
+
+
+def huge_page_buffer(nbytes: int) -> tuple[torch.Tensor, bool]:
+    """A new uint8 ``[nbytes]`` tensor (not zeroed, not yet touched) that starts on a `HUGE_PAGE` boundary, its
+    whole pages advised onto transparent huge pages (``madvise(MADV_HUGEPAGE)``) before anything touches them, and
+    whether the advice was taken (False off Linux or where the kernel refuses it: the buffer then has the
+    kernel's usual pages). Holds up to two `HUGE_PAGE` more than ``nbytes``.
+
+    Why: a decode step streams every weight once, and with 4 KiB pages the CPU's stream prefetchers stop at each
+    page's end; with 2 MiB pages a batch-1 SmolLM2 bf16 step ran 1.14x as fast (median of 14 alternated pairs in
+    one process, Zen 4 VM; 1.0-1.34x as the VM's memory moved), with torch's own huge pages for tensors of 2 MiB
+    and more already on (`THP_MEM_ALLOC_ENABLE`, which misses the many smaller weights and their tails).
+
+    Raises:
+        ValueError: ``nbytes`` is negative.
+    """
+    if nbytes < 0:
+        raise ValueError(f"huge_page_buffer: nbytes must be >= 0, got {nbytes}")
+    span = -(-nbytes // HUGE_PAGE) * HUGE_PAGE  # whole pages: the advice covers the last one too
+    raw = torch.empty(span + HUGE_PAGE, dtype=torch.uint8)
+    offset = (-raw.data_ptr()) % HUGE_PAGE
+    buf = raw[offset:offset + nbytes]  # offset + span <= len(raw): the advised pages lie inside raw
+    if nbytes == 0 or not sys.platform.startswith("linux"):
+        return buf, False
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return buf, libc.madvise(buf.data_ptr(), span, MADV_HUGEPAGE) == 0
 
 
 def blocked_linear(ext: ModuleType, x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None,

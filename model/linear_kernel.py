@@ -81,3 +81,25 @@ def _pack(weight: torch.Tensor) -> torch.Tensor | None:
     except (AttributeError, RuntimeError) as exc:
         log.warning("oneDNN cannot pack a %s weight (%s); using F.linear", tuple(weight.shape), exc)
         return None
+
+
+def colocate_blocked(kernels: list[LinearKernel]) -> bool:
+    """Move the blocked bf16 copies of ``kernels`` (those that have one; a kernel listed twice moves once) into one
+    buffer on transparent huge pages (`kernels.cpu_small.huge_page_buffer`), back to back in the order given: list
+    them in the order a decode step reads them. Each ``kernel.blocked`` becomes a view of the buffer with the same
+    shape and values; the old copies are freed once nothing else holds them, so anything that captured
+    ``kernel.blocked`` before (`model.llama.DecoderLayer.prepare_fused`) must capture it again. Returns whether
+    the huge pages were granted (the copies move either way)."""
+    moving = list({id(k): k for k in kernels if k.blocked is not None}.values())
+    if not moving:
+        return False
+    sizes = [k.blocked.numel() * k.blocked.element_size() for k in moving]
+    buf, huge = cpu_small.huge_page_buffer(sum(sizes))
+    start = 0
+    for kernel, size in zip(moving, sizes, strict=True):
+        old = kernel.blocked
+        view = buf[start:start + size].view(old.dtype).view(old.shape)
+        view.copy_(old)
+        kernel.blocked = view
+        start += size
+    return huge

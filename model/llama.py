@@ -26,7 +26,7 @@ from kernels import cpu_small
 from model.attention import AttentionBackend, AttentionBatch, TorchBackend, paged_attention
 from model.config import ModelConfig
 from model.deepseek import DeepseekMoe, MlaAttention
-from model.linear_kernel import LinearKernel
+from model.linear_kernel import LinearKernel, colocate_blocked
 from model.moe import SparseMoe
 from model.rope import apply_rotary, rope_inv_freq, rotary_cos_sin
 
@@ -375,6 +375,9 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.prepare()
+        # The few-row copies on huge pages, in the order a decode step reads them: the layers', then the head's
+        colocate_blocked([v for module in self.model.layers.modules() for v in vars(module).values()
+                          if isinstance(v, LinearKernel)] + [self.head])
         for layer in self.model.layers:
             layer.prepare_fused()
 

@@ -269,3 +269,32 @@ def test_the_model_rotates_and_activates_through_them(ext) -> None:
     mlp.prepare()
     assert attn.small_ops is ext and mlp.small_ops is ext
     torch.testing.assert_close(mlp(x), before, rtol=1e-5, atol=1e-6)
+
+
+def _anon_huge_kb(address: int) -> int:
+    """AnonHugePages (kB) of this process's mapping that holds ``address`` (/proc/self/smaps)."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_huge_page_buffer_starts_on_a_huge_page_and_gets_huge_pages() -> None:
+    nbytes = 5 * cpu_small.HUGE_PAGE + 12345  # a tail past the last whole page
+    buf, advised = cpu_small.huge_page_buffer(nbytes)
+    assert buf.dtype == torch.uint8 and buf.numel() == nbytes and buf.is_contiguous()
+    assert buf.data_ptr() % cpu_small.HUGE_PAGE == 0
+    buf.fill_(3)
+    assert int(buf.sum()) == 3 * nbytes
+    mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    if "[never]" not in mode:  # the kernel grants them (this machine: "madvise")
+        assert advised and _anon_huge_kb(buf.data_ptr()) >= 2048
+    empty, advised_empty = cpu_small.huge_page_buffer(0)
+    assert empty.numel() == 0 and advised_empty is False
+    with pytest.raises(ValueError, match="nbytes must be >= 0, got -1"):
+        cpu_small.huge_page_buffer(-1)

@@ -88,3 +88,29 @@ def test_bad_inputs_are_refused_by_name_before_any_write(tiny_model_dir) -> None
     with pytest.raises(RuntimeError, match="layer_cache must be bf16 \\[num_blocks, 2, kv_heads, B, head_dim\\]"):
         call(cache=cache.float())
     assert cache.abs().sum() == 0
+
+
+def test_decode_weights_are_moved_onto_huge_pages_in_the_order_a_step_reads_them(tiny_model_dir,
+                                                                                monkeypatch) -> None:
+    """`LlamaForCausalLM.prepare_for_inference` puts every blocked few-row copy into one buffer
+    (`model.linear_kernel.colocate_blocked`): back to back, layer by layer (qkv, o, gate/up, down), then the
+    head, with the values `block_weight` gives, and the fused layers read those copies."""
+    model = load_model(tiny_model_dir, dtype="bfloat16").model
+    layers = model.model.layers
+    kernels = [k for layer in layers for k in (layer.self_attn.qkv, layer.self_attn.out, layer.ffn.gate_up,
+                                                layer.ffn.down)] + [model.head]
+    assert kernels[0].blocked.data_ptr() % cpu_small.HUGE_PAGE == 0
+    for a, b in zip(kernels, kernels[1:], strict=False):
+        assert b.blocked.data_ptr() == a.blocked.data_ptr() + a.blocked.numel() * 2
+    for k in kernels:
+        assert torch.equal(k.blocked, cpu_small.block_weight(k.weight))
+    for layer in layers:
+        before = layer.fused[1]
+        assert [before[i].data_ptr() for i in (3, 5, 7, 9)] == [
+            k.blocked.data_ptr() for k in (layer.self_attn.qkv, layer.self_attn.out, layer.ffn.gate_up,
+                                           layer.ffn.down)]
+    # the same tokens and logprobs, bit for bit, as with the copies where block_weight left them
+    got, _ = _generate(tiny_model_dir, monkeypatch, fused=True)
+    monkeypatch.setattr("model.llama.colocate_blocked", lambda kernels: False)
+    want, _ = _generate(tiny_model_dir, monkeypatch, fused=True)
+    assert got == want
