@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.bandwidth_bench import weight_bytes
+from benchmarks.bandwidth_bench import decode_rounds, weight_bytes
 from benchmarks.dtype_bench import run as dtype_run
 from benchmarks.peer import PeerServer
 from model.loader import load_model
@@ -21,6 +21,15 @@ def test_weight_bytes_counts_a_tied_embedding_once(tiny_model_dir: Path) -> None
     head = 0 if config.get("tie_word_embeddings") else vocab * h
     want = 4 * (vocab * h + config["num_hidden_layers"] * per_layer + h + head)  # float32
     assert weight_bytes(load_model(tiny_model_dir, dtype="float32").model) == want
+
+
+def test_a_round_bounds_the_decode_by_the_higher_read_before_or_after_it(tiny_model_dir: Path) -> None:
+    out = decode_rounds(str(tiny_model_dir), dtype="float32", prompt_tokens=8, new_tokens=4, rounds=1)
+    (r,) = out["rounds"]
+    assert r["read_bytes_per_s"] == max(r["read_before_bytes_per_s"], r["read_after_bytes_per_s"]) > 0
+    assert r["limit_tok_s"] == r["read_bytes_per_s"] / out["weight_bytes"]
+    assert r["fraction_of_limit"] == r["decode_tok_s"] / r["limit_tok_s"]
+    assert out["fraction_of_limit"] == r["fraction_of_limit"] and out["dtype"] == "float32"
 
 
 def test_dtype_agreement_is_reported_as_fractions(tiny_model_dir: Path) -> None:
