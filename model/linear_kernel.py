@@ -21,7 +21,8 @@ matmul's time at 1 to 4 rows, 0.8-1.1× at 8, as the VM's memory moved, the same
 rows it still pays through `model.llama.DecoderLayer.decode_fused`, which needs it (a batch-16 step 0.91×).
 Its sums run in another order than oneDNN's, so bf16 decode steps of up to sixteen rows differ from ``F.linear``
 by at most a rounding of the bf16 result. The blocked copy costs the weight's size again: a bf16 weight on a CPU
-with oneDNN bf16 support is held three times (row-major, oneDNN-packed, blocked).
+with oneDNN bf16 support is held three times (row-major, oneDNN-packed, blocked). A model's blocked copies are
+then gathered into one buffer on transparent huge pages in the order a decode step reads them (`colocate_blocked`).
 """
 
 from __future__ import annotations
