@@ -7,7 +7,11 @@ the decode rate) and a node reports them in its event answers; nothing here is c
     decode-only step           →  decode_step_s        ← decayed (step seconds), decode_batch ← (sequences)
 
 A step that mixes prefill and decode counts as prefill (its decode rows ride along), so the prefill rate is
-a lower bound. The first step of a kind runs cold (lazy initialisation, first-touch allocations: several
+a lower bound. `StepCost` fits every step to a line instead, so a router can price a step of any mix:
+
+    step seconds ≈ fixed_s + prefill_token_s · prefill tokens + decode_row_s · decode rows
+
+ The first step of a kind runs cold (lazy initialisation, first-touch allocations: several
 times slower than the next on a fresh node), so its figure holds only until the second step of that kind
 replaces it; from then on the newest step weighs ``max(DECAY, 1/n)`` (a plain mean of the first n warm steps,
 then a decayed one).
@@ -18,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DECAY = 0.1  # weight of the newest step in each average
+STEP_COST_DECAY = 0.05  # ... in `StepCost`'s sums: three coefficients want a longer memory (~20 steps)
 MIN_PREFILL_TOKENS = 16  # a step computing fewer prompt tokens says little about the prefill rate
 
 
@@ -29,6 +34,7 @@ class StepRates:
     prefill_tokens_per_s: float = 0.0
     decode_step_s: float = 0.0
     decode_batch: float = 0.0
+    cost: StepCost = field(default_factory=lambda: StepCost())
     _prefill_steps: int = 0  # steps folded in, of each kind
     _decode_steps: int = 0
 
@@ -37,6 +43,8 @@ class StepRates:
         ``seconds`` (wall time of the forward and sampling)."""
         if seconds <= 0:
             return
+        if prefill_tokens > 0 or decode_seqs > 0:
+            self.cost.observe(prefill_tokens, decode_seqs, seconds)
         if prefill_tokens >= MIN_PREFILL_TOKENS:
             self._prefill_steps += 1
             self.prefill_tokens_per_s = _folded(self.prefill_tokens_per_s, prefill_tokens / seconds,
@@ -54,6 +62,107 @@ def _folded(average: float, sample: float, n: int) -> float:
         return sample
     weight = max(DECAY, 1.0 / (n - 1))
     return (1 - weight) * average + weight * sample
+
+
+# `StepCost`'s candidate supports, tried in this order; on an equal residual the earlier wins (one sample of a
+# prefill step is a rate through the origin, as `StepRates` had it, not a fixed cost)
+_SUPPORTS = ((0, 1, 2), (1, 2), (0, 1), (0, 2), (1,), (2,), (0,))
+
+
+@dataclass(slots=True)
+class StepCost:
+    """``step seconds ≈ fixed_s + prefill_token_s · prefill tokens + decode_row_s · decode rows``: least squares
+    over decayed sums (the newest step weighs `STEP_COST_DECAY` against those before), every coefficient ≥ 0
+    (non-negative least squares, exact: the best of the unconstrained fits over each subset of the three terms
+    that comes out non-negative). The first step ran cold and stands alone until the second replaces it. A term
+    the steps never vary stays 0.0 (a prefill node that never decodes: ``decode_row_s`` 0.0; with one kind of
+    step seen, a rate through the origin). ``samples`` 0: nothing fitted (all 0.0).
+
+    `observe` is called by one thread; any thread may read `coefficients` (fitted from a consistent snapshot of
+    the sums).
+    """
+
+    samples: int = 0
+    _sums: list[float] = field(default_factory=lambda: [0.0] * 10)  # w; Σ of 1, p, d, p², pd, d², y, py, dy, y²
+    _fit_of: list[float] | None = None  # the sums `_fit` was computed from ...
+    _fitted: tuple[float, float, float] = (0.0, 0.0, 0.0)  # ... and its coefficients
+
+    @property
+    def coefficients(self) -> tuple[float, float, float]:
+        """``(fixed_s, prefill_token_s, decode_row_s)``, fitted on first read after a step (the engine's step
+        pays ~5 µs for its sums, not the ~50 µs of a fit)."""
+        sums = self._sums  # one list per step, never changed in place: a consistent snapshot
+        if self._fit_of is not sums:
+            self._fitted, self._fit_of = _fit(sums), sums
+        return self._fitted
+
+    @property
+    def fixed_s(self) -> float:
+        return self.coefficients[0]
+
+    @property
+    def prefill_token_s(self) -> float:
+        return self.coefficients[1]
+
+    @property
+    def decode_row_s(self) -> float:
+        return self.coefficients[2]
+
+    def observe(self, prefill_tokens: int, decode_rows: int, seconds: float) -> None:
+        """Fold in one step of ``prefill_tokens`` prompt tokens and ``decode_rows`` decode rows that took
+        ``seconds`` (> 0; others are ignored)."""
+        if seconds <= 0 or prefill_tokens < 0 or decode_rows < 0:
+            return
+        keep = 1 - STEP_COST_DECAY if self.samples >= 2 else 0.0  # the second sample drops the cold first
+        self.samples += 1
+        p, d, y = float(prefill_tokens), float(decode_rows), seconds
+        terms = (1.0, p, d, p * p, p * d, d * d, y, p * y, d * y, y * y)
+        self._sums = [keep * s + t for s, t in zip(self._sums, terms, strict=True)]
+
+    def predict(self, prefill_tokens: float, decode_rows: float) -> float:
+        fixed, per_token, per_row = self.coefficients
+        return fixed + per_token * prefill_tokens + per_row * decode_rows
+
+
+def _fit(sums: list[float]) -> tuple[float, float, float]:
+    """Non-negative least squares of ``y`` on ``(1, p, d)`` from `StepCost`'s sums (its docstring)."""
+    w, sp, sd, spp, spd, sdd, sy, spy, sdy, syy = sums
+    gram = ((w, sp, sd), (sp, spp, spd), (sd, spd, sdd))
+    rhs = (sy, spy, sdy)
+    best, best_residual = (0.0, 0.0, 0.0), syy
+    for support in _SUPPORTS:
+        beta = _solve([[gram[i][j] for j in support] for i in support], [rhs[i] for i in support])
+        if beta is None or min(beta) < 0:
+            continue
+        residual = syy - sum(b * rhs[i] for b, i in zip(beta, support, strict=True))  # at the least-squares β
+        if residual < best_residual - 1e-9 * syy:
+            full = [0.0, 0.0, 0.0]
+            for b, i in zip(beta, support, strict=True):
+                full[i] = b
+            best, best_residual = (full[0], full[1], full[2]), residual
+    return best
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """``x`` with ``a · x = b`` for a symmetric positive semi-definite ``a`` of order ≤ 3 (Gaussian elimination);
+    None when ``a`` is singular relative to its diagonal (a term the samples never varied)."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    scale = [max(abs(m[i][i]), 1e-300) for i in range(n)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]) / scale[r])
+        if abs(m[pivot][col]) <= 1e-9 * scale[pivot]:
+            return None
+        m[col], m[pivot] = m[pivot], m[col]
+        scale[col], scale[pivot] = scale[pivot], scale[col]
+        for r in range(col + 1, n):
+            f = m[r][col] / m[col][col]
+            for c in range(col, n + 1):
+                m[r][c] -= f * m[col][c]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        x[r] = (m[r][n] - sum(m[r][c] * x[c] for c in range(r + 1, n))) / m[r][r]
+    return x
 
 
 @dataclass(slots=True)

@@ -457,15 +457,18 @@ class EngineNode:
         """The room and speed the router places requests by (`router.nodes.NodeCapacity`): the device pool's
         16-token blocks (all, and free or evictable now; pool blocks / `BlockSpec.num_groups`), the batch and
         admission limits, and the rates the engine measured (`engine.step_rates`; 0.0 before the first step of a
-        kind), the bytes of one 16-token block (all groups) and how fast this node pulls KV from peers
-        (`engine.step_rates.PullRates`: fixed seconds plus bytes over bytes per second; 0.0 before the first pull).
+        kind) with its fitted step cost (`engine.step_rates.StepCost`: ``step_*`` seconds), the bytes of one
+        16-token block (all groups) and how fast this node pulls KV from peers (`engine.step_rates.PullRates`:
+        fixed seconds plus bytes over bytes per second; 0.0 before the first pull).
         A snapshot read off the engine's thread."""
         engine, rates = self.engine, self.engine.rates
+        fixed_s, prefill_token_s, decode_row_s = rates.cost.coefficients
         groups = engine.spec.num_groups  # in 16-token blocks: a hybrid model's token block is one per group
         return {"kv_blocks": engine.pool.num_blocks // groups, "free_blocks": self.worker.num_free_blocks // groups,
                 "max_num_seqs": engine.config.max_num_seqs,
                 "max_num_batched_tokens": engine.config.max_num_batched_tokens,
                 "prefill_tokens_per_s": rates.prefill_tokens_per_s, "decode_step_s": rates.decode_step_s,
+                "step_fixed_s": fixed_s, "step_prefill_token_s": prefill_token_s, "step_decode_row_s": decode_row_s,
                 "max_pending_requests": self.config.max_pending_requests,
                 "block_bytes": engine.spec.block_bytes * groups,
                 "pull_bytes_per_s": self.pull_rates.bytes_per_s, "pull_fixed_s": self.pull_rates.fixed_s}

@@ -13,8 +13,8 @@ from typing import Any
 class NodeCapacity:
     """What a node reports about itself in its event answers (``load``: `node.app.EngineNode.load_report`).
 
-    ``prefill_tokens_per_s`` and ``decode_step_s`` are measured by the node (`engine.step_rates`); 0.0 until
-    it has run a step of that kind.
+    ``prefill_tokens_per_s``, ``decode_step_s`` and the ``step_*`` cost are measured by the node
+    (`engine.step_rates`); 0.0 until it has run a step of that kind (a report without ``step_*``: 0.0).
     """
 
     kv_blocks: int
@@ -28,6 +28,10 @@ class NodeCapacity:
     pull_bytes_per_s: float = 0.0  # how fast it pulls KV from peers (`engine.step_rates.PullRates`); 0.0: no pull yet
     pull_fixed_s: float = 0.0
     whole_requests: bool = False  # a prefill node that also serves whole requests (``POST /generate``)
+    # its fitted step cost (`engine.step_rates.StepCost`): seconds per step, per prompt token, per decode row
+    step_fixed_s: float = 0.0
+    step_prefill_token_s: float = 0.0
+    step_decode_row_s: float = 0.0
 
     @classmethod
     def from_report(cls, report: Any) -> NodeCapacity:
@@ -37,13 +41,16 @@ class NodeCapacity:
                       int(report["max_num_batched_tokens"]), float(report["prefill_tokens_per_s"]),
                       float(report["decode_step_s"]), int(report.get("max_pending_requests", 1 << 30)),
                       int(report.get("block_bytes", 0)), float(report.get("pull_bytes_per_s", 0.0)),
-                      float(report.get("pull_fixed_s", 0.0)), report.get("whole_requests", False) is True)
+                      float(report.get("pull_fixed_s", 0.0)), report.get("whole_requests", False) is True,
+                      float(report.get("step_fixed_s", 0.0)), float(report.get("step_prefill_token_s", 0.0)),
+                      float(report.get("step_decode_row_s", 0.0)))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed load report: {exc!r}") from None
         if min(cap.kv_blocks, cap.max_num_seqs, cap.max_num_batched_tokens, cap.max_pending_requests) < 1 or \
                 cap.free_blocks < 0 or cap.block_bytes < 0 or \
                 not (cap.prefill_tokens_per_s >= 0 and cap.decode_step_s >= 0 and cap.pull_bytes_per_s >= 0
-                     and cap.pull_fixed_s >= 0):
+                     and cap.pull_fixed_s >= 0 and cap.step_fixed_s >= 0 and cap.step_prefill_token_s >= 0
+                     and cap.step_decode_row_s >= 0):
             raise ValueError(f"load report out of range: {cap}")
         return cap
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from engine.step_rates import PullRates
+from engine.step_rates import DECAY, PullRates
 from kvstore.block_key import BlockKey
 from router.node_state import Node, NodeCapacity
 from router.nodes import Need, NodeSet
@@ -81,6 +81,38 @@ def test_queues_count_and_a_decode_node_that_never_prefilled_borrows_the_prefill
     choice = plan("auto", 500, d, node("prefill", rate=1000.0, queued=3000))
     assert choice == PlanChoice(LOCAL, pytest.approx(0.9), pytest.approx(0.9), {DISAGGREGATED: pytest.approx(3.5),
                                                            LOCAL: pytest.approx(0.9 + 2 * 0.5)})
+
+
+def stepped(role: str, *, fixed: float, token: float, row: float, queued: int = 0, running: int = 0,
+            prefill_rate: float = 0.0) -> Node:
+    n = Node(f"{role}-0", f"http://{role}", role, queued_tokens=queued, reserved_seqs=running)
+    n.capacity = NodeCapacity(1000, 1000, 64, 512, prefill_rate, 0.02, block_bytes=BLOCK_BYTES,
+                              pull_bytes_per_s=1e6, step_fixed_s=fixed, step_prefill_token_s=token,
+                              step_decode_row_s=row)
+    return n
+
+
+def test_the_fitted_step_cost_prices_each_step_ahead_and_the_decode_step_under_way():
+    # decode node: 10 ms a step, 1 ms a prompt token, 2 ms a decode row, 512 tokens a step, 5 running
+    d = stepped("decode", fixed=0.01, token=0.001, row=0.002, running=5)
+    p = stepped("prefill", fixed=0.05, token=0.002, row=0.0)
+    # nothing queued: half of a 20 ms decode step under way, then one step of 20 ms + 100 tokens (0.1 s)
+    assert plan("never", 100, d, p).model_ttft_s == pytest.approx(0.01 + 0.02 + 0.1)
+    # the prefill node, idle: one step of 50 ms + 200 ms; the pull of 7 blocks (7 ms); the local plan's stall
+    # of 0.1 s on each of the 5 streams makes it dearer
+    assert plan("auto", 100, d, p) == PlanChoice(DISAGGREGATED, pytest.approx(0.25), pytest.approx(0.25), {
+        LOCAL: pytest.approx(0.13 + 5 * 0.1), DISAGGREGATED: pytest.approx(0.25 + 0.007)})
+    # 600 tokens queued on the decode node: 700 tokens ahead in two steps of 20 ms (no step under way counted)
+    queued = stepped("decode", fixed=0.01, token=0.001, row=0.002, running=5, queued=600)
+    assert plan("never", 100, queued, p).model_ttft_s == pytest.approx(2 * 0.02 + 0.7)
+    # 1100 tokens queued on the prefill node: 1200 ahead in three steps of 50 ms
+    busy_p = stepped("prefill", fixed=0.05, token=0.002, row=0.0, queued=1100)
+    assert plan("always", 100, d, busy_p).model_ttft_s == pytest.approx(3 * 0.05 + 2.4)
+    # a decode node that fitted only decode steps (no per-token cost) borrows the prefill node's 2 ms a token
+    decoding = stepped("decode", fixed=0.01, token=0.0, row=0.002, running=5)
+    assert plan("never", 100, decoding, p).model_ttft_s == pytest.approx(0.01 + 0.02 + 0.2)
+    # the prefill rate alone (no fit reported) prices it as before: tokens over the rate
+    assert plan("never", 100, node("decode", rate=500.0, running=5), p).model_ttft_s == pytest.approx(0.2)
 
 
 def test_nothing_measured_takes_the_prefill_node_and_the_modes_force_a_plan():
@@ -192,27 +224,29 @@ def test_calibration_maps_the_model_to_measured_times_and_the_plan_follows_it():
     assert cal.predict(LOCAL, 0.2) == 0.2  # nothing measured: the model as it is
     cal.observe(LOCAL, 0.1, 0.6)  # the first request of a plan runs cold: not used
     assert cal.predict(LOCAL, 0.2) == 0.2 and cal.predict(DISAGGREGATED, 0.2) == 0.2
-    cal.observe(LOCAL, 0.1, 0.25)  # replaces it: an offset of 0.15 s
-    assert cal.predict(LOCAL, 0.2) == pytest.approx(0.35)
-    cal.observe(LOCAL, 0.3, 0.65)  # two warm samples: the line through both, actual = 0.05 + 2 * model
-    line = cal.lines[LOCAL]
-    assert (line.intercept, line.slope, cal.predict(LOCAL, 0.2)) == (pytest.approx(0.05), pytest.approx(2.0),
-                                                                     pytest.approx(0.45))
-    fast = TtftCalibration()  # the model overestimates: an offset below 0, never a time below 0
-    for model_s, actual_s in ((0.5, 0.5), (0.5, 0.2), (0.5, 0.2)):
-        fast.observe(DISAGGREGATED, model_s, actual_s)
-    assert fast.predict(DISAGGREGATED, 0.4) == pytest.approx(0.1) and fast.predict(DISAGGREGATED, 0.1) == 0.0
+    cal.observe(LOCAL, 0.1, 0.2)  # replaces it: twice the model
+    assert cal.predict(LOCAL, 0.3) == pytest.approx(0.6)
+    cal.observe(LOCAL, 0.4, 0.2)  # half of it: the mean in logs of 2 and 1/2 is a factor of 1
+    assert cal.predict(LOCAL, 0.3) == pytest.approx(0.3)
+    for _ in range(20):  # steadily 1.5x: the factor decays towards it, each request weighing max(DECAY, 1/n)
+        cal.observe(LOCAL, 0.2, 0.3)
+    assert cal.factor(LOCAL) == pytest.approx(1.5, rel=0.1) and cal.predict(DISAGGREGATED, 0.2) == 0.2
+    expected = math.exp((1 - DECAY) * cal.log_factor[LOCAL] + DECAY * math.log(4.0))
+    cal.observe(LOCAL, 0.1, 0.4)  # one slow request moves it by one decayed step
+    assert cal.factor(LOCAL) == pytest.approx(expected)
+    samples = cal.samples[LOCAL]
     cal.observe(LOCAL, float("nan"), 1.0)  # no model time: skipped
-    assert line.samples == 3
-    # A local prefill measured 3x slower than the model (and 0.05 s more) loses to an idle prefill node.
+    cal.observe(LOCAL, 0.0, 1.0)
+    assert cal.samples[LOCAL] == samples
+    # A local prefill measured 3x slower than the model loses to an idle prefill node.
     slow_local = TtftCalibration()
     for model_s in (0.1, 0.1, 0.2, 0.4):
-        slow_local.observe(LOCAL, model_s, 0.05 + 3 * model_s)
+        slow_local.observe(LOCAL, model_s, 3 * model_s)
     d, p = node("decode", rate=1000.0, pull_bytes_per_s=1e6), node("prefill", rate=1000.0)
     assert plan("auto", 200, d, p).plan == LOCAL
     choice = plan("auto", 200, d, p, calibration=slow_local)
     assert choice == PlanChoice(DISAGGREGATED, pytest.approx(0.2), pytest.approx(0.2), {
-        DISAGGREGATED: pytest.approx(0.2 + 0.013), LOCAL: pytest.approx(0.65)})
+        DISAGGREGATED: pytest.approx(0.2 + 0.013), LOCAL: pytest.approx(0.6)})
 
 
 def test_a_prefill_node_s_own_streams_count_against_the_disaggregated_plan():

@@ -235,3 +235,8 @@ def test_a_load_report_becomes_a_capacity_or_is_refused_by_name():
         NodeCapacity.from_report({**report, "kv_blocks": 0})
     with pytest.raises(ValueError, match="load report out of range"):
         NodeCapacity.from_report({**report, "decode_step_s": float("nan")})
+    steps = {"step_fixed_s": 0.01, "step_prefill_token_s": 0.001, "step_decode_row_s": 0.002}
+    assert NodeCapacity.from_report({**report, **steps}) == NodeCapacity(
+        182, 170, 64, 1024, 950.5, 0.09, step_fixed_s=0.01, step_prefill_token_s=0.001, step_decode_row_s=0.002)
+    with pytest.raises(ValueError, match="load report out of range"):
+        NodeCapacity.from_report({**report, **steps, "step_decode_row_s": -0.002})
