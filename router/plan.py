@@ -52,7 +52,6 @@ import math
 import time
 from dataclasses import dataclass
 
-from engine.step_rates import DECAY
 from router.node_state import Node, NodeCapacity
 
 TPOT_BREACHES = "local_tpot_breaches"  # `PlanChoice.costs`: streams a local prefill would push past the SLO
@@ -62,6 +61,10 @@ REMOTE_TPOT_BREACHES = "disaggregated_tpot_breaches"
 TTFT_MISSES = {"local": "local_ttft_miss", "disaggregated": "disaggregated_ttft_miss"}
 
 MODES = ("always", "never", "auto")
+# weight of the newest request in `TtftCalibration`'s factor: slower than the step averages, since consecutive
+# requests of one workload differ more than consecutive steps (0.1 gave median |error| 0.11-0.14, 0.03 0.09-0.12,
+# the uncalibrated model 0.08-0.11: the Zen 4 VM's goodput run of 2026-12-05)
+CALIBRATION_DECAY = 0.03
 DISAGGREGATED = "disaggregated"
 LOCAL = "local"
 
@@ -85,10 +88,10 @@ class PlanChoice:
 class TtftCalibration:
     """Per plan, the factor by which actual times from placement to first token exceed the model's: ``actual ≈
     factor · model``, ``log factor`` a decayed mean of ``log(actual / model)`` (the newest request weighs
-    ``max(DECAY, 1 / n)``). A ratio in logs, not a fitted line: one slow request (a cold first one, a hiccup of a
-    shared machine) moves it by a bounded step and it decays, where an offset fitted to a few such requests
-    mispriced the next ones by more than the model's own error (measured: median |error| 0.18 fitted, 0.12 the
-    model as it is, 0.14 the log ratio, on the Zen 4 VM's goodput run). A plan predicts the model's time as it
+    ``max(CALIBRATION_DECAY, 1 / n)``). A ratio in logs, not a fitted line: one slow request (a cold first one, a
+    hiccup of a shared machine) moves it by a bounded step and it decays, where an offset fitted to a few such
+    requests mispriced the next ones by more than the model's own error (measured on the Zen 4 VM: median
+    |error| 0.18 with the fitted line, 0.12 the model as it is). A plan predicts the model's time as it
     is until two of its requests were measured; the first (on a fresh deployment, cold) is then dropped. Owned
     by the router's event loop."""
 
@@ -103,7 +106,7 @@ class TtftCalibration:
             return
         n = self.samples[plan] = self.samples[plan] + 1
         sample = math.log(actual_s / model_s)
-        weight = 1.0 if n <= 2 else max(DECAY, 1.0 / (n - 1))  # the second replaces the cold first
+        weight = 1.0 if n <= 2 else max(CALIBRATION_DECAY, 1.0 / (n - 1))  # the second replaces the cold first
         self.log_factor[plan] = (1 - weight) * self.log_factor[plan] + weight * sample
 
     def factor(self, plan: str) -> float:

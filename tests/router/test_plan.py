@@ -6,11 +6,12 @@ import math
 
 import pytest
 
-from engine.step_rates import DECAY, PullRates
+from engine.step_rates import PullRates
 from kvstore.block_key import BlockKey
 from router.node_state import Node, NodeCapacity
 from router.nodes import Need, NodeSet
 from router.plan import (
+    CALIBRATION_DECAY,
     DISAGGREGATED,
     LOCAL,
     REMOTE_TPOT_BREACHES,
@@ -228,10 +229,10 @@ def test_calibration_maps_the_model_to_measured_times_and_the_plan_follows_it():
     assert cal.predict(LOCAL, 0.3) == pytest.approx(0.6)
     cal.observe(LOCAL, 0.4, 0.2)  # half of it: the mean in logs of 2 and 1/2 is a factor of 1
     assert cal.predict(LOCAL, 0.3) == pytest.approx(0.3)
-    for _ in range(20):  # steadily 1.5x: the factor decays towards it, each request weighing max(DECAY, 1/n)
+    for _ in range(60):  # steadily 1.5x: the factor decays towards it, each weighing max(CALIBRATION_DECAY, 1/n)
         cal.observe(LOCAL, 0.2, 0.3)
     assert cal.factor(LOCAL) == pytest.approx(1.5, rel=0.1) and cal.predict(DISAGGREGATED, 0.2) == 0.2
-    expected = math.exp((1 - DECAY) * cal.log_factor[LOCAL] + DECAY * math.log(4.0))
+    expected = math.exp((1 - CALIBRATION_DECAY) * cal.log_factor[LOCAL] + CALIBRATION_DECAY * math.log(4.0))
     cal.observe(LOCAL, 0.1, 0.4)  # one slow request moves it by one decayed step
     assert cal.factor(LOCAL) == pytest.approx(expected)
     samples = cal.samples[LOCAL]
