@@ -65,6 +65,10 @@ MODES = ("always", "never", "auto")
 # requests of one workload differ more than consecutive steps (0.1 gave median |error| 0.11-0.14, 0.03 0.09-0.12,
 # the uncalibrated model 0.08-0.11: the Zen 4 VM's goodput run of 2026-12-05)
 CALIBRATION_DECAY = 0.03
+# ... and the factor is held within [1 / MAX_CALIBRATION_FACTOR, MAX_CALIBRATION_FACTOR]: past it the model misses
+# something that does not scale with it (the hops of a tiny model's millisecond prefills, a machine stalled for a
+# while), which a factor would multiply into every long prompt's price
+MAX_CALIBRATION_FACTOR = 2.0
 DISAGGREGATED = "disaggregated"
 LOCAL = "local"
 
@@ -110,7 +114,12 @@ class TtftCalibration:
         self.log_factor[plan] = (1 - weight) * self.log_factor[plan] + weight * sample
 
     def factor(self, plan: str) -> float:
-        return math.exp(self.log_factor[plan]) if self.samples[plan] >= 2 else 1.0
+        """``actual / model`` for ``plan`` (1.0 until two of its requests were measured), held within
+        `MAX_CALIBRATION_FACTOR` either way."""
+        if self.samples[plan] < 2:
+            return 1.0
+        bound = math.log(MAX_CALIBRATION_FACTOR)
+        return math.exp(min(bound, max(-bound, self.log_factor[plan])))
 
     def predict(self, plan: str, model_s: float) -> float:
         return model_s * self.factor(plan)

@@ -14,6 +14,7 @@ from router.plan import (
     CALIBRATION_DECAY,
     DISAGGREGATED,
     LOCAL,
+    MAX_CALIBRATION_FACTOR,
     REMOTE_TPOT_BREACHES,
     TPOT_BREACHES,
     TTFT_MISSES,
@@ -239,15 +240,22 @@ def test_calibration_maps_the_model_to_measured_times_and_the_plan_follows_it():
     cal.observe(LOCAL, float("nan"), 1.0)  # no model time: skipped
     cal.observe(LOCAL, 0.0, 1.0)
     assert cal.samples[LOCAL] == samples
-    # A local prefill measured 3x slower than the model loses to an idle prefill node.
+    far = TtftCalibration()  # 20x the model (millisecond prefills behind fixed hops): held to MAX_CALIBRATION_FACTOR
+    for _ in range(3):
+        far.observe(DISAGGREGATED, 0.001, 0.02)
+    assert far.factor(DISAGGREGATED) == pytest.approx(MAX_CALIBRATION_FACTOR) == 2.0
+    for _ in range(3):
+        far.observe(LOCAL, 0.2, 0.01)
+    assert far.predict(LOCAL, 1.0) == pytest.approx(0.5)
+    # A local prefill measured 2x slower than the model loses to an idle prefill node.
     slow_local = TtftCalibration()
     for model_s in (0.1, 0.1, 0.2, 0.4):
-        slow_local.observe(LOCAL, model_s, 3 * model_s)
+        slow_local.observe(LOCAL, model_s, 2 * model_s)
     d, p = node("decode", rate=1000.0, pull_bytes_per_s=1e6), node("prefill", rate=1000.0)
     assert plan("auto", 200, d, p).plan == LOCAL
     choice = plan("auto", 200, d, p, calibration=slow_local)
     assert choice == PlanChoice(DISAGGREGATED, pytest.approx(0.2), pytest.approx(0.2), {
-        DISAGGREGATED: pytest.approx(0.2 + 0.013), LOCAL: pytest.approx(0.6)})
+        DISAGGREGATED: pytest.approx(0.2 + 0.013), LOCAL: pytest.approx(0.4)})
 
 
 def test_a_prefill_node_s_own_streams_count_against_the_disaggregated_plan():
