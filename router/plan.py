@@ -69,6 +69,10 @@ CALIBRATION_DECAY = 0.03
 # something that does not scale with it (the hops of a tiny model's millisecond prefills, a machine stalled for a
 # while), which a factor would multiply into every long prompt's price
 MAX_CALIBRATION_FACTOR = 2.0
+# ... the first COLD_REQUESTS requests of a plan are not folded in (a fresh deployment's first steps run several
+# times slower: one gave 6x the model), and the factor applies from MIN_CALIBRATION_REQUESTS on
+COLD_REQUESTS = 2
+MIN_CALIBRATION_REQUESTS = 8
 DISAGGREGATED = "disaggregated"
 LOCAL = "local"
 
@@ -96,7 +100,7 @@ class TtftCalibration:
     hiccup of a shared machine) moves it by a bounded step and it decays, where an offset fitted to a few such
     requests mispriced the next ones by more than the model's own error (measured on the Zen 4 VM: median
     |error| 0.18 with the fitted line, 0.12 the model as it is). A plan predicts the model's time as it
-    is until two of its requests were measured; the first (on a fresh deployment, cold) is then dropped. Owned
+    is until `MIN_CALIBRATION_REQUESTS` of its requests were measured, the first `COLD_REQUESTS` not counted. Owned
     by the router's event loop."""
 
     def __init__(self) -> None:
@@ -110,13 +114,15 @@ class TtftCalibration:
             return
         n = self.samples[plan] = self.samples[plan] + 1
         sample = math.log(actual_s / model_s)
-        weight = 1.0 if n <= 2 else max(CALIBRATION_DECAY, 1.0 / (n - 1))  # the second replaces the cold first
+        if n <= COLD_REQUESTS:
+            return
+        weight = max(CALIBRATION_DECAY, 1.0 / (n - COLD_REQUESTS))
         self.log_factor[plan] = (1 - weight) * self.log_factor[plan] + weight * sample
 
     def factor(self, plan: str) -> float:
-        """``actual / model`` for ``plan`` (1.0 until two of its requests were measured), held within
+        """``actual / model`` for ``plan`` (1.0 until `MIN_CALIBRATION_REQUESTS` were measured), held within
         `MAX_CALIBRATION_FACTOR` either way."""
-        if self.samples[plan] < 2:
+        if self.samples[plan] < MIN_CALIBRATION_REQUESTS:
             return 1.0
         bound = math.log(MAX_CALIBRATION_FACTOR)
         return math.exp(min(bound, max(-bound, self.log_factor[plan])))

@@ -12,9 +12,11 @@ from router.node_state import Node, NodeCapacity
 from router.nodes import Need, NodeSet
 from router.plan import (
     CALIBRATION_DECAY,
+    COLD_REQUESTS,
     DISAGGREGATED,
     LOCAL,
     MAX_CALIBRATION_FACTOR,
+    MIN_CALIBRATION_REQUESTS,
     REMOTE_TPOT_BREACHES,
     TPOT_BREACHES,
     TTFT_MISSES,
@@ -224,15 +226,17 @@ def test_pull_rates_fit_a_fixed_time_and_a_bandwidth():
 def test_calibration_maps_the_model_to_measured_times_and_the_plan_follows_it():
     cal = TtftCalibration()
     assert cal.predict(LOCAL, 0.2) == 0.2  # nothing measured: the model as it is
-    cal.observe(LOCAL, 0.1, 0.6)  # the first request of a plan runs cold: not used
-    assert cal.predict(LOCAL, 0.2) == 0.2 and cal.predict(DISAGGREGATED, 0.2) == 0.2
-    cal.observe(LOCAL, 0.1, 0.2)  # replaces it: twice the model
-    assert cal.predict(LOCAL, 0.3) == pytest.approx(0.6)
-    cal.observe(LOCAL, 0.4, 0.2)  # half of it: the mean in logs of 2 and 1/2 is a factor of 1
-    assert cal.predict(LOCAL, 0.3) == pytest.approx(0.3)
+    for _ in range(COLD_REQUESTS):  # a fresh deployment's first requests run cold: not folded in
+        cal.observe(LOCAL, 0.1, 0.6)
+    for i in range(MIN_CALIBRATION_REQUESTS - COLD_REQUESTS):  # alternately 2x and 1/2x the model
+        assert cal.predict(LOCAL, 0.3) == 0.3  # too few requests yet: the model as it is
+        cal.observe(LOCAL, 0.1, 0.2 if i % 2 == 0 else 0.05)
+    # the mean in logs of 2 and 1/2 (three each, the newest weighing 1/n): a factor of 1
+    assert cal.samples[LOCAL] == MIN_CALIBRATION_REQUESTS and cal.predict(LOCAL, 0.3) == pytest.approx(0.3)
+    assert cal.predict(DISAGGREGATED, 0.2) == 0.2
     for _ in range(60):  # steadily 1.5x: the factor decays towards it, each weighing max(CALIBRATION_DECAY, 1/n)
         cal.observe(LOCAL, 0.2, 0.3)
-    assert cal.factor(LOCAL) == pytest.approx(1.5, rel=0.1) and cal.predict(DISAGGREGATED, 0.2) == 0.2
+    assert cal.factor(LOCAL) == pytest.approx(1.5, rel=0.1)
     expected = math.exp((1 - CALIBRATION_DECAY) * cal.log_factor[LOCAL] + CALIBRATION_DECAY * math.log(4.0))
     cal.observe(LOCAL, 0.1, 0.4)  # one slow request moves it by one decayed step
     assert cal.factor(LOCAL) == pytest.approx(expected)
@@ -241,15 +245,14 @@ def test_calibration_maps_the_model_to_measured_times_and_the_plan_follows_it():
     cal.observe(LOCAL, 0.0, 1.0)
     assert cal.samples[LOCAL] == samples
     far = TtftCalibration()  # 20x the model (millisecond prefills behind fixed hops): held to MAX_CALIBRATION_FACTOR
-    for _ in range(3):
+    for _ in range(MIN_CALIBRATION_REQUESTS):
         far.observe(DISAGGREGATED, 0.001, 0.02)
-    assert far.factor(DISAGGREGATED) == pytest.approx(MAX_CALIBRATION_FACTOR) == 2.0
-    for _ in range(3):
         far.observe(LOCAL, 0.2, 0.01)
+    assert far.factor(DISAGGREGATED) == pytest.approx(MAX_CALIBRATION_FACTOR) == 2.0
     assert far.predict(LOCAL, 1.0) == pytest.approx(0.5)
     # A local prefill measured 2x slower than the model loses to an idle prefill node.
     slow_local = TtftCalibration()
-    for model_s in (0.1, 0.1, 0.2, 0.4):
+    for model_s in (0.1, 0.1, 0.2, 0.4, 0.1, 0.3, 0.2, 0.5):
         slow_local.observe(LOCAL, model_s, 2 * model_s)
     d, p = node("decode", rate=1000.0, pull_bytes_per_s=1e6), node("prefill", rate=1000.0)
     assert plan("auto", 200, d, p).plan == LOCAL
