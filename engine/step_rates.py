@@ -11,10 +11,9 @@ a lower bound. `StepCost` fits every step to a line instead, so a router can pri
 
     step seconds ≈ fixed_s + prefill_token_s · prefill tokens + decode_row_s · decode rows
 
- The first step of a kind runs cold (lazy initialisation, first-touch allocations: several
-times slower than the next on a fresh node), so its figure holds only until the second step of that kind
-replaces it; from then on the newest step weighs ``max(DECAY, 1/n)`` (a plain mean of the first n warm steps,
-then a decayed one).
+The first step of a kind runs cold (lazy initialisation, first-touch allocations: several times slower than the
+next on a fresh node), so its figure holds only until the second step of that kind replaces it; from then on
+the newest step weighs ``max(DECAY, 1/n)`` (a plain mean of the first n warm steps, then a decayed one).
 """
 
 from __future__ import annotations
