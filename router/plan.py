@@ -149,7 +149,8 @@ class StepModel:
     @classmethod
     def of(cls, node: Node, stand_in: StepModel | None = None) -> StepModel | None:
         """``node``'s reported step cost (`NodeCapacity` ``step_*``), or its prefill rate alone while it has no
-        fitted per-token cost; ``stand_in``'s per-token cost when it has neither. None: nothing to price by."""
+        fitted per-token cost; ``stand_in``'s per-token cost when it has neither, and ``stand_in`` as it is when
+        ``node`` has reported nothing yet. None: nothing to price by."""
         cap = node.capacity
         if cap is None:
             return stand_in
