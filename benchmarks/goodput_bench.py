@@ -18,7 +18,8 @@ meeting both SLOs and each alone (`attainment`; TTFT and TPOT as ``vllm bench se
 request meets none), mean / median / p90 TTFT and TPOT and throughput; per deployment and workload the goodput
 (`goodput_rate`: the highest rate at which at least ``--attainment`` of the requests meet both SLOs, 0 if none),
 and per workload auto's goodput over the better of the other two and over 2x-aggregated. The router's
-``kvrelay_router_plan*`` samples are read at the end of each deployment. Output: JSON (`benchmarks.common.emit`)
+``kvrelay_router_plan*`` samples are read at the end of each deployment, and the median of its TTFT error
+(`ttft_error_median`) from them. Output: JSON (`benchmarks.common.emit`)
 and a PNG of attainment against rate, one panel per workload, and a Markdown table (stderr and ``table_md``).
 
 ``--network netns`` runs each deployment across network namespaces instead (`benchmarks.netns_deployment`: each
@@ -39,6 +40,7 @@ import asyncio
 import json
 import math
 import random
+import re
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -125,6 +127,38 @@ def mixed_prompts(*, num_requests: int, long_share_frac: float, short_tokens: tu
     kinds = [long_tokens] * num_long + [short_tokens] * (num_requests - num_long)
     rng.shuffle(kinds)
     return [RequestSpec(tuple(seeded_prompt(rng, rng.randint(lo, hi), vocab)), output_tokens) for lo, hi in kinds]
+
+
+ERROR_BUCKET = re.compile(r'^kvrelay_router_plan_ttft_error_ratio_bucket\{le="([^"]+)",plan="([^"]+)"\}$')
+
+
+def ttft_error_median(plan_samples: Mapping[str, float]) -> dict[str, float]:
+    """The median of the router's TTFT error (|predicted − actual| / actual), per plan and over all plans
+    (``"all"``), read from its ``kvrelay_router_plan_ttft_error_ratio`` histogram as Prometheus'
+    ``histogram_quantile`` reads one: linear within the bucket that holds the median (so to within a bucket's
+    width, 0.05 up to 0.3); a median in the +Inf bucket reads as that bucket's lower bound. A plan without
+    samples is left out; no samples at all: ``{}``."""
+    plans: dict[str, dict[float, float]] = {}
+    for key, value in plan_samples.items():
+        if m := ERROR_BUCKET.match(key):
+            plans.setdefault(m.group(2), {})[float(m.group(1))] = value
+    totals: dict[float, float] = {}
+    for buckets in plans.values():
+        for le, count in buckets.items():
+            totals[le] = totals.get(le, 0.0) + count
+    medians = {}
+    for plan, buckets in [*sorted(plans.items()), ("all", totals)]:
+        bounds = sorted(buckets)
+        if not bounds or buckets[bounds[-1]] <= 0:
+            continue
+        rank, lower, below = buckets[bounds[-1]] / 2, 0.0, 0.0
+        for le in bounds:
+            if buckets[le] >= rank:
+                inside = buckets[le] - below
+                medians[plan] = lower if math.isinf(le) else lower + (le - lower) * (rank - below) / inside
+                break
+            lower, below = le, buckets[le]
+    return medians
 
 
 def router_plan_samples(metrics_text: str) -> dict[str, float]:
@@ -214,7 +248,12 @@ def run_deployment(name: str, model_dir: str, sweep: Sweep, *, network: str = "l
         plan = router_plan_samples(get_text(d.url + "/metrics"))
     info = {"overrides": overrides, "network": network, "node_cpus": nodes,
             **({"up_args": UP_ARGS} if network == "loopback" else {})}
-    return points, {**info, "router_plan": plan} if plan else info
+    if not plan:
+        return points, info
+    medians = ttft_error_median(plan)
+    print(f"goodput: {name:13s} median TTFT error (|predicted - actual| / actual): "
+          + ", ".join(f"{k} {v:.3f}" for k, v in medians.items()), file=sys.stderr)
+    return points, {**info, "router_plan": plan, "ttft_error_median": medians}
 
 
 def _ratio(num: float, den: float) -> float | None:

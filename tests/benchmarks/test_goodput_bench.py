@@ -17,6 +17,7 @@ from benchmarks.goodput_bench import (
     mixed_prompts,
     router_plan_samples,
     summarize_goodput,
+    ttft_error_median,
 )
 from benchmarks.serve_client import RequestRecord, RequestSpec
 
@@ -95,6 +96,23 @@ def test_router_plan_samples_are_kept_verbatim_and_nothing_else():
     assert router_plan_samples(text) == {'kvrelay_router_plans_total{plan="local"}': 3.0,
                                          'kvrelay_router_plan_ttft_error_ratio_sum{plan="disaggregated"}': 0.25}
     assert router_plan_samples("kvrelay_router_queued_requests 0.0\n") == {}
+
+
+def test_the_median_ttft_error_is_read_from_the_router_histogram_per_plan_and_overall():
+    def buckets(plan: str, counts: dict[str, float]) -> dict[str, float]:
+        return {f'kvrelay_router_plan_ttft_error_ratio_bucket{{le="{le}",plan="{plan}"}}': c
+                for le, c in counts.items()}
+
+    # local: 10 samples, 4 up to 0.05, 8 up to 0.1: the 5th of 10 lies a quarter into (0.05, 0.1]
+    local = buckets("local", {"0.05": 4, "0.1": 8, "0.25": 10, "+Inf": 10})
+    # disaggregated: 2 samples, both past 0.25: the +Inf bucket's lower bound
+    remote = buckets("disaggregated", {"0.05": 0, "0.1": 0, "0.25": 0, "+Inf": 2})
+    samples = {**local, **remote, 'kvrelay_router_plans_total{plan="local"}': 10.0,
+               **buckets("empty", {"0.05": 0, "+Inf": 0})}
+    # all: 12 samples, 4 / 8 / 10 / 12: the 6th lies half-way into (0.05, 0.1]
+    assert ttft_error_median(samples) == {"disaggregated": 0.25, "local": pytest.approx(0.0625),
+                                          "all": pytest.approx(0.075)}
+    assert ttft_error_median({}) == {}
 
 
 def point(deployment: str, workload: str, rate: float, both: float) -> RatePoint:
