@@ -53,7 +53,8 @@ class NetnsDeployment:
         self.model_name: str = self.config.get("model", {}).get("name", self.model_dir.name)
         num_prefill = len(self.config.get("prefill", {}).get("ports", []))
         num_decode = len(self.config.get("decode", {}).get("ports", [0]))
-        self.node_hosts = [f"prefill-{i}" for i in range(num_prefill)] + [f"decode-{i}" for i in range(num_decode)]
+        self.prefill_hosts = [f"prefill-{i}" for i in range(num_prefill)]
+        self.node_hosts = self.prefill_hosts + [f"decode-{i}" for i in range(num_decode)]
         self._tmp = tempfile.TemporaryDirectory(prefix="kvrelay-netns-")
         self.work = Path(self._tmp.name)
         self._hosts: Hosts | None = None
@@ -73,7 +74,8 @@ class NetnsDeployment:
         cfg = merge(self.config, {
             "model": {"path": str(self.model_dir)},
             "internal": {"bind": self._hosts.addr(host), "token_env": TOKEN_ENV},
-            "prefill": {"ports": [PREFILL_PORT]}, "decode": {"ports": [DECODE_PORT]},
+            # no prefill host: no prefill port either (an empty router.prefill_urls means one per local port)
+            "prefill": {"ports": [PREFILL_PORT] if self.prefill_hosts else []}, "decode": {"ports": [DECODE_PORT]},
             "router": {"host": self._hosts.addr("router"), "port": ROUTER_PORT,
                        "prefill_urls": [self._url(h) for h in self.node_hosts if h.startswith("prefill")],
                        "decode_urls": [self._url(h) for h in self.node_hosts if h.startswith("decode")]},

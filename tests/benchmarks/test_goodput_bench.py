@@ -179,6 +179,12 @@ def test_a_multihost_deployment_binds_each_host_to_its_own_address_and_names_eve
         assert d.host_config("prefill-0")["internal"]["bind"] == prefill
         agg = NetnsDeployment(tmp_path, overrides=deployment_overrides("2x-aggregated", Slo(3.0, 0.2)))
         assert agg.node_hosts == ["decode-0", "decode-1"]
+        # No prefill host, so no prefill port: an empty router.prefill_urls would mean one per local port
+        agg._hosts = Hosts(["router", *agg.node_hosts], tmp_path)
+        agg_cfg = agg.host_config("router")
+        assert (agg_cfg["prefill"]["ports"], agg_cfg["router"]["prefill_urls"]) == ([], [])
+        assert cfg["prefill"]["ports"] == [8100]
+        agg._hosts = None
         agg.stop()
     finally:
         d._hosts = None
