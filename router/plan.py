@@ -35,8 +35,8 @@ costs each stream only ~1.6 ms per token, but a stream lives through dozens of t
 
 The model's TTFT leaves out what it cannot see (the hops between router and nodes, how far the step under way
 has got, a prompt's attention growing with its length), so the router calibrates it per plan against the times
-it then measures
-(`TtftCalibration`: actual ≈ factor · model, the factor a decayed mean in logs), and plans by the calibrated times.
+it then measures (`TtftCalibration`: actual ≈ factor · model, the factor a decayed mean in logs), and plans by
+the calibrated times.
 
 A decode node that has never prefilled has no per-token cost of its own: the prefill node's stands in for it (the same
 model; ``kvrelay up`` gives each node an equal share of the CPUs). Nothing measured yet (no rate on either): the
