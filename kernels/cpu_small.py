@@ -1,21 +1,20 @@
 """Small CPU ops of a decode step (`kernels/csrc/small_ops.cpp`): linear layers for a few rows, RMSNorm, rotary,
 silu × up.
 
-At 1 to 16 rows a float32 linear layer reads every weight once and does little else: it is bound by memory
-bandwidth. oneDNN/MKL's matrix-vector path reads SmolLM2's weights at ~10 GB/s on this 2-core machine, whose
-read bandwidth is ~20 GB/s, and its few-row path (2 to 16 rows) at ~5 GB/s. The extension reads eight weight
-rows at a time against each load of ``x`` (measured on the AVX2 VM with four rows, on SmolLM2's 121 weights: 1.6×
-F.linear at 1 row, 3.1× at 2, 2.1× at 8, 1.3× at 16, even at 32; eight rows gave 5-25% more GB/s than four at 1
-and 4 rows on a Zen 4 VM, for its AVX-512 and its AVX2 code alike). `model.linear_kernel.LinearKernel` uses it
-for float32 weights at up to `MAX_ROWS` rows; ``KVRELAY_CPU_KERNELS=0`` turns it off with the other C++ CPU kernels.
-
-`blocked_linear` is the bf16 few-row linear layer: the weight is copied once into `block_weight`'s layout
-(sixteen output rows by two inputs per 64-byte block) so that each group of sixteen outputs reads one linear
-stream, multiplied with AVX512-BF16's VDPBF16PS where the CPU has it (plain C++ in float32 elsewhere). On a Zen 4 VM, a
-batch-1 SmolLM2 bf16 engine step took 0.58× the time with it than with oneDNN's packed matmul (side by side in
-one process); alone, over SmolLM2's weights, the two ran from 2× apart to even as the VM's memory moved (the
-row-major layout summed eight rows at a time: ~0.65× the blocked one's speed). `LinearKernel` uses it at up to
-`BLOCKED_MAX_ROWS` rows.
+At 1 to 16 rows a linear layer reads every weight once and does little else: it is bound by memory bandwidth.
+oneDNN/MKL's matrix-vector path read SmolLM2's float32 weights at ~10 GB/s on a 2-core AVX2 VM whose read
+bandwidth is ~20 GB/s (~5 GB/s at 2 to 16 rows), and oneDNN's packed bf16 matmul at ~20 GB/s on a Zen 4 VM that
+reads 35-50 GB/s. `blocked_linear` is this package's few-row linear layer: the weight is copied once into
+`block_weight`'s layout (sixteen output rows by one float32 or two bf16 inputs per 64-byte block) so that each
+group of sixteen outputs reads one linear stream, summed with fused multiply-adds in float32 (AVX-512 or AVX2) or,
+for bf16, AVX512-BF16's VDPBF16PS where the CPU has it (plain C++ elsewhere).
+* bf16, Zen 4 VM: a batch-1 SmolLM2 engine step took 0.58× the time with it than with oneDNN's packed matmul
+  (side by side in one process); alone, over SmolLM2's weights, the two ran from 2× apart to even as the VM's
+  memory moved (a row-major layout summed eight rows at a time: ~0.65× the blocked one's speed).
+* float32, Zen 1 VM (AVX2), over SmolLM2's 121 weights: even with the row-major eight-row kernel it replaced at one
+  row (both at ~17-18 GB/s, the read bandwidth), 1.2-1.4× its speed at 4, 8 and 16 rows.
+`model.linear_kernel.LinearKernel` uses it at up to `BLOCKED_MAX_ROWS` rows; ``KVRELAY_CPU_KERNELS=0`` turns it off
+with the other C++ CPU kernels.
 
 `rms_norm` is Llama's RMSNorm in one pass per row: torch's composite (pow, mean, add, rsqrt, mul) took ~70 µs
 per call on a 576-wide row here, 61 calls a step (~4 ms of a ~48 ms batch-1 step); `model.llama.RMSNorm` uses
@@ -39,7 +38,6 @@ import torch
 
 from kernels.cpu_build import CPU_KERNELS
 
-MAX_ROWS = 16  # measured: equal to F.linear at 32 rows, faster below
 BLOCKED_MAX_ROWS = 16  # blocked_linear: equal to oneDNN's packed matmul at 12 rows, 1.13x its time at 16, but at
 # 9-16 rows the fused decode layer (model.llama) needs it: a batch-16 SmolLM2 step 0.91x (Zen 4 VM)
 
@@ -48,17 +46,6 @@ def load() -> ModuleType | None:
     """The compiled extension (`kernels.cpu_build.CPU_KERNELS`, built on first call), or None when disabled or the
     build failed."""
     return CPU_KERNELS.load()
-
-
-def small_linear(ext: ModuleType, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ weight.T + bias`` through ``ext``: x float32 ``[T, in]`` contiguous, weight float32 ``[out, in]``
-    contiguous, bias float32 ``[out]`` or None; returns float32 ``[T, out]``. Same values as F.linear up to the
-    order of the sums (within 1e-5 relative of a float64 product here).
-
-    Raises:
-        RuntimeError: naming the shape, dtype or layout that does not fit.
-    """
-    return ext.small_linear(x, weight, bias)
 
 
 def rms_norm(ext: ModuleType, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -74,20 +61,16 @@ def rms_norm(ext: ModuleType, x: torch.Tensor, weight: torch.Tensor, eps: float)
     return ext.rms_norm(x.reshape(-1, h).contiguous(), weight, eps).view(x.shape)
 
 
-def supports(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether `small_linear` takes this weight (and bias)."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
-            and weight.is_contiguous() and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())))
-
-
 def block_weight(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` bf16 ``[out, in]`` in `blocked_linear`'s layout: ``[ceil(out/16), ceil(in/2), 16, 2]`` (sixteen
-    output rows by two inputs per block), zero-padded, contiguous: a copy, the weight's size again."""
+    """``weight`` bf16 or float32 ``[out, in]`` in `blocked_linear`'s layout: ``[ceil(out/16), ceil(in/P), 16, P]``
+    (sixteen output rows by ``P`` inputs per block, ``P`` = 2 for bf16 and 1 for float32: one 32-bit word a lane),
+    zero-padded, contiguous: a copy, the weight's size again."""
     out, inp = weight.shape
-    g, k2 = -(-out // 16), -(-inp // 2)
-    padded = torch.zeros(g * 16, k2 * 2, dtype=weight.dtype)
+    per_word = 4 // weight.element_size()
+    g, k = -(-out // 16), -(-inp // per_word)
+    padded = torch.zeros(g * 16, k * per_word, dtype=weight.dtype)
     padded[:out, :inp] = weight
-    return padded.view(g, 16, k2, 2).permute(0, 2, 1, 3).contiguous()
+    return padded.view(g, 16, k, per_word).permute(0, 2, 1, 3).contiguous()
 
 
 HUGE_PAGE = 2 << 20  # bytes: x86-64's transparent huge page
@@ -123,9 +106,11 @@ def huge_page_buffer(nbytes: int) -> tuple[torch.Tensor, bool]:
 
 def blocked_linear(ext: ModuleType, x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None,
                    out: int) -> torch.Tensor:
-    """``x @ weight.T + bias`` through ``ext`` for ``blocked = block_weight(weight)``: x bf16 ``[T, in]``
-    contiguous, bias bf16 ``[out]`` or None, ``out`` the weight's rows; returns bf16 ``[T, out]``, the float32
-    sums rounded once (within one bf16 rounding of a float64 product).
+    """``x @ weight.T + bias`` through ``ext`` for ``blocked = block_weight(weight)``: x ``[T, in]`` contiguous, of
+    the weight's dtype (bf16 or float32), bias ``[out]`` of that dtype or None, ``out`` the weight's rows; returns
+    ``[T, out]`` of x's dtype. bf16: the float32 sums rounded once (within one bf16 rounding of a float64
+    product); float32: each output summed in input order with fused multiply-adds (within 1e-5 relative of a
+    float64 product at these widths; F.linear sums in another order).
 
     Raises:
         RuntimeError: naming the shape, dtype or layout that does not fit.
@@ -134,9 +119,9 @@ def blocked_linear(ext: ModuleType, x: torch.Tensor, blocked: torch.Tensor, bias
 
 
 def supports_blocked(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether `blocked_linear` takes this weight (and bias): bf16 on the CPU."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
-            and (bias is None or (bias.dtype == torch.bfloat16 and bias.dim() == 1)))
+    """Whether `blocked_linear` takes this weight (and bias): bf16 or float32 on the CPU, the bias of its dtype."""
+    return (weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float32) and weight.dim() == 2
+            and (bias is None or (bias.dtype == weight.dtype and bias.dim() == 1)))
 
 
 def rotary(ext: ModuleType, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

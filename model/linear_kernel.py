@@ -3,26 +3,29 @@
 On a CPU with oneDNN, a bf16 weight is also kept in oneDNN's packed (blocked) layout and multiplied
 with its packed-weight matmul: measured here for a 3072×576 bf16 weight, 2.5× faster than
 ``F.linear`` at 1 row, 2× at 16 rows, 1.3× at 300 rows, with bit-identical results (both accumulate
-in float32). float32 weights stay on ``F.linear``: the packed path sums in another order (differences
-of 1e-4), and float32 is what the exactness tests pin against transformers. The packed copy costs
+in float32). float32 weights are not packed: the packed path sums in another order (differences
+of 1e-4), and float32 prefill is what the exactness tests pin against transformers. The packed copy costs
 the weight's size again in memory. Packing uses torch's internal ``mkldnn`` ops (those its compiler
 emits); where they are missing, where the CPU lacks bf16 matmul support (AVX2-only machines: oneDNN
 needs AVX512-BF16/AMX or AVX-NE-CONVERT), or where they refuse a weight, the kernel falls back to
 ``F.linear``.
 
-A float32 weight is multiplied at 1 to `kernels.cpu_small.MAX_ROWS` rows (decode steps) by the C++ few-row
-kernel of `kernels.cpu_small`, which reads the weight near the machine's read bandwidth where oneDNN/MKL's
-matrix-vector path reaches about half of it; larger batches (prefill chunks) stay on ``F.linear``.
+A bf16 or float32 weight is also kept in `kernels.cpu_small.block_weight`'s blocked layout, and multiplied at 1 to
+`kernels.cpu_small.BLOCKED_MAX_ROWS` rows (decode steps) by its C++ kernel; larger batches (prefill chunks) keep
+oneDNN's packed matmul (bf16) or ``F.linear`` (float32).
+* bf16 (VDPBF16PS with AVX512-BF16): on a Zen 4 VM a batch-1 SmolLM2 engine step took 0.58× the time with it; alone
+  over SmolLM2's weights it took 0.5-1.05× oneDNN's packed matmul's time at 1 to 4 rows, 0.8-1.1× at 8, as the VM's
+  memory moved, the same at 12, 1.13× at 16; at 9 to 16 rows it still pays through
+  `model.llama.DecoderLayer.decode_fused`, which needs it (a batch-16 step 0.91×). Its sums run in another order
+  than oneDNN's, so bf16 decode steps of up to sixteen rows differ from ``F.linear`` by at most a rounding of the
+  bf16 result.
+* float32 (fused multiply-adds, AVX-512 or AVX2): it reads the weights near the machine's read bandwidth, where
+  MKL's matrix-vector path reaches about half of it; each output is summed in input order, within 1e-5 relative of
+  ``F.linear``.
 
-A bf16 weight is also kept in `kernels.cpu_small.block_weight`'s blocked layout, and multiplied at 1 to
-`kernels.cpu_small.BLOCKED_MAX_ROWS` rows by its C++ kernel (VDPBF16PS with AVX512-BF16): on a Zen 4 VM a batch-1
-SmolLM2 engine step took 0.58× the time with it; alone over SmolLM2's weights it took 0.5-1.05× oneDNN's packed
-matmul's time at 1 to 4 rows, 0.8-1.1× at 8, as the VM's memory moved, the same at 12, 1.13× at 16; at 9 to 16
-rows it still pays through `model.llama.DecoderLayer.decode_fused`, which needs it (a batch-16 step 0.91×).
-Its sums run in another order than oneDNN's, so bf16 decode steps of up to sixteen rows differ from ``F.linear``
-by at most a rounding of the bf16 result. The blocked copy costs the weight's size again: a bf16 weight on a CPU
-with oneDNN bf16 support is held three times (row-major, oneDNN-packed, blocked). A model's blocked copies are
-then gathered into one buffer on transparent huge pages in the order a decode step reads them (`colocate_blocked`).
+The blocked copy costs the weight's size again: a float32 weight is held twice, a bf16 weight on a CPU with oneDNN
+bf16 support three times (row-major, oneDNN-packed, blocked). A model's blocked copies are then gathered into one
+buffer on transparent huge pages in the order a decode step reads them (`colocate_blocked`).
 """
 
 from __future__ import annotations
@@ -45,22 +48,18 @@ class LinearKernel:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.weight, self.bias = weight, bias
         self.packed = _pack(weight)
-        self.small = cpu_small.load() if cpu_small.supports(weight, bias) else None
         self.blocked_ext = cpu_small.load() if cpu_small.supports_blocked(weight, bias) else None
         self.blocked = cpu_small.block_weight(weight) if self.blocked_ext is not None else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[T, in]`` → ``[T, out]`` in ``x.dtype``."""
         rows = x.shape[0] if x.dim() == 2 else 0
-        if (self.blocked_ext is not None and 0 < rows <= cpu_small.BLOCKED_MAX_ROWS and x.dtype == torch.bfloat16
+        if (self.blocked_ext is not None and 0 < rows <= cpu_small.BLOCKED_MAX_ROWS and x.dtype == self.weight.dtype
                 and x.device.type == "cpu"):
             return cpu_small.blocked_linear(self.blocked_ext, x.contiguous(), self.blocked, self.bias,
                                             self.weight.shape[0])
         if self.packed is not None and rows > 0:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        if (self.small is not None and 0 < rows <= cpu_small.MAX_ROWS and x.dtype == torch.float32
-                and x.device.type == "cpu"):
-            return cpu_small.small_linear(self.small, x.contiguous(), self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -85,7 +84,7 @@ def _pack(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def colocate_blocked(kernels: list[LinearKernel]) -> bool:
-    """Move the blocked bf16 copies of ``kernels`` (those that have one; a kernel listed twice moves once) into one
+    """Move the blocked copies of ``kernels`` (those that have one; a kernel listed twice moves once) into one
     buffer on transparent huge pages (`kernels.cpu_small.huge_page_buffer`), back to back in the order given: list
     them in the order a decode step reads them. Each ``kernel.blocked`` becomes a view of the buffer with the same
     shape and values; the old copies are freed once nothing else holds them, so anything that captured

@@ -240,16 +240,16 @@ class DecoderLayer(nn.Module):
 
     def prepare_fused(self) -> None:
         """After the sub-modules' `prepare`: take the one-call C++ layer (`decode_fused`) when this layer is plain
-        GQA attention (no q/k norm, no sinks) and a dense MLP whose four weights have blocked bf16 copies and
-        whose norms run in C++; else keep ``fused`` None."""
+        GQA attention (no q/k norm, no sinks) and a dense MLP whose four weights have blocked copies
+        (`model.linear_kernel`: bf16 or float32) and whose norms run in C++ in the weights' dtype; else keep
+        ``fused`` None."""
         attn, ffn = self.self_attn, self.ffn
         norms = (self.input_layernorm, self.post_attention_layernorm)
         if not (isinstance(attn, Attention) and isinstance(ffn, MLP) and not attn.qk_norm and not attn.has_sinks
-                and all(n.fast is not None and n.weight.dtype == torch.bfloat16 for n in norms)
-                and norms[0].eps == norms[1].eps):
+                and all(n.fast is not None for n in norms) and norms[0].eps == norms[1].eps):
             return
         kernels = (attn.qkv, attn.out, ffn.gate_up, ffn.down)
-        if any(k is None or k.blocked is None for k in kernels):
+        if any(k is None or k.blocked is None or k.blocked.dtype != n.weight.dtype for k in kernels for n in norms):
             return
         qkv, out, gate_up, down = kernels
         dims = [attn.num_heads, attn.num_kv_heads, attn.head_dim, ffn.down_proj.weight.shape[1]]
@@ -259,7 +259,7 @@ class DecoderLayer(nn.Module):
 
     def decode_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer_cache: torch.Tensor,
                      batch: AttentionBatch) -> torch.Tensor:
-        """`forward` for a step of 1 to `kernels.cpu_small.BLOCKED_MAX_ROWS` bf16 decode tokens and no KV hook,
+        """`forward` for a step of 1 to `kernels.cpu_small.BLOCKED_MAX_ROWS` decode tokens and no KV hook,
         in one C++ call (``kernels/csrc/decode_layer.cpp``): the same kernels in the same order, the same bits,
         without ~35 torch ops and Python calls a layer. Needs ``fused`` (`prepare_fused`)."""
         assert self.fused is not None
@@ -348,11 +348,12 @@ class LlamaForCausalLM(nn.Module):
     @staticmethod
     def _fused_step(x: torch.Tensor, kv_pool: torch.Tensor, batch: AttentionBatch, backend: AttentionBackend) -> bool:
         """Whether this step's layers may run as one C++ call each (`DecoderLayer.decode_fused`): only decode
-        tokens, at most `kernels.cpu_small.BLOCKED_MAX_ROWS`, bf16 activations and KV on the CPU, no KV hook (H2O,
-        InfiniGen), and the CPU backend with its C++ decode attention."""
+        tokens, at most `kernels.cpu_small.BLOCKED_MAX_ROWS`, bf16 or float32 activations and KV of that dtype on
+        the CPU, no KV hook (H2O, InfiniGen), and the CPU backend with its C++ decode attention."""
         return (batch.num_prefill_tokens == 0 and 0 < x.shape[0] <= cpu_small.BLOCKED_MAX_ROWS
-                and batch.kv_hook is None and batch.step_block_tables is None and x.dtype == torch.bfloat16
-                and kv_pool.dtype == torch.bfloat16 and x.device.type == "cpu" and isinstance(backend, TorchBackend)
+                and batch.kv_hook is None and batch.step_block_tables is None
+                and x.dtype in (torch.bfloat16, torch.float32) and kv_pool.dtype == x.dtype
+                and x.device.type == "cpu" and isinstance(backend, TorchBackend)
                 and backend.cpu_decode_kernels is not None)
 
     def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

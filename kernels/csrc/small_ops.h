@@ -11,7 +11,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -100,6 +100,79 @@ inline void blocked_rows(const at::BFloat16* x, int64_t t_rows, int64_t in, int6
   });
 }
 
+// The float32 blocked layout: [G, in, 16, 1], sixteen output rows per input, a group's inputs in order (one
+// 64-byte line each). y[t, :out] = x[t] W^T + b for x [T, in] float32 contiguous, each output summed in input order
+// with fused multiply-adds.
+constexpr int kTileF32 = 4;  // rows of x per pass over a group: 4 x 16 sums fill 8 of AVX2's 16 registers
+
+template <int TT>
+inline void group_dot_f32(const float* __restrict w, int64_t in, const float* __restrict x, int64_t xs,
+                          float* __restrict s) {
+#if defined(__AVX512F__)
+  __m512 acc[TT];
+  for (int t = 0; t < TT; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < in; ++i) {
+    const __m512 wv = _mm512_loadu_ps(w + i * kLanes);
+    for (int t = 0; t < TT; ++t) acc[t] = _mm512_fmadd_ps(wv, _mm512_set1_ps(x[t * xs + i]), acc[t]);
+  }
+  for (int t = 0; t < TT; ++t) _mm512_storeu_ps(s + t * kLanes, acc[t]);
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 lo[TT], hi[TT];
+  for (int t = 0; t < TT; ++t) lo[t] = hi[t] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < in; ++i) {
+    const __m256 wl = _mm256_loadu_ps(w + i * kLanes), wh = _mm256_loadu_ps(w + i * kLanes + 8);
+    for (int t = 0; t < TT; ++t) {
+      const __m256 xv = _mm256_set1_ps(x[t * xs + i]);
+      lo[t] = _mm256_fmadd_ps(wl, xv, lo[t]);
+      hi[t] = _mm256_fmadd_ps(wh, xv, hi[t]);
+    }
+  }
+  for (int t = 0; t < TT; ++t) {
+    _mm256_storeu_ps(s + t * kLanes, lo[t]);
+    _mm256_storeu_ps(s + t * kLanes + 8, hi[t]);
+  }
+#else
+  float acc[TT][kLanes] = {};
+  for (int64_t i = 0; i < in; ++i)
+    for (int t = 0; t < TT; ++t) {
+      const float xv = x[t * xs + i];
+#pragma omp simd
+      for (int l = 0; l < kLanes; ++l) acc[t][l] = std::fma(w[i * kLanes + l], xv, acc[t][l]);
+    }
+  for (int t = 0; t < TT; ++t)
+    for (int l = 0; l < kLanes; ++l) s[t * kLanes + l] = acc[t][l];
+#endif
+}
+
+template <int TT>
+inline void group_dot_f32_up_to(int64_t tt, const float* w, int64_t in, const float* x, int64_t xs, float* s) {
+  if constexpr (TT == 1) {
+    group_dot_f32<1>(w, in, x, xs, s);
+  } else {
+    if (tt == TT) group_dot_f32<TT>(w, in, x, xs, s);
+    else group_dot_f32_up_to<TT - 1>(tt, w, in, x, xs, s);
+  }
+}
+
+inline void blocked_rows(const float* xp, int64_t t_rows, int64_t in, int64_t k, const uint32_t* wbits,
+                         int64_t groups, const float* b, int64_t out, float* yp) {
+  const float* wp = reinterpret_cast<const float*>(wbits);
+  (void)k;  // == in: one float32 per lane and input
+  at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
+    alignas(64) float s[kTileF32 * kLanes];
+    for (int64_t g = begin; g < end; ++g) {
+      const float* wg = wp + g * in * kLanes;
+      const int64_t o = g * kLanes, n = std::min<int64_t>(kLanes, out - o);
+      for (int64_t t = 0; t < t_rows; t += kTileF32) {
+        const int64_t tt = std::min<int64_t>(kTileF32, t_rows - t);
+        group_dot_f32_up_to<kTileF32>(tt, wg, in, xp + t * in, in, s);
+        for (int64_t u = 0; u < tt; ++u)
+          for (int64_t j = 0; j < n; ++j) yp[(t + u) * out + o + j] = s[u * kLanes + j] + (b ? b[o + j] : 0.f);
+      }
+    }
+  });
+}
+
 template <typename T>
 inline void rms_norm_rows(const T* xp, const T* wp, T* yp, int64_t rows, int64_t h, float eps) {
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
@@ -126,10 +199,17 @@ template <typename T>
 __attribute__((optimize("fp-contract=off"))) void rotary_head(const T* x, const T* c, const T* s, T* y,
                                                              int64_t d) {
   const int64_t half = d / 2;
-  for (int64_t i = 0; i < d; ++i) {
-    const float rot = i < half ? -static_cast<float>(x[i + half]) : static_cast<float>(x[i - half]);
+  // Two halves, each without a branch: rotate_half(x) is -x[i + half] below half, x[i - half] from it
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
     const T a = static_cast<T>(static_cast<float>(x[i]) * static_cast<float>(c[i]));
-    const T b = static_cast<T>(rot * static_cast<float>(s[i]));
+    const T b = static_cast<T>(-static_cast<float>(x[i + half]) * static_cast<float>(s[i]));
+    y[i] = static_cast<T>(static_cast<float>(a) + static_cast<float>(b));
+  }
+#pragma omp simd
+  for (int64_t i = half; i < d; ++i) {
+    const T a = static_cast<T>(static_cast<float>(x[i]) * static_cast<float>(c[i]));
+    const T b = static_cast<T>(static_cast<float>(x[i - half]) * static_cast<float>(s[i]));
     y[i] = static_cast<T>(static_cast<float>(a) + static_cast<float>(b));
   }
 }

@@ -17,48 +17,62 @@ def ext():
     return built
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16])
-@pytest.mark.parametrize("out_features", [1, 3, 4, 7, 960, 1539])  # whole groups of four rows, and the rest
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16, 17])  # tiles of four rows and their rest
+@pytest.mark.parametrize("shape", [(960, 576), (1, 576), (3, 5), (17, 33), (1539, 576), (49, 1536)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_small_linear_equals_a_float64_product(ext, rows: int, out_features: int, bias: bool) -> None:
-    g = torch.Generator().manual_seed(rows * 1000 + out_features)
-    x = torch.randn(rows, 576, generator=g)
-    w = torch.randn(out_features, 576, generator=g) * 0.05
-    b = torch.randn(out_features, generator=g) if bias else None
-    got = cpu_small.small_linear(ext, x, w, b)
+def test_float32_blocked_linear_equals_a_float64_product(ext, rows: int, shape: tuple[int, int], bias: bool) -> None:
+    out, inp = shape
+    g = torch.Generator().manual_seed(rows * 1000 + out + inp)
+    x = torch.randn(rows, inp, generator=g)
+    w = torch.randn(out, inp, generator=g) * 0.05
+    b = torch.randn(out, generator=g) if bias else None
+    blocked = cpu_small.block_weight(w)
+    assert blocked.shape == (-(-out // 16), inp, 16, 1)
+    got = cpu_small.blocked_linear(ext, x, blocked, b, out)
     want = F.linear(x.double(), w.double(), None if b is None else b.double())
-    assert got.dtype == torch.float32 and got.shape == (rows, out_features)
+    assert got.dtype == torch.float32 and got.shape == (rows, out)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
-def test_bad_inputs_are_refused_by_name(ext) -> None:
-    w = torch.randn(8, 16)
-    with pytest.raises(RuntimeError, match="x has 15 columns, w 16"):
-        cpu_small.small_linear(ext, torch.randn(1, 15), w, None)
-    with pytest.raises(RuntimeError, match="must be float32"):
-        cpu_small.small_linear(ext, torch.randn(1, 16, dtype=torch.float64), w, None)
+def test_float32_block_weight_layout() -> None:
+    """Block (g, i) holds output rows 16g..16g+15 at input i; padding is zero."""
+    w = torch.arange(20 * 3, dtype=torch.float32).view(20, 3)
+    blocked = cpu_small.block_weight(w)
+    assert blocked.shape == (2, 3, 16, 1)
+    assert torch.equal(blocked[0, 2, 5, 0], w[5, 2]) and torch.equal(blocked[1, 1, 3, 0], w[19, 1])
+    assert blocked[1, :, 4:].abs().sum() == 0
+
+
+def test_float32_blocked_linear_refuses_bad_inputs_by_name(ext) -> None:
+    w = cpu_small.block_weight(torch.randn(20, 6))
+    x = torch.randn(1, 6)
+    with pytest.raises(RuntimeError, match="x has 7 columns, wb 6 steps of 1"):
+        cpu_small.blocked_linear(ext, torch.randn(1, 7), w, None, 20)
+    with pytest.raises(RuntimeError, match="x must be bfloat16 or float32"):
+        cpu_small.blocked_linear(ext, x.double(), w, None, 20)
+    with pytest.raises(RuntimeError, match="x and wb must have one dtype"):
+        cpu_small.blocked_linear(ext, x.bfloat16(), w, None, 20)
     with pytest.raises(RuntimeError, match="must be contiguous"):
-        cpu_small.small_linear(ext, torch.randn(16, 2).t(), w, None)
-    with pytest.raises(RuntimeError, match="bias must be float32 \\[out\\]"):
-        cpu_small.small_linear(ext, torch.randn(1, 16), w, torch.randn(7))
+        cpu_small.blocked_linear(ext, torch.randn(6, 2).t(), w, None, 20)
+    with pytest.raises(RuntimeError, match="bias must be Float \\[out\\]"):
+        cpu_small.blocked_linear(ext, x, w, torch.randn(7), 20)
 
 
-def test_linear_kernel_takes_it_for_float32_at_up_to_max_rows_only(ext, monkeypatch) -> None:
+def test_linear_kernel_takes_blocked_for_float32_at_up_to_its_rows_only(ext, monkeypatch) -> None:
     w, b = torch.randn(40, 32), torch.randn(40)
     kernel = LinearKernel(w, b)
-    assert kernel.small is ext
+    assert kernel.blocked_ext is ext and kernel.blocked is not None
     calls: list[int] = []
-    real = cpu_small.small_linear
-    monkeypatch.setattr(cpu_small, "small_linear", lambda e, x, *a: calls.append(x.shape[0]) or real(e, x, *a))
-    for rows in (1, cpu_small.MAX_ROWS, cpu_small.MAX_ROWS + 1, 64):
+    real = cpu_small.blocked_linear
+    monkeypatch.setattr(cpu_small, "blocked_linear", lambda e, x, *a: calls.append(x.shape[0]) or real(e, x, *a))
+    for rows in (1, cpu_small.BLOCKED_MAX_ROWS, cpu_small.BLOCKED_MAX_ROWS + 1, 64):
         x = torch.randn(rows, 32)
         torch.testing.assert_close(kernel(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
-    assert calls == [1, cpu_small.MAX_ROWS]
-    # A non-contiguous x is copied, not refused; other dtypes and a non-contiguous weight keep F.linear
+    assert calls == [1, cpu_small.BLOCKED_MAX_ROWS]
+    # A non-contiguous x is copied, not refused; another dtype keeps F.linear
     x = torch.randn(32, 3)[:, :1].t()
     torch.testing.assert_close(kernel(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
-    assert LinearKernel(w.double(), None).small is None
-    assert LinearKernel(torch.randn(32, 40).t(), None).small is None
+    assert LinearKernel(w.double(), None).blocked_ext is None
 
 
 @pytest.mark.parametrize("shape", [(1, 576), (3, 576), (200, 64), (2, 5, 64)])
@@ -156,13 +170,13 @@ def test_block_weight_layout() -> None:
 def test_blocked_linear_refuses_bad_inputs_by_name(ext) -> None:
     w = cpu_small.block_weight(torch.randn(20, 6).bfloat16())
     x = torch.randn(1, 6).bfloat16()
-    with pytest.raises(RuntimeError, match="x has 7 columns, wb 3 pairs"):
+    with pytest.raises(RuntimeError, match="x has 7 columns, wb 3 steps of 2"):
         cpu_small.blocked_linear(ext, torch.randn(1, 7).bfloat16(), w, None, 20)
-    with pytest.raises(RuntimeError, match="must be bfloat16"):
+    with pytest.raises(RuntimeError, match="x and wb must have one dtype"):
         cpu_small.blocked_linear(ext, x.float(), w, None, 20)
     with pytest.raises(RuntimeError, match="33 outputs do not fit 2 groups of 16"):
         cpu_small.blocked_linear(ext, x, w, None, 33)
-    with pytest.raises(RuntimeError, match="bias must be bfloat16 \\[out\\]"):
+    with pytest.raises(RuntimeError, match="bias must be BFloat16 \\[out\\]"):
         cpu_small.blocked_linear(ext, x, w, torch.randn(19).bfloat16(), 20)
     with pytest.raises(RuntimeError, match="must be contiguous"):
         cpu_small.blocked_linear(ext, torch.randn(6, 2).bfloat16().t(), w, None, 20)
@@ -171,7 +185,7 @@ def test_blocked_linear_refuses_bad_inputs_by_name(ext) -> None:
 def test_linear_kernel_takes_blocked_for_bf16_at_up_to_its_rows_only(ext, monkeypatch) -> None:
     w, b = (torch.randn(40, 32) * 0.1).bfloat16(), torch.randn(40).bfloat16()
     kernel = LinearKernel(w, b)
-    assert kernel.blocked_ext is ext and kernel.small is None
+    assert kernel.blocked_ext is ext
     calls: list[int] = []
     real = cpu_small.blocked_linear
     monkeypatch.setattr(cpu_small, "blocked_linear", lambda e, x, *a: calls.append(x.shape[0]) or real(e, x, *a))
@@ -179,13 +193,13 @@ def test_linear_kernel_takes_blocked_for_bf16_at_up_to_its_rows_only(ext, monkey
         x = torch.randn(rows, 32).bfloat16()
         torch.testing.assert_close(kernel(x).double(), _bf16_product(x, w, b), rtol=2**-7, atol=1e-4)
     assert calls == [1, cpu_small.BLOCKED_MAX_ROWS]
-    assert LinearKernel(w.float(), None).blocked_ext is None
+    assert LinearKernel(w.double(), None).blocked_ext is None
 
 
-def test_blocked_linear_without_avx512_bf16_gives_the_same_results(tmp_path) -> None:
-    """The plain C++ path (CPUs without AVX512-BF16) sums the same layout in float32: built here with the
-    instructions turned off, it agrees with the product as the VDPBF16PS path does (the linear layer and the
-    prefill attention, which share the cores, and the decode attention's bf16 passes)."""
+def test_blocked_linear_without_vector_instructions_gives_the_same_results(tmp_path) -> None:
+    """The plain C++ paths (CPUs without AVX512-BF16, AVX-512 or AVX2) sum the same layouts in float32: built here
+    with those instructions turned off, they agree with the product as the vector paths do (the linear layer in
+    bf16 and float32, the prefill attention, which shares its cores, and the decode attention's bf16 passes)."""
     import shutil
 
     from torch.utils.cpp_extension import load as build
@@ -194,8 +208,9 @@ def test_blocked_linear_without_avx512_bf16_gives_the_same_results(tmp_path) -> 
         pytest.fail("g++ is needed to build the C++ kernels")
     from kernels.cpu_build import CFLAGS, CPU_KERNELS
 
-    plain = build("kvrelay_small_ops_no_bf16", [str(s) for s in CPU_KERNELS.sources],
-                  extra_cflags=[*CFLAGS, "-mno-avx512bf16"], build_directory=str(tmp_path), verbose=False)
+    plain = build("kvrelay_cpu_kernels_plain", [str(s) for s in CPU_KERNELS.sources],
+                  extra_cflags=[*CFLAGS, "-mno-avx512f", "-mno-avx2", "-mno-fma"], build_directory=str(tmp_path),
+                  verbose=False)
     g = torch.Generator().manual_seed(3)
     for rows, (out, inp) in ((1, (960, 576)), (17, (17, 33))):
         x = torch.randn(rows, inp, generator=g).bfloat16()
@@ -203,6 +218,9 @@ def test_blocked_linear_without_avx512_bf16_gives_the_same_results(tmp_path) -> 
         b = torch.randn(out, generator=g).bfloat16()
         got = cpu_small.blocked_linear(plain, x, cpu_small.block_weight(w), b, out)
         torch.testing.assert_close(got.double(), _bf16_product(x, w, b), rtol=2**-7, atol=1e-4)
+        x, w, b = x.float(), w.float(), b.float()
+        got = cpu_small.blocked_linear(plain, x, cpu_small.block_weight(w), b, out)
+        torch.testing.assert_close(got.double(), _bf16_product(x, w, b), rtol=1e-5, atol=1e-5)
     # the flash-style prefill attention runs on the same cores
     from kernels import cpu_attention, reference
     from tests.kernels.test_cpu_attention import PREFILL_LONG, _assert_prefill_close, _prefill_inputs

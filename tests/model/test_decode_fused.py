@@ -1,4 +1,4 @@
-"""`DecoderLayer.decode_fused` (``kernels/csrc/decode_layer.cpp``): bf16 decode steps of up to
+"""`DecoderLayer.decode_fused` (``kernels/csrc/decode_layer.cpp``): bf16 and float32 decode steps of up to
 `kernels.cpu_small.BLOCKED_MAX_ROWS` tokens run each layer as one C++ call, with the bits of the layer's Python path."""
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ PROMPTS = [[(7 * i + 3 * j) % 250 + 1 for j in range(n)]
            for i, n in enumerate((3, 17, 45, 60, 9, 33, 2, 50, 21, 70) * 2)]
 
 
-def _generate(model_dir, monkeypatch: pytest.MonkeyPatch, *, fused: bool):
+def _generate(model_dir, monkeypatch: pytest.MonkeyPatch, *, fused: bool, dtype: str = "bfloat16"):
     """Tokens and logprobs of every request, and the row counts of the steps that ran fused."""
-    loaded = load_model(model_dir, dtype="bfloat16")
+    loaded = load_model(model_dir, dtype=dtype)
     engine = LLMEngine(loaded, EngineConfig(num_blocks=160, enable_prefix_caching=False))
     fused_rows: list[int] = []
     real = DecoderLayer.decode_fused
@@ -44,21 +44,23 @@ def _generate(model_dir, monkeypatch: pytest.MonkeyPatch, *, fused: bool):
     return results, fused_rows
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("name", ["tiny", "qwen2_bias_tied", "mistral_window_40"])  # plain; q/k/v bias; window
-def test_fused_layers_give_the_python_path_s_tokens_and_logprobs(name, tiny_model_dir, hf_model_dir,
+def test_fused_layers_give_the_python_path_s_tokens_and_logprobs(name, dtype, tiny_model_dir, hf_model_dir,
                                                                  monkeypatch) -> None:
     model_dir = tiny_model_dir if name == "tiny" else hf_model_dir(name)
-    want, none = _generate(model_dir, monkeypatch, fused=False)
-    got, rows = _generate(model_dir, monkeypatch, fused=True)
+    want, none = _generate(model_dir, monkeypatch, fused=False, dtype=dtype)
+    got, rows = _generate(model_dir, monkeypatch, fused=True, dtype=dtype)
     assert none == []
     assert got == want  # token ids, and each logprob and its alternatives as exact floats
     # fused at every row count from the batch limit down to one; never past it
     assert set(rows) == set(range(1, cpu_small.BLOCKED_MAX_ROWS + 1))
 
 
-def test_only_bf16_dense_gqa_layers_are_fused(tiny_model_dir, hf_model_dir) -> None:
-    assert all(layer.fused is not None for layer in load_model(tiny_model_dir, dtype="bfloat16").model.model.layers)
-    assert all(layer.fused is None for layer in load_model(tiny_model_dir, dtype="float32").model.model.layers)
+def test_only_dense_gqa_layers_in_bf16_or_float32_are_fused(tiny_model_dir, hf_model_dir) -> None:
+    for dtype in ("bfloat16", "float32"):
+        assert all(layer.fused is not None for layer in load_model(tiny_model_dir, dtype=dtype).model.model.layers)
+    assert all(layer.fused is None for layer in load_model(tiny_model_dir, dtype="float16").model.model.layers)
     mla = load_model(hf_model_dir("deepseek_v2_group_limited"), dtype="bfloat16").model.model.layers
     assert all(layer.fused is None for layer in mla)
 
@@ -81,11 +83,14 @@ def test_bad_inputs_are_refused_by_name_before_any_write(tiny_model_dir) -> None
     cache.zero_()
     with pytest.raises(RuntimeError, match="token 0's slot 64 is past the 4 blocks of the cache"):
         call(slots=torch.tensor([64]))
-    with pytest.raises(RuntimeError, match="x must be a contiguous bf16 \\[T, hidden\\]"):
-        call(x=x.float())
-    with pytest.raises(RuntimeError, match="cos and sin must be contiguous bf16 \\[T, head_dim\\]"):
+    with pytest.raises(RuntimeError, match="x must be a contiguous bf16 or float32 \\[T, hidden\\]"):
+        call(x=x.double())
+    with pytest.raises(RuntimeError, match="the norm weights must be contiguous Float \\[hidden\\]"):
+        call(x=x.float())  # a float32 x beside this layer's bf16 weights
+    with pytest.raises(RuntimeError, match="cos and sin must be contiguous BFloat16 \\[T, head_dim\\]"):
         call(cos=torch.ones(1, 8).bfloat16())
-    with pytest.raises(RuntimeError, match="layer_cache must be bf16 \\[num_blocks, 2, kv_heads, B, head_dim\\]"):
+    with pytest.raises(RuntimeError,
+                       match="layer_cache must be BFloat16 \\[num_blocks, 2, kv_heads, B, head_dim\\]"):
         call(cache=cache.float())
     assert cache.abs().sum() == 0
 
@@ -101,7 +106,7 @@ def test_decode_weights_are_moved_onto_huge_pages_in_the_order_a_step_reads_them
                                                 layer.ffn.down)] + [model.head]
     assert kernels[0].blocked.data_ptr() % cpu_small.HUGE_PAGE == 0
     for a, b in zip(kernels, kernels[1:], strict=False):
-        assert b.blocked.data_ptr() == a.blocked.data_ptr() + a.blocked.numel() * 2
+        assert b.blocked.data_ptr() == a.blocked.data_ptr() + a.blocked.numel() * a.blocked.element_size()
     for k in kernels:
         assert torch.equal(k.blocked, cpu_small.block_weight(k.weight))
     for layer in layers:

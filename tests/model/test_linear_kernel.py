@@ -28,6 +28,6 @@ def test_bf16_packed_equals_f_linear(rows: int, with_bias: bool) -> None:
 def test_float32_is_not_packed() -> None:
     """float32 is never packed: past the few-row kernel's rows (`kernels.cpu_small`, tested there) it is
     F.linear itself."""
-    weight, x = torch.randn(8, 4), torch.randn(cpu_small.MAX_ROWS + 1, 4)
+    weight, x = torch.randn(8, 4), torch.randn(cpu_small.BLOCKED_MAX_ROWS + 1, 4)
     kernel = LinearKernel(weight, None)
     assert kernel.packed is None and torch.equal(kernel(x), F.linear(x, weight))
