@@ -59,55 +59,13 @@ inline void group_dot(const uint32_t* __restrict w, int64_t k2, const uint32_t* 
 #endif
 
 
-// group_dot<tt> for a run-time tt in 1 .. TT.
-template <int TT>
-inline void group_dot_up_to(int64_t tt, const uint32_t* w, int64_t k2, const uint32_t* x, int64_t xs, float* s) {
-  if constexpr (TT == 1) {
-    group_dot<1>(w, k2, x, xs, s);
-  } else {
-    if (tt == TT) group_dot<TT>(w, k2, x, xs, s);
-    else group_dot_up_to<TT - 1>(tt, w, k2, x, xs, s);
-  }
-}
-
-// y[t, :out] = x[t] W^T + b for the blocked W (see small_ops.cpp: blocked_linear), x [T, in] bf16 contiguous,
-// k2 = ceil(in / 2). x's rows are read as pairs of bf16 (one 32-bit word each); with an odd `in` they are copied
-// first, each with a zero after it.
-inline void blocked_rows(const at::BFloat16* x, int64_t t_rows, int64_t in, int64_t k2, const uint32_t* wp,
-                         int64_t groups, const at::BFloat16* b, int64_t out, at::BFloat16* yp) {
-  const uint32_t* xp = reinterpret_cast<const uint32_t*>(x);
-  std::vector<uint32_t> padded;
-  if (in % 2 != 0) {
-    padded.assign(static_cast<size_t>(t_rows * k2), 0u);
-    for (int64_t t = 0; t < t_rows; ++t)
-      std::memcpy(padded.data() + t * k2, x + t * in, static_cast<size_t>(in) * sizeof(at::BFloat16));
-    xp = padded.data();
-  }
-  at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
-    alignas(64) float s[kTile * kLanes];
-    for (int64_t g = begin; g < end; ++g) {
-      const uint32_t* wg = wp + g * k2 * kLanes;
-      const int64_t o = g * kLanes, n = std::min<int64_t>(kLanes, out - o);
-      for (int64_t t = 0; t < t_rows; t += kTile) {
-        const int64_t tt = std::min<int64_t>(kTile, t_rows - t);
-        const uint32_t* xt = xp + t * k2;
-        group_dot_up_to<kTile>(tt, wg, k2, xt, k2, s);
-        for (int64_t u = 0; u < tt; ++u)
-          for (int64_t k = 0; k < n; ++k)
-            yp[(t + u) * out + o + k] = at::BFloat16(s[u * kLanes + k] + (b ? static_cast<float>(b[o + k]) : 0.f));
-      }
-    }
-  });
-}
-
 // The float32 blocked layout: [G, in, 16, 1], sixteen output rows per input, a group's inputs in order (one
-// 64-byte line each). y[t, :out] = x[t] W^T + b for x [T, in] float32 contiguous, each output summed in input order
-// with fused multiply-adds.
+// 64-byte line each): each output summed in input order with fused multiply-adds.
 constexpr int kTileF32 = 4;  // rows of x per pass over a group: 4 x 16 sums fill 8 of AVX2's 16 registers
 
 template <int TT>
-inline void group_dot_f32(const float* __restrict w, int64_t in, const float* __restrict x, int64_t xs,
-                          float* __restrict s) {
+inline void group_dot(const float* __restrict w, int64_t in, const float* __restrict x, int64_t xs,
+                      float* __restrict s) {
 #if defined(__AVX512F__)
   __m512 acc[TT];
   for (int t = 0; t < TT; ++t) acc[t] = _mm512_setzero_ps();
@@ -144,30 +102,60 @@ inline void group_dot_f32(const float* __restrict w, int64_t in, const float* __
 #endif
 }
 
-template <int TT>
-inline void group_dot_f32_up_to(int64_t tt, const float* w, int64_t in, const float* x, int64_t xs, float* s) {
+// group_dot<tt> for a run-time tt in 1 .. TT: Word is uint32_t (a pair of bf16) or float.
+template <int TT, typename Word>
+inline void group_dot_up_to(int64_t tt, const Word* w, int64_t k, const Word* x, int64_t xs, float* s) {
   if constexpr (TT == 1) {
-    group_dot_f32<1>(w, in, x, xs, s);
+    group_dot<1>(w, k, x, xs, s);
   } else {
-    if (tt == TT) group_dot_f32<TT>(w, in, x, xs, s);
-    else group_dot_f32_up_to<TT - 1>(tt, w, in, x, xs, s);
+    if (tt == TT) group_dot<TT>(w, k, x, xs, s);
+    else group_dot_up_to<TT - 1>(tt, w, k, x, xs, s);
   }
 }
 
-inline void blocked_rows(const float* xp, int64_t t_rows, int64_t in, int64_t k, const uint32_t* wbits,
-                         int64_t groups, const float* b, int64_t out, float* yp) {
-  const float* wp = reinterpret_cast<const float*>(wbits);
-  (void)k;  // == in: one float32 per lane and input
+// What blocked_rows reads a T weight and row as: 32-bit words (two bf16 or one float32), and the rows of x per pass.
+template <typename T>
+struct Blocking;
+template <>
+struct Blocking<at::BFloat16> {
+  using Word = uint32_t;
+  static constexpr int kRows = kTile;
+};
+template <>
+struct Blocking<float> {
+  using Word = float;
+  static constexpr int kRows = kTileF32;
+};
+
+// y[t, :out] = x[t] W^T + b for the blocked W (see small_ops.cpp: blocked_linear), x [T, in] contiguous of the
+// weight's dtype, k = ceil(in / P) words a row. bf16 rows are read as pairs (one 32-bit word each); with an odd `in`
+// they are copied first, each with a zero after it. The float32 sums plus the bias are rounded once to T.
+template <typename T>
+inline void blocked_rows(const T* x, int64_t t_rows, int64_t in, int64_t k, const uint32_t* wbits, int64_t groups,
+                         const T* b, int64_t out, T* yp) {
+  using Word = typename Blocking<T>::Word;
+  constexpr int kRows = Blocking<T>::kRows;
+  constexpr int64_t per_word = sizeof(Word) / sizeof(T);
+  const Word* wp = reinterpret_cast<const Word*>(wbits);
+  const Word* xp = reinterpret_cast<const Word*>(x);
+  std::vector<Word> padded;
+  if (in % per_word != 0) {
+    padded.assign(static_cast<size_t>(t_rows * k), Word{});
+    for (int64_t t = 0; t < t_rows; ++t)
+      std::memcpy(padded.data() + t * k, x + t * in, static_cast<size_t>(in) * sizeof(T));
+    xp = padded.data();
+  }
   at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
-    alignas(64) float s[kTileF32 * kLanes];
+    alignas(64) float s[kRows * kLanes];
     for (int64_t g = begin; g < end; ++g) {
-      const float* wg = wp + g * in * kLanes;
+      const Word* wg = wp + g * k * kLanes;
       const int64_t o = g * kLanes, n = std::min<int64_t>(kLanes, out - o);
-      for (int64_t t = 0; t < t_rows; t += kTileF32) {
-        const int64_t tt = std::min<int64_t>(kTileF32, t_rows - t);
-        group_dot_f32_up_to<kTileF32>(tt, wg, in, xp + t * in, in, s);
+      for (int64_t t = 0; t < t_rows; t += kRows) {
+        const int64_t tt = std::min<int64_t>(kRows, t_rows - t);
+        group_dot_up_to<kRows>(tt, wg, k, xp + t * k, k, s);
         for (int64_t u = 0; u < tt; ++u)
-          for (int64_t j = 0; j < n; ++j) yp[(t + u) * out + o + j] = s[u * kLanes + j] + (b ? b[o + j] : 0.f);
+          for (int64_t j = 0; j < n; ++j)
+            yp[(t + u) * out + o + j] = static_cast<T>(s[u * kLanes + j] + (b ? static_cast<float>(b[o + j]) : 0.f));
       }
     }
   });
