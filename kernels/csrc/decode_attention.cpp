@@ -127,9 +127,6 @@ inline __m256 sum_each8(const __m256* v) {
   return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
 }
 
-// Pass 1 for float32 at a compiled head dim: scores[g * span + t - lo] = qf_g . k_t (qf: the group's query heads,
-// already scaled) for keys lo .. hi-1 of KV head h, eight keys at a time: each key's products with qf_g summed in
-// eight lanes, then one transpose-sum for the eight scores.
 // The rows of keys lo .. hi-1 of KV head h, walked block by block (no division per key).
 struct KeyRows {
   const float* cache;
@@ -146,6 +143,9 @@ struct KeyRows {
   }
 };
 
+// Pass 1 for float32 at a compiled head dim: scores[g * span + t - lo] = qf_g . k_t (qf: the group's query heads,
+// already scaled) for keys lo .. hi-1 of KV head h, eight keys at a time: each key's products with qf_g summed in
+// eight lanes, then one transpose-sum for the eight scores.
 template <int DC>
 void scores_f32(const float* qf, int64_t group, const float* k_cache, int64_t block_stride, const int32_t* table,
                 int64_t h, int64_t block_size, int64_t lo, int64_t hi, float* scores, int64_t span) {

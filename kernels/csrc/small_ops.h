@@ -187,17 +187,10 @@ template <typename T>
 __attribute__((optimize("fp-contract=off"))) void rotary_head(const T* x, const T* c, const T* s, T* y,
                                                              int64_t d) {
   const int64_t half = d / 2;
-  // Two halves, each without a branch: rotate_half(x) is -x[i + half] below half, x[i - half] from it
-#pragma omp simd
-  for (int64_t i = 0; i < half; ++i) {
+  for (int64_t i = 0; i < d; ++i) {
+    const float rot = i < half ? -static_cast<float>(x[i + half]) : static_cast<float>(x[i - half]);
     const T a = static_cast<T>(static_cast<float>(x[i]) * static_cast<float>(c[i]));
-    const T b = static_cast<T>(-static_cast<float>(x[i + half]) * static_cast<float>(s[i]));
-    y[i] = static_cast<T>(static_cast<float>(a) + static_cast<float>(b));
-  }
-#pragma omp simd
-  for (int64_t i = half; i < d; ++i) {
-    const T a = static_cast<T>(static_cast<float>(x[i]) * static_cast<float>(c[i]));
-    const T b = static_cast<T>(static_cast<float>(x[i - half]) * static_cast<float>(s[i]));
+    const T b = static_cast<T>(rot * static_cast<float>(s[i]));
     y[i] = static_cast<T>(static_cast<float>(a) + static_cast<float>(b));
   }
 }
