@@ -17,6 +17,7 @@ math in float32 (the backends accumulate in float32).
 from __future__ import annotations
 
 from types import ModuleType
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -292,6 +293,8 @@ class LlamaForCausalLM(nn.Module):
         self.model = DecoderModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.head: LinearKernel | None = None  # set by `prepare_for_inference`
+        # every layer as one C++ call a decode step (`decode_layers`); set by `prepare_for_inference` when all fuse
+        self.decode_stack: Any = None
         self.register_buffer("rope_inv_freq", rope_inv_freq(config.rope, config.head_dim), persistent=False)
         self.kv_place = {layer: (g, local) for g, group in enumerate(config.kv_groups)
                          for local, layer in enumerate(group.layers)}  # layer -> (KV block group, local layer)
@@ -337,6 +340,8 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         cos_sin = self.rotary(positions, x.dtype)
         fused = self._fused_step(x, kv_pool, batch, backend)
+        if fused and self.decode_stack is not None:
+            return self.model.norm(self.decode_layers(x, cos_sin, kv_pool, batch))
         for i, layer in enumerate(self.model.layers):
             group, local = self.kv_place[i]
             if fused and layer.fused is not None:
@@ -344,6 +349,15 @@ class LlamaForCausalLM(nn.Module):
             else:
                 x = layer(x, cos_sin, kv_pool[:, local], batch.for_group(group), backend)
         return self.model.norm(x)
+
+    def decode_layers(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], kv_pool: torch.Tensor,
+                      batch: AttentionBatch) -> torch.Tensor:
+        """Every decoder layer of a `_fused_step` step in one C++ call (``DecodeStack`` in
+        ``kernels/csrc/decode_layer.cpp``): each layer exactly as `DecoderLayer.decode_fused` runs it, the same bits,
+        without a Python call a layer. ``x`` ``[T, hidden]`` → the last layer's output; needs `decode_stack`."""
+        groups = [batch.for_group(g) for g in range(len(self.config.kv_groups))]
+        return self.decode_stack.forward(x, *cos_sin, kv_pool, [b.slot_mapping for b in groups],
+                                         [b.decode_block_tables for b in groups], [b.decode_seq_lens for b in groups])
 
     @staticmethod
     def _fused_step(x: torch.Tensor, kv_pool: torch.Tensor, batch: AttentionBatch, backend: AttentionBackend) -> bool:
@@ -381,6 +395,13 @@ class LlamaForCausalLM(nn.Module):
                           if isinstance(v, LinearKernel)] + [self.head])
         for layer in self.model.layers:
             layer.prepare_fused()
+        self.decode_stack = None
+        if all(layer.fused is not None for layer in self.model.layers):
+            stack = self.model.layers[0].fused[0].DecodeStack()
+            for i, layer in enumerate(self.model.layers):
+                _, before, after = layer.fused
+                stack.add_layer(*before, *after, *self.kv_place[i])
+            self.decode_stack = stack
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden_size]`` → float32 ``[N, vocab_size]``."""

@@ -149,6 +149,7 @@ at::Tensor decode_layer(at::Tensor x, at::Tensor in_norm, at::Tensor post_norm, 
                         c10::optional<at::Tensor> down_b, std::vector<int64_t> dims, at::Tensor cos, at::Tensor sin,
                         at::Tensor layer_cache, at::Tensor slot_mapping, at::Tensor block_tables,
                         at::Tensor seq_lens, double scale, int64_t window);
+void bind_decode_stack(pybind11::module_& m);  // decode_layer.cpp: the DecodeStack class
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("blocked_linear", &blocked_linear, "y = x W^T + b for a few rows of x, W blocked (CPU, bf16 or float32)");
@@ -156,6 +157,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a [T, 2 I] [gate; up] row (CPU, float32 or bf16)");
   m.def("rms_norm", &rms_norm, "Llama RMSNorm per row (CPU, float32 or bf16)");
   m.def("decode_layer", &decode_layer, "one Llama decoder layer for a few bf16 or float32 decode tokens (CPU)");
+  bind_decode_stack(m);
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
   m.def("prefill_attention_bf16", &prefill_attention_bf16, "flash-style causal paged prefill attention (CPU, bf16)");
 }

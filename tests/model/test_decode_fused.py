@@ -18,21 +18,31 @@ PROMPTS = [[(7 * i + 3 * j) % 250 + 1 for j in range(n)]
            for i, n in enumerate((3, 17, 45, 60, 9, 33, 2, 50, 21, 70) * 2)]
 
 
-def _generate(model_dir, monkeypatch: pytest.MonkeyPatch, *, fused: bool, dtype: str = "bfloat16"):
-    """Tokens and logprobs of every request, and the row counts of the steps that ran fused."""
+def _generate(model_dir, monkeypatch: pytest.MonkeyPatch, *, path: str, dtype: str = "bfloat16"):
+    """Tokens and logprobs of every request, and the row counts of the steps that ran fused: ``path`` "python"
+    (no fused step), "layers" (one C++ call a layer: `DecoderLayer.decode_fused`) or "stack" (one call a step:
+    `LlamaForCausalLM.decode_layers`)."""
     loaded = load_model(model_dir, dtype=dtype)
     engine = LLMEngine(loaded, EngineConfig(num_blocks=160, enable_prefix_caching=False))
+    assert loaded.model.decode_stack is not None and len(loaded.model.decode_stack) == len(loaded.model.model.layers)
+    if path != "stack":
+        loaded.model.decode_stack = None
     fused_rows: list[int] = []
-    real = DecoderLayer.decode_fused
+    real_layer, real_stack = DecoderLayer.decode_fused, LlamaForCausalLM.decode_layers
 
-    def counting(self, x, *args):
+    def counting_layer(self, x, *args):
         if self.self_attn.layer_idx == 0:
             fused_rows.append(x.shape[0])
-        return real(self, x, *args)
+        return real_layer(self, x, *args)
+
+    def counting_stack(self, x, *args):
+        fused_rows.append(x.shape[0])
+        return real_stack(self, x, *args)
 
     with monkeypatch.context() as m:
-        m.setattr(DecoderLayer, "decode_fused", counting)
-        if not fused:
+        m.setattr(DecoderLayer, "decode_fused", counting_layer)
+        m.setattr(LlamaForCausalLM, "decode_layers", counting_stack)
+        if path == "python":
             m.setattr(LlamaForCausalLM, "_fused_step", staticmethod(lambda *a: False))
         for i, prompt in enumerate(PROMPTS):
             engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=4 + 2 * i, logprobs=3, ignore_eos=True))
@@ -49,20 +59,24 @@ def _generate(model_dir, monkeypatch: pytest.MonkeyPatch, *, fused: bool, dtype:
 def test_fused_layers_give_the_python_path_s_tokens_and_logprobs(name, dtype, tiny_model_dir, hf_model_dir,
                                                                  monkeypatch) -> None:
     model_dir = tiny_model_dir if name == "tiny" else hf_model_dir(name)
-    want, none = _generate(model_dir, monkeypatch, fused=False, dtype=dtype)
-    got, rows = _generate(model_dir, monkeypatch, fused=True, dtype=dtype)
+    want, none = _generate(model_dir, monkeypatch, path="python", dtype=dtype)
     assert none == []
-    assert got == want  # token ids, and each logprob and its alternatives as exact floats
-    # fused at every row count from the batch limit down to one; never past it
-    assert set(rows) == set(range(1, cpu_small.BLOCKED_MAX_ROWS + 1))
+    for path in ("layers", "stack"):
+        got, rows = _generate(model_dir, monkeypatch, path=path, dtype=dtype)
+        assert got == want, path  # token ids, and each logprob and its alternatives as exact floats
+        # fused at every row count from the batch limit down to one; never past it
+        assert set(rows) == set(range(1, cpu_small.BLOCKED_MAX_ROWS + 1)), path
 
 
 def test_only_dense_gqa_layers_in_bf16_or_float32_are_fused(tiny_model_dir, hf_model_dir) -> None:
     for dtype in ("bfloat16", "float32"):
-        assert all(layer.fused is not None for layer in load_model(tiny_model_dir, dtype=dtype).model.model.layers)
-    assert all(layer.fused is None for layer in load_model(tiny_model_dir, dtype="float16").model.model.layers)
-    mla = load_model(hf_model_dir("deepseek_v2_group_limited"), dtype="bfloat16").model.model.layers
-    assert all(layer.fused is None for layer in mla)
+        model = load_model(tiny_model_dir, dtype=dtype).model
+        assert all(layer.fused is not None for layer in model.model.layers)
+        assert len(model.decode_stack) == len(model.model.layers)
+    half = load_model(tiny_model_dir, dtype="float16").model
+    assert all(layer.fused is None for layer in half.model.layers) and half.decode_stack is None
+    mla = load_model(hf_model_dir("deepseek_v2_group_limited"), dtype="bfloat16").model
+    assert all(layer.fused is None for layer in mla.model.layers) and mla.decode_stack is None
 
 
 def test_bad_inputs_are_refused_by_name_before_any_write(tiny_model_dir) -> None:
@@ -95,6 +109,47 @@ def test_bad_inputs_are_refused_by_name_before_any_write(tiny_model_dir) -> None
     assert cache.abs().sum() == 0
 
 
+def test_the_stack_refuses_bad_inputs_by_name_before_any_write(tiny_model_dir) -> None:
+    model = load_model(tiny_model_dir, dtype="bfloat16").model
+    stack, config = model.decode_stack, model.config
+    layers, hidden, d = config.num_hidden_layers, config.hidden_size, config.head_dim
+    assert layers > 1 and len(config.kv_groups) == 1
+    pool = torch.zeros(4, layers, 2, config.num_key_value_heads, 16, d, dtype=torch.bfloat16)
+    x = torch.randn(1, hidden).bfloat16()
+    cos, sin = torch.ones(1, d).bfloat16(), torch.zeros(1, d).bfloat16()
+    tables, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    slot_0 = torch.zeros(1, dtype=torch.int64)
+
+    def call(x=x, pool=pool, slots=(slot_0,), tables=(tables,), lens=(lens,)):
+        return stack.forward(x, cos, sin, pool, list(slots), list(tables), list(lens))
+
+    assert call().shape == (1, hidden)
+    assert (pool[0, :, :, :, 0].abs().sum(dim=(1, 2, 3)) > 0).all()  # every layer's K and V of slot 0 written
+    pool.zero_()
+    with pytest.raises(RuntimeError, match="token 0's slot 64 is past the 4 blocks of the cache"):
+        call(slots=(torch.tensor([64]),))
+    with pytest.raises(RuntimeError, match=f"x must be a contiguous BFloat16 \\[T, {hidden}\\]"):
+        call(x=x.float())
+    with pytest.raises(RuntimeError, match="kv_pool must be \\[num_blocks, layers, 2, kv_heads, B, head_dim\\]"):
+        call(pool=pool[:, 0])
+    with pytest.raises(RuntimeError, match="layer 1 reads local layer 1 of kv_pool's 1"):
+        call(pool=pool[:, :1])  # layer 0 fits: nothing of it may be written either
+    with pytest.raises(RuntimeError, match="one slot mapping, block table and length tensor per KV block group"):
+        call(lens=())
+    with pytest.raises(RuntimeError, match="layer 0 reads KV block group 0 of 0"):
+        call(slots=(), tables=(), lens=())
+    assert pool.abs().sum() == 0
+    ext, before, after = model.model.layers[0].fused
+    empty = ext.DecodeStack()
+    with pytest.raises(RuntimeError, match="DecodeStack: no layers"):
+        empty.forward(x, cos, sin, pool, [slot_0], [tables], [lens])
+    empty.add_layer(*before, *after, 0, 0)
+    f32 = load_model(tiny_model_dir, dtype="float32").model.model.layers[0].fused[1]
+    with pytest.raises(RuntimeError, match="layer 1 is not BFloat16 of hidden size"):
+        empty.add_layer(*f32, *after, 0, 1)
+    assert len(empty) == 1
+
+
 def test_decode_weights_are_moved_onto_huge_pages_in_the_order_a_step_reads_them(tiny_model_dir,
                                                                                 monkeypatch) -> None:
     """`LlamaForCausalLM.prepare_for_inference` puts every blocked few-row copy into one buffer
@@ -115,7 +170,7 @@ def test_decode_weights_are_moved_onto_huge_pages_in_the_order_a_step_reads_them
             k.blocked.data_ptr() for k in (layer.self_attn.qkv, layer.self_attn.out, layer.ffn.gate_up,
                                            layer.ffn.down)]
     # the same tokens and logprobs, bit for bit, as with the copies where block_weight left them
-    got, _ = _generate(tiny_model_dir, monkeypatch, fused=True)
+    got, _ = _generate(tiny_model_dir, monkeypatch, path="stack")
     monkeypatch.setattr("model.llama.colocate_blocked", lambda kernels: False)
-    want, _ = _generate(tiny_model_dir, monkeypatch, fused=True)
+    want, _ = _generate(tiny_model_dir, monkeypatch, path="stack")
     assert got == want
