@@ -323,7 +323,9 @@ class DecodeStack {
 };
 
 void bind_decode_stack(pybind11::module_& m) {
-  pybind11::class_<DecodeStack>(m, "DecodeStack", "decoder layers run as one call a decode step (decode_layer.cpp)")
+  // module_local: a second build of this extension in one process (the tests' plain build) registers its own type
+  pybind11::class_<DecodeStack>(m, "DecodeStack", pybind11::module_local(),
+                                "decoder layers run as one call a decode step (decode_layer.cpp)")
       .def(pybind11::init<>())
       .def("add_layer", &DecodeStack::add_layer)
       .def("__len__", &DecodeStack::size)
