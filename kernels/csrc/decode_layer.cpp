@@ -1,7 +1,8 @@
-// decode_layer: one Llama decoder layer for a few bf16 or float32 decode tokens, in one call (model/llama.py: the
-// CPU decode path of LlamaForCausalLM.forward). The same kernels the layer's Python calls one by one (RMSNorm, the blocked
-// few-row linear, rotary, the KV write, paged decode attention, silu * up, the residual adds), in the same order
-// on the same values: the same bits. What it saves is the ~35 torch ops and Python calls around them a layer
+// decode_layer: one Llama decoder layer for a few bf16 or float32 decode tokens, in one call (model/llama.py:
+// DecoderLayer.decode_fused; DecodeStack below runs every layer of a step in one call). The same kernels the
+// layer's Python calls one by one (RMSNorm, the blocked few-row linear, rotary, the KV write, paged decode
+// attention, silu * up, the residual adds), in the same order on the same values: the same bits. What it saves
+// is the ~35 torch ops and Python calls around them a layer
 // (~3 ms of a ~11 ms bf16 SmolLM2 step on a Zen 4 VM; in float32 on a Zen 1 VM, where the blocked linear alone
 // reads no faster than the row-major kernel it replaced at one row, batch-1 decode went from 11-13 to 17-24 tok/s).
 // Every tensor below is of one dtype, x's (bfloat16 or float32), but the indices.
@@ -178,8 +179,8 @@ void run_layer(const LayerPlan<T>& p, T* x, int64_t t_rows, const T* cp, const T
       std::memcpy(kb + kvs + g * hs, s.qkv_out.data() + t * p.qkv.out + nq + nkv + g * d, d * sizeof(T));
     }
   }
-  at::Tensor attn = paged_decode_attention(q, layer_cache.select(1, 0), layer_cache.select(1, 1), block_tables, seq_lens,
-                                     p.scale, p.window, c10::nullopt);
+  at::Tensor attn = paged_decode_attention(q, layer_cache.select(1, 0), layer_cache.select(1, 1), block_tables,
+                                           seq_lens, p.scale, p.window, c10::nullopt);
   // o_proj and the residual
   linear(p.out, attn.data_ptr<T>(), t_rows, nq, s.o.data());
   add_into(x, s.o.data(), t_rows * hidden);
