@@ -220,7 +220,6 @@ at::Tensor decode_layer(at::Tensor x, at::Tensor in_norm, at::Tensor post_norm, 
                         c10::optional<at::Tensor> down_b, std::vector<int64_t> dims, at::Tensor cos, at::Tensor sin,
                         at::Tensor layer_cache, at::Tensor slot_mapping, at::Tensor block_tables,
                         at::Tensor seq_lens, double scale, int64_t window) {
-  TORCH_CHECK(dims.size() == 4, "decode_layer: dims must be {heads, kv_heads, head_dim, intermediate}");
   TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.is_contiguous() &&
                   (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "decode_layer: x must be a contiguous bf16 or float32 [T, hidden], T >= 1");
