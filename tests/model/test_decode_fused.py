@@ -1,5 +1,6 @@
-"""`DecoderLayer.decode_fused` (``kernels/csrc/decode_layer.cpp``): bf16 and float32 decode steps of up to
-`kernels.cpu_small.BLOCKED_MAX_ROWS` tokens run each layer as one C++ call, with the bits of the layer's Python path."""
+"""`DecoderLayer.decode_fused` and `LlamaForCausalLM.decode_layers` (``kernels/csrc/decode_layer.cpp``): bf16 and
+float32 decode steps of up to `kernels.cpu_small.BLOCKED_MAX_ROWS` tokens run each layer as one C++ call, or every
+layer in one (``DecodeStack``), with the bits of the layer's Python path."""
 
 from __future__ import annotations
 
