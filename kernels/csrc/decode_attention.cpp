@@ -363,6 +363,37 @@ void check_cache(const at::Tensor& cache, const at::Tensor& q, const char* name)
 
 }  // namespace
 
+namespace kvrelay_cpu {
+
+void check_block_tables(const int32_t* tables, int64_t width, const int64_t* lens, int64_t n, int64_t block_size,
+                        int64_t window, int64_t num_blocks) {
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(lens[i] >= 1 && (lens[i] + block_size - 1) / block_size <= width,
+                "sequence ", i, ": length ", lens[i], " does not fit its block table");
+    const int64_t first_block = window > 0 ? std::max<int64_t>(0, lens[i] - window) / block_size : 0;
+    for (int64_t b = first_block; b < (lens[i] + block_size - 1) / block_size; ++b)
+      TORCH_CHECK(tables[i * width + b] >= 0 && tables[i * width + b] < num_blocks,
+                  "sequence ", i, ": block id out of range");
+  }
+}
+
+void paged_decode_rows(const float* q, const float* k_cache, const float* v_cache, int64_t block_stride,
+                       const int32_t* tables, int64_t width, const int64_t* lens, float* out, int64_t n, int64_t hq,
+                       int64_t hkv, int64_t block_size, int64_t d, float scale, int64_t window) {
+  decode_kernel<float>(q, k_cache, v_cache, block_stride, tables, width, lens, out, n, hq, hkv, block_size, d, scale,
+                       window, nullptr);
+}
+
+void paged_decode_rows(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
+                       int64_t block_stride, const int32_t* tables, int64_t width, const int64_t* lens,
+                       c10::BFloat16* out, int64_t n, int64_t hq, int64_t hkv, int64_t block_size, int64_t d,
+                       float scale, int64_t window) {
+  decode_kernel<c10::BFloat16>(q, k_cache, v_cache, block_stride, tables, width, lens, out, n, hq, hkv, block_size,
+                               d, scale, window, nullptr);
+}
+
+}  // namespace kvrelay_cpu
+
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                                   at::Tensor block_tables, at::Tensor seq_lens, double scale,
                                   int64_t window, c10::optional<at::Tensor> sinks) {
@@ -387,15 +418,7 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v
                 "sinks must be a contiguous float32 [Hq] CPU tensor");
     sp = sinks->data_ptr<float>();
   }
-  const int64_t num_blocks = k_cache.size(0);
-  for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK(lp[i] >= 1 && (lp[i] + block_size - 1) / block_size <= tables.size(1),
-                "sequence ", i, ": length ", lp[i], " does not fit its block table");
-    const int64_t first_block = window > 0 ? std::max<int64_t>(0, lp[i] - window) / block_size : 0;
-    for (int64_t b = first_block; b < (lp[i] + block_size - 1) / block_size; ++b)
-      TORCH_CHECK(tp[i * tables.size(1) + b] >= 0 && tp[i * tables.size(1) + b] < num_blocks,
-                  "sequence ", i, ": block id out of range");
-  }
+  kvrelay_cpu::check_block_tables(tp, tables.size(1), lp, n, block_size, window, k_cache.size(0));
   auto out = at::empty_like(q);
   if (q.scalar_type() == at::kFloat) {
     decode_kernel<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), k_cache.stride(0),

@@ -18,8 +18,8 @@
 //   slot_mapping [T] int64; block_tables [T, W] int32; seq_lens [T]: as paged_decode_attention's
 //   scale, window as paged_decode_attention's
 //   returns      [T, hidden]: x + attn(norm(x)), then that + mlp(norm(that))
-// Raises (RuntimeError) naming the shape, dtype or slot that does not fit, before anything is written; a block table
-// that does not fit is found by the attention, after the KV write, as in the layer's Python path.
+// Raises (RuntimeError) naming the shape, dtype, slot or block table that does not fit (the table errors worded as
+// paged_decode_attention's), before anything is written.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/csrc/utils/pybind.h>
@@ -27,11 +27,6 @@
 #include "small_ops.h"
 
 using kvrelay_cpu::kLanes;
-
-// Defined in decode_attention.cpp.
-at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
-                                  at::Tensor block_tables, at::Tensor seq_lens, double scale,
-                                  int64_t window, c10::optional<at::Tensor> sinks);
 
 namespace {
 
@@ -94,6 +89,9 @@ LayerPlan<T> plan_layer(int64_t hidden, const at::Tensor& in_norm, const at::Ten
   const auto dtype = c10::CppTypeToScalarType<T>::value;
   TORCH_CHECK(dims.size() == 4, "decode_layer: dims must be {heads, kv_heads, head_dim, intermediate}");
   const int64_t heads = dims[0], kv_heads = dims[1], d = dims[2], inter = dims[3];
+  TORCH_CHECK(kv_heads >= 1 && heads % kv_heads == 0, "decode_layer: heads (", heads,
+              ") must be a multiple of kv_heads (", kv_heads, ")");
+  TORCH_CHECK(window >= 0, "window must be >= 1, or 0 for none; got ", window);
   const int64_t nq = heads * d, nkv = kv_heads * d;
   for (const at::Tensor* w : {&in_norm, &post_norm})
     TORCH_CHECK(w->dim() == 1 && w->size(0) == hidden && w->scalar_type() == dtype && w->is_contiguous(),
@@ -108,10 +106,29 @@ LayerPlan<T> plan_layer(int64_t hidden, const at::Tensor& in_norm, const at::Ten
           heads, kv_heads, d, inter, hidden, scale, window};
 }
 
+// A KV block group's block tables [T, W] and lengths [T] for one step, as the attention reads them: converted once
+// a step, not once a layer (each torch op a layer cost more than its work: the weights streamed between two layers
+// evict the code of torch's dispatcher, and a cold call of a few ops took ~50 us on a Zen 1 VM). On a Zen 4 VM the
+// whole bf16 step was within noise of the per-layer conversion it replaced (20 of 40 alternated pairs faster).
+struct StepTables {
+  at::Tensor tables, lens;  // int32 [T, W] and int64 [T], contiguous; they own what the pointers point at
+  const int32_t* tp;
+  const int64_t* lp;
+  int64_t width;
+};
+
+StepTables step_tables(const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t t_rows) {
+  auto tables = block_tables.to(at::kInt).contiguous();
+  auto lens = seq_lens.to(at::kLong).contiguous();
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == t_rows && lens.numel() == t_rows,
+              "one table row and length per sequence");
+  return {tables, lens, tables.data_ptr<int32_t>(), lens.data_ptr<int64_t>(), tables.size(1)};
+}
+
 // The step's inputs a layer reads, checked against its plan; returns the slots (int64, contiguous).
 template <typename T>
 at::Tensor check_step(const LayerPlan<T>& p, int64_t t_rows, const at::Tensor& cos, const at::Tensor& sin,
-                      const at::Tensor& layer_cache, const at::Tensor& slot_mapping) {
+                      const at::Tensor& layer_cache, const at::Tensor& slot_mapping, const StepTables& tb) {
   const auto dtype = c10::CppTypeToScalarType<T>::value;
   const int64_t d = p.d;
   TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == t_rows && cos.size(1) == d &&
@@ -128,6 +145,7 @@ at::Tensor check_step(const LayerPlan<T>& p, int64_t t_rows, const at::Tensor& c
   TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == t_rows && slot_mapping.scalar_type() == at::kLong,
               "decode_layer: slot_mapping must be int64 [T]");
   const int64_t num_blocks = layer_cache.size(0), block_size = layer_cache.size(3);
+  kvrelay_cpu::check_block_tables(tb.tp, tb.width, tb.lp, t_rows, block_size, p.window, num_blocks);
   auto slots = slot_mapping.contiguous();
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < t_rows; ++t)
@@ -139,14 +157,16 @@ at::Tensor check_step(const LayerPlan<T>& p, int64_t t_rows, const at::Tensor& c
 // Buffers of a step's intermediate rows, reused from layer to layer.
 template <typename T>
 struct Scratch {
-  std::vector<T> h, qkv_out, k_rot, o, gu, act;
+  std::vector<T> h, qkv_out, q, k_rot, attn, o, gu, act;
   void fit(const LayerPlan<T>& p, int64_t t_rows) {
     const auto grow = [](std::vector<T>& v, int64_t n) {
       if (static_cast<int64_t>(v.size()) < n) v.resize(static_cast<size_t>(n));
     };
     grow(h, t_rows * p.hidden);
     grow(qkv_out, t_rows * p.qkv.out);
+    grow(q, t_rows * p.heads * p.d);
     grow(k_rot, t_rows * p.kv_heads * p.d);
+    grow(attn, t_rows * p.heads * p.d);
     grow(o, t_rows * p.hidden);
     grow(gu, t_rows * 2 * p.inter);
     grow(act, t_rows * p.inter);
@@ -154,18 +174,16 @@ struct Scratch {
 };
 
 // x [T, hidden] (contiguous, updated in place) = x + attn(norm(x)), then that + mlp(norm(that)); the inputs
-// checked by check_step.
+// checked by check_step. No torch op runs here (see StepTables).
 template <typename T>
 void run_layer(const LayerPlan<T>& p, T* x, int64_t t_rows, const T* cp, const T* snp, const at::Tensor& layer_cache,
-               const int64_t* sp, const at::Tensor& block_tables, const at::Tensor& seq_lens, Scratch<T>& s,
-               const at::TensorOptions& opts) {
+               const int64_t* sp, const StepTables& tb, Scratch<T>& s) {
   const int64_t hidden = p.hidden, d = p.d, nq = p.heads * d, nkv = p.kv_heads * d;
   s.fit(p, t_rows);
   // Attention: norm, [q; k; v], rotary of q and k
   kvrelay_cpu::rms_norm_rows(static_cast<const T*>(x), p.in_norm, s.h.data(), t_rows, hidden, p.eps);
   linear(p.qkv, s.h.data(), t_rows, hidden, s.qkv_out.data());
-  at::Tensor q = at::empty({t_rows, p.heads, d}, opts);
-  kvrelay_cpu::rotary_rows(s.qkv_out.data(), p.qkv.out, d, cp, snp, q.data_ptr<T>(), t_rows, p.heads, d);
+  kvrelay_cpu::rotary_rows(s.qkv_out.data(), p.qkv.out, d, cp, snp, s.q.data(), t_rows, p.heads, d);
   kvrelay_cpu::rotary_rows(s.qkv_out.data() + nq, p.qkv.out, d, cp, snp, s.k_rot.data(), t_rows, p.kv_heads, d);
   // The KV write: token t's [kv_heads, d] K and V rows into its slot
   T* cache = layer_cache.data_ptr<T>();
@@ -179,10 +197,10 @@ void run_layer(const LayerPlan<T>& p, T* x, int64_t t_rows, const T* cp, const T
       std::memcpy(kb + kvs + g * hs, s.qkv_out.data() + t * p.qkv.out + nq + nkv + g * d, d * sizeof(T));
     }
   }
-  at::Tensor attn = paged_decode_attention(q, layer_cache.select(1, 0), layer_cache.select(1, 1), block_tables,
-                                           seq_lens, p.scale, p.window, c10::nullopt);
+  kvrelay_cpu::paged_decode_rows(s.q.data(), cache, cache + kvs, bs, tb.tp, tb.width, tb.lp, s.attn.data(), t_rows,
+                                 p.heads, p.kv_heads, block_size, d, static_cast<float>(p.scale), p.window);
   // o_proj and the residual
-  linear(p.out, attn.data_ptr<T>(), t_rows, nq, s.o.data());
+  linear(p.out, s.attn.data(), t_rows, nq, s.o.data());
   add_into(x, s.o.data(), t_rows * hidden);
   // MLP: norm, [gate; up], silu * up, down, the residual
   kvrelay_cpu::rms_norm_rows(static_cast<const T*>(x), p.post_norm, s.h.data(), t_rows, hidden, p.eps);
@@ -204,11 +222,12 @@ at::Tensor decode_layer_t(const at::Tensor& x, const at::Tensor& in_norm, const 
   const int64_t t_rows = x.size(0);
   const LayerPlan<T> p = plan_layer<T>(x.size(1), in_norm, post_norm, eps, qkv_w, qkv_b, o_w, o_b, gate_up_w,
                                        gate_up_b, down_w, down_b, dims, scale, window);
-  const at::Tensor slots = check_step(p, t_rows, cos, sin, layer_cache, slot_mapping);
+  const StepTables tb = step_tables(block_tables, seq_lens, t_rows);
+  const at::Tensor slots = check_step(p, t_rows, cos, sin, layer_cache, slot_mapping, tb);
   auto y = x.clone();
   Scratch<T> s;
   run_layer(p, y.data_ptr<T>(), t_rows, cos.data_ptr<T>(), sin.data_ptr<T>(), layer_cache,
-            slots.data_ptr<int64_t>(), block_tables, seq_lens, s, x.options());
+            slots.data_ptr<int64_t>(), tb, s);
   return y;
 }
 
@@ -242,8 +261,7 @@ at::Tensor decode_layer(at::Tensor x, at::Tensor in_norm, at::Tensor post_norm, 
 //   forward(x, cos, sin, kv_pool, slot_mappings, block_tables, seq_lens): x [T, hidden] contiguous, the first
 //       layer's input; kv_pool [num_blocks, layers per block, 2, kv_heads, B, head_dim]; the three lists hold one
 //       tensor per KV block group, as decode_layer's. Returns the last layer's output [T, hidden]. Every input is
-//       checked for every layer before any KV is written (a block table that does not fit is found by the
-//       attention, as in decode_layer). Runs without Python's GIL.
+//       checked for every layer before any KV is written. Runs without Python's GIL.
 class DecodeStack {
  public:
   void add_layer(const at::Tensor& in_norm, const at::Tensor& post_norm, double eps, const at::Tensor& qkv_w,
@@ -296,21 +314,24 @@ class DecodeStack {
                  const std::vector<at::Tensor>& block_tables, const std::vector<at::Tensor>& seq_lens) const {
     const int64_t t_rows = x.size(0), n = size();
     std::vector<at::Tensor> caches, slots;
+    std::vector<StepTables> tables;  // one per KV block group
     caches.reserve(n);
     slots.reserve(n);
+    for (size_t g = 0; g < block_tables.size(); ++g) tables.push_back(step_tables(block_tables[g], seq_lens[g], t_rows));
     for (int64_t i = 0; i < n; ++i) {
       TORCH_CHECK(groups_[i] < static_cast<int64_t>(slot_mappings.size()), "DecodeStack: layer ", i,
                   " reads KV block group ", groups_[i], " of ", slot_mappings.size());
       TORCH_CHECK(locals_[i] < kv_pool.size(1), "DecodeStack: layer ", i, " reads local layer ", locals_[i],
                   " of kv_pool's ", kv_pool.size(1));
       caches.push_back(kv_pool.select(1, locals_[i]));
-      slots.push_back(check_step(plans[i], t_rows, cos, sin, caches.back(), slot_mappings[groups_[i]]));
+      slots.push_back(check_step(plans[i], t_rows, cos, sin, caches.back(), slot_mappings[groups_[i]],
+                                 tables[groups_[i]]));
     }
     auto y = x.clone();
     Scratch<T> s;
     for (int64_t i = 0; i < n; ++i)
       run_layer(plans[i], y.data_ptr<T>(), t_rows, cos.data_ptr<T>(), sin.data_ptr<T>(), caches[i],
-                slots[i].data_ptr<int64_t>(), block_tables[groups_[i]], seq_lens[groups_[i]], s, x.options());
+                slots[i].data_ptr<int64_t>(), tables[groups_[i]], s);
     return y;
   }
 

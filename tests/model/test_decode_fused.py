@@ -107,6 +107,17 @@ def test_bad_inputs_are_refused_by_name_before_any_write(tiny_model_dir) -> None
     with pytest.raises(RuntimeError,
                        match="layer_cache must be BFloat16 \\[num_blocks, 2, kv_heads, B, head_dim\\]"):
         call(cache=cache.float())
+    # the block tables are checked before the KV write too (the attention would refuse them after it)
+    with pytest.raises(RuntimeError, match="sequence 0: block id out of range"):
+        ext.decode_layer(x, *before, cos, sin, cache, slot_0, torch.full((1, 1), 4, dtype=torch.int32), lens, *after)
+    with pytest.raises(RuntimeError, match="sequence 0: length 17 does not fit its block table"):
+        ext.decode_layer(x, *before, cos, sin, cache, slot_0, tables, torch.tensor([17]), *after)
+    heads, kv_heads, d, inter = before[-1]
+    with pytest.raises(RuntimeError, match=f"heads \\({heads + 1}\\) must be a multiple of kv_heads \\({kv_heads}\\)"):
+        ext.decode_layer(x, *before[:-1], [heads + 1, kv_heads, d, inter], cos, sin, cache, slot_0, tables, lens,
+                         *after)
+    with pytest.raises(RuntimeError, match="window must be >= 1, or 0 for none; got -1"):
+        ext.decode_layer(x, *before, cos, sin, cache, slot_0, tables, lens, after[0], -1)
     assert cache.abs().sum() == 0
 
 
@@ -139,6 +150,11 @@ def test_the_stack_refuses_bad_inputs_by_name_before_any_write(tiny_model_dir) -
         call(lens=())
     with pytest.raises(RuntimeError, match="layer 0 reads KV block group 0 of 0"):
         call(slots=(), tables=(), lens=())
+    # a bad block table is refused before layer 0 writes its KV, not by layer 0's attention after the write
+    with pytest.raises(RuntimeError, match="sequence 0: block id out of range"):
+        call(tables=(torch.full((1, 1), -1, dtype=torch.int32),))
+    with pytest.raises(RuntimeError, match="sequence 0: length 17 does not fit its block table"):
+        call(lens=(torch.tensor([17]),))
     assert pool.abs().sum() == 0
     ext, before, after = model.model.layers[0].fused
     empty = ext.DecodeStack()
