@@ -73,7 +73,6 @@ def block_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 HUGE_PAGE = 2 << 20  # bytes: x86-64's transparent huge page
-MADV_HUGEPAGE = 14  # Linux's madvise advice
 
 
 def huge_page_buffer(nbytes: int) -> tuple[torch.Tensor, bool]:

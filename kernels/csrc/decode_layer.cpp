@@ -121,7 +121,7 @@ StepTables step_tables(const at::Tensor& block_tables, const at::Tensor& seq_len
   auto tables = block_tables.to(at::kInt).contiguous();
   auto lens = seq_lens.to(at::kLong).contiguous();
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == t_rows && lens.numel() == t_rows,
-              "one table row and length per sequence");
+              "block_tables must be [T, W] and seq_lens [T]: one table row and length per sequence");
   return {tables, lens, tables.data_ptr<int32_t>(), lens.data_ptr<int64_t>(), tables.size(1)};
 }
 

@@ -155,6 +155,8 @@ def test_the_stack_refuses_bad_inputs_by_name_before_any_write(tiny_model_dir) -
         call(tables=(torch.full((1, 1), -1, dtype=torch.int32),))
     with pytest.raises(RuntimeError, match="sequence 0: length 17 does not fit its block table"):
         call(lens=(torch.tensor([17]),))
+    with pytest.raises(RuntimeError, match="block_tables must be \\[T, W\\] and seq_lens \\[T\\]"):
+        call(tables=(torch.zeros(2, 1, dtype=torch.int32),))
     assert pool.abs().sum() == 0
     ext, before, after = model.model.layers[0].fused
     empty = ext.DecodeStack()
