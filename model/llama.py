@@ -295,6 +295,7 @@ class LlamaForCausalLM(nn.Module):
         self.head: LinearKernel | None = None  # set by `prepare_for_inference`
         # every layer as one C++ call a decode step (`decode_layers`); set by `prepare_for_inference` when all fuse
         self.decode_stack: Any = None
+        self.stack_norms = False  # whether `decode_stack` applies the final norm too (`prepare_for_inference`)
         self.register_buffer("rope_inv_freq", rope_inv_freq(config.rope, config.head_dim), persistent=False)
         self.kv_place = {layer: (g, local) for g, group in enumerate(config.kv_groups)
                          for local, layer in enumerate(group.layers)}  # layer -> (KV block group, local layer)
@@ -341,7 +342,8 @@ class LlamaForCausalLM(nn.Module):
         cos_sin = self.rotary(positions, x.dtype)
         fused = self._fused_step(x, kv_pool, batch, backend)
         if fused and self.decode_stack is not None:
-            return self.model.norm(self.decode_layers(x, cos_sin, kv_pool, batch))
+            hidden = self.decode_layers(x, cos_sin, kv_pool, batch)
+            return hidden if self.stack_norms else self.model.norm(hidden)
         for i, layer in enumerate(self.model.layers):
             group, local = self.kv_place[i]
             if fused and layer.fused is not None:
@@ -354,7 +356,8 @@ class LlamaForCausalLM(nn.Module):
                       batch: AttentionBatch) -> torch.Tensor:
         """Every decoder layer of a `_fused_step` step in one C++ call (``DecodeStack`` in
         ``kernels/csrc/decode_layer.cpp``): each layer exactly as `DecoderLayer.decode_fused` runs it, the same bits,
-        without a Python call a layer. ``x`` ``[T, hidden]`` → the last layer's output; needs `decode_stack`."""
+        without a Python call a layer. ``x`` ``[T, hidden]`` → the last layer's output, through the final norm when
+        `stack_norms` (the same kernel as `RMSNorm`'s, in the same call); needs `decode_stack`."""
         groups = [batch.for_group(g) for g in range(len(self.config.kv_groups))]
         return self.decode_stack.forward(x, *cos_sin, kv_pool, [b.slot_mapping for b in groups],
                                          [b.decode_block_tables for b in groups], [b.decode_seq_lens for b in groups])
@@ -395,12 +398,16 @@ class LlamaForCausalLM(nn.Module):
                           if isinstance(v, LinearKernel)] + [self.head])
         for layer in self.model.layers:
             layer.prepare_fused()
-        self.decode_stack = None
+        self.decode_stack, self.stack_norms = None, False
         if all(layer.fused is not None for layer in self.model.layers):
             stack = self.model.layers[0].fused[0].DecodeStack()
             for i, layer in enumerate(self.model.layers):
                 _, before, after = layer.fused
                 stack.add_layer(*before, *after, *self.kv_place[i])
+            norm = self.model.norm
+            if norm.fast is not None and norm.weight.dtype == before[0].dtype:  # the same kernel, in the stack's call
+                stack.set_final_norm(norm.weight, norm.eps)
+                self.stack_norms = True
             self.decode_stack = stack
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

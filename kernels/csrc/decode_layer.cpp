@@ -260,8 +260,14 @@ at::Tensor decode_layer(at::Tensor x, at::Tensor in_norm, at::Tensor post_norm, 
 //       must share the first one's dtype and hidden size. Raises (RuntimeError) as decode_layer does.
 //   forward(x, cos, sin, kv_pool, slot_mappings, block_tables, seq_lens): x [T, hidden] contiguous, the first
 //       layer's input; kv_pool [num_blocks, layers per block, 2, kv_heads, B, head_dim]; the three lists hold one
-//       tensor per KV block group, as decode_layer's. Returns the last layer's output [T, hidden]. Every input is
-//       checked for every layer before any KV is written. Runs without Python's GIL.
+//       tensor per KV block group, as decode_layer's. Returns the last layer's output [T, hidden], through the
+//       final norm where one is set. Every input is checked for every layer before any KV is written. Runs without
+//       Python's GIL.
+//   set_final_norm(weight, eps): the model's final RMSNorm, applied by forward after the last layer with the
+//       kernel of the layers' norms (the bits of kernels.cpu_small.rms_norm). In the step's own call it costs a
+//       few us; as its own call after the layers it took 133-148 us of a batch-1 bf16 SmolLM2 step on a Zen 4 VM
+//       (its code is cold once the step has streamed the weights). weight [hidden] contiguous, of the layers'
+//       dtype; raises (RuntimeError) otherwise or when the stack has no layers.
 class DecodeStack {
  public:
   void add_layer(const at::Tensor& in_norm, const at::Tensor& post_norm, double eps, const at::Tensor& qkv_w,
@@ -292,6 +298,15 @@ class DecodeStack {
   }
 
   int64_t size() const { return static_cast<int64_t>(groups_.size()); }
+
+  void set_final_norm(const at::Tensor& weight, double eps) {
+    TORCH_CHECK(!groups_.empty(), "DecodeStack: add the layers before the final norm");
+    TORCH_CHECK(weight.dim() == 1 && weight.size(0) == hidden_ && weight.scalar_type() == dtype_ &&
+                    weight.is_contiguous(),
+                "DecodeStack: the final norm weight must be contiguous ", dtype_, " [", hidden_, "]");
+    final_norm_ = weight;
+    final_eps_ = eps;
+  }
 
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv_pool,
                      const std::vector<at::Tensor>& slot_mappings, const std::vector<at::Tensor>& block_tables,
@@ -332,6 +347,9 @@ class DecodeStack {
     for (int64_t i = 0; i < n; ++i)
       run_layer(plans[i], y.data_ptr<T>(), t_rows, cos.data_ptr<T>(), sin.data_ptr<T>(), caches[i],
                 slots[i].data_ptr<int64_t>(), tables[groups_[i]], s);
+    if (final_norm_.defined())  // in place: each row is read whole before it is written
+      kvrelay_cpu::rms_norm_rows(static_cast<const T*>(y.data_ptr<T>()), final_norm_.data_ptr<T>(), y.data_ptr<T>(),
+                                 t_rows, hidden_, static_cast<float>(final_eps_));
     return y;
   }
 
@@ -341,6 +359,8 @@ class DecodeStack {
   std::vector<LayerPlan<at::BFloat16>> bf16_;
   std::vector<at::Tensor> keep_;  // the planned weights, alive while the stack is
   std::vector<int64_t> groups_, locals_;
+  at::Tensor final_norm_;  // undefined: none
+  double final_eps_ = 0.0;
 };
 
 void bind_decode_stack(pybind11::module_& m) {
@@ -350,5 +370,6 @@ void bind_decode_stack(pybind11::module_& m) {
       .def(pybind11::init<>())
       .def("add_layer", &DecodeStack::add_layer)
       .def("__len__", &DecodeStack::size)
+      .def("set_final_norm", &DecodeStack::set_final_norm)
       .def("forward", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -26,6 +26,7 @@ def _generate(model_dir, monkeypatch: pytest.MonkeyPatch, *, path: str, dtype: s
     loaded = load_model(model_dir, dtype=dtype)
     engine = LLMEngine(loaded, EngineConfig(num_blocks=160, enable_prefix_caching=False))
     assert loaded.model.decode_stack is not None and len(loaded.model.decode_stack) == len(loaded.model.model.layers)
+    assert loaded.model.stack_norms  # the stack path applies the final norm in its own call
     if path != "stack":
         loaded.model.decode_stack = None
     fused_rows: list[int] = []
@@ -162,11 +163,17 @@ def test_the_stack_refuses_bad_inputs_by_name_before_any_write(tiny_model_dir) -
     empty = ext.DecodeStack()
     with pytest.raises(RuntimeError, match="DecodeStack: no layers"):
         empty.forward(x, cos, sin, pool, [slot_0], [tables], [lens])
+    norm = model.model.norm.weight
+    with pytest.raises(RuntimeError, match="DecodeStack: add the layers before the final norm"):
+        empty.set_final_norm(norm, 1e-5)
     empty.add_layer(*before, *after, 0, 0)
     f32 = load_model(tiny_model_dir, dtype="float32").model.model.layers[0].fused[1]
     with pytest.raises(RuntimeError, match="layer 1 is not BFloat16 of hidden size"):
         empty.add_layer(*f32, *after, 0, 1)
     assert len(empty) == 1
+    for bad in (norm.float(), norm[:-1].contiguous(), torch.stack([norm, norm], 1)[:, 0]):
+        with pytest.raises(RuntimeError, match=f"the final norm weight must be contiguous BFloat16 \\[{hidden}\\]"):
+            empty.set_final_norm(bad, 1e-5)
 
 
 def test_decode_weights_are_moved_onto_huge_pages_in_the_order_a_step_reads_them(tiny_model_dir,
