@@ -369,12 +369,14 @@ class LLMEngine:
         for seq in sched.decodes:
             self.scheduler.commit(seq, 1)
         pairs = self._drop_corrupt(self._expand_forks(result.seqs))
-        rows = torch.tensor([row for _, row in pairs], dtype=torch.int64, device=result.logits.device)
+        rows = [row for _, row in pairs]
         gens = [None if s.params.greedy else
                 token_generator(s.seed, s.index, s.num_output_tokens, self._device) for s, _ in pairs]
         histories = [(s.token_ids[:s.num_prompt_tokens], s.output_token_ids) if s.params.adjusts_logits else None
                      for s, _ in pairs]
-        logits = result.logits.index_select(0, rows)
+        logits = result.logits  # each row once, in order (no fork, nothing dropped): no gather
+        if rows != list(range(logits.shape[0])):
+            logits = logits.index_select(0, torch.tensor(rows, dtype=torch.int64, device=logits.device))
         params = [s.params for s, _ in pairs]
         matchers = [s.matcher for s, _ in pairs]
         if any(m is not None for m in matchers):

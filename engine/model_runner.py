@@ -141,9 +141,9 @@ class ModelRunner:
             self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), self.kv_pool, batch,
             self.backend,
         )
-        rows = torch.tensor(sample_rows, dtype=torch.int64, device=hidden.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))
-        return StepLogits(sample_seqs, logits)
+        if sample_rows != list(range(hidden.shape[0])):  # a decode-only step samples every row: no gather
+            hidden = hidden.index_select(0, torch.tensor(sample_rows, dtype=torch.int64, device=hidden.device))
+        return StepLogits(sample_seqs, self.model.compute_logits(hidden))
 
     def _decode_row(self, seq: Sequence) -> DecodeRow:
         """A decoding sequence's next token, its position, and the slot and KV length its KV gets (its KV

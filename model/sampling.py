@@ -123,7 +123,8 @@ def sample(
     greedy_rows = [i for i, p in enumerate(params) if p.greedy]
     out = [0] * len(params)
     if greedy_rows:
-        picked = torch.argmax(logits[greedy_rows], dim=-1).tolist()
+        greedy = logits if len(greedy_rows) == logits.shape[0] else logits[greedy_rows]  # every row: no copy
+        picked = torch.argmax(greedy, dim=-1).tolist()
         for row, tok in zip(greedy_rows, picked):
             out[row] = tok
     for i, p in enumerate(params):
