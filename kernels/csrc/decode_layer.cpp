@@ -21,7 +21,6 @@
 // Raises (RuntimeError) naming the shape, dtype, slot or block table that does not fit (the table errors worded as
 // paged_decode_attention's), before anything is written.
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include "small_ops.h"
