@@ -10,6 +10,11 @@ Decode: the node with the fewest requests placed or in flight there, each weighe
 
     cost(node) = max(in_flight, reserved_seqs)(node) · load_weight_tokens - cached_prefix_tokens(node)
 
+Once every decode node with room has reported its rates (and the mode is not ``always``), the one where
+prefilling and decoding the request breaches the fewest SLOs, then costs least, instead (`NodeSet._priced_decode`,
+`router.plan.whole_plan`): the time to its first token there, the stall on that node's streams and the decode it
+adds (a row a step beside other streams; every step on a node that decodes nothing).
+
 Capacity. Each node reports its size and rates in its event answers (`NodeCapacity`); the router keeps
 its own ledger of what it has placed there (`Node.reserved_blocks`, ``reserved_seqs``, ``queued_tokens``),
 and `NodeSet.place` reserves a decode node and a prefill node for a request only where both have room:
@@ -29,6 +34,7 @@ only slow to answer it stays in (`Node.slow_polls`).
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -36,7 +42,7 @@ from dataclasses import dataclass
 from kvstore.block_key import BlockKey
 from router.kv_index import KvIndex
 from router.node_state import Node
-from router.plan import LOCAL, MODES, PlanChoice, TtftCalibration, choose_plan, running
+from router.plan import LOCAL, MODES, PlanChoice, StepModel, TtftCalibration, choose_plan, running, whole_plan
 
 PREFILL_QUEUE_STEPS = 4  # prompt tokens placed on a prefill node, in steps of its token budget
 # Samples placed on a decode node, in multiples of its batch (max_num_seqs): those beyond the batch are being
@@ -54,13 +60,14 @@ class Need:
 
     ``prefill_blocks``: on its prefill node from prefill until the decode node has pulled the KV;
     ``decode_blocks``: on its decode node for its whole life (prompt plus the output it is expected to
-    keep); ``seqs``: its samples (``n``).
+    keep); ``seqs``: its samples (``n``); ``decode_tokens``: the output it is expected to decode (a sample's).
     """
 
     prompt_tokens: int
     prefill_blocks: int
     decode_blocks: int
     seqs: int
+    decode_tokens: int = 0  # the output tokens it is expected to decode (0: not weighed, `router.plan.whole_plan`)
 
     def fits_decode(self, node: Node) -> bool:
         cap = node.capacity
@@ -214,12 +221,18 @@ class NodeSet:
         prefilled on its decode node if that has room.
 
         Under ``auto``, a prefill node that serves whole requests (`NodeCapacity.whole_requests`) with room
-        takes the request itself, as a decode node does under a local plan, when it is less loaded than the best
-        decode node (`_whole_cost`: its samples weighed as ``load_weight_tokens`` each, plus the prompt tokens
-        queued on it, less the prompt tokens it holds; on the decode node's side also the queue of the prefill node
-        its plan would prefill on, since the prompt waits there either way; the decode node wins a tie)."""
+        takes the request itself, as a decode node does under a local plan, when that breaches fewer SLOs, or as
+        many at a lower cost, than the decode node's plan (`router.plan.whole_plan` against `choose_plan`, both
+        weighing the request's decode, ``need.decode_tokens``: a decode step reads every weight whatever its rows,
+        so a sequence costs the node that already decodes only its row, and a node that decodes nothing every
+        step). The decode node wins a tie. Where either node has reported no rates yet, the less loaded one takes
+        it (`_whole_cost`: its samples weighed as ``load_weight_tokens`` each, plus the prompt tokens queued on it,
+        less the prompt tokens it holds; on the decode node's side also the queue of the prefill node its plan
+        would prefill on, since the prompt waits there either way; the decode node wins a tie)."""
         mode = self.disaggregation
         decode = self.pick_decode(keys, fits=need.fits_decode)
+        if decode is not None and mode != "always":
+            decode = self._priced_decode(need, keys, decode)
         whole, whole_held = self._pick_whole(keys, need) if mode == "auto" else (None, 0)
         if decode is None:
             return self._place_whole(need, whole, whole_held) if whole is not None else None
@@ -230,24 +243,56 @@ class NodeSet:
             if prefill is None and mode == "always":
                 return None
         held = self.index.prefix_blocks(keys, [decode.name, *([prefill.name] if prefill is not None else [])])
+        now = time.monotonic()
         choice = choose_plan(mode, prompt_tokens=need.prompt_tokens, block_size_tokens=self.block_size_tokens,
                              decode=decode, decode_held_blocks=held[decode.name], prefill=prefill,
                              prefill_held_blocks=held[prefill.name] if prefill is not None else 0,
                              calibration=self.calibration, tpot_slo_s=self.tpot_slo_s,
-                             ttft_slo_s=self.ttft_slo_s)
+                             ttft_slo_s=self.ttft_slo_s, now=now, decode_tokens=need.decode_tokens)
         if whole is not None:
-            # The decode node's side of the comparison: its own load, and, when its plan prefills on a prefill
-            # node, that node's queue too (the prompt waits there either way)
-            decode_cost = self._whole_cost(decode, held[decode.name])
-            if choice.plan != LOCAL and prefill is not None:
-                decode_cost += prefill.queued_tokens
-            if self._whole_cost(whole, whole_held) < decode_cost:
-                return self._place_whole(need, whole, whole_held)
+            as_whole = whole_plan(whole, prompt_tokens=need.prompt_tokens, held_blocks=whole_held,
+                                  block_size_tokens=self.block_size_tokens, decode_tokens=need.decode_tokens,
+                                  stand_in=StepModel.of(decode), calibration=self.calibration,
+                                  tpot_slo_s=self.tpot_slo_s, ttft_slo_s=self.ttft_slo_s, now=now)
+            if not (math.isnan(as_whole.cost_s) or math.isnan(choice.cost_s)):
+                if (as_whole.breaches, as_whole.cost_s) < (choice.breaches, choice.cost_s):
+                    return Reservation(need, whole, None, as_whole)
+            else:
+                # Nothing to price one side by yet: the less loaded node. The decode node's side: its own load,
+                # and, when its plan prefills on a prefill node, that node's queue too (the prompt waits there
+                # either way)
+                decode_cost = self._whole_cost(decode, held[decode.name])
+                if choice.plan != LOCAL and prefill is not None:
+                    decode_cost += prefill.queued_tokens
+                if self._whole_cost(whole, whole_held) < decode_cost:
+                    return self._place_whole(need, whole, whole_held)
         if choice.plan == LOCAL:
             if any_prefill and not need.fits_local(decode):
                 return None  # a choice between nodes that are both full: wait
             prefill = None
         return Reservation(need, decode, prefill, choice)
+
+    def _priced_decode(self, need: Need, keys: Sequence[BlockKey], first: Node) -> Node:
+        """Among the healthy decode nodes with room for ``need``, the one where prefilling and decoding the request
+        breaches the fewest SLOs, then costs least (`router.plan.whole_plan` on each: its queue, the stall on its
+        streams, the decode it would add, the prompt tokens it holds); ``first`` (`pick_decode`'s choice) when fewer
+        than two have room or any has reported no rates yet. Two aggregated replicas are placed so, as `place`
+        weighs a prefill node that serves whole requests against the decode node."""
+        now = time.monotonic()
+        nodes = [n for n in self.decode if n.healthy(now) and need.fits_decode(n)]
+        if len(nodes) < 2:
+            return first
+        held = self.index.prefix_blocks(keys, [n.name for n in nodes])
+        priced = []
+        for i, node in enumerate(nodes):
+            plan = whole_plan(node, prompt_tokens=need.prompt_tokens, held_blocks=held[node.name],
+                              block_size_tokens=self.block_size_tokens, decode_tokens=need.decode_tokens,
+                              stand_in=None, calibration=self.calibration, tpot_slo_s=self.tpot_slo_s,
+                              ttft_slo_s=self.ttft_slo_s, now=now)
+            if math.isnan(plan.cost_s):
+                return first
+            priced.append((plan.breaches, plan.cost_s, i, node))
+        return min(priced)[3]
 
     def _place_whole(self, need: Need, whole: Node, whole_held: int) -> Reservation:
         """Reserve ``whole`` (a prefill node that serves whole requests) as the request's decode node, prefilling

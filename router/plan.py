@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from router.node_state import Node, NodeCapacity
 
@@ -59,6 +59,12 @@ TPOT_BREACHES = "local_tpot_breaches"  # `PlanChoice.costs`: streams a local pre
 REMOTE_TPOT_BREACHES = "disaggregated_tpot_breaches"
 # ... and, with a TTFT SLO, whether each plan's calibrated TTFT passes it (1.0) or not (0.0)
 TTFT_MISSES = {"local": "local_ttft_miss", "disaggregated": "disaggregated_ttft_miss"}
+# ... and, weighing the request's decode, whether the decode node's inter-token time with its row passes the TPOT
+# SLO (1.0) or not (0.0): one breach more in either plan
+DECODE_TPOT_MISS = "decode_tpot_miss"
+# `whole_plan`'s cost and breaches of a request placed whole on a prefill node
+WHOLE = "whole"
+WHOLE_BREACHES = "whole_breaches"
 
 MODES = ("always", "never", "auto")
 # weight of the newest request in `TtftCalibration`'s factor: slower than the step averages, since consecutive
@@ -91,6 +97,9 @@ class PlanChoice:
     model_ttft_s: float
     predicted_ttft_s: float
     costs: dict[str, float]
+    # the plan taken's SLO breaches and cost (seconds), as `choose_plan` weighed them (0 and NaN where it did not)
+    breaches: int = field(default=0, compare=False)
+    cost_s: float = field(default=math.nan, compare=False)
 
 
 class TtftCalibration:
@@ -186,26 +195,56 @@ def pull_s(cap: NodeCapacity | None, blocks: int) -> float:
     return cap.pull_fixed_s + blocks * cap.block_bytes / cap.pull_bytes_per_s
 
 
-def tpot_breaches(node: Node, *, stall_s: float, tpot_slo_s: float, now: float) -> int:
+def node_itl_s(node: Node) -> float:
+    """``node``'s inter-token time: the router's `Node.itl_s`, else the node's reported decode step (0.0: none)."""
+    return node.itl_s or (node.capacity.decode_step_s if node.capacity is not None else 0.0)
+
+
+def tpot_breaches(node: Node, *, stall_s: float, tpot_slo_s: float, now: float, row_s: float = 0.0) -> int:
     """How many of the streams decoding on ``node`` a stall of ``stall_s`` seconds would end past ``tpot_slo_s``
-    (their projected TPOT, `StreamPace.projected_tpot_s`, at the node's measured inter-token time — the
-    router's `Node.itl_s`, else the node's reported decode step). 0 when no SLO is set (``tpot_slo_s`` ≤ 0)."""
+    (their projected TPOT, `StreamPace.projected_tpot_s`, at the node's measured inter-token time, `node_itl_s`,
+    plus ``row_s``: a new sequence decoding beside them makes each of their steps that much longer). 0 when no SLO
+    is set (``tpot_slo_s`` ≤ 0)."""
     if tpot_slo_s <= 0 or not node.streams:
         return 0
-    itl = node.itl_s or (node.capacity.decode_step_s if node.capacity is not None else 0.0)
+    itl = node_itl_s(node) + row_s
     return sum(p.projected_tpot_s(now, itl, stall_s) > tpot_slo_s for p in node.streams.values())
+
+
+def decode_cost_s(steps: StepModel | None, running_seqs: int, tokens: int) -> float:
+    """Seconds of a node's steps that ``tokens`` decode tokens of one more sequence take there, on a node with step
+    cost ``steps`` decoding ``running_seqs`` sequences: a row in each step (``row_s``), and, where nothing decodes
+    yet, the steps themselves (``fixed_s`` each: a decode step reads every weight whatever its rows). 0.0 without a
+    step model or tokens. This is what decoding on the node that already decodes saves (`whole_plan`)."""
+    if steps is None or tokens <= 0:
+        return 0.0
+    return tokens * (steps.row_s + (steps.fixed_s if running_seqs <= 0 else 0.0))
+
+
+def decode_steps(node: Node, stand_in: StepModel | None) -> StepModel | None:
+    """`StepModel.of` ``node``, with ``stand_in``'s per-step and per-row costs where the node has fitted neither
+    (a node that has not decoded yet: the same model on an equal share of the CPUs)."""
+    steps = StepModel.of(node, stand_in)
+    if steps is not None and stand_in is not None and steps.fixed_s == 0 and steps.row_s == 0:
+        return StepModel(stand_in.fixed_s, steps.token_s, stand_in.row_s, steps.batch_tokens)
+    return steps
 
 
 def choose_plan(mode: str, *, prompt_tokens: int, block_size_tokens: int, decode: Node, decode_held_blocks: int,
                 prefill: Node | None, prefill_held_blocks: int,
                 calibration: TtftCalibration | None = None, tpot_slo_s: float = 0.0,
-                ttft_slo_s: float = 0.0, now: float | None = None) -> PlanChoice:
+                ttft_slo_s: float = 0.0, now: float | None = None, decode_tokens: int = 0) -> PlanChoice:
     """The plan for one request (module docstring). ``prefill`` None: no prefill node is up with room, so the
     plan is local whatever the mode. ``*_held_blocks``: the leading blocks of the prompt each node holds.
     ``calibration``: maps model TTFTs to predicted ones (None: the model's as they are). ``tpot_slo_s``: the
     TPOT SLO a local prefill must keep the decode node's streams within (0: none); ``ttft_slo_s``: the TTFT SLO
     (0: none), a plan whose calibrated TTFT passes it counting one breach (`TTFT_MISSES` keys); ``now``:
-    `time.monotonic` seconds (None: read it).
+    `time.monotonic` seconds (None: read it). ``decode_tokens``: the tokens the request is expected to decode on
+    its decode node (0: not weighed): both plans then cost their decode too (`decode_cost_s`), its rows count
+    against the decode node's streams (`tpot_breaches`' ``row_s``), and a plan breaches once more when the decode
+    node's inter-token time with its row would pass the TPOT SLO (`DECODE_TPOT_MISS`). The same in both plans,
+    these do not change which of them is taken; they make it comparable with a whole request on a prefill node
+    (`whole_plan`).
 
     Raises:
         ValueError: ``mode`` is not one of `MODES`.
@@ -231,9 +270,12 @@ def choose_plan(mode: str, *, prompt_tokens: int, block_size_tokens: int, decode
     assert remote_steps is not None
     blocks = -(-prompt_tokens // block_size_tokens)
     remote_compute = remote_steps.token_s * (prompt_tokens - held_p)
+    rows = decode_steps(decode, remote_steps)
+    decode_s = decode_cost_s(rows, running(decode), decode_tokens)  # the same decode either way
+    # (a prefill node serving whole requests stalls its own streams with it)
     costs = {DISAGGREGATED: remote.predicted_ttft_s + pull_s(decode.capacity, blocks - decode_held_blocks)
-             + prefill.reserved_seqs * remote_compute,  # a prefill node serving whole requests stalls its own
-             LOCAL: local.predicted_ttft_s + running(decode) * local_compute}
+             + prefill.reserved_seqs * remote_compute + decode_s,
+             LOCAL: local.predicted_ttft_s + running(decode) * local_compute + decode_s}
     breaches = {LOCAL: 0, DISAGGREGATED: 0}
     if ttft_slo_s > 0:
         misses = {plan: int(choice.predicted_ttft_s > ttft_slo_s) for plan, choice in ((LOCAL, local),
@@ -242,12 +284,51 @@ def choose_plan(mode: str, *, prompt_tokens: int, block_size_tokens: int, decode
         breaches = misses
     if tpot_slo_s > 0:
         now = time.monotonic() if now is None else now
-        tpot = {LOCAL: tpot_breaches(decode, stall_s=local_compute, tpot_slo_s=tpot_slo_s, now=now),
-                DISAGGREGATED: tpot_breaches(prefill, stall_s=remote_compute, tpot_slo_s=tpot_slo_s, now=now)}
+        row_s = rows.row_s if rows is not None and decode_tokens > 0 else 0.0
+        tpot = {LOCAL: tpot_breaches(decode, stall_s=local_compute, tpot_slo_s=tpot_slo_s, now=now, row_s=row_s),
+                DISAGGREGATED: tpot_breaches(prefill, stall_s=remote_compute, tpot_slo_s=tpot_slo_s, now=now)
+                + (tpot_breaches(decode, stall_s=0.0, tpot_slo_s=tpot_slo_s, now=now, row_s=row_s) if row_s else 0)}
         costs[TPOT_BREACHES] = float(tpot[LOCAL])
         costs[REMOTE_TPOT_BREACHES] = float(tpot[DISAGGREGATED])
+        if decode_tokens > 0:
+            own = int(node_itl_s(decode) + row_s > tpot_slo_s)
+            costs[DECODE_TPOT_MISS] = float(own)
+            tpot = {plan: n + own for plan, n in tpot.items()}
         breaches = {plan: breaches[plan] + tpot[plan] for plan in breaches}
     # Fewer SLO breaches first (streams pushed past the TPOT SLO, this request's TTFT past its SLO); then the
     # cheaper plan (local on a tie).
-    chosen = local if (breaches[LOCAL], costs[LOCAL]) <= (breaches[DISAGGREGATED], costs[DISAGGREGATED]) else remote
-    return PlanChoice(chosen.plan, chosen.model_ttft_s, chosen.predicted_ttft_s, costs)
+    chosen = LOCAL if (breaches[LOCAL], costs[LOCAL]) <= (breaches[DISAGGREGATED], costs[DISAGGREGATED]) \
+        else DISAGGREGATED
+    taken = local if chosen == LOCAL else remote
+    return PlanChoice(taken.plan, taken.model_ttft_s, taken.predicted_ttft_s, costs, breaches[chosen],
+                      costs[chosen])
+
+
+def whole_plan(node: Node, *, prompt_tokens: int, held_blocks: int, block_size_tokens: int, decode_tokens: int,
+               stand_in: StepModel | None, calibration: TtftCalibration | None = None, tpot_slo_s: float = 0.0,
+               ttft_slo_s: float = 0.0, now: float | None = None) -> PlanChoice:
+    """A request placed whole on ``node`` (a prefill node that serves whole requests: it prefills the prompt, whose
+    leading ``held_blocks`` blocks it holds, and decodes ``decode_tokens``), priced as `choose_plan` prices a local
+    plan: its calibrated TTFT, the stall its prefill puts on the node's streams, and its decode
+    (`decode_cost_s`: on a node that decodes nothing yet, every step of it). Its breaches (``breaches``), as
+    there: its TTFT past the TTFT SLO, the node's streams pushed past the TPOT SLO, and the node's inter-token
+    time with the new row past it. ``stand_in``: the decode node's step model, for what this node has not fitted
+    (`decode_steps`). ``plan`` is `LOCAL` (the node prefills what it decodes, and its TTFT calibrates as local
+    ones do); ``costs`` holds `WHOLE` (the cost) and `WHOLE_BREACHES`. Nothing to price the node by: NaN times and
+    cost, no costs."""
+    cal = calibration or TtftCalibration()
+    steps, rows = StepModel.of(node, stand_in), decode_steps(node, stand_in)
+    if steps is None or rows is None:
+        return PlanChoice(LOCAL, math.nan, math.nan, {}, 0, math.nan)
+    tokens = prompt_tokens - min(prompt_tokens, held_blocks * block_size_tokens)
+    compute = steps.token_s * tokens
+    model = steps.ttft_s(node.queued_tokens, tokens, running(node))
+    predicted = cal.predict(LOCAL, model)
+    cost = predicted + running(node) * compute + decode_cost_s(rows, running(node), decode_tokens)
+    breaches = int(ttft_slo_s > 0 and predicted > ttft_slo_s)
+    if tpot_slo_s > 0:
+        now = time.monotonic() if now is None else now
+        row_s = rows.row_s if decode_tokens > 0 else 0.0
+        breaches += tpot_breaches(node, stall_s=compute, tpot_slo_s=tpot_slo_s, now=now, row_s=row_s)
+        breaches += int(decode_tokens > 0 and node_itl_s(node) + row_s > tpot_slo_s)
+    return PlanChoice(LOCAL, model, predicted, {WHOLE: cost, WHOLE_BREACHES: float(breaches)}, breaches, cost)

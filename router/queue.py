@@ -98,12 +98,13 @@ class QueueMetrics:
 
 def need_of(req: GenerationRequest, *, block_size_tokens: int, decode_reserve_tokens: int) -> Need:
     """The room ``req`` holds: full prompt blocks shared by its samples, and per sample a tail for the first
-    token (prefill node) or for the output it keeps (decode node, at most ``decode_reserve_tokens``)."""
+    token (prefill node) or for the output it keeps (decode node, at most ``decode_reserve_tokens``), which is also
+    the output it is expected to decode."""
     b, p, n = block_size_tokens, len(req.prompt_token_ids), req.params.n
     kept = min(req.params.max_tokens, decode_reserve_tokens)
     full, rest = divmod(p, b)
     return Need(prompt_tokens=p, prefill_blocks=full + n * -(-(rest + 1) // b),
-                decode_blocks=full + n * -(-(rest + kept) // b), seqs=n)
+                decode_blocks=full + n * -(-(rest + kept) // b), seqs=n, decode_tokens=kept)
 
 
 class RouterQueue:

@@ -13,6 +13,7 @@ from router.nodes import Need, NodeSet
 from router.plan import (
     CALIBRATION_DECAY,
     COLD_REQUESTS,
+    DECODE_TPOT_MISS,
     DISAGGREGATED,
     LOCAL,
     MAX_CALIBRATION_FACTOR,
@@ -20,9 +21,14 @@ from router.plan import (
     REMOTE_TPOT_BREACHES,
     TPOT_BREACHES,
     TTFT_MISSES,
+    WHOLE,
+    WHOLE_BREACHES,
     PlanChoice,
+    StepModel,
     TtftCalibration,
     choose_plan,
+    decode_cost_s,
+    decode_steps,
 )
 
 B = 16
@@ -289,20 +295,26 @@ def test_a_prefill_node_s_own_streams_count_against_the_disaggregated_plan():
 
 
 def test_auto_places_whole_requests_on_a_prefill_node_that_serves_them_when_it_is_less_loaded():
+    # Rates alone (no fitted step cost, no decode weighed): a whole request on the prefill node is priced as a local
+    # plan there. 100 tokens at 1000 tok/s; pulling 7 blocks costs the decode node 0.01 + 7000 / 1e6 s.
     nodes = NodeSet(["http://p0"], ["http://d0"], block_size_tokens=B, disaggregation="auto", load_weight_tokens=64)
     (p,), (d,) = nodes.prefill, nodes.decode
     p.capacity = NodeCapacity(1000, 1000, 64, 512, 1000.0, 0.02, whole_requests=True)
-    d.capacity = NodeCapacity(1000, 1000, 64, 512, 1000.0, 0.02)
+    d.capacity = NodeCapacity(1000, 1000, 64, 512, 1000.0, 0.02, block_bytes=BLOCK_BYTES, pull_bytes_per_s=1e6,
+                              pull_fixed_s=0.01)
     short = Need(prompt_tokens=100, prefill_blocks=7, decode_blocks=8, seqs=1)
     first = nodes.place(short, keys(7))  # both idle: the decode node wins the tie, and keeps a short prompt
     assert (first.decode, first.prefill, first.choice.plan) == (d, None, LOCAL)
-    second = nodes.place(short, keys(7))  # the decode node runs one sample (64) + 100 queued: the prefill node
+    # The decode node runs one sample and has 100 tokens queued: local 0.2 s + a 0.1 s stall, disaggregated 0.1 +
+    # 0.017 s; whole on the idle prefill node 0.1 s
+    second = nodes.place(short, keys(7))
     assert (second.decode, second.prefill, second.choice.plan) == (p, None, LOCAL)
     assert (p.reserved_seqs, p.queued_tokens, p.reserved_blocks, d.reserved_seqs) == (1, 100, 8, 1)
     second.prefilled()
     first.prefilled()
     assert (p.queued_tokens, d.queued_tokens) == (0, 0)
-    # Equal load again (one sample each): the decode node; then a prompt queued on the decode node tips it back
+    # Equal load again (one sample each: 0.1 s + a 0.1 s stall either way): the decode node; then a prompt queued
+    # on the decode node tips it back (local 0.2 + 0.2 s, disaggregated 0.1 + 0.017 + 0.1 s, whole 0.1 + 0.1 s)
     third = nodes.place(short, keys(7))
     assert third.decode is d
     fourth = nodes.place(short, keys(7))
@@ -330,15 +342,16 @@ def test_auto_places_whole_requests_on_a_prefill_node_that_serves_them_when_it_i
     assert (r1.decode, r2.decode) == (d, d)
 
 
-def test_a_whole_request_weighs_the_prefill_queue_its_decode_plan_would_wait_in():
-    """When the decode node's plan prefills on the prefill node, the prompt waits in that node's queue either way:
-    the queue counts on both sides, so the prefill node's own samples against the decode node's decide."""
+def test_before_any_rate_a_whole_request_weighs_the_prefill_queue_its_decode_plan_would_wait_in():
+    """Before either node has measured a rate, the less loaded node takes a whole request. When the decode node's
+    plan prefills on the prefill node (nothing measured: the prefill node is used), the prompt waits in that node's
+    queue either way: the queue counts on both sides, so the prefill node's own samples against the decode
+    node's decide."""
     nodes = NodeSet(["http://p0"], ["http://d0"], block_size_tokens=B, disaggregation="auto", load_weight_tokens=64)
     (p,), (d,) = nodes.prefill, nodes.decode
-    # The prefill node prefills 10x faster than the decode node: long prompts are disaggregated
-    p.capacity = NodeCapacity(1000, 1000, 64, 512, 10000.0, 0.02, whole_requests=True)
-    d.capacity = NodeCapacity(1000, 1000, 64, 512, 1000.0, 0.02)
-    long = Need(prompt_tokens=400, prefill_blocks=25, decode_blocks=26, seqs=1)
+    p.capacity = NodeCapacity(1000, 1000, 64, 512, 0.0, 0.02, whole_requests=True)
+    d.capacity = NodeCapacity(1000, 1000, 64, 512, 0.0, 0.02)
+    long = Need(prompt_tokens=400, prefill_blocks=25, decode_blocks=26, seqs=1, decode_tokens=64)
     first = nodes.place(long, keys(25))  # both idle: the decode node wins the tie; its plan pulls from p
     assert (first.decode, first.prefill, first.choice.plan) == (d, p, DISAGGREGATED)
     assert (p.queued_tokens, d.reserved_seqs) == (400, 1)
@@ -383,3 +396,70 @@ def test_a_ttft_slo_weighs_a_plan_s_own_first_token_against_the_streams_it_would
         REMOTE_TPOT_BREACHES: 0.0, TTFT_MISSES[LOCAL]: 0.0, TTFT_MISSES[DISAGGREGATED]: 1.0}
     assert at(1.0).plan == DISAGGREGATED  # both first tokens within 1 s: the stream decides
     assert at(0.0).plan == DISAGGREGATED and TTFT_MISSES[LOCAL] not in at(0.0).costs  # no TTFT SLO
+
+
+def test_auto_keeps_decoding_on_the_node_that_decodes_and_places_whole_requests_only_past_its_slo():
+    """With fitted step costs, a whole request on the prefill node pays its whole decode (64 steps of 10 ms plus
+    its row, the node decoding nothing), where the decode node pays only a row (2 ms) a token: the long prompt is
+    prefilled on the prefill node and decoded beside the decode node's two streams, where the token rule put it
+    whole on the idle prefill node (400 queued tokens against 2 × 64 + 400). Once the decode node's inter-token
+    time with one more row would pass the TPOT SLO, both of its plans breach it and the prefill node takes the
+    request whole."""
+    nodes = NodeSet(["http://p0"], ["http://d0"], block_size_tokens=B, disaggregation="auto", tpot_slo_s=0.05)
+    (p,), (d,) = nodes.prefill, nodes.decode
+    fits = {"step_fixed_s": 0.01, "step_prefill_token_s": 0.001, "step_decode_row_s": 0.002}
+    p.capacity = NodeCapacity(1000, 1000, 64, 512, 1000.0, 0.02, whole_requests=True, **fits)
+    d.capacity = NodeCapacity(1000, 1000, 64, 512, 1000.0, 0.02, block_bytes=BLOCK_BYTES, pull_bytes_per_s=1e6,
+                              **fits)
+    d.reserved_seqs = 2
+    long = Need(prompt_tokens=400, prefill_blocks=25, decode_blocks=30, seqs=1, decode_tokens=64)
+    pulled = nodes.place(long, keys(25))
+    # disaggregated: 0.01 + 0.4 s on p, a pull of 25 blocks (0.025 s), 64 rows on d (0.128 s)
+    assert (pulled.decode, pulled.prefill, pulled.choice.plan) == (d, p, DISAGGREGATED)
+    assert pulled.choice.cost_s == pytest.approx(0.41 + 0.025 + 0.128) and pulled.choice.breaches == 0
+    # local: half the step under way (0.007) + one step (0.014) + 0.4 s, a 0.4 s stall on 2 streams, 64 rows
+    assert pulled.choice.costs[LOCAL] == pytest.approx(0.421 + 0.8 + 0.128)
+    assert pulled.choice.costs[DECODE_TPOT_MISS] == 0.0
+    pulled.release()
+    d.itl_s = 0.049  # 49 ms between tokens; a row more makes 51
+    whole = nodes.place(long, keys(25))
+    assert (whole.decode, whole.prefill, whole.choice.plan) == (p, None, LOCAL)
+    assert whole.choice.costs == {WHOLE: pytest.approx(0.41 + 64 * 0.012), WHOLE_BREACHES: 0.0}
+    assert (p.reserved_seqs, p.queued_tokens, d.reserved_seqs, d.queued_tokens) == (1, 400, 2, 0)
+    whole.release()
+
+
+def test_a_sequence_s_decode_costs_its_rows_and_on_a_node_that_decodes_nothing_every_step():
+    steps = StepModel(fixed_s=0.01, token_s=0.001, row_s=0.002, batch_tokens=512)
+    assert decode_cost_s(steps, 0, 64) == pytest.approx(64 * 0.012)
+    assert decode_cost_s(steps, 3, 64) == pytest.approx(64 * 0.002)
+    assert decode_cost_s(steps, 3, 0) == 0.0 and decode_cost_s(None, 0, 64) == 0.0
+    # A node that has fitted no step cost borrows the other node's per-step and per-row costs for its decode
+    fresh = node("prefill", rate=500.0)
+    assert decode_steps(fresh, steps) == StepModel(0.01, 0.002, 0.002, 512)
+    assert decode_steps(fresh, None) == StepModel(0.0, 0.002, 0.0, 512)
+
+
+def test_aggregated_replicas_are_placed_by_the_step_model_where_the_request_costs_least():
+    """Two decode nodes, no prefill node: each is priced as a whole request there (`whole_plan`). d0 decodes one
+    stream, d1 none but has 600 prompt tokens queued. The load rule would take d1 (no stream); priced, d0 costs
+    0.006 + 0.012 + 0.1 s to the first token, a 0.1 s stall on its stream and 64 rows of 2 ms, against d1's two
+    steps and 0.7 s and 64 whole steps of 12 ms. Past the TPOT SLO on d0, d1 takes it."""
+    nodes = NodeSet([], ["http://d0", "http://d1"], block_size_tokens=B, disaggregation="auto", tpot_slo_s=0.05)
+    d0, d1 = nodes.decode
+    for n in (d0, d1):
+        n.capacity = NodeCapacity(1000, 1000, 64, 512, 1000.0, 0.02, step_fixed_s=0.01, step_prefill_token_s=0.001,
+                                  step_decode_row_s=0.002)
+    d0.reserved_seqs, d1.queued_tokens = 1, 600
+    short = Need(prompt_tokens=100, prefill_blocks=7, decode_blocks=11, seqs=1, decode_tokens=64)
+    assert nodes.pick_decode(keys(7)) is d1
+    placed = nodes.place(short, keys(7))
+    assert (placed.decode, placed.prefill, placed.choice.plan) == (d0, None, LOCAL)
+    assert placed.choice.predicted_ttft_s == pytest.approx(0.118)
+    assert (d0.reserved_seqs, d0.queued_tokens, d1.reserved_seqs, d1.queued_tokens) == (2, 100, 0, 600)
+    placed.release()
+    d0.itl_s = 0.049
+    assert nodes.place(short, keys(7)).decode is d1
+    nodes.disaggregation = "always"  # no prefill node: its decode node by the load rule, as before
+    d0.itl_s = 0.0
+    assert nodes.place(short, keys(7)).decode is d0

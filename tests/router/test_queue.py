@@ -33,11 +33,11 @@ def nodes(prefill: int = 1, decode: int = 1) -> NodeSet:
 
 def test_need_counts_shared_prompt_blocks_once_and_a_tail_per_sample():
     # 40 tokens: 2 full blocks + 8; one sample keeps 16 output tokens: 8 + 16 = 24 -> 2 tail blocks
-    assert need_of(request(40, 16), block_size_tokens=B, decode_reserve_tokens=256) == Need(40, 3, 4, 1)
+    assert need_of(request(40, 16), block_size_tokens=B, decode_reserve_tokens=256) == Need(40, 3, 4, 1, 16)
     # n=3: each sample's tail (8 + 1 first token, 8 + 16 kept) is its own
-    assert need_of(request(40, 16, n=3), block_size_tokens=B, decode_reserve_tokens=256) == Need(40, 5, 8, 3)
+    assert need_of(request(40, 16, n=3), block_size_tokens=B, decode_reserve_tokens=256) == Need(40, 5, 8, 3, 16)
     # output beyond decode_reserve_tokens is not reserved (the node preempts beyond it)
-    assert need_of(request(32, 1000), block_size_tokens=B, decode_reserve_tokens=64) == Need(32, 3, 6, 1)
+    assert need_of(request(32, 1000), block_size_tokens=B, decode_reserve_tokens=64) == Need(32, 3, 6, 1, 64)
 
 
 def test_place_reserves_decode_and_prefill_room_and_gives_it_back_step_by_step():
