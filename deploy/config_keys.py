@@ -215,8 +215,9 @@ KEYS: Mapping[str, Key] = _table(
     Key("prefill.max_pending_requests", positive_int, 256, "Requests waiting or running on a prefill node beyond "
         "which new ones get 429 (the router's queue keeps below it).", unit="requests"),
     Key("prefill.serve_whole_requests", boolean, False, "Also serve whole requests (prefill and decode here, no "
-        "KV pull); under router.disaggregation auto the router places a request here when it is less loaded "
-        "than the decode nodes."),
+        "KV pull); under router.disaggregation auto the router places a request here when that breaches fewer "
+        "SLOs, or costs less, than the decode node's plan (its decode included), or, before the nodes report "
+        "rates, when it is less loaded than the decode nodes."),
     # ----------------------------------------------------------------- decode
     Key("decode.ports", port_list, (8200,), "One decode node per port (its internal endpoints).",
         also="at least one"),
@@ -259,8 +260,8 @@ KEYS: Mapping[str, Key] = _table(
     Key("router.max_body_bytes", size, 1024 * 1024, "The largest request body accepted.", unit="bytes"),
     Key("router.request_timeout_s", positive_float, 300.0, "The longest a request may run.", unit="s"),
     Key("router.max_n", positive_int, 4, "The most choices (n) one request may ask for."),
-    Key("router.load_weight_tokens", positive_int, 64, "Placement: the tokens one running request weighs "
-        "against the prompt tokens a node already holds.", unit="tokens"),
+    Key("router.load_weight_tokens", positive_int, 64, "Placement before the nodes report rates: the tokens one "
+        "running request weighs against the prompt tokens a node already holds.", unit="tokens"),
     Key("router.prefill_urls", url_list, (), "The prefill nodes' URLs.",
         default_text="http://{internal.bind}:{port} per prefill port, without prefill_dns"),
     Key("router.decode_urls", url_list, (), "The decode nodes' URLs.",

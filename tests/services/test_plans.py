@@ -122,15 +122,18 @@ def test_a_slow_link_makes_the_decode_node_recompute_instead_of_pulling(tiny_mod
 
 def test_a_prefill_node_that_serves_whole_requests_takes_its_share_under_auto(tiny_model_dir):
     """``prefill.serve_whole_requests``: under auto the router places requests on the prefill node as on a decode
-    node when it is the less loaded one; it prefills and decodes them itself (``/generate``, no pull), and every
-    request gives the greedy tokens of one engine."""
+    node; it prefills and decodes them itself (``/generate``, no pull), and every request gives the greedy tokens
+    of one engine. Priced by the step model a whole request there costs every decode step (the node decodes
+    nothing else), so it goes there when the decode node has no room (`tests/router/test_plan.py` prices the
+    rest): two sequences a step here, so the decode node holds four."""
     rng = random.Random(33)
     prompts = [[rng.randrange(3, 256) for _ in range(rng.randrange(20, 200))] for _ in range(8)]
     tok = load_tokenizer(tiny_model_dir)
     ids = reference(tiny_model_dir, prompts, [SamplingParams(max_tokens=32)] * 8)
     expected = [tok.decode(t) for t in ids]
     total = len(ids[0]) + sum(map(len, ids))  # tokens of the first request twice over, then of all eight
-    overrides = {"router": {"disaggregation": "auto"}, "prefill": {"serve_whole_requests": True}}
+    overrides = {"router": {"disaggregation": "auto"}, "prefill": {"serve_whole_requests": True},
+                 "engine": {"max_num_seqs": 2}}
     with Cluster(tiny_model_dir, overrides=overrides) as c:
         (prefill,), (decode,) = c.prefill_urls, c.decode_urls
         wait_for(lambda: (get_json(c.url + "/health")["nodes"]["prefill-0"]["capacity"] or {}).get(
