@@ -12,8 +12,8 @@ Decode: the node with the fewest requests placed or in flight there, each weighe
 
 Once every decode node with room has reported its rates (and the mode is not ``always``), the one where
 prefilling and decoding the request breaches the fewest SLOs, then costs least, instead (`NodeSet._priced_decode`,
-`router.plan.whole_plan`): the time to its first token there, the stall on that node's streams and the decode it
-adds (a row a step beside other streams; every step on a node that decodes nothing).
+`router.plan.whole_plan`): the time to its first token there, the stall on that node's streams and its decode
+(its own steps, and its row in the steps of the streams beside it).
 
 Capacity. Each node reports its size and rates in its event answers (`NodeCapacity`); the router keeps
 its own ledger of what it has placed there (`Node.reserved_blocks`, ``reserved_seqs``, ``queued_tokens``),
@@ -223,12 +223,12 @@ class NodeSet:
         Under ``auto``, a prefill node that serves whole requests (`NodeCapacity.whole_requests`) with room
         takes the request itself, as a decode node does under a local plan, when that breaches fewer SLOs, or as
         many at a lower cost, than the decode node's plan (`router.plan.whole_plan` against `choose_plan`, both
-        weighing the request's decode, ``need.decode_tokens``: a decode step reads every weight whatever its rows,
-        so a sequence costs the node that already decodes only its row, and a node that decodes nothing every
-        step). The decode node wins a tie. Where either node has reported no rates yet, the less loaded one takes
-        it (`_whole_cost`: its samples weighed as ``load_weight_tokens`` each, plus the prompt tokens queued on it,
-        less the prompt tokens it holds; on the decode node's side also the queue of the prefill node its plan
-        would prefill on, since the prompt waits there either way; the decode node wins a tie)."""
+        weighing the request's decode, ``need.decode_tokens``: its own steps there and its row in the steps of the
+        streams beside it, `router.plan.decode_cost_s`). The decode node wins a tie. Where either node has
+        reported no rates yet, the less loaded one takes it (`_whole_cost`: its samples weighed as
+        ``load_weight_tokens`` each, plus the prompt tokens queued on it, less the prompt tokens it holds; on the
+        decode node's side also the queue of the prefill node its plan would prefill on, since the prompt waits
+        there either way; the decode node wins a tie)."""
         mode = self.disaggregation
         decode = self.pick_decode(keys, fits=need.fits_decode)
         if decode is not None and mode != "always":

@@ -212,13 +212,16 @@ def tpot_breaches(node: Node, *, stall_s: float, tpot_slo_s: float, now: float, 
 
 
 def decode_cost_s(steps: StepModel | None, running_seqs: int, tokens: int) -> float:
-    """Seconds of a node's steps that ``tokens`` decode tokens of one more sequence take there, on a node with step
-    cost ``steps`` decoding ``running_seqs`` sequences: a row in each step (``row_s``), and, where nothing decodes
-    yet, the steps themselves (``fixed_s`` each: a decode step reads every weight whatever its rows). 0.0 without a
-    step model or tokens. This is what decoding on the node that already decodes saves (`whole_plan`)."""
+    """Seconds that ``tokens`` decode tokens of one more sequence cost on a node with step cost ``steps`` decoding
+    ``running_seqs`` sequences, counted as the plans count a prefill (its own time plus the delay it puts on
+    others): its own decode, ``tokens`` steps of ``fixed_s + row_s · (running_seqs + 1)`` (a decode step reads every
+    weight whatever its rows), plus ``row_s`` a step on each of the ``running_seqs`` streams beside it for as long
+    (``tokens · (fixed_s + row_s · (2 · running_seqs + 1))``). So a busy node costs more than an idle one, as its
+    stall does. 0.0 without a step model or tokens."""
     if steps is None or tokens <= 0:
         return 0.0
-    return tokens * (steps.row_s + (steps.fixed_s if running_seqs <= 0 else 0.0))
+    running_seqs = max(0, running_seqs)
+    return tokens * (steps.fixed_s + steps.row_s * (2 * running_seqs + 1))
 
 
 def decode_steps(node: Node, stand_in: StepModel | None) -> StepModel | None:
@@ -309,8 +312,8 @@ def whole_plan(node: Node, *, prompt_tokens: int, held_blocks: int, block_size_t
                ttft_slo_s: float = 0.0, now: float | None = None) -> PlanChoice:
     """A request placed whole on ``node`` (a prefill node that serves whole requests: it prefills the prompt, whose
     leading ``held_blocks`` blocks it holds, and decodes ``decode_tokens``), priced as `choose_plan` prices a local
-    plan: its calibrated TTFT, the stall its prefill puts on the node's streams, and its decode
-    (`decode_cost_s`: on a node that decodes nothing yet, every step of it). Its breaches (``breaches``), as
+    plan: its calibrated TTFT, the stall its prefill puts on the node's streams, and its decode (`decode_cost_s`:
+    its own steps and its row in the steps of the node's streams). Its breaches (``breaches``), as
     there: its TTFT past the TTFT SLO, the node's streams pushed past the TPOT SLO, and the node's inter-token
     time with the new row past it. ``stand_in``: the decode node's step model, for what this node has not fitted
     (`decode_steps`). ``plan`` is `LOCAL` (the node prefills what it decodes, and its TTFT calibrates as local

@@ -398,13 +398,13 @@ def test_a_ttft_slo_weighs_a_plan_s_own_first_token_against_the_streams_it_would
     assert at(0.0).plan == DISAGGREGATED and TTFT_MISSES[LOCAL] not in at(0.0).costs  # no TTFT SLO
 
 
-def test_auto_keeps_decoding_on_the_node_that_decodes_and_places_whole_requests_only_past_its_slo():
-    """With fitted step costs, a whole request on the prefill node pays its whole decode (64 steps of 10 ms plus
-    its row, the node decoding nothing), where the decode node pays only a row (2 ms) a token: the long prompt is
-    prefilled on the prefill node and decoded beside the decode node's two streams, where the token rule put it
-    whole on the idle prefill node (400 queued tokens against 2 × 64 + 400). Once the decode node's inter-token
-    time with one more row would pass the TPOT SLO, both of its plans breach it and the prefill node takes the
-    request whole."""
+def test_auto_weighs_a_whole_request_s_decode_on_the_prefill_node_against_the_decode_node_s_plan():
+    """Fitted step costs on both nodes (10 ms a step, 1 ms a prompt token, 2 ms a decode row); a 400-token prompt
+    that decodes 64 tokens. Its decode costs its own 64 steps plus a row in each step of the streams beside it
+    (`decode_cost_s`). The decode node runs two streams, the prefill node none: whole on the prefill node (0.41 s
+    to the first token, 64 × 12 ms) costs less than the decode node's plan (disaggregated: 0.41 s, a 25-block pull,
+    64 × (10 + 5 × 2) ms). With the prefill node busy (four streams, 1,000 tokens queued) the decode node prefills it
+    itself; and a plan that breaches an SLO loses to one that does not, whatever it costs."""
     nodes = NodeSet(["http://p0"], ["http://d0"], block_size_tokens=B, disaggregation="auto", tpot_slo_s=0.05)
     (p,), (d,) = nodes.prefill, nodes.decode
     fits = {"step_fixed_s": 0.01, "step_prefill_token_s": 0.001, "step_decode_row_s": 0.002}
@@ -413,26 +413,33 @@ def test_auto_keeps_decoding_on_the_node_that_decodes_and_places_whole_requests_
                               **fits)
     d.reserved_seqs = 2
     long = Need(prompt_tokens=400, prefill_blocks=25, decode_blocks=30, seqs=1, decode_tokens=64)
-    pulled = nodes.place(long, keys(25))
-    # disaggregated: 0.01 + 0.4 s on p, a pull of 25 blocks (0.025 s), 64 rows on d (0.128 s)
-    assert (pulled.decode, pulled.prefill, pulled.choice.plan) == (d, p, DISAGGREGATED)
-    assert pulled.choice.cost_s == pytest.approx(0.41 + 0.025 + 0.128) and pulled.choice.breaches == 0
-    # local: half the step under way (0.007) + one step (0.014) + 0.4 s, a 0.4 s stall on 2 streams, 64 rows
-    assert pulled.choice.costs[LOCAL] == pytest.approx(0.421 + 0.8 + 0.128)
-    assert pulled.choice.costs[DECODE_TPOT_MISS] == 0.0
-    pulled.release()
-    d.itl_s = 0.049  # 49 ms between tokens; a row more makes 51
     whole = nodes.place(long, keys(25))
     assert (whole.decode, whole.prefill, whole.choice.plan) == (p, None, LOCAL)
     assert whole.choice.costs == {WHOLE: pytest.approx(0.41 + 64 * 0.012), WHOLE_BREACHES: 0.0}
     assert (p.reserved_seqs, p.queued_tokens, d.reserved_seqs, d.queued_tokens) == (1, 400, 2, 0)
     whole.release()
+    # The prefill node busy: whole there 3 steps of 18 ms + 1.4 s, a 0.4 s stall on 4 streams, 64 × 28 ms; the
+    # decode node's local plan: half a step under way (7 ms) + one step (14 ms) + 0.4 s, a 0.4 s stall on its 2
+    # streams, 64 × 20 ms
+    p.reserved_seqs, p.queued_tokens = 4, 1000
+    local = nodes.place(long, keys(25))
+    assert (local.decode, local.prefill, local.choice.plan) == (d, None, LOCAL)
+    assert local.choice.cost_s == pytest.approx(0.421 + 0.8 + 64 * 0.02) and local.choice.breaches == 0
+    assert local.choice.costs[DISAGGREGATED] == pytest.approx(1.454 + 0.025 + 4 * 0.4 + 64 * 0.02)
+    assert local.choice.costs[DECODE_TPOT_MISS] == 0.0
+    local.release()
+    # The prefill node idle again, but its inter-token time with one more row would pass the TPOT SLO
+    p.reserved_seqs, p.queued_tokens, p.itl_s = 0, 0, 0.049
+    pulled = nodes.place(long, keys(25))
+    assert (pulled.decode, pulled.prefill, pulled.choice.plan) == (d, p, DISAGGREGATED)
+    assert pulled.choice.breaches == 0
+    pulled.release()
 
 
-def test_a_sequence_s_decode_costs_its_rows_and_on_a_node_that_decodes_nothing_every_step():
+def test_a_sequence_s_decode_costs_its_own_steps_and_a_row_in_each_step_beside_it():
     steps = StepModel(fixed_s=0.01, token_s=0.001, row_s=0.002, batch_tokens=512)
     assert decode_cost_s(steps, 0, 64) == pytest.approx(64 * 0.012)
-    assert decode_cost_s(steps, 3, 64) == pytest.approx(64 * 0.002)
+    assert decode_cost_s(steps, 3, 64) == pytest.approx(64 * (0.01 + 4 * 0.002) + 3 * 64 * 0.002)
     assert decode_cost_s(steps, 3, 0) == 0.0 and decode_cost_s(None, 0, 64) == 0.0
     # A node that has fitted no step cost borrows the other node's per-step and per-row costs for its decode
     fresh = node("prefill", rate=500.0)
@@ -443,8 +450,9 @@ def test_a_sequence_s_decode_costs_its_rows_and_on_a_node_that_decodes_nothing_e
 def test_aggregated_replicas_are_placed_by_the_step_model_where_the_request_costs_least():
     """Two decode nodes, no prefill node: each is priced as a whole request there (`whole_plan`). d0 decodes one
     stream, d1 none but has 600 prompt tokens queued. The load rule would take d1 (no stream); priced, d0 costs
-    0.006 + 0.012 + 0.1 s to the first token, a 0.1 s stall on its stream and 64 rows of 2 ms, against d1's two
-    steps and 0.7 s and 64 whole steps of 12 ms. Past the TPOT SLO on d0, d1 takes it."""
+    0.006 + 0.012 + 0.1 s to the first token, a 0.1 s stall on its stream and 64 steps of 14 ms plus 64 rows of
+    2 ms on its stream, against d1's two steps and 0.7 s and 64 steps of 12 ms. Past the TPOT SLO on d0, d1 takes
+    it."""
     nodes = NodeSet([], ["http://d0", "http://d1"], block_size_tokens=B, disaggregation="auto", tpot_slo_s=0.05)
     d0, d1 = nodes.decode
     for n in (d0, d1):

@@ -123,9 +123,9 @@ def test_a_slow_link_makes_the_decode_node_recompute_instead_of_pulling(tiny_mod
 def test_a_prefill_node_that_serves_whole_requests_takes_its_share_under_auto(tiny_model_dir):
     """``prefill.serve_whole_requests``: under auto the router places requests on the prefill node as on a decode
     node; it prefills and decodes them itself (``/generate``, no pull), and every request gives the greedy tokens
-    of one engine. Priced by the step model a whole request there costs every decode step (the node decodes
-    nothing else), so it goes there when the decode node has no room (`tests/router/test_plan.py` prices the
-    rest): two sequences a step here, so the decode node holds four."""
+    of one engine. It goes there when that costs less than the decode node's plan (`tests/router/test_plan.py`
+    prices it) or when the decode node has no room, which makes the split sure here: two sequences a step, so the
+    decode node holds four."""
     rng = random.Random(33)
     prompts = [[rng.randrange(3, 256) for _ in range(rng.randrange(20, 200))] for _ in range(8)]
     tok = load_tokenizer(tiny_model_dir)
