@@ -9,8 +9,16 @@ node and not yet prefilled, ``R`` sequences decoding there, and the decode node'
     ttft(Q, T, R) = wait + ⌈(Q + T) / B⌉ · (f + r·R) + c · (Q + T)      wait = (f + r·R) / 2 when Q = 0 < R (a
                                                                          decode step is under way), else 0
     disaggregated:  ttft = ttft_p(Q_p, P - h_p, R_p)      cost = ttft + pull((blocks(P) - blocks(h_d)) · block_bytes)
-                                                                + R_p · c_p · (P - h_p)
-    local:          ttft = ttft_d(Q_d, P - h_d, R_d)      cost = ttft + R_d · c_d · (P - h_d)
+                                                                + R_p · c_p · (P - h_p) + decode_d(N)
+    local:          ttft = ttft_d(Q_d, P - h_d, R_d)      cost = ttft + R_d · c_d · (P - h_d) + decode_d(N)
+    whole on X:     ttft = ttft_x(Q_x, P - h_x, R_x)      cost = ttft + R_x · c_x · (P - h_x) + decode_x(N)
+                                                          (`whole_plan`)
+    decode_x(N) = N · (f + r·(R_x + 1)) + R_x · N · r     (`decode_cost_s`: the request's own N decode steps, and
+                                                          its row in each step of the R_x streams beside it)
+
+``N``, the tokens the request is expected to decode, is 0 where the caller does not weigh the decode; it is the
+same in both plans of one decode node, and makes them comparable with a whole request on another node (a prefill
+node that serves whole requests, or another decode node: `router.nodes.NodeSet.place`).
 
 A node that reports no fitted step cost yet is priced by its prefill rate alone (``c`` = 1 / rate, ``f`` = ``r`` =
 0: ``ttft = (Q + T) / rate``).
@@ -310,15 +318,15 @@ def choose_plan(mode: str, *, prompt_tokens: int, block_size_tokens: int, decode
 def whole_plan(node: Node, *, prompt_tokens: int, held_blocks: int, block_size_tokens: int, decode_tokens: int,
                stand_in: StepModel | None, calibration: TtftCalibration | None = None, tpot_slo_s: float = 0.0,
                ttft_slo_s: float = 0.0, now: float | None = None) -> PlanChoice:
-    """A request placed whole on ``node`` (a prefill node that serves whole requests: it prefills the prompt, whose
-    leading ``held_blocks`` blocks it holds, and decodes ``decode_tokens``), priced as `choose_plan` prices a local
-    plan: its calibrated TTFT, the stall its prefill puts on the node's streams, and its decode (`decode_cost_s`:
-    its own steps and its row in the steps of the node's streams). Its breaches (``breaches``), as
-    there: its TTFT past the TTFT SLO, the node's streams pushed past the TPOT SLO, and the node's inter-token
-    time with the new row past it. ``stand_in``: the decode node's step model, for what this node has not fitted
-    (`decode_steps`). ``plan`` is `LOCAL` (the node prefills what it decodes, and its TTFT calibrates as local
-    ones do); ``costs`` holds `WHOLE` (the cost) and `WHOLE_BREACHES`. Nothing to price the node by: NaN times and
-    cost, no costs."""
+    """A request placed whole on ``node`` (a prefill node that serves whole requests, or one of several decode
+    nodes: it prefills the prompt, whose leading ``held_blocks`` blocks it holds, and decodes ``decode_tokens``),
+    priced as `choose_plan` prices a local plan: its calibrated TTFT, the stall its prefill puts on the node's
+    streams, and its decode (`decode_cost_s`: its own steps and its row in the steps of the node's streams). Its
+    breaches (``breaches``), as there: its TTFT past the TTFT SLO, the node's streams pushed past the TPOT SLO, and
+    the node's inter-token time with the new row past it. ``stand_in``: another node's step model (the decode
+    node's, beside a prefill node), for what this node has not fitted (`decode_steps`); None: the node's own only.
+    ``plan`` is `LOCAL` (the node prefills what it decodes, and its TTFT calibrates as local ones do); ``costs``
+    holds `WHOLE` (the cost) and `WHOLE_BREACHES`. Nothing to price the node by: NaN times and cost, no costs."""
     cal = calibration or TtftCalibration()
     steps, rows = StepModel.of(node, stand_in), decode_steps(node, stand_in)
     if steps is None or rows is None:
