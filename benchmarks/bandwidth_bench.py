@@ -5,16 +5,22 @@ Decoding one sequence reads every weight once per token, so no engine can beat
     limit (tokens/s) = read bandwidth (bytes/s) / weight bytes per token
 
 where the read bandwidth is measured here, now, as bytes read per second by a float32 ``Tensor.sum`` over a
-buffer far larger than the caches (best of 3, same threads), and the weight bytes are every parameter once (a
-tied embedding counts once: the head reads all of it, the lookup one row). The copy bandwidth (``Tensor.copy_``,
-bytes read plus bytes written) is reported beside it. Until stop 43 the limit was the copy's bytes copied per
-second, which counts half of the traffic a copy makes: about half the read bandwidth on this machine, so
-fractions measured against it read about twice too high. The engine runs in
-process on the real model (``--dtype auto``: bf16 here), one greedy sequence, and its decode rate
-is taken from the first token to the last. Both use the same torch thread count. Bandwidth and
-decode are measured in ``--rounds`` back-to-back pairs and the round of median fraction is
-reported (every round is in ``rounds``): the copy bandwidth of this VM moves between ~21 and
-~38 GB/s from minute to minute, so a limit measured minutes away from the decode says little.
+buffer far larger than the caches, and the weight bytes are every parameter once (a tied embedding counts once: the
+head reads all of it, the lookup one row). The engine runs in process on the real model (``--dtype auto``: bf16
+here), one greedy sequence, with the same torch thread count.
+
+This VM's memory moves between ~30 and ~65 GB/s from minute to minute, and at times within a second, so the
+headline pairs each decode step with the bandwidth of the same moment: before every engine step after the first
+token, a ``sum`` over a buffer of the weights' size (on huge pages, as the weights are) is timed, and
+
+    fraction_of_limit = median over the steps of (that read's time / the step's time)
+
+(each step against the read just before it; the decode rate is one over the median step). Each round also keeps
+the earlier figure, ``fraction_of_peak_limit``: the decode rate against the higher of two best-of-3 reads of a
+1 GiB buffer, just before and just after the decode (a peak the decode may not have seen: a phase change within the
+round lowers it). The copy bandwidth (``Tensor.copy_``, bytes read plus bytes written) is reported beside them.
+Until stop 43 the limit was the copy's bytes copied per second, which counts half of the traffic a copy makes.
+The round of median fraction is reported (every round is in ``rounds``).
 
     kvrelay bench bandwidth --model .models/smollm2-135m-instruct
 """
@@ -22,6 +28,7 @@ reported (every round is in ``rounds``): the copy bandwidth of this VM moves bet
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from typing import Any
 
@@ -75,43 +82,66 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 def decode_rounds(model_dir: str, *, dtype: str, prompt_tokens: int, new_tokens: int,
                   rounds: int) -> dict[str, Any]:
-    """``rounds`` rounds, each the read and copy bandwidths (best of 3, fresh buffers), one batch-1 greedy decode
-    (tokens per second after the first token), and the read bandwidth again, measured back to back so that both
-    see the same machine: on this shared VM the bandwidth moves by nearly 2x from one minute to the next, and at
-    times within a round (a decode at 1.0 of the bandwidth read just before it). The limit takes the higher of the
-    two reads, so a phase change can only lower the fraction."""
+    """``rounds`` rounds, each: the read and copy bandwidths (best of 3, fresh buffers), one batch-1 greedy decode
+    of ``new_tokens`` tokens with a timed read of a weight-sized buffer before each step after the first token
+    (see the module doc), and the read bandwidth again. Returns the round of median ``fraction_of_limit`` with
+    every round in ``rounds`` and ``weight_bytes``, ``dtype``.
+
+    Raises:
+        ValueError: ``new_tokens`` is below 2 (no step after the first token).
+    """
     from engine.engine import EngineConfig, LLMEngine
+    from kernels.cpu_small import huge_page_buffer
     from model.loader import load_model
     from model.sampling import SamplingParams
 
+    if new_tokens < 2:
+        raise ValueError(f"new_tokens must be at least 2 (a step after the first token), got {new_tokens}")
     loaded = load_model(model_dir, dtype=dtype)
     engine = LLMEngine(loaded, EngineConfig(num_blocks=256, enable_prefix_caching=False))
     span = min(30000, loaded.model.config.vocab_size - 100)  # ids 100 .. 30099 where the vocabulary has them
     prompt = [(i * 7919) % span + 100 for i in range(prompt_tokens)]
     nbytes = weight_bytes(loaded.model)
+    paired = huge_page_buffer(max(4, nbytes // 4 * 4))[0].view(torch.float32)
+    paired.fill_(1.0)
 
-    def decode(request_id: str) -> float:
+    def decode(request_id: str) -> tuple[list[float], list[float]]:
+        """(read seconds, step seconds) of each step after the first token's."""
         engine.add_request(request_id, prompt, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
-        first = last = None
+        reads: list[float] = []
+        steps: list[float] = []
+        started = False
         while engine.has_unfinished():
-            for _ in engine.step():
-                now = time.perf_counter()
-                first = now if first is None else first
-                last = now
-        assert first is not None and last is not None and last > first
-        return (new_tokens - 1) / (last - first)
+            t0 = time.perf_counter()
+            if started:
+                paired.sum()
+            t1 = time.perf_counter()
+            outs = engine.step()
+            t2 = time.perf_counter()
+            token = any(o.new_token_ids for o in outs)
+            if started and token:  # a step that gave no token (outputs handed over late) is not a decode step
+                reads.append(t1 - t0)
+                steps.append(t2 - t1)
+            started = started or token
+        assert len(steps) >= 1, "the decode gave no step after its first token"
+        return reads, steps
 
     decode("warm-up")
     per_round = []
     for r in range(rounds):
         before, copy = read_bandwidth(repeats=3), copy_bandwidth(repeats=3)
-        rate = decode(f"r{r}")
+        reads, steps = decode(f"r{r}")
         after = read_bandwidth(repeats=3)
         read = max(before, after)  # the VM's memory can change phase within the decode: the higher one bounds it
-        limit = read / nbytes
-        per_round.append({"read_bytes_per_s": read, "read_before_bytes_per_s": before,
-                          "read_after_bytes_per_s": after, "copy_bytes_per_s": copy, "decode_tok_s": rate,
-                          "limit_tok_s": limit, "fraction_of_limit": rate / limit})
+        rate = 1.0 / statistics.median(steps)
+        peak_limit = read / nbytes
+        per_round.append({
+            "fraction_of_limit": statistics.median(rd / st for rd, st in zip(reads, steps, strict=True)),
+            "decode_tok_s": rate, "step_ms_median": 1e3 / rate,
+            "paired_read_bytes_per_s_median": nbytes / statistics.median(reads),
+            "fraction_of_peak_limit": rate / peak_limit, "peak_limit_tok_s": peak_limit,
+            "read_bytes_per_s": read, "read_before_bytes_per_s": before, "read_after_bytes_per_s": after,
+            "copy_bytes_per_s": copy, "steps": len(steps)})
     median = sorted(per_round, key=lambda x: x["fraction_of_limit"])[(rounds - 1) // 2]
     return {**median, "rounds": per_round, "weight_bytes": nbytes,
             "dtype": str(next(loaded.model.parameters()).dtype).removeprefix("torch.")}

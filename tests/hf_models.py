@@ -34,6 +34,10 @@ HF_CONFIGS: dict[str, tuple[str, dict]] = {
         qk_nope_head_dim=16,
         qk_rope_head_dim=8, v_head_dim=16, moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1,
         num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, rope_interleave=False)),
+    # an odd intermediate width: bf16 rows of odd width are padded before the few-row linear kernel reads them in
+    # pairs (kernels/csrc/small_ops.h: blocked_x)
+    "llama_odd_intermediate": ("LlamaConfig", dict(
+        _COMMON | dict(intermediate_size=161), num_attention_heads=4, num_key_value_heads=2)),
     "llama_head_dim_32": ("LlamaConfig", dict(
         _COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
         rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})),

@@ -10,9 +10,10 @@
 //   sinks        None, or float32 [Hq] contiguous: one more softmax logit per query head, not scaled (gpt-oss)
 //   returns      [N, Hq, D] in q's dtype
 // Work is split over (sequence, kv head, part of the keys) with at::parallel_for (torch's thread pool): see
-// decode_heads. In bf16 at head dims 64 and 128 on a CPU with AVX512-BF16, both passes are written with
-// intrinsics (scores_bf16, values_bf16): SmolLM2's shapes on a Zen 4 VM, 600 keys, 16.2 against 44.2 µs a call
-// at batch 1, 233 against 628 µs at 16. In float32 at head dims divisible by 8 on a CPU with AVX2 and FMA, both
+// decode_items and small_ops.h's AttentionWork (DecodeStack runs the same items in its own region). In bf16 at
+// head dims 64 and 128 on a CPU with AVX512-BF16, both passes are written with intrinsics (scores_bf16,
+// values_bf16): SmolLM2's shapes on a Zen 4 VM, 600 keys, 16.2 against 44.2 µs a call at batch 1, 233 against
+// 628 µs at 16. In float32 at head dims divisible by 8 on a CPU with AVX2 and FMA, both
 // passes are too (scores_f32, values_f32), walking each sequence's blocks without a division per key: SmolLM2's
 // shapes at batch 1 on a Zen 1 VM, 22.1 / 32.4 / 109.6 against 27.1 / 42.1 / 152.3 µs a call at 65 / 129 / 600
 // keys (medians of 5 alternated runs, the Python call included). The float32 math is the same; only the order of
@@ -37,6 +38,7 @@
 
 namespace {
 
+using kvrelay_cpu::AttentionWork;
 using kvrelay_cpu::kLanes;  // float32 lanes of an AVX-512 register
 
 inline float to_float(float x) { return x; }
@@ -243,156 +245,171 @@ void values_f32(const float* p, int64_t span, int64_t group, const float* v_cach
 // max score, its sum of exp(score - max) and its unnormalised sum of weighted values, and the parts are merged
 // (log-sum-exp) after. The scores and the softmax are float32.
 template <typename T, int DC>
-void decode_heads(const T* q, const T* k_cache, const T* v_cache, int64_t block_stride, const int32_t* tables,
-                  int64_t table_width, const int64_t* lens, T* out, int64_t n_seqs, int64_t hq, int64_t hkv,
-                  int64_t block_size, int64_t d_any, float scale, int64_t window, const float* sinks) {
-  const int64_t d = DC > 0 ? DC : d_any;
-  const int64_t group = hq / hkv, pairs = n_seqs * hkv;
-  const int64_t threads = at::get_num_threads();
-  const int64_t parts = pairs >= 2 * threads ? 1 : (2 * threads + pairs - 1) / pairs;
-  std::vector<float> part_max(pairs * parts * group), part_sum(pairs * parts * group);
-  std::vector<float> part_acc(pairs * parts * group * d);
-  at::parallel_for(0, pairs * parts, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * d), row(d), scores;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t pair = item / parts, part = item % parts, n = pair / hkv, h = pair % hkv, len = lens[n];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      const int64_t per_part = (len - first + parts - 1) / parts;
-      const int64_t lo = std::min(len, first + part * per_part), hi = std::min(len, lo + per_part);
-      const int64_t span = hi - lo;  // this part's keys: positions lo .. hi-1, stored from index 0
-      const int64_t head0 = h * group;
-      float* pm = part_max.data() + item * group;
-      float* ps = part_sum.data() + item * group;
-      float* acc = part_acc.data() + item * group * d;
-      std::fill(acc, acc + group * d, 0.0f);
-      if (span == 0) {
-        std::fill(pm, pm + group, kEmpty);
-        std::fill(ps, ps + group, 0.0f);
-        continue;
-      }
+void decode_items(const AttentionWork<T>& a, int64_t begin, int64_t end) {
+  const T* q = a.q;
+  const T* k_cache = a.k_cache;
+  const T* v_cache = a.v_cache;
+  const int32_t* tables = a.tables;
+  const int64_t* lens = a.lens;
+  const int64_t block_stride = a.block_stride, table_width = a.width, hq = a.hq, hkv = a.hkv,
+                block_size = a.block_size, window = a.window, group = a.group, parts = a.parts;
+  const float scale = a.scale;
+  const int64_t d = DC > 0 ? DC : a.d;
+  std::vector<float> qf(group * d), row(d), scores;
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t pair = item / parts, part = item % parts, n = pair / hkv, h = pair % hkv, len = lens[n];
+    const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+    const int64_t per_part = (len - first + parts - 1) / parts;
+    const int64_t lo = std::min(len, first + part * per_part), hi = std::min(len, lo + per_part);
+    const int64_t span = hi - lo;  // this part's keys: positions lo .. hi-1, stored from index 0
+    const int64_t head0 = h * group;
+    float* pm = a.part_max + item * group;
+    float* ps = a.part_sum + item * group;
+    float* acc = a.part_acc + item * group * d;
+    std::fill(acc, acc + group * d, 0.0f);
+    if (span == 0) {
+      std::fill(pm, pm + group, kEmpty);
+      std::fill(ps, ps + group, 0.0f);
+      continue;
+    }
 #if defined(__AVX512BF16__)
-      constexpr bool kFast = std::is_same_v<T, c10::BFloat16> && DC > 0 && DC % 32 == 0;  // scores_bf16, values_bf16
+    constexpr bool kFast = std::is_same_v<T, c10::BFloat16> && DC > 0 && DC % 32 == 0;  // scores_bf16, values_bf16
 #else
-      constexpr bool kFast = false;
+    constexpr bool kFast = false;
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
-      constexpr bool kFast32 = std::is_same_v<T, float> && DC > 0 && DC % 8 == 0;  // scores_f32, values_f32
+    constexpr bool kFast32 = std::is_same_v<T, float> && DC > 0 && DC % 8 == 0;  // scores_f32, values_f32
 #else
-      constexpr bool kFast32 = false;
+    constexpr bool kFast32 = false;
 #endif
-      if constexpr (!kFast) {
-        for (int64_t g = 0; g < group; ++g)
-          for (int64_t i = 0; i < d; ++i) qf[g * d + i] = to_float(q[(n * hq + head0 + g) * d + i]) * scale;
-      }
-      scores.assign(group * span, 0.0f);
-      // Pass 1: scores[g, t - lo] = (scale q_g) . k_t
+    if constexpr (!kFast) {
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t i = 0; i < d; ++i) qf[g * d + i] = to_float(q[(n * hq + head0 + g) * d + i]) * scale;
+    }
+    scores.assign(group * span, 0.0f);
+    // Pass 1: scores[g, t - lo] = (scale q_g) . k_t
 #if defined(__AVX512BF16__)
-      if constexpr (kFast) {
-        scores_bf16<DC>(q + (n * hq + head0) * d, group, k_cache, block_stride, tables + n * table_width, h,
-                        block_size, lo, hi, scale, scores.data(), span);
-      } else
+    if constexpr (kFast) {
+      scores_bf16<DC>(q + (n * hq + head0) * d, group, k_cache, block_stride, tables + n * table_width, h,
+                      block_size, lo, hi, scale, scores.data(), span);
+    } else
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
-      if constexpr (kFast32) {
-        scores_f32<DC>(qf.data(), group, k_cache, block_stride, tables + n * table_width, h, block_size, lo, hi,
-                       scores.data(), span);
-      } else
+    if constexpr (kFast32) {
+      scores_f32<DC>(qf.data(), group, k_cache, block_stride, tables + n * table_width, h, block_size, lo, hi,
+                     scores.data(), span);
+    } else
 #endif
-      for (int64_t t = lo; t < hi; ++t) {
-        const int64_t block = tables[n * table_width + t / block_size];
-        const T* kp = k_cache + block * block_stride + (h * block_size + t % block_size) * d;
-        float* kf = row.data();
+    for (int64_t t = lo; t < hi; ++t) {
+      const int64_t block = tables[n * table_width + t / block_size];
+      const T* kp = k_cache + block * block_stride + (h * block_size + t % block_size) * d;
+      float* kf = row.data();
 #pragma omp simd
-        for (int64_t i = 0; i < d; ++i) kf[i] = to_float(kp[i]);  // once per token, not per query head
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = qf.data() + g * d;
-          float s = 0.0f;
+      for (int64_t i = 0; i < d; ++i) kf[i] = to_float(kp[i]);  // once per token, not per query head
+      for (int64_t g = 0; g < group; ++g) {
+        const float* qg = qf.data() + g * d;
+        float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-          for (int64_t i = 0; i < d; ++i) s += qg[i] * kf[i];
-          scores[g * span + t - lo] = s;
-        }
+        for (int64_t i = 0; i < d; ++i) s += qg[i] * kf[i];
+        scores[g * span + t - lo] = s;
       }
-      // This part's max and sum of exp(score - max), per query head
-      for (int64_t g = 0; g < group; ++g) {
-        float* sg = scores.data() + g * span;
-        const float mx = *std::max_element(sg, sg + span);
-        float sum = 0.0f;
+    }
+    // This part's max and sum of exp(score - max), per query head
+    for (int64_t g = 0; g < group; ++g) {
+      float* sg = scores.data() + g * span;
+      const float mx = *std::max_element(sg, sg + span);
+      float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < span; ++t) {
-          sg[t] = std::exp(sg[t] - mx);  // vectorized through glibc's libmvec
-          sum += sg[t];
-        }
-        pm[g] = mx;
-        ps[g] = sum;
+      for (int64_t t = 0; t < span; ++t) {
+        sg[t] = std::exp(sg[t] - mx);  // vectorized through glibc's libmvec
+        sum += sg[t];
       }
-      // Pass 2: acc_g = sum_t exp(score - max) v_t
+      pm[g] = mx;
+      ps[g] = sum;
+    }
+    // Pass 2: acc_g = sum_t exp(score - max) v_t
 #if defined(__AVX512BF16__)
-      if constexpr (kFast) {
-        values_bf16<DC>(scores.data(), span, group, v_cache, block_stride, tables + n * table_width, h, block_size,
-                        lo, hi, acc);
-      } else
+    if constexpr (kFast) {
+      values_bf16<DC>(scores.data(), span, group, v_cache, block_stride, tables + n * table_width, h, block_size,
+                      lo, hi, acc);
+    } else
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
-      if constexpr (kFast32) {
-        values_f32<DC>(scores.data(), span, group, v_cache, block_stride, tables + n * table_width, h, block_size,
-                       lo, hi, acc);
-      } else
+    if constexpr (kFast32) {
+      values_f32<DC>(scores.data(), span, group, v_cache, block_stride, tables + n * table_width, h, block_size,
+                     lo, hi, acc);
+    } else
 #endif
-      for (int64_t t = lo; t < hi; ++t) {
-        const int64_t block = tables[n * table_width + t / block_size];
-        const T* vp = v_cache + block * block_stride + (h * block_size + t % block_size) * d;
-        float* vf = row.data();
+    for (int64_t t = lo; t < hi; ++t) {
+      const int64_t block = tables[n * table_width + t / block_size];
+      const T* vp = v_cache + block * block_stride + (h * block_size + t % block_size) * d;
+      float* vf = row.data();
 #pragma omp simd
-        for (int64_t i = 0; i < d; ++i) vf[i] = to_float(vp[i]);
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * span + t - lo];
-          float* ag = acc + g * d;
-#pragma omp simd
-          for (int64_t i = 0; i < d; ++i) ag[i] += p * vf[i];
-        }
-      }
-    }
-  });
-  // Merge the parts of each (sequence, query head); a sink is one more logit in the max and the sum. Split over the
-  // threads too: at large batches (one part each) this is the softmax's normalisation of every output row.
-  at::parallel_for(0, pairs, 8, [&](int64_t begin, int64_t end) {
-    std::vector<float> merged(d);
-    for (int64_t pair = begin; pair < end; ++pair) {
-      const int64_t n = pair / hkv, head0 = pair % hkv * group;
+      for (int64_t i = 0; i < d; ++i) vf[i] = to_float(vp[i]);
       for (int64_t g = 0; g < group; ++g) {
-        float mx = sinks != nullptr ? sinks[head0 + g] : kEmpty;
-        for (int64_t part = 0; part < parts; ++part) mx = std::max(mx, part_max[(pair * parts + part) * group + g]);
-        float sum = sinks != nullptr ? std::exp(sinks[head0 + g] - mx) : 0.0f;
-        float* op = merged.data();
-        std::fill(op, op + d, 0.0f);
-        for (int64_t part = 0; part < parts; ++part) {
-          const int64_t at = (pair * parts + part) * group + g;
-          const float w = std::exp(part_max[at] - mx);
-          sum += part_sum[at] * w;
-          const float* a = part_acc.data() + at * d;
+        const float p = scores[g * span + t - lo];
+        float* ag = acc + g * d;
 #pragma omp simd
-          for (int64_t i = 0; i < d; ++i) op[i] += w * a[i];
-        }
-        const float inv = 1.0f / sum;
-        for (int64_t i = 0; i < d; ++i) out[(n * hq + head0 + g) * d + i] = static_cast<T>(op[i] * inv);
+        for (int64_t i = 0; i < d; ++i) ag[i] += p * vf[i];
       }
     }
-  });
+  }
+}
+
+template <typename T>
+void decode_merge(const AttentionWork<T>& a, int64_t begin, int64_t end) {
+  const int64_t d = a.d, hq = a.hq, hkv = a.hkv, group = a.group, parts = a.parts;
+  const float* sinks = a.sinks;
+  const float* part_max = a.part_max;
+  const float* part_sum = a.part_sum;
+  T* out = a.out;
+  std::vector<float> merged(d);
+  for (int64_t pair = begin; pair < end; ++pair) {
+    const int64_t n = pair / hkv, head0 = pair % hkv * group;
+    for (int64_t g = 0; g < group; ++g) {
+      float mx = sinks != nullptr ? sinks[head0 + g] : kEmpty;
+      for (int64_t part = 0; part < parts; ++part) mx = std::max(mx, part_max[(pair * parts + part) * group + g]);
+      float sum = sinks != nullptr ? std::exp(sinks[head0 + g] - mx) : 0.0f;
+      float* op = merged.data();
+      std::fill(op, op + d, 0.0f);
+      for (int64_t part = 0; part < parts; ++part) {
+        const int64_t at = (pair * parts + part) * group + g;
+        const float w = std::exp(part_max[at] - mx);
+        sum += part_sum[at] * w;
+        const float* pa = a.part_acc + at * d;
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) op[i] += w * pa[i];
+      }
+      const float inv = 1.0f / sum;
+      for (int64_t i = 0; i < d; ++i) out[(n * hq + head0 + g) * d + i] = static_cast<T>(op[i] * inv);
+    }
+  }
+}
+
+// The work items of a's pairs, items begin .. end-1 (any split gives the same bits: each item writes its own part).
+template <typename T>
+void decode_items_any(const AttentionWork<T>& a, int64_t begin, int64_t end) {
+  if (a.d == 64)
+    decode_items<T, 64>(a, begin, end);
+  else if (a.d == 128)
+    decode_items<T, 128>(a, begin, end);
+  else
+    decode_items<T, 0>(a, begin, end);
 }
 
 template <typename T>
 void decode_kernel(const T* q, const T* k_cache, const T* v_cache, int64_t block_stride, const int32_t* tables,
                    int64_t table_width, const int64_t* lens, T* out, int64_t n_seqs, int64_t hq, int64_t hkv,
                    int64_t block_size, int64_t d, float scale, int64_t window, const float* sinks) {
-  if (d == 64)
-    decode_heads<T, 64>(q, k_cache, v_cache, block_stride, tables, table_width, lens, out, n_seqs, hq, hkv, block_size,
-                        d, scale, window, sinks);
-  else if (d == 128)
-    decode_heads<T, 128>(q, k_cache, v_cache, block_stride, tables, table_width, lens, out, n_seqs, hq, hkv,
-                         block_size, d, scale, window, sinks);
-  else
-    decode_heads<T, 0>(q, k_cache, v_cache, block_stride, tables, table_width, lens, out, n_seqs, hq, hkv, block_size,
-                       d, scale, window, sinks);
+  const int64_t parts = kvrelay_cpu::attention_parts(n_seqs, hkv, at::get_num_threads());
+  std::vector<float> buf(static_cast<size_t>(kvrelay_cpu::attention_floats(n_seqs, hq, hkv, d, parts)));
+  AttentionWork<T> a{q, k_cache, v_cache, block_stride, tables, table_width, lens, out, n_seqs, hq, hkv,
+                     block_size, d, scale, window, sinks, parts, hq / hkv, nullptr, nullptr, nullptr};
+  a.place(buf.data());
+  at::parallel_for(0, a.items(), 1, [&](int64_t begin, int64_t end) { decode_items_any(a, begin, end); });
+  // Merge the parts of each (sequence, query head); a sink is one more logit in the max and the sum. Split over the
+  // threads too: at large batches (one part each) this is the softmax's normalisation of every output row.
+  at::parallel_for(0, a.pairs(), 8, [&](int64_t begin, int64_t end) { decode_merge(a, begin, end); });
 }
 
 void check_cache(const at::Tensor& cache, const at::Tensor& q, const char* name) {
@@ -417,6 +434,15 @@ void check_block_tables(const int32_t* tables, int64_t width, const int64_t* len
       TORCH_CHECK(tables[i * width + b] >= 0 && tables[i * width + b] < num_blocks,
                   "sequence ", i, ": block id out of range");
   }
+}
+
+void attention_items(const AttentionWork<float>& a, int64_t begin, int64_t end) { decode_items_any(a, begin, end); }
+void attention_items(const AttentionWork<c10::BFloat16>& a, int64_t begin, int64_t end) {
+  decode_items_any(a, begin, end);
+}
+void attention_merge(const AttentionWork<float>& a, int64_t begin, int64_t end) { decode_merge(a, begin, end); }
+void attention_merge(const AttentionWork<c10::BFloat16>& a, int64_t begin, int64_t end) {
+  decode_merge(a, begin, end);
 }
 
 void paged_decode_rows(const float* q, const float* k_cache, const float* v_cache, int64_t block_stride,

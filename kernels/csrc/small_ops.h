@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -18,6 +19,12 @@
 namespace kvrelay_cpu {
 
 constexpr int kLanes = 16;
+
+inline void spin_pause() {  // a spin-wait's pause (x86's PAUSE; nothing elsewhere)
+#if defined(__AVX512F__) || defined(__AVX2__)
+  _mm_pause();
+#endif
+}
 constexpr int kTile = 16;  // rows of x per pass over a group's blocks: sixteen sums in registers
 
 #if defined(__AVX512BF16__)
@@ -134,37 +141,63 @@ struct Blocking<float> {
   static constexpr int kRows = kTileF32;
 };
 
+// Groups g_begin .. g_end-1 (outputs 16 g_begin .. 16 g_end - 1) of y = x W^T + b for the blocked W; xw is x as
+// words (blocked_x: bf16 rows of odd width padded), each row k words apart. The float32 sums plus the bias are
+// rounded once to T. Any split of the groups gives the same bits.
+template <typename T>
+inline void blocked_groups(const typename Blocking<T>::Word* xw, int64_t t_rows, int64_t k, const uint32_t* wbits,
+                           const T* b, int64_t out, T* yp, int64_t g_begin, int64_t g_end) {
+  using Word = typename Blocking<T>::Word;
+  constexpr int kRows = Blocking<T>::kRows;
+  const Word* wp = reinterpret_cast<const Word*>(wbits);
+  alignas(64) float s[kRows * kLanes];
+  for (int64_t g = g_begin; g < g_end; ++g) {
+    const Word* wg = wp + g * k * kLanes;
+    const int64_t o = g * kLanes, n = std::min<int64_t>(kLanes, out - o);
+    for (int64_t t = 0; t < t_rows; t += kRows) {
+      const int64_t tt = std::min<int64_t>(kRows, t_rows - t);
+      group_dot_up_to<kRows>(tt, wg, k, xw + t * k, k, s);
+      for (int64_t u = 0; u < tt; ++u)
+        for (int64_t j = 0; j < n; ++j)
+          yp[(t + u) * out + o + j] = static_cast<T>(s[u * kLanes + j] + (b ? static_cast<float>(b[o + j]) : 0.f));
+    }
+  }
+}
+
+// x [T, in] as blocked_groups reads it: the rows themselves, or (bf16 of odd `in`) copies into `padded`, each with
+// a zero after it, k words a row.
+template <typename T>
+inline const typename Blocking<T>::Word* blocked_x(const T* x, int64_t t_rows, int64_t in, int64_t k,
+                                                   std::vector<typename Blocking<T>::Word>& padded) {
+  using Word = typename Blocking<T>::Word;
+  constexpr int64_t per_word = sizeof(Word) / sizeof(T);
+  if (in % per_word == 0) return reinterpret_cast<const Word*>(x);
+  padded.assign(static_cast<size_t>(t_rows * k), Word{});
+  for (int64_t t = 0; t < t_rows; ++t)
+    std::memcpy(padded.data() + t * k, x + t * in, static_cast<size_t>(in) * sizeof(T));
+  return padded.data();
+}
+
+// The groups at::parallel_for(0, groups, kGroupGrain, ...) gives thread `tid` of `threads`: the split blocked_rows
+// makes, for a team that runs it in its own parallel region.
+constexpr int64_t kGroupGrain = 4;
+inline std::pair<int64_t, int64_t> team_share(int64_t n, int64_t grain, int64_t tid, int64_t threads) {
+  const int64_t used = std::max<int64_t>(1, std::min<int64_t>(threads, (n + grain - 1) / grain));
+  const int64_t chunk = (n + used - 1) / used;
+  const int64_t begin = std::min(n, tid * chunk);
+  return {begin, tid < used ? std::min(n, begin + chunk) : begin};
+}
+
 // y[t, :out] = x[t] W^T + b for the blocked W (see small_ops.cpp: blocked_linear), x [T, in] contiguous of the
 // weight's dtype, k = ceil(in / P) words a row. bf16 rows are read as pairs (one 32-bit word each); with an odd `in`
 // they are copied first, each with a zero after it. The float32 sums plus the bias are rounded once to T.
 template <typename T>
 inline void blocked_rows(const T* x, int64_t t_rows, int64_t in, int64_t k, const uint32_t* wbits, int64_t groups,
                          const T* b, int64_t out, T* yp) {
-  using Word = typename Blocking<T>::Word;
-  constexpr int kRows = Blocking<T>::kRows;
-  constexpr int64_t per_word = sizeof(Word) / sizeof(T);
-  const Word* wp = reinterpret_cast<const Word*>(wbits);
-  const Word* xp = reinterpret_cast<const Word*>(x);
-  std::vector<Word> padded;
-  if (in % per_word != 0) {
-    padded.assign(static_cast<size_t>(t_rows * k), Word{});
-    for (int64_t t = 0; t < t_rows; ++t)
-      std::memcpy(padded.data() + t * k, x + t * in, static_cast<size_t>(in) * sizeof(T));
-    xp = padded.data();
-  }
-  at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
-    alignas(64) float s[kRows * kLanes];
-    for (int64_t g = begin; g < end; ++g) {
-      const Word* wg = wp + g * k * kLanes;
-      const int64_t o = g * kLanes, n = std::min<int64_t>(kLanes, out - o);
-      for (int64_t t = 0; t < t_rows; t += kRows) {
-        const int64_t tt = std::min<int64_t>(kRows, t_rows - t);
-        group_dot_up_to<kRows>(tt, wg, k, xp + t * k, k, s);
-        for (int64_t u = 0; u < tt; ++u)
-          for (int64_t j = 0; j < n; ++j)
-            yp[(t + u) * out + o + j] = static_cast<T>(s[u * kLanes + j] + (b ? static_cast<float>(b[o + j]) : 0.f));
-      }
-    }
+  std::vector<typename Blocking<T>::Word> padded;
+  const auto* xw = blocked_x(x, t_rows, in, k, padded);
+  at::parallel_for(0, groups, kGroupGrain, [&](int64_t begin, int64_t end) {
+    blocked_groups(xw, t_rows, k, wbits, b, out, yp, begin, end);
   });
 }
 
@@ -213,21 +246,28 @@ inline void rotary_rows(const T* xp, int64_t xs0, int64_t xs1, const T* cp, cons
 }
 
 // silu(g) * u per element, g and u the two halves of each row (a fused [gate; up] matmul's output); bf16 rounds
-// silu's result to bf16 before the product, as torch's two ops do.
+// silu's result to bf16 before the product, as torch's two ops do. silu_mul_cols: columns i0 .. i1-1 of each row
+// only. Splits at multiples of 16 give the bits of one whole-row loop; others may not (the loop's vector exp and its
+// scalar tail's can differ in the last bit, which float32 keeps).
+template <typename T>
+inline void silu_mul_cols(const T* xp, int64_t xs0, T* yp, int64_t t_rows, int64_t inter, int64_t i0, int64_t i1) {
+  for (int64_t t = 0; t < t_rows; ++t) {
+    const T* g = xp + t * xs0;
+    const T* u = g + inter;
+    T* y = yp + t * inter;
+#pragma omp simd
+    for (int64_t i = i0; i < i1; ++i) {
+      const float gf = static_cast<float>(g[i]);
+      const T act = static_cast<T>(gf / (1.0f + std::exp(-gf)));
+      y[i] = static_cast<T>(static_cast<float>(act) * static_cast<float>(u[i]));
+    }
+  }
+}
+
 template <typename T>
 inline void silu_mul_rows(const T* xp, int64_t xs0, T* yp, int64_t t_rows, int64_t inter) {
   at::parallel_for(0, t_rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const T* g = xp + t * xs0;
-      const T* u = g + inter;
-      T* y = yp + t * inter;
-#pragma omp simd
-      for (int64_t i = 0; i < inter; ++i) {
-        const float gf = static_cast<float>(g[i]);
-        const T act = static_cast<T>(gf / (1.0f + std::exp(-gf)));
-        y[i] = static_cast<T>(static_cast<float>(act) * static_cast<float>(u[i]));
-      }
-    }
+    silu_mul_cols(xp + begin * xs0, xs0, yp + begin * inter, end - begin, inter, 0, inter);
   });
 }
 
@@ -247,5 +287,53 @@ void paged_decode_rows(const c10::BFloat16* q, const c10::BFloat16* k_cache, con
                        int64_t block_stride, const int32_t* tables, int64_t width, const int64_t* lens,
                        c10::BFloat16* out, int64_t n, int64_t hq, int64_t hkv, int64_t block_size, int64_t d,
                        float scale, int64_t window);
+
+
+// Paged decode attention split into work items for a team of threads (decode_layer.cpp's DecodeStack runs them in
+// its own parallel region; paged_decode_attention through at::parallel_for). Items are (sequence, KV head, part):
+// with fewer (sequence, KV head) pairs than twice the threads, each pair's keys are split into `parts` contiguous
+// runs so that every thread gets work. An item writes only its own part's max, sum and accumulator, and a merge of
+// pairs begin .. end-1 writes only their rows of `out`: any split of items (then of pairs) over any threads gives
+// the same bits; the parts count alone decides them.
+inline int64_t attention_parts(int64_t n_seqs, int64_t hkv, int64_t threads) {
+  const int64_t pairs = n_seqs * hkv;
+  return pairs >= 2 * threads ? 1 : (2 * threads + pairs - 1) / pairs;
+}
+// floats of scratch a step's attention needs (part_max, part_sum, part_acc)
+inline int64_t attention_floats(int64_t n_seqs, int64_t hq, int64_t hkv, int64_t d, int64_t parts) {
+  return n_seqs * hkv * parts * (hq / hkv) * (2 + d);
+}
+template <typename T>
+struct AttentionWork {
+  const T* q;  // [n_seqs, hq, d]
+  const T* k_cache;
+  const T* v_cache;  // block 0 of [num_blocks, hkv, block_size, d] caches, blocks block_stride apart
+  int64_t block_stride;
+  const int32_t* tables;  // [n_seqs, width]
+  int64_t width;
+  const int64_t* lens;  // [n_seqs]
+  T* out;               // [n_seqs, hq, d]
+  int64_t n_seqs, hq, hkv, block_size, d;
+  float scale;
+  int64_t window;
+  const float* sinks;  // [hq] or nullptr
+  int64_t parts, group;
+  float* part_max;  // [items, group]
+  float* part_sum;  // [items, group]
+  float* part_acc;  // [items, group, d]
+  int64_t pairs() const { return n_seqs * hkv; }
+  int64_t items() const { return pairs() * parts; }
+  // points the part buffers into attention_floats(...) floats at buf
+  void place(float* buf) {
+    part_max = buf;
+    part_sum = buf + items() * group;
+    part_acc = buf + 2 * items() * group;
+  }
+};
+// Items begin .. end-1, then (after every item is done) the merge of pairs begin .. end-1; checked inputs only.
+void attention_items(const AttentionWork<float>& a, int64_t begin, int64_t end);
+void attention_items(const AttentionWork<c10::BFloat16>& a, int64_t begin, int64_t end);
+void attention_merge(const AttentionWork<float>& a, int64_t begin, int64_t end);
+void attention_merge(const AttentionWork<c10::BFloat16>& a, int64_t begin, int64_t end);
 
 }  // namespace kvrelay_cpu

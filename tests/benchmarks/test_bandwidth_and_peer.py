@@ -23,13 +23,20 @@ def test_weight_bytes_counts_a_tied_embedding_once(tiny_model_dir: Path) -> None
     assert weight_bytes(load_model(tiny_model_dir, dtype="float32").model) == want
 
 
-def test_a_round_bounds_the_decode_by_the_higher_read_before_or_after_it(tiny_model_dir: Path) -> None:
+def test_a_round_pairs_each_decode_step_with_a_read_and_keeps_the_peak_bound(tiny_model_dir: Path) -> None:
     out = decode_rounds(str(tiny_model_dir), dtype="float32", prompt_tokens=8, new_tokens=4, rounds=1)
     (r,) = out["rounds"]
+    assert r["steps"] == 3  # every token after the first is one paired step
+    assert r["step_ms_median"] == 1e3 / r["decode_tok_s"] and r["fraction_of_limit"] > 0
     assert r["read_bytes_per_s"] == max(r["read_before_bytes_per_s"], r["read_after_bytes_per_s"]) > 0
-    assert r["limit_tok_s"] == r["read_bytes_per_s"] / out["weight_bytes"]
-    assert r["fraction_of_limit"] == r["decode_tok_s"] / r["limit_tok_s"]
+    assert r["peak_limit_tok_s"] == r["read_bytes_per_s"] / out["weight_bytes"]
+    assert r["fraction_of_peak_limit"] == r["decode_tok_s"] / r["peak_limit_tok_s"]
     assert out["fraction_of_limit"] == r["fraction_of_limit"] and out["dtype"] == "float32"
+
+
+def test_a_decode_of_one_token_is_refused(tiny_model_dir: Path) -> None:
+    with pytest.raises(ValueError, match="new_tokens must be at least 2"):
+        decode_rounds(str(tiny_model_dir), dtype="float32", prompt_tokens=8, new_tokens=1, rounds=1)
 
 
 def test_dtype_agreement_is_reported_as_fractions(tiny_model_dir: Path) -> None:

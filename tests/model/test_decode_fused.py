@@ -57,7 +57,8 @@ def _generate(model_dir, monkeypatch: pytest.MonkeyPatch, *, path: str, dtype: s
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-@pytest.mark.parametrize("name", ["tiny", "qwen2_bias_tied", "mistral_window_40"])  # plain; q/k/v bias; window
+# plain; q/k/v bias; window; an odd intermediate width (padded rows)
+@pytest.mark.parametrize("name", ["tiny", "qwen2_bias_tied", "mistral_window_40", "llama_odd_intermediate"])
 def test_fused_layers_give_the_python_path_s_tokens_and_logprobs(name, dtype, tiny_model_dir, hf_model_dir,
                                                                  monkeypatch) -> None:
     model_dir = tiny_model_dir if name == "tiny" else hf_model_dir(name)
@@ -68,6 +69,18 @@ def test_fused_layers_give_the_python_path_s_tokens_and_logprobs(name, dtype, ti
         assert got == want, path  # token ids, and each logprob and its alternatives as exact floats
         # fused at every row count from the batch limit down to one; never past it
         assert set(rows) == set(range(1, cpu_small.BLOCKED_MAX_ROWS + 1)), path
+
+
+@pytest.mark.parametrize("threads", [1, 3])  # no parallel region; a team of three on this machine's two cores
+def test_the_stack_gives_the_python_path_s_bits_at_any_thread_count(threads, tiny_model_dir, monkeypatch) -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        want, _ = _generate(tiny_model_dir, monkeypatch, path="python")
+        got, rows = _generate(tiny_model_dir, monkeypatch, path="stack")
+    finally:
+        torch.set_num_threads(before)
+    assert got == want and set(rows) == set(range(1, cpu_small.BLOCKED_MAX_ROWS + 1))
 
 
 def test_only_dense_gqa_layers_in_bf16_or_float32_are_fused(tiny_model_dir, hf_model_dir) -> None:
