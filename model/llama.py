@@ -356,8 +356,9 @@ class LlamaForCausalLM(nn.Module):
                       batch: AttentionBatch) -> torch.Tensor:
         """Every decoder layer of a `_fused_step` step in one C++ call (``DecodeStack`` in
         ``kernels/csrc/decode_layer.cpp``): each layer exactly as `DecoderLayer.decode_fused` runs it, the same bits,
-        without a Python call a layer. ``x`` ``[T, hidden]`` → the last layer's output, through the final norm when
-        `stack_norms` (the same kernel as `RMSNorm`'s, in the same call); needs `decode_stack`."""
+        without a Python call a layer, all of them in one parallel region of torch's thread count. ``x``
+        ``[T, hidden]`` → the last layer's output, through the final norm when `stack_norms` (the same kernel as
+        `RMSNorm`'s, in the same call); needs `decode_stack`."""
         groups = [batch.for_group(g) for g in range(len(self.config.kv_groups))]
         return self.decode_stack.forward(x, *cos_sin, kv_pool, [b.slot_mapping for b in groups],
                                          [b.decode_block_tables for b in groups], [b.decode_seq_lens for b in groups])
