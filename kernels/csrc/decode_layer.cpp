@@ -230,15 +230,9 @@ struct TeamThread {
 template <typename T>
 bool team_linear(const TeamThread& team, const Blocked<T>& w, const T* x, int64_t t_rows, int64_t in, T* y,
                  Scratch<T>& s) {
-  const typename Scratch<T>::Word* xw;
-  if (in % (4 / static_cast<int64_t>(sizeof(T))) == 0) {
-    xw = reinterpret_cast<const typename Scratch<T>::Word*>(x);
-  } else {  // odd bf16 width: the lead pads the rows once, into the scratch sized for them
-    if (team.lead()) {
-      std::fill(s.padded.begin(), s.padded.begin() + t_rows * w.k, typename Scratch<T>::Word{});
-      for (int64_t t = 0; t < t_rows; ++t)
-        std::memcpy(s.padded.data() + t * w.k, x + t * in, static_cast<size_t>(in) * sizeof(T));
-    }
+  const auto* xw = reinterpret_cast<const typename Scratch<T>::Word*>(x);
+  if (in % (4 / static_cast<int64_t>(sizeof(T))) != 0) {  // odd bf16 width: the lead pads the rows, once
+    if (team.lead()) kvrelay_cpu::blocked_x(x, t_rows, in, w.k, s.padded);  // within the capacity fit gave
     if (!team.sync()) return false;
     xw = s.padded.data();
   }
