@@ -238,12 +238,11 @@ void values_f32(const float* p, int64_t span, int64_t group, const float* v_cach
 }
 #endif
 
-// DC: the head dim when known at compile time (64, 128: fully unrolled, vectorized loops), else 0 (d_any).
-// Work items are (sequence, KV head, part): each part is a contiguous run of the keys a sequence sees. With fewer
-// (sequence, KV head) pairs than twice the threads, each pair's keys are split into parts so that every thread
-// gets work (batch 1 of SmolLM2: 3 KV heads on 2 threads left one idle a third of the time); a part returns its
-// max score, its sum of exp(score - max) and its unnormalised sum of weighted values, and the parts are merged
-// (log-sum-exp) after. The scores and the softmax are float32.
+// Work items begin .. end-1 of `a` (small_ops.h: AttentionWork); DC: the head dim when known at compile time (64,
+// 128: fully unrolled, vectorized loops), else 0 (a.d). A part's keys are a contiguous run of those its sequence
+// sees (parts split a pair's keys so that every thread gets work: batch 1 of SmolLM2, 3 KV heads on 2 threads, left
+// one idle a third of the time); it returns its max score, its sum of exp(score - max) and its unnormalised sum of
+// weighted values, merged (log-sum-exp) by decode_merge. The scores and the softmax are float32.
 template <typename T, int DC>
 void decode_items(const AttentionWork<T>& a, int64_t begin, int64_t end) {
   const T* q = a.q;
@@ -443,21 +442,6 @@ void attention_items(const AttentionWork<c10::BFloat16>& a, int64_t begin, int64
 void attention_merge(const AttentionWork<float>& a, int64_t begin, int64_t end) { decode_merge(a, begin, end); }
 void attention_merge(const AttentionWork<c10::BFloat16>& a, int64_t begin, int64_t end) {
   decode_merge(a, begin, end);
-}
-
-void paged_decode_rows(const float* q, const float* k_cache, const float* v_cache, int64_t block_stride,
-                       const int32_t* tables, int64_t width, const int64_t* lens, float* out, int64_t n, int64_t hq,
-                       int64_t hkv, int64_t block_size, int64_t d, float scale, int64_t window) {
-  decode_kernel<float>(q, k_cache, v_cache, block_stride, tables, width, lens, out, n, hq, hkv, block_size, d, scale,
-                       window, nullptr);
-}
-
-void paged_decode_rows(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
-                       int64_t block_stride, const int32_t* tables, int64_t width, const int64_t* lens,
-                       c10::BFloat16* out, int64_t n, int64_t hq, int64_t hkv, int64_t block_size, int64_t d,
-                       float scale, int64_t window) {
-  decode_kernel<c10::BFloat16>(q, k_cache, v_cache, block_stride, tables, width, lens, out, n, hq, hkv, block_size,
-                               d, scale, window, nullptr);
 }
 
 }  // namespace kvrelay_cpu

@@ -230,8 +230,9 @@ struct TeamThread {
 template <typename T>
 bool team_linear(const TeamThread& team, const Blocked<T>& w, const T* x, int64_t t_rows, int64_t in, T* y,
                  Scratch<T>& s) {
-  const auto* xw = reinterpret_cast<const typename Scratch<T>::Word*>(x);
-  if (in % (4 / static_cast<int64_t>(sizeof(T))) != 0) {  // odd bf16 width: the lead pads the rows, once
+  using Word = typename Scratch<T>::Word;
+  const auto* xw = reinterpret_cast<const Word*>(x);
+  if (in % static_cast<int64_t>(sizeof(Word) / sizeof(T)) != 0) {  // odd bf16 width: the lead pads the rows, once
     if (team.lead()) kvrelay_cpu::blocked_x(x, t_rows, in, w.k, s.padded);  // within the capacity fit gave
     if (!team.sync()) return false;
     xw = s.padded.data();

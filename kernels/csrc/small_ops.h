@@ -305,22 +305,12 @@ inline void silu_mul_rows(const T* xp, int64_t xs0, T* yp, int64_t t_rows, int64
 }
 
 
-// Defined in decode_attention.cpp (paged_decode_attention's checks and core on raw pointers, for decode_layer.cpp).
+// Defined in decode_attention.cpp (paged_decode_attention's checks on raw pointers, for decode_layer.cpp).
 // Raises (RuntimeError, c10::Error) naming sequence i when its length is below 1 or past its table's `width` blocks,
 // or when a block it reads (those of its window, with window > 0) is outside 0 .. num_blocks-1. tables [n, width]
 // int32 and lens [n] int64, both contiguous.
 void check_block_tables(const int32_t* tables, int64_t width, const int64_t* lens, int64_t n, int64_t block_size,
                         int64_t window, int64_t num_blocks);
-// out [n, hq, d] = paged_decode_attention(q [n, hq, d], ...) for checked inputs: k/v_cache point at block 0 of a
-// [num_blocks, hkv, block_size, d] cache whose blocks are block_stride values apart; no sinks.
-void paged_decode_rows(const float* q, const float* k_cache, const float* v_cache, int64_t block_stride,
-                       const int32_t* tables, int64_t width, const int64_t* lens, float* out, int64_t n, int64_t hq,
-                       int64_t hkv, int64_t block_size, int64_t d, float scale, int64_t window);
-void paged_decode_rows(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
-                       int64_t block_stride, const int32_t* tables, int64_t width, const int64_t* lens,
-                       c10::BFloat16* out, int64_t n, int64_t hq, int64_t hkv, int64_t block_size, int64_t d,
-                       float scale, int64_t window);
-
 
 // Paged decode attention split into work items for a team of threads (decode_layer.cpp's DecodeStack runs them in
 // its own parallel region; paged_decode_attention through at::parallel_for). Items are (sequence, KV head, part):
