@@ -252,8 +252,8 @@ inline void rotary_rows(const T* xp, int64_t xs0, int64_t xs1, const T* cp, cons
 // scalar tail's can differ in the last bit, which float32 keeps).
 #if defined(__AVX512BF16__)
 // Sixteen bf16 columns at a time: silu in float32 through the compiler's vector exp (glibc's libmvec under
-// -ffast-math), then bf16 rounding (round to nearest even, as c10::BFloat16) with VCVTNEPS2BF16. Returns the first column
-// not done (the tail, fewer than sixteen, is left to the plain loop).
+// -ffast-math), then bf16 rounding (round to nearest even, as c10::BFloat16) with VCVTNEPS2BF16. Returns the first
+// column not done (the tail, fewer than sixteen, is left to the plain loop).
 inline int64_t silu_mul_bf16x16(const c10::BFloat16* g, const c10::BFloat16* u, c10::BFloat16* y, int64_t i0,
                                 int64_t i1) {
   const auto widen = [](const c10::BFloat16* p) {
