@@ -22,6 +22,12 @@ and per workload auto's goodput over the better of the other two and over 2x-agg
 (`ttft_error_median`) from them. Output: JSON (`benchmarks.common.emit`)
 and a PNG of attainment against rate, one panel per workload, and a Markdown table (stderr and ``table_md``).
 
+``--rounds N`` runs every deployment N times, alternating (A B C, then C B A, ...: drift of a shared machine's
+speed over the run then weighs on every deployment alike), each round with fresh prompts and arrivals, and pools
+each deployment's requests per workload and rate before it counts attainment. Every point lists its requests (the
+server's request id, prompt tokens, TTFT and TPOT in ms, success), so SLO misses can be traced to the router's
+plans in its log (``request <id>: plan ...``).
+
 ``--network netns`` runs each deployment across network namespaces instead (`benchmarks.netns_deployment`: each
 node and the router on a host of its own, each node pinned to its own CPUs, requests and KV pulls over TCP).
 
@@ -168,25 +174,61 @@ def router_plan_samples(metrics_text: str) -> dict[str, float]:
 
 @dataclass(frozen=True, slots=True)
 class RatePoint:
-    """One deployment, workload and rate: SLO attainment and the ``vllm bench serve`` statistics (ms, req/s)."""
+    """One deployment, workload and rate: SLO attainment and the ``vllm bench serve`` statistics (ms, req/s) of
+    its requests, pooled over ``rounds`` rounds; ``requests``: each request as `request_rows` gives it."""
 
     deployment: str
     workload: str
     rate: float
     attainment: Attainment
     stats: dict[str, float | int | None]
+    rounds: int = 1
+    requests: tuple[dict[str, Any], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Measured:
+    """One round of one deployment at one workload and rate: what the client saw, and the wall time it took."""
+
+    workload: str
+    rate: float
+    records: list[RequestRecord]
+    duration_s: float
+
+
+def request_rows(records: Sequence[RequestRecord]) -> list[dict[str, Any]]:
+    """Per request: the server's id (``id``, "" if it sent none), ``prompt_tokens``, ``ttft_ms`` and ``tpot_ms``
+    (`request_tpot_s`; both None for a failed request) and ``ok`` (it succeeded)."""
+    return [{"id": r.response_id, "prompt_tokens": r.prompt_len,
+             "ttft_ms": round(r.ttft_s * 1e3, 1) if r.success else None,
+             "tpot_ms": round(request_tpot_s(r) * 1e3, 2) if r.success else None, "ok": r.success}
+            for r in records]
+
+
+def pool(deployment: str, measured: Sequence[Measured], slo: Slo) -> list[RatePoint]:
+    """``deployment``'s rounds pooled: per workload and rate (in the order first measured) the attainment and
+    statistics of all its rounds' requests together, over their summed wall time."""
+    groups: dict[tuple[str, float], list[Measured]] = {}
+    for m in measured:
+        groups.setdefault((m.workload, m.rate), []).append(m)
+    points = []
+    for (workload, rate), runs in groups.items():
+        records = [r for m in runs for r in m.records]
+        stats = summarize(records, sum(m.duration_s for m in runs), percentiles=(90.0,))
+        points.append(RatePoint(deployment, workload, rate, attainment(records, slo),
+                                {k: stats[k] for k in STAT_KEYS}, len(runs), tuple(request_rows(records))))
+    return points
 
 
 STAT_KEYS = ("completed", "failed", "duration", "request_throughput", "output_throughput", "mean_ttft_ms",
              "median_ttft_ms", "p90_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p90_tpot_ms")
 
 
-def measure(client: ClientConfig, specs: list[RequestSpec], *, rate: float, slo: Slo, seed: int) -> tuple[
-        Attainment, dict[str, float | int | None]]:
-    """Send ``specs`` at Poisson ``rate`` and wait for all of them; their attainment and `STAT_KEYS` stats."""
+def measure(client: ClientConfig, specs: list[RequestSpec], *, rate: float, seed: int) -> tuple[
+        list[RequestRecord], float]:
+    """Send ``specs`` at Poisson ``rate`` and wait for all of them; their records and the wall time (s)."""
     result = asyncio.run(run_load(client, specs, LoadConfig(request_rate=rate, seed=seed, progress=False)))
-    stats = summarize(result.records, result.duration_s, percentiles=(90.0,))
-    return attainment(result.records, slo), {k: stats[k] for k in STAT_KEYS}
+    return result.records, result.duration_s
 
 
 def model_limits(model_dir: str) -> tuple[int, int]:
@@ -218,16 +260,16 @@ def deployment_overrides(name: str, slo: Slo) -> dict[str, dict[str, Any]]:
 
 
 def run_deployment(name: str, model_dir: str, sweep: Sweep, *, network: str = "loopback") -> tuple[
-        list[RatePoint], dict[str, Any]]:
+        list[Measured], dict[str, Any]]:
     """Start deployment ``name`` (``network``: ``loopback``, one ``kvrelay up``; ``netns``, each node and the
     router on a host of its own, `benchmarks.netns_deployment`), send the warm-up requests, sweep every workload
     over the rates (skipping a workload's higher rates once the share meeting both SLOs is below
-    ``stop_below_frac``), read the router's plan samples, stop it. Returns the points and what describes the
-    deployment (overrides, network, CPUs per node)."""
+    ``stop_below_frac``), read the router's plan samples, stop it. Returns what each rate measured and what
+    describes the deployment (overrides, network, CPUs per node, the router's plan samples)."""
     from benchmarks.deployment import Deployment, get_text
     from benchmarks.netns_deployment import NetnsDeployment
 
-    points: list[RatePoint] = []
+    points: list[Measured] = []
     overrides = deployment_overrides(name, sweep.slo)
     deployment = NetnsDeployment(model_dir, overrides=overrides) if network == "netns" else \
         Deployment(model_dir, overrides=overrides, up_args=UP_ARGS)
@@ -238,11 +280,12 @@ def run_deployment(name: str, model_dir: str, sweep: Sweep, *, network: str = "l
         asyncio.run(run_load(client, sweep.warmup, LoadConfig(progress=False)))
         for workload, rate_specs in sweep.workload_to_rate_specs.items():
             for i, (rate, specs) in enumerate(zip(sweep.rates, rate_specs, strict=True)):
-                att, stats = measure(client, specs, rate=rate, slo=sweep.slo, seed=sweep.seed + i)
-                points.append(RatePoint(name, workload, rate, att, stats))
+                records, duration_s = measure(client, specs, rate=rate, seed=sweep.seed + i)
+                points.append(Measured(workload, rate, records, duration_s))
+                att = attainment(records, sweep.slo)
                 print(f"goodput: {name:13s} {workload:6s} {rate:6g} req/s  both {att.both_frac:.2f}  ttft "
-                      f"{att.ttft_frac:.2f}  tpot {att.tpot_frac:.2f}  failed {stats['failed']}  "
-                      f"wall {stats['duration']:.0f} s", file=sys.stderr)
+                      f"{att.ttft_frac:.2f}  tpot {att.tpot_frac:.2f}  failed {sum(not r.success for r in records)}"
+                      f"  wall {duration_s:.0f} s", file=sys.stderr)
                 if att.both_frac < sweep.stop_below_frac:
                     break
         plan = router_plan_samples(get_text(d.url + "/metrics"))
@@ -340,6 +383,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attainment", type=float, default=0.9, help="share meeting both SLOs that counts as goodput")
     p.add_argument("--stop-below", type=float, default=0.5,
                    help="skip a workload's higher rates once fewer than this share meet both SLOs (0: run all)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every deployment this many times, alternating, and pool their requests per rate")
     p.add_argument("--network", choices=("loopback", "netns"), default="loopback",
                    help="loopback: each deployment is one `kvrelay up` on this host; netns: each node and the "
                         "router on a network namespace of its own, KV crossing TCP (needs root)")
@@ -362,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
                              (deployments, DEPLOYMENT_TO_OVERRIDES, "--deployments")):
         if unknown := [x for x in bad if x not in known]:
             p.error(f"{flag}: {unknown} unknown; choose from {list(known)}")
+    if a.rounds < 1:
+        p.error(f"--rounds {a.rounds}: run at least one round")
     if not all(0 < r < math.inf for r in rates):
         p.error(f"--rates {rates}: every rate must be a positive number of requests per second")
     if not (Path(a.model) / "config.json").is_file():
@@ -372,27 +419,37 @@ def main(argv: list[str] | None = None) -> int:
     long_tokens = (min(a.long_tokens[0], room), min(a.long_tokens[1], room))
     short_tokens = (min(a.short_tokens[0], room), min(a.short_tokens[1], room))
     slo = Slo(a.ttft_slo_s, a.tpot_slo_s)
-    workload_to_rate_specs: dict[str, list[list[RequestSpec]]] = {}
     workload_params: dict[str, Any] = {}
+    sweeps = []
     try:
-        for w in workloads:
-            share = WORKLOAD_TO_LONG_SHARE[w]
-            share = a.long_share if share is None else share
-            workload_params[w] = {"long_share_frac": share}
-            workload_to_rate_specs[w] = [
-                mixed_prompts(num_requests=num_requests, long_share_frac=share, short_tokens=short_tokens,
-                              long_tokens=long_tokens, output_tokens=a.output_tokens, seed=f"{w}/{i}/{a.seed}",
-                              vocab=vocab) for i in range(len(rates))]
-        warmup = mixed_prompts(num_requests=4, long_share_frac=0.5, short_tokens=short_tokens,
-                               long_tokens=long_tokens, output_tokens=4, seed=f"warm-up/{a.seed}", vocab=vocab)
+        for r in range(a.rounds):  # round 0's prompts are those of a run without --rounds
+            tag = f"/{a.seed}" + (f"/round{r}" if r else "")
+            workload_to_rate_specs: dict[str, list[list[RequestSpec]]] = {}
+            for w in workloads:
+                share = WORKLOAD_TO_LONG_SHARE[w]
+                share = a.long_share if share is None else share
+                workload_params[w] = {"long_share_frac": share}
+                workload_to_rate_specs[w] = [
+                    mixed_prompts(num_requests=num_requests, long_share_frac=share, short_tokens=short_tokens,
+                                  long_tokens=long_tokens, output_tokens=a.output_tokens, seed=f"{w}/{i}{tag}",
+                                  vocab=vocab) for i in range(len(rates))]
+            warmup = mixed_prompts(num_requests=4, long_share_frac=0.5, short_tokens=short_tokens,
+                                   long_tokens=long_tokens, output_tokens=4, seed=f"warm-up{tag}", vocab=vocab)
+            sweeps.append(Sweep(workload_to_rate_specs, rates, warmup, slo, a.stop_below, a.seed + 1000 * r,
+                                a.request_timeout_s))
     except ValueError as exc:
         p.error(str(exc))
-    sweep = Sweep(workload_to_rate_specs, rates, warmup, slo, a.stop_below, a.seed, a.request_timeout_s)
-    points: list[RatePoint] = []
+    measured: dict[str, list[Measured]] = {name: [] for name in deployments}
     deployment_info: dict[str, Any] = {}
-    for name in deployments:
-        got, deployment_info[name] = run_deployment(name, a.model, sweep, network=a.network)
-        points.extend(got)
+    for r, sweep in enumerate(sweeps):
+        for name in deployments if r % 2 == 0 else deployments[::-1]:
+            got, info = run_deployment(name, a.model, sweep, network=a.network)
+            measured[name].extend(got)
+            if name in deployment_info:
+                deployment_info[name].setdefault("later_rounds", []).append(info)
+            else:
+                deployment_info[name] = info
+    points = [pt for name in deployments for pt in pool(name, measured[name], slo)]
     plot_path = a.plot or str(Path(a.out).with_suffix(".png") if a.out else Path("bench-out") / "goodput.png")
     plot(points, plot_path, slo=slo, target_frac=a.attainment)
     summary = summarize_goodput(points, target_frac=a.attainment)
@@ -401,7 +458,8 @@ def main(argv: list[str] | None = None) -> int:
     emit({"benchmark": "goodput", **machine_label(), "model": a.model,
           "network": a.network,
           "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s}, "attainment_target_frac": a.attainment,
-          "rates_req_s": rates, "requests_per_rate": num_requests, "stop_below_frac": a.stop_below,
+          "rates_req_s": rates, "requests_per_rate": num_requests, "rounds": a.rounds,
+          "stop_below_frac": a.stop_below,
           "prompts": {"short_tokens": short_tokens, "long_tokens": long_tokens, "output_tokens": a.output_tokens,
                       "vocab": vocab, "seed": a.seed},
           "workloads": workload_params, "deployments": deployment_info,

@@ -51,7 +51,8 @@ class RequestRecord:
     """What the client saw of one request. Times are clock readings in seconds.
 
     ``chunk_times_s``: arrival of every SSE event with ``choices``. ``output_tokens``: from ``usage``
-    (None when the server sent none; `num_output_tokens` then counts chunks).
+    (None when the server sent none; `num_output_tokens` then counts chunks). ``response_id``: the ``id`` of the
+    first event that carried one (the server's request id, which its logs name; "" if none did).
     """
 
     spec: RequestSpec
@@ -61,6 +62,7 @@ class RequestRecord:
     generated_text: str = ""
     success: bool = False
     error: str = ""
+    response_id: str = ""
 
     @property
     def prompt_len(self) -> int:
@@ -102,6 +104,8 @@ def feed_sse_line(record: RequestRecord, line: str, now_s: float) -> bool:
     data = json.loads(payload)
     if "error" in data:
         raise ValueError(f"server error in stream: {data['error']}")
+    if not record.response_id and isinstance(data.get("id"), str):
+        record.response_id = data["id"]
     if choices := data.get("choices"):
         record.chunk_times_s.append(now_s)
         record.generated_text += choices[0].get("text") or (choices[0].get("delta") or {}).get("content") or ""

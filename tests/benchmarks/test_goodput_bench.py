@@ -8,6 +8,7 @@ import pytest
 from benchmarks.goodput_bench import (
     DEPLOYMENT_TO_OVERRIDES,
     Attainment,
+    Measured,
     RatePoint,
     Slo,
     attainment,
@@ -15,6 +16,8 @@ from benchmarks.goodput_bench import (
     goodput_rate,
     markdown_table,
     mixed_prompts,
+    pool,
+    request_rows,
     router_plan_samples,
     summarize_goodput,
     ttft_error_median,
@@ -46,6 +49,28 @@ RECORDS = [
 def test_attainment_counts_each_slo_and_both_over_every_request_sent():
     assert attainment(RECORDS, SLO) == Attainment(requests=5, both_frac=2 / 5, ttft_frac=3 / 5, tpot_frac=3 / 5)
     assert attainment(RECORDS[:1], Slo(ttft_s=0.4, tpot_s=0.05)) == Attainment(1, 0.0, 0.0, 1.0)
+
+
+def test_request_rows_name_each_request_and_its_times():
+    rec = record(0.0, [0.5, 0.9], 9)
+    rec.response_id = "cmpl-1"
+    assert request_rows([rec, RECORDS[4]]) == [
+        {"id": "cmpl-1", "prompt_tokens": 3, "ttft_ms": 500.0, "tpot_ms": 50.0, "ok": True},
+        {"id": "", "prompt_tokens": 3, "ttft_ms": None, "tpot_ms": None, "ok": False}]
+
+
+def test_rounds_pool_their_requests_per_workload_and_rate():
+    # round 1 at rate 1: A and B (1 of 2 both); round 2 at rate 1: C, D, E (1 of 3); rate 2 only once: D
+    measured = [Measured("mixed", 1.0, RECORDS[:2], 2.0), Measured("mixed", 2.0, RECORDS[3:4], 1.0),
+                Measured("mixed", 1.0, RECORDS[2:], 3.0)]
+    points = pool("auto", measured, SLO)
+    assert [(p.deployment, p.workload, p.rate, p.rounds) for p in points] == [("auto", "mixed", 1.0, 2),
+                                                                              ("auto", "mixed", 2.0, 1)]
+    assert points[0].attainment == attainment(RECORDS, SLO)  # every request of both rounds, as one run
+    assert points[0].stats["completed"] == 4 and points[0].stats["failed"] == 1
+    assert points[0].stats["request_throughput"] == 4 / 5.0  # over the rounds' summed wall time
+    assert len(points[0].requests) == 5 and points[1].requests == tuple(request_rows(RECORDS[3:4]))
+    assert points[1].attainment == Attainment(1, 1.0, 1.0, 1.0)
 
 
 def test_attainment_of_nothing_is_refused():

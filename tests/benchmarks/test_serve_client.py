@@ -50,6 +50,14 @@ def test_recorded_stream_gives_vllm_timings():
     assert rec.prompt_len == 7
 
 
+def test_the_first_id_a_stream_sends_is_kept():
+    rec = RequestRecord(RequestSpec((1,), 2))
+    assert rec.response_id == ""
+    feed_sse_line(rec, 'data: {"id": "cmpl-7", "choices": [{"text": "a"}]}', 1.0)
+    feed_sse_line(rec, 'data: {"id": "cmpl-8", "choices": [{"text": "b"}]}', 1.1)
+    assert rec.response_id == "cmpl-7"
+
+
 def test_chat_deltas_and_server_errors():
     rec = RequestRecord(RequestSpec((1,), 1))
     feed_sse_line(rec, 'data: {"choices": [{"delta": {"content": "hi"}}]}', 1.0)
