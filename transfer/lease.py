@@ -135,6 +135,24 @@ class LeaseTable:
         lease.expires_at = now + lease.ttl_s
         return lease.ttl_s
 
+    def renew_live(self, lease_id: str, *, binding: bytes, margin_s: float) -> float | None:
+        """`renew` where it changes no pool: extend a lease held with more than ``margin_s`` seconds left, granted
+        for ``binding``, to ``now + ttl_s``; returns that ttl. None: not decided here (no such lease, one that
+        expires within ``margin_s``, or another binding): call `renew` where the pools live.
+
+        Safe on another thread than the one that releases and reaps (the owner's event loop, while the engine
+        thread computes a long step): it only moves a live lease's expiry later, and `reap` cannot release a lease
+        it read with more than ``margin_s`` (≥ the time between its clock read and its release) left; a lease
+        released meanwhile is not reported renewed."""
+        lease = self._leases.get(lease_id)
+        if lease is None or binding != lease.binding:
+            return None
+        now = self._clock()
+        if lease.expires_at - now <= margin_s:
+            return None
+        lease.expires_at = now + lease.ttl_s
+        return lease.ttl_s if self._leases.get(lease_id) is lease else None
+
     def release(self, lease_id: str) -> bool:
         """Unpin a lease's blocks. False (and nothing changes) if it was already released or reaped."""
         lease = self._leases.pop(lease_id, None)

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+from typing import cast
+
 import pytest
 
 from kvstore.block_key import BlockKey
 from kvstore.block_pool import BlockPool
+from transfer.config import TransferConfig
 from transfer.lease import BindingMismatch, LeaseTable, TierBlock
+from transfer.nixl_agent import KvAgent
+from transfer.owner import KvOwner
+from transfer.pool_call import PoolCalls
 
 B = b"\x01" * 32  # a lease's binding (transfer.handle.binding_of); these tests grant and renew with one
 
@@ -104,3 +111,52 @@ def test_a_renewal_for_another_binding_is_refused_and_extends_nothing():
     clock.now += 0.5
     assert table.reap() == [lease]  # the refused renewal did not extend it
     assert table.renew(lease, binding=B) is None
+
+
+def test_renew_live_extends_only_a_lease_held_past_the_margin_and_leaves_the_rest_to_renew():
+    clock = Clock()
+    pool = keyed_pool(4, 2)
+    table = LeaseTable({"device": pool}, clock=clock)
+    lease = table.grant([TierBlock("device", 0)], ttl_s=10, binding=B)  # expires at 110
+    clock.now += 5.0
+    assert table.renew_live(lease, binding=B, margin_s=1.0) == 10  # now expires at 115
+    assert table.get(lease).expires_at == 115.0
+    assert table.renew_live(lease, binding=b"\x02" * 32, margin_s=1.0) is None  # another binding: `renew` decides
+    assert table.renew_live("no-such-lease", binding=B, margin_s=1.0) is None
+    clock.now = 114.0  # 1 s left: not past the margin, so not renewed here
+    assert table.renew_live(lease, binding=B, margin_s=1.0) is None and table.get(lease).expires_at == 115.0
+    clock.now = 115.0
+    assert table.reap() == [lease] and pool.ref_count(0) == 0
+    assert table.renew_live(lease, binding=B, margin_s=1.0) is None  # gone stays gone
+
+
+class _StalledPoolCalls:
+    """Pool calls on an engine thread that is busy: `call` records its function and never returns."""
+
+    def __init__(self) -> None:
+        self.called = 0
+
+    async def call(self, fn):  # noqa: ANN001, ANN202 - a PoolCall
+        self.called += 1
+        await asyncio.Event().wait()
+
+    must_run = call
+
+
+def test_the_owner_answers_a_live_renewal_without_waiting_for_the_engine_thread():
+    stalled = _StalledPoolCalls()
+    table = LeaseTable({"device": keyed_pool(4, 2)})
+    owner = KvOwner(cast(KvAgent, None), table, owner_url="http://127.0.0.1:1",
+                    config=TransferConfig(agent_name="owner", lease_ttl_s=30.0),
+                    pool_calls=PoolCalls(stalled.call, stalled.must_run))
+    lease = table.grant([TierBlock("device", 0)], ttl_s=30.0, binding=B)
+
+    async def renewals() -> None:
+        assert await asyncio.wait_for(owner.renew(lease, B), 1.0) == 30.0  # answered on the event loop
+        assert stalled.called == 0
+        # Another binding is the engine thread's to refuse (`LeaseTable.renew`): the owner waits for it.
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(owner.renew(lease, b"\x02" * 32), 0.2)
+        assert stalled.called == 1
+
+    asyncio.run(renewals())
