@@ -13,7 +13,8 @@ completed knows the blocks were pinned for the whole READ. A lease also keeps th
 handle it was granted for (`transfer.handle.binding_of`: its keys, block ids and digests), so a reader that
 confirms its lease knows its handle names exactly the blocks the owner pinned for those keys.
 
-Not thread-safe: it mutates the pools, so it runs where they live (see `transfer.pool_call`).
+Not thread-safe: it mutates the pools, so it runs where they live (see `transfer.pool_call`); only `renew_live`,
+which changes no pool and takes no lease away, may run on another thread beside it (the owner's event loop).
 """
 
 from __future__ import annotations

@@ -42,11 +42,12 @@ class KvOwner:
 
     Args:
         agent: this node's agent (its `meta` is what ``/kv/meta`` serves).
-        leases: the lease table over this node's pools; touched only through ``pool_calls`` (or, for
-            `offer`, by a caller already where the pools live).
+        leases: the lease table over this node's pools; changed only through ``pool_calls`` (or, for
+            `offer`, by a caller already where the pools live), except a live lease's renewal
+            (`LeaseTable.renew_live`, which changes no pool).
         owner_url: base URL readers reach this node's transfer endpoints at (goes into handles).
         config: ``lease_ttl_s``, ``reap_interval_s``, ``notif_poll_interval_s``, ``internal_token``.
-        pool_calls: run lease operations where the pools live: renewals by ``call``; releases and reaps,
+        pool_calls: run lease operations where the pools live: other renewals by ``call``; releases and reaps,
             which unpin blocks, by ``must_run`` (they take effect even if their caller stopped waiting).
     """
 
