@@ -25,8 +25,10 @@ and a PNG of attainment against rate, one panel per workload, and a Markdown tab
 ``--rounds N`` runs every deployment N times, alternating (A B C, then C B A, ...: drift of a shared machine's
 speed over the run then weighs on every deployment alike), each round with fresh prompts and arrivals, and pools
 each deployment's requests per workload and rate before it counts attainment. Every point lists its requests (the
-server's request id, prompt tokens, TTFT and TPOT in ms, success), so SLO misses can be traced to the router's
-plans in its log (``request <id>: plan ...``).
+server's request id, prompt tokens, TTFT and TPOT in ms, success, and the plan and KV pull time the router reports
+when asked, ``kvrelay.timings``), so SLO misses can be traced to plans, and per point the hand-off of its
+disaggregated requests (`handoff`: the KV pull, and the gap between the first token, from the prefill node, and
+the second, from the decode node).
 
 ``--network netns`` runs each deployment across network namespaces instead (`benchmarks.netns_deployment`: each
 node and the router on a host of its own, each node pinned to its own CPUs, requests and KV pulls over TCP).
@@ -49,9 +51,11 @@ import random
 import re
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from benchmarks.common import emit, machine_label, seeded_prompt
 from benchmarks.serve_client import ClientConfig, LoadConfig, RequestRecord, RequestSpec, run_load
@@ -184,6 +188,7 @@ class RatePoint:
     stats: dict[str, float | int | None]
     rounds: int = 1
     requests: tuple[dict[str, Any], ...] = ()
+    handoff: dict[str, float | int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,11 +203,34 @@ class Measured:
 
 def request_rows(records: Sequence[RequestRecord]) -> list[dict[str, Any]]:
     """Per request: the server's id (``id``, "" if it sent none), ``prompt_tokens``, ``ttft_ms`` and ``tpot_ms``
-    (`request_tpot_s`; both None for a failed request) and ``ok`` (it succeeded)."""
-    return [{"id": r.response_id, "prompt_tokens": r.prompt_len,
-             "ttft_ms": round(r.ttft_s * 1e3, 1) if r.success else None,
-             "tpot_ms": round(request_tpot_s(r) * 1e3, 2) if r.success else None, "ok": r.success}
-            for r in records]
+    (`request_tpot_s`; both None for a failed request), ``ok`` (it succeeded), and from the router's ``kvrelay``
+    answer field the ``plan`` ("" if none) and ``kv_pull_ms`` (None if it reported none)."""
+    rows = []
+    for r in records:
+        pull = (r.server.get("timings") or {}).get("kv_pull_s")
+        rows.append({"id": r.response_id, "prompt_tokens": r.prompt_len,
+                     "ttft_ms": round(r.ttft_s * 1e3, 1) if r.success else None,
+                     "tpot_ms": round(request_tpot_s(r) * 1e3, 2) if r.success else None, "ok": r.success,
+                     "plan": str(r.server.get("plan") or ""),
+                     "kv_pull_ms": round(float(pull) * 1e3, 1) if isinstance(pull, (int, float)) else None})
+    return rows
+
+
+def handoff(records: Sequence[RequestRecord]) -> dict[str, float | int]:
+    """The hand-off of the successful disaggregated requests (plan ``disaggregated`` in the router's answer field)
+    with two tokens or more: how many (``requests``), and the median and p90 in ms of their KV pull (``kv_pull_ms_*``)
+    and of the gap between their first and second token (``second_token_ms_*``: the first comes from the prefill
+    node, the second from the decode node once it pulled). Empty: none."""
+    ok = [r for r in records if r.success and r.server.get("plan") == "disaggregated" and len(r.chunk_times_s) > 1]
+    if not ok:
+        return {}
+    pulls = [float((r.server.get("timings") or {}).get("kv_pull_s", 0.0)) for r in ok]
+    gaps = [r.chunk_times_s[1] - r.chunk_times_s[0] for r in ok]
+    out: dict[str, float | int] = {"requests": len(ok)}
+    for name, values in (("kv_pull_ms", pulls), ("second_token_ms", gaps)):
+        out[f"{name}_median"] = round(float(np.percentile(values, 50)) * 1e3, 1)
+        out[f"{name}_p90"] = round(float(np.percentile(values, 90)) * 1e3, 1)
+    return out
 
 
 def pool(deployment: str, measured: Sequence[Measured], slo: Slo) -> list[RatePoint]:
@@ -216,7 +244,8 @@ def pool(deployment: str, measured: Sequence[Measured], slo: Slo) -> list[RatePo
         records = [r for m in runs for r in m.records]
         stats = summarize(records, sum(m.duration_s for m in runs), percentiles=(90.0,))
         points.append(RatePoint(deployment, workload, rate, attainment(records, slo),
-                                {k: stats[k] for k in STAT_KEYS}, len(runs), tuple(request_rows(records))))
+                                {k: stats[k] for k in STAT_KEYS}, len(runs), tuple(request_rows(records)),
+                                handoff(records)))
     return points
 
 
@@ -274,7 +303,8 @@ def run_deployment(name: str, model_dir: str, sweep: Sweep, *, network: str = "l
     deployment = NetnsDeployment(model_dir, overrides=overrides) if network == "netns" else \
         Deployment(model_dir, overrides=overrides, up_args=UP_ARGS)
     with deployment as d:
-        client = ClientConfig(d.url, d.model_name, timeout_s=sweep.request_timeout_s)
+        client = ClientConfig(d.url, d.model_name, timeout_s=sweep.request_timeout_s,
+                              extra_body={"kvrelay": {"timings": True}})
         nodes = {url: json.loads(get_text(url + "/health")).get("cpus") for url in d.prefill_urls + d.decode_urls}
         # First steps compile and allocate: keep that out of the first measured rate.
         asyncio.run(run_load(client, sweep.warmup, LoadConfig(progress=False)))
@@ -285,7 +315,9 @@ def run_deployment(name: str, model_dir: str, sweep: Sweep, *, network: str = "l
                 att = attainment(records, sweep.slo)
                 print(f"goodput: {name:13s} {workload:6s} {rate:6g} req/s  both {att.both_frac:.2f}  ttft "
                       f"{att.ttft_frac:.2f}  tpot {att.tpot_frac:.2f}  failed {sum(not r.success for r in records)}"
-                      f"  wall {duration_s:.0f} s", file=sys.stderr)
+                      f"  wall {duration_s:.0f} s" + (f"  kv pull p50 {h['kv_pull_ms_median']:.0f} ms of "
+                                                      f"{h['requests']}" if (h := handoff(records)) else ""),
+                      file=sys.stderr)
                 if att.both_frac < sweep.stop_below_frac:
                     break
         plan = router_plan_samples(get_text(d.url + "/metrics"))

@@ -22,8 +22,9 @@ import asyncio
 import json
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 import numpy as np
@@ -52,7 +53,9 @@ class RequestRecord:
 
     ``chunk_times_s``: arrival of every SSE event with ``choices``. ``output_tokens``: from ``usage``
     (None when the server sent none; `num_output_tokens` then counts chunks). ``response_id``: the ``id`` of the
-    first event that carried one (the server's request id, which its logs name; "" if none did).
+    first event that carried one (the server's request id, which its logs name; "" if none did). ``server``: the
+    ``kvrelay`` field of the last event that carried one (the plan and stage timings a kvrelay router sends when
+    the request asks, `ClientConfig.extra_body`); empty if none did.
     """
 
     spec: RequestSpec
@@ -63,6 +66,7 @@ class RequestRecord:
     success: bool = False
     error: str = ""
     response_id: str = ""
+    server: dict[str, Any] = field(default_factory=dict)
 
     @property
     def prompt_len(self) -> int:
@@ -106,6 +110,8 @@ def feed_sse_line(record: RequestRecord, line: str, now_s: float) -> bool:
         raise ValueError(f"server error in stream: {data['error']}")
     if not record.response_id and isinstance(data.get("id"), str):
         record.response_id = data["id"]
+    if isinstance(data.get("kvrelay"), dict):
+        record.server = data["kvrelay"]
     if choices := data.get("choices"):
         record.chunk_times_s.append(now_s)
         record.generated_text += choices[0].get("text") or (choices[0].get("delta") or {}).get("content") or ""
@@ -123,6 +129,7 @@ class ClientConfig:
     timeout_s: float = 300.0
     api_key: str | None = None
     ignore_eos: bool = True
+    extra_body: Mapping[str, Any] | None = None  # fields added to every request's body (e.g. ``{"kvrelay": ...}``)
 
 
 async def send_request(session: aiohttp.ClientSession, config: ClientConfig, spec: RequestSpec, *,
@@ -132,7 +139,7 @@ async def send_request(session: aiohttp.ClientSession, config: ClientConfig, spe
     body = {
         "model": config.model, "prompt": list(spec.prompt_token_ids), "max_tokens": spec.max_tokens,
         "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
-        "ignore_eos": config.ignore_eos,
+        "ignore_eos": config.ignore_eos, **(config.extra_body or {}),
     }
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     record = RequestRecord(spec)

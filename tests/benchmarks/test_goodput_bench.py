@@ -14,6 +14,7 @@ from benchmarks.goodput_bench import (
     attainment,
     deployment_overrides,
     goodput_rate,
+    handoff,
     markdown_table,
     mixed_prompts,
     pool,
@@ -54,9 +55,29 @@ def test_attainment_counts_each_slo_and_both_over_every_request_sent():
 def test_request_rows_name_each_request_and_its_times():
     rec = record(0.0, [0.5, 0.9], 9)
     rec.response_id = "cmpl-1"
+    rec.server = {"plan": "disaggregated", "timings": {"kv_pull_s": 0.0345, "ttft_s": 0.5}}
     assert request_rows([rec, RECORDS[4]]) == [
-        {"id": "cmpl-1", "prompt_tokens": 3, "ttft_ms": 500.0, "tpot_ms": 50.0, "ok": True},
-        {"id": "", "prompt_tokens": 3, "ttft_ms": None, "tpot_ms": None, "ok": False}]
+        {"id": "cmpl-1", "prompt_tokens": 3, "ttft_ms": 500.0, "tpot_ms": 50.0, "ok": True,
+         "plan": "disaggregated", "kv_pull_ms": 34.5},
+        {"id": "", "prompt_tokens": 3, "ttft_ms": None, "tpot_ms": None, "ok": False, "plan": "",
+         "kv_pull_ms": None}]
+
+
+def test_handoff_reads_the_disaggregated_requests_pull_and_second_token():
+    def disaggregated(chunks: list[float], pull_s: float, ok: bool = True) -> RequestRecord:
+        rec = record(0.0, chunks, len(chunks), ok=ok)
+        rec.server = {"plan": "disaggregated", "timings": {"kv_pull_s": pull_s}}
+        return rec
+
+    local = record(0.0, [0.1, 0.9], 2)
+    local.server = {"plan": "local", "timings": {"kv_pull_s": 0.0}}
+    records = [disaggregated([0.2, 0.3, 0.35], 0.05), disaggregated([0.2, 0.6], 0.35), disaggregated([0.5], 0.9),
+               disaggregated([0.1, 0.2], 2.0, ok=False), local]
+    # counted: the first two (a single token has no second; a failed one and a local one are not hand-offs)
+    got = handoff(records)
+    assert got == {"requests": 2, "kv_pull_ms_median": 200.0, "kv_pull_ms_p90": 320.0,
+                   "second_token_ms_median": 250.0, "second_token_ms_p90": 370.0}
+    assert handoff([local]) == {} and handoff(RECORDS) == {}
 
 
 def test_rounds_pool_their_requests_per_workload_and_rate():

@@ -55,7 +55,9 @@ def test_the_first_id_a_stream_sends_is_kept():
     assert rec.response_id == ""
     feed_sse_line(rec, 'data: {"id": "cmpl-7", "choices": [{"text": "a"}]}', 1.0)
     feed_sse_line(rec, 'data: {"id": "cmpl-8", "choices": [{"text": "b"}]}', 1.1)
-    assert rec.response_id == "cmpl-7"
+    assert rec.response_id == "cmpl-7" and rec.server == {}
+    feed_sse_line(rec, 'data: {"id": "cmpl-7", "choices": [], "kvrelay": {"plan": "local", "timings": {}}}', 1.2)
+    assert rec.server == {"plan": "local", "timings": {}} and len(rec.chunk_times_s) == 2
 
 
 def test_chat_deltas_and_server_errors():
