@@ -142,9 +142,10 @@ class LeaseTable:
         expires within ``margin_s``, or another binding): call `renew` where the pools live.
 
         Safe on another thread than the one that releases and reaps (the owner's event loop, while the engine
-        thread computes a long step): it only moves a live lease's expiry later, and `reap` cannot release a lease
-        it read with more than ``margin_s`` (≥ the time between its clock read and its release) left; a lease
-        released meanwhile is not reported renewed."""
+        thread computes a long step): it only moves a live lease's expiry later. A `reap` could have listed the
+        lease as expired only by reading its clock more than ``margin_s`` after this call read its own and before
+        the new expiry was written, so a call that took longer than ``margin_s`` (a thread held off the CPU) reports
+        nothing; nor does one whose lease was released meanwhile."""
         lease = self._leases.get(lease_id)
         if lease is None or binding != lease.binding:
             return None
@@ -152,7 +153,9 @@ class LeaseTable:
         if lease.expires_at - now <= margin_s:
             return None
         lease.expires_at = now + lease.ttl_s
-        return lease.ttl_s if self._leases.get(lease_id) is lease else None
+        if self._clock() - now > margin_s or self._leases.get(lease_id) is not lease:
+            return None
+        return lease.ttl_s
 
     def release(self, lease_id: str) -> bool:
         """Unpin a lease's blocks. False (and nothing changes) if it was already released or reaped."""

@@ -152,9 +152,9 @@ at::Tensor decode_layer(at::Tensor x, at::Tensor in_norm, at::Tensor post_norm, 
 void bind_decode_stack(pybind11::module_& m);  // decode_layer.cpp: the DecodeStack class
 
 // Every kernel runs without the GIL (its arguments are converted before and its result after, with the GIL held):
-// an engine node's event loop thread (KV leases, pulls, streams) then runs while its engine thread computes. A long
-// prefill holding it was measured to delay a 1P1D decode node's KV pull to 0.48 s median (p90 1.35 s) on a 2-core
-// machine at 2.5 long-mix req/s: the pull waits on the prefill node's lease answers.
+// an engine node's event loop thread (KV leases, pulls, streams) then runs while its engine thread computes. On a
+// 2-core machine, 1P1D at 2.5 long-mix req/s, this alone took a decode node's KV pull from 0.39-0.48 s median to
+// 0.23-0.39 s (the rest was lease renewals waiting for the engine thread: transfer/owner.py).
 constexpr auto kNoGil = pybind11::call_guard<pybind11::gil_scoped_release>();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -130,6 +130,15 @@ def test_renew_live_extends_only_a_lease_held_past_the_margin_and_leaves_the_res
     assert table.renew_live(lease, binding=B, margin_s=1.0) is None  # gone stays gone
 
 
+def test_renew_live_reports_nothing_when_the_call_took_longer_than_the_margin():
+    reads = iter([100.0, 105.0, 106.5])  # grant's clock read; then renew_live's two, 1.5 s apart (held off the CPU)
+    table = LeaseTable({"device": keyed_pool(4, 2)}, clock=lambda: next(reads))
+    lease = table.grant([TierBlock("device", 0)], ttl_s=10, binding=B)  # expires at 110
+    # A reap on another thread may have listed it as expired meanwhile: the engine thread's `renew` decides.
+    assert table.renew_live(lease, binding=B, margin_s=1.0) is None
+    assert table.get(lease) is not None  # still held; its expiry only moved later
+
+
 class _StalledPoolCalls:
     """Pool calls on an engine thread that is busy: `call` records its function and never returns."""
 
