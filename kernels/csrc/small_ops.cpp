@@ -153,8 +153,8 @@ void bind_decode_stack(pybind11::module_& m);  // decode_layer.cpp: the DecodeSt
 
 // Every kernel runs without the GIL (its arguments are converted before and its result after, with the GIL held):
 // an engine node's event loop thread (KV leases, pulls, streams) then runs while its engine thread computes. On a
-// 2-core machine, 1P1D at 2.5 long-mix req/s, this alone took a decode node's KV pull from 0.39-0.48 s median to
-// 0.23-0.39 s (the rest was lease renewals waiting for the engine thread: transfer/owner.py).
+// 2-core machine, 1P1D at 2.5 long-mix req/s, this alone took a decode node's KV pull from 0.48 s median (p90 1.35 s)
+// to 0.23-0.39 s (p90 1.04-1.10 s); the rest was lease renewals waiting for the engine thread (transfer/owner.py).
 constexpr auto kNoGil = pybind11::call_guard<pybind11::gil_scoped_release>();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
