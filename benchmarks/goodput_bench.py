@@ -451,20 +451,15 @@ def main(argv: list[str] | None = None) -> int:
     long_tokens = (min(a.long_tokens[0], room), min(a.long_tokens[1], room))
     short_tokens = (min(a.short_tokens[0], room), min(a.short_tokens[1], room))
     slo = Slo(a.ttft_slo_s, a.tpot_slo_s)
-    workload_params: dict[str, Any] = {}
+    shares = {w: a.long_share if WORKLOAD_TO_LONG_SHARE[w] is None else WORKLOAD_TO_LONG_SHARE[w] for w in workloads}
     sweeps = []
     try:
         for r in range(a.rounds):  # round 0's prompts are those of a run without --rounds
             tag = f"/{a.seed}" + (f"/round{r}" if r else "")
-            workload_to_rate_specs: dict[str, list[list[RequestSpec]]] = {}
-            for w in workloads:
-                share = WORKLOAD_TO_LONG_SHARE[w]
-                share = a.long_share if share is None else share
-                workload_params[w] = {"long_share_frac": share}
-                workload_to_rate_specs[w] = [
-                    mixed_prompts(num_requests=num_requests, long_share_frac=share, short_tokens=short_tokens,
-                                  long_tokens=long_tokens, output_tokens=a.output_tokens, seed=f"{w}/{i}{tag}",
-                                  vocab=vocab) for i in range(len(rates))]
+            workload_to_rate_specs = {w: [
+                mixed_prompts(num_requests=num_requests, long_share_frac=share, short_tokens=short_tokens,
+                              long_tokens=long_tokens, output_tokens=a.output_tokens, seed=f"{w}/{i}{tag}",
+                              vocab=vocab) for i in range(len(rates))] for w, share in shares.items()}
             warmup = mixed_prompts(num_requests=4, long_share_frac=0.5, short_tokens=short_tokens,
                                    long_tokens=long_tokens, output_tokens=4, seed=f"warm-up{tag}", vocab=vocab)
             sweeps.append(Sweep(workload_to_rate_specs, rates, warmup, slo, a.stop_below, a.seed + 1000 * r,
@@ -494,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
           "stop_below_frac": a.stop_below,
           "prompts": {"short_tokens": short_tokens, "long_tokens": long_tokens, "output_tokens": a.output_tokens,
                       "vocab": vocab, "seed": a.seed},
-          "workloads": workload_params, "deployments": deployment_info,
+          "workloads": {w: {"long_share_frac": share} for w, share in shares.items()}, "deployments": deployment_info,
           "goodput": summary, "table_md": table, "runs": [asdict(pt) for pt in points], "plot": plot_path}, a.out)
     return 0
 

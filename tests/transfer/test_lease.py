@@ -140,7 +140,7 @@ def test_renew_live_reports_nothing_when_the_call_took_longer_than_the_margin():
 
 
 class _StalledPoolCalls:
-    """Pool calls on an engine thread that is busy: `call` records its function and never returns."""
+    """Pool calls on an engine thread that is busy: `call` counts its calls and never returns."""
 
     def __init__(self) -> None:
         self.called = 0
