@@ -38,7 +38,8 @@ class ModelRunner:
             so tables may hold `NULL_BLOCK`.
 
     ``graphs``: captured decode steps (`engine.cuda_graphs.DecodeGraphs`), set by the engine on CUDA; a
-    decode-only step without a long-context policy replays one when its batch fits, else runs eagerly.
+    decode-only step without a long-context policy replays one when its batch fits, else runs eagerly. A
+    decode-only step asks the model's ``decode_logits`` first, where it has one (None: it runs `forward`).
     """
 
     def __init__(
@@ -53,6 +54,8 @@ class ModelRunner:
         self.block_size_tokens = block_size_tokens
         self.device = kv_pool.device
         self.graphs: DecodeGraphs | None = None
+        # a decode-only step's logits in one call where the model has one (`LlamaForCausalLM.decode_logits`)
+        self.fuses_logits = hasattr(model, "decode_logits")
 
     def _tensor(self, values: list[int], dtype: torch.dtype = torch.int32) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
@@ -137,10 +140,12 @@ class ModelRunner:
             for group in range(g)
         ]
         batch = batches[0] if g == 1 else dataclasses.replace(batches[0], group_batches=tuple(batches))
-        hidden = self.model(
-            self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), self.kv_pool, batch,
-            self.backend,
-        )
+        ids, pos = self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64)
+        if not step.prefills and self.fuses_logits:  # every row samples: the logits in one call
+            logits = self.model.decode_logits(ids, pos, self.kv_pool, batch, self.backend)
+            if logits is not None:
+                return StepLogits(sample_seqs, logits)
+        hidden = self.model(ids, pos, self.kv_pool, batch, self.backend)
         if sample_rows != list(range(hidden.shape[0])):  # a decode-only step samples every row: no gather
             hidden = hidden.index_select(0, torch.tensor(sample_rows, dtype=torch.int64, device=hidden.device))
         return StepLogits(sample_seqs, self.model.compute_logits(hidden))

@@ -296,6 +296,7 @@ class LlamaForCausalLM(nn.Module):
         # every layer as one C++ call a decode step (`decode_layers`); set by `prepare_for_inference` when all fuse
         self.decode_stack: Any = None
         self.stack_norms = False  # whether `decode_stack` applies the final norm too (`prepare_for_inference`)
+        self.stack_logits = False  # whether it runs the embedding and head too (`decode_logits`)
         self.register_buffer("rope_inv_freq", rope_inv_freq(config.rope, config.head_dim), persistent=False)
         self.kv_place = {layer: (g, local) for g, group in enumerate(config.kv_groups)
                          for local, layer in enumerate(group.layers)}  # layer -> (KV block group, local layer)
@@ -335,12 +336,10 @@ class LlamaForCausalLM(nn.Module):
         Raises:
             ValueError: the pool has the wrong number of layers.
         """
-        per_block = len(self.config.kv_groups[0].layers)
-        if kv_pool.shape[1] != per_block:
-            raise ValueError(f"kv_pool blocks hold {kv_pool.shape[1]} layers; the model's hold {per_block}")
+        self._check_pool(kv_pool)
         x = self.model.embed_tokens(input_ids)
         cos_sin = self.rotary(positions, x.dtype)
-        fused = self._fused_step(x, kv_pool, batch, backend)
+        fused = self._fused_step(x.shape[0], x.dtype, x.device, kv_pool, batch, backend)
         if fused and self.decode_stack is not None:
             hidden = self.decode_layers(x, cos_sin, kv_pool, batch)
             return hidden if self.stack_norms else self.model.norm(hidden)
@@ -351,6 +350,36 @@ class LlamaForCausalLM(nn.Module):
             else:
                 x = layer(x, cos_sin, kv_pool[:, local], batch.for_group(group), backend)
         return self.model.norm(x)
+
+    def _check_pool(self, kv_pool: torch.Tensor) -> None:
+        per_block = len(self.config.kv_groups[0].layers)
+        if kv_pool.shape[1] != per_block:
+            raise ValueError(f"kv_pool blocks hold {kv_pool.shape[1]} layers; the model's hold {per_block}")
+
+    def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_pool: torch.Tensor,
+                      batch: AttentionBatch, backend: AttentionBackend) -> torch.Tensor | None:
+        """`forward` then `compute_logits` of every row, in one C++ call (``DecodeStack.logits``: the embedding
+        lookup, every layer, the final norm and the head in one parallel region), or None where the step does not
+        fuse (`_fused_step`) or the stack has no head (`stack_logits`): then call `forward`. Arguments as
+        `forward`'s; returns float32 ``[T, vocab_size]``, the bits `forward` then `compute_logits` give.
+
+        Between the layers and the head a separate call cost the head's Python and a parallel region of its own,
+        both run with cold caches after the step has streamed the weights: a batch-1 bf16 SmolLM2 step on a Zen 4
+        VM spent ~1.3 ms in `compute_logits` for a ~1.0 ms read of its 57 MB.
+
+        Raises:
+            ValueError: the pool has the wrong number of layers.
+            RuntimeError: a token id outside the vocabulary, or a slot, block table or shape that does not fit.
+        """
+        self._check_pool(kv_pool)
+        dtype = self.model.embed_tokens.weight.dtype
+        if self.decode_stack is None or not self.stack_logits or not self._fused_step(
+                input_ids.shape[0], dtype, input_ids.device, kv_pool, batch, backend):
+            return None
+        groups = [batch.for_group(g) for g in range(len(self.config.kv_groups))]
+        return self.decode_stack.logits(input_ids, *self.rotary(positions, dtype), kv_pool,
+                                        [b.slot_mapping for b in groups], [b.decode_block_tables for b in groups],
+                                        [b.decode_seq_lens for b in groups])
 
     def decode_layers(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], kv_pool: torch.Tensor,
                       batch: AttentionBatch) -> torch.Tensor:
@@ -364,14 +393,16 @@ class LlamaForCausalLM(nn.Module):
                                          [b.decode_block_tables for b in groups], [b.decode_seq_lens for b in groups])
 
     @staticmethod
-    def _fused_step(x: torch.Tensor, kv_pool: torch.Tensor, batch: AttentionBatch, backend: AttentionBackend) -> bool:
+    def _fused_step(rows: int, dtype: torch.dtype, device: torch.device, kv_pool: torch.Tensor, batch: AttentionBatch,
+                    backend: AttentionBackend) -> bool:
         """Whether this step's layers may run as one C++ call each (`DecoderLayer.decode_fused`): only decode
-        tokens, at most `kernels.cpu_small.BLOCKED_MAX_ROWS`, bf16 or float32 activations and KV of that dtype on
-        the CPU, no KV hook (H2O, InfiniGen), and the CPU backend with its C++ decode attention."""
-        return (batch.num_prefill_tokens == 0 and 0 < x.shape[0] <= cpu_small.BLOCKED_MAX_ROWS
+        tokens, at most `kernels.cpu_small.BLOCKED_MAX_ROWS` (``rows``), bf16 or float32 activations (``dtype``)
+        and KV of that dtype on the CPU, no KV hook (H2O, InfiniGen), and the CPU backend with its C++ decode
+        attention."""
+        return (batch.num_prefill_tokens == 0 and 0 < rows <= cpu_small.BLOCKED_MAX_ROWS
                 and batch.kv_hook is None and batch.step_block_tables is None
-                and x.dtype in (torch.bfloat16, torch.float32) and kv_pool.dtype == x.dtype
-                and x.device.type == "cpu" and isinstance(backend, TorchBackend)
+                and dtype in (torch.bfloat16, torch.float32) and kv_pool.dtype == dtype
+                and device.type == "cpu" and isinstance(backend, TorchBackend)
                 and backend.cpu_decode_kernels is not None)
 
     def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -399,7 +430,7 @@ class LlamaForCausalLM(nn.Module):
                           if isinstance(v, LinearKernel)] + [self.head])
         for layer in self.model.layers:
             layer.prepare_fused()
-        self.decode_stack, self.stack_norms = None, False
+        self.decode_stack, self.stack_norms, self.stack_logits = None, False, False
         if all(layer.fused is not None for layer in self.model.layers):
             stack = self.model.layers[0].fused[0].DecodeStack()
             for i, layer in enumerate(self.model.layers):
@@ -409,6 +440,11 @@ class LlamaForCausalLM(nn.Module):
             if norm.fast is not None and norm.weight.dtype == before[0].dtype:  # the same kernel, in the stack's call
                 stack.set_final_norm(norm.weight, norm.eps)
                 self.stack_norms = True
+                embedding, head = self.model.embed_tokens.weight, self.head
+                if (head.blocked is not None and head.bias is None and embedding.dtype == norm.weight.dtype
+                        and embedding.is_contiguous()):
+                    stack.set_ends(embedding, head.blocked, self.lm_head.weight.shape[0])
+                    self.stack_logits = True
             self.decode_stack = stack
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

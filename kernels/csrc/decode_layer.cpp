@@ -28,6 +28,7 @@
 // Raises (RuntimeError) naming the shape, dtype, slot or block table that does not fit (the table errors worded as
 // paged_decode_attention's), before anything is written.
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <omp.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -35,6 +36,7 @@
 #include <exception>
 #include <mutex>
 #include <thread>
+#include <type_traits>
 
 #include "small_ops.h"
 
@@ -167,6 +169,12 @@ struct Scratch {
   std::vector<T> h, qkv_out, q, k_rot, attn, o, gu, act;
   std::vector<float> att;    // the attention's part buffers (kvrelay_cpu::AttentionWork)
   std::vector<Word> padded;  // a linear's input rows of odd bf16 width, padded (kvrelay_cpu::blocked_x)
+  std::vector<T> head;       // the LM head's rows in T before they are widened to float32 (bf16 only)
+  void fit_head(const Blocked<T>& w, int64_t t_rows) {
+    if (!std::is_same_v<T, float> && static_cast<int64_t>(head.size()) < t_rows * w.out)
+      head.resize(static_cast<size_t>(t_rows * w.out));
+    if (static_cast<int64_t>(padded.size()) < t_rows * w.k) padded.resize(static_cast<size_t>(t_rows * w.k));
+  }
   void fit(const LayerPlan<T>& p, int64_t t_rows, int64_t parts) {
     const auto grow = [](auto& v, int64_t n) {
       if (static_cast<int64_t>(v.size()) < n) v.resize(static_cast<size_t>(n));
@@ -325,18 +333,38 @@ bool run_layer(const TeamThread& team, const LayerPlan<T>& p, T* x, int64_t t_ro
   return team.sync();
 }
 
+// logits [T, head.out] (float32) = x W^T for the LM head's blocked W, this thread's groups: summed and rounded to T
+// as blocked_linear does, then widened (the bits of torch's .float() of blocked_linear's result). Syncs after.
+template <typename T>
+bool team_head(const TeamThread& team, const Blocked<T>& w, const T* x, int64_t t_rows, int64_t in, float* logits,
+               Scratch<T>& s) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (!team_linear(team, w, x, t_rows, in, logits, s)) return false;
+  } else {
+    if (!team_linear(team, w, x, t_rows, in, s.head.data(), s)) return false;
+    const auto [begin, end] = team.share(w.groups, kvrelay_cpu::kGroupGrain);
+    const int64_t c0 = begin * kLanes, c1 = std::min(w.out, end * kLanes);
+    for (int64_t t = 0; t < t_rows; ++t)
+      for (int64_t c = c0; c < c1; ++c) logits[t * w.out + c] = static_cast<float>(s.head[t * w.out + c]);
+  }
+  return team.sync();
+}
+
 // Layers 0 .. n-1 of a step over x [T, hidden] (in place), by a team of at::get_num_threads() threads in one
 // parallel region (one thread: no region). steps[i] is layer i's cache, slots and tables; final_norm (or null)
-// normalises the last layer's output. Raises (RuntimeError) what a team thread raised (none is expected: the
+// normalises the last layer's output; head (or null: logits is then unused) then writes the LM head's float32
+// logits [T, head->out] into logits. Raises (RuntimeError) what a team thread raised (none is expected: the
 // inputs are checked and the buffers sized before the team starts).
 template <typename T>
 void run_layers(const std::vector<const LayerPlan<T>*>& plans, const std::vector<LayerStep<T>>& steps, T* x,
-                int64_t t_rows, const T* cp, const T* snp, const T* final_norm, float final_eps) {
+                int64_t t_rows, const T* cp, const T* snp, const T* final_norm, float final_eps,
+                const Blocked<T>* head = nullptr, float* logits = nullptr) {
   const int64_t threads = std::max<int64_t>(1, at::in_parallel_region() ? 1 : at::get_num_threads());
   // the parts paged_decode_attention splits the keys into, from the thread count it sees (the same bits)
   const int64_t parts = kvrelay_cpu::attention_parts(t_rows, plans[0]->kv_heads, at::get_num_threads());
   Scratch<T> s;
   for (const LayerPlan<T>* p : plans) s.fit(*p, t_rows, parts);
+  if (head != nullptr) s.fit_head(*head, t_rows);
   const int64_t n = static_cast<int64_t>(plans.size());
   SpinBarrier barrier(static_cast<int>(threads));
   std::exception_ptr error;
@@ -354,6 +382,7 @@ void run_layers(const std::vector<const LayerPlan<T>*>& plans, const std::vector
                        last ? 0.f : plans[i + 1]->eps, last ? final_norm : nullptr, final_eps, s))
           return;
       }
+      if (head != nullptr && !team_head(team, *head, x, t_rows, plans[0]->hidden, logits, s)) return;
     } catch (...) {
       std::lock_guard<std::mutex> lock(error_mutex);
       if (!error) error = std::current_exception();
@@ -430,6 +459,16 @@ at::Tensor decode_layer(at::Tensor x, at::Tensor in_norm, at::Tensor post_norm, 
 //       few us; as its own call after the layers it took 133-148 us of a batch-1 bf16 SmolLM2 step on a Zen 4 VM
 //       (its code is cold once the step has streamed the weights). weight [hidden] contiguous, of the layers'
 //       dtype; raises (RuntimeError) otherwise or when the stack has no layers.
+//   set_ends(embedding, head_w, vocab): the model's token embedding [rows, hidden] (contiguous, the layers' dtype)
+//       and its LM head (head_w in blocked_linear's layout of a [vocab, hidden] weight, no bias), for logits. Needs
+//       the final norm set first; raises (RuntimeError) otherwise or on a shape or dtype that does not fit.
+//   logits(ids, cos, sin, kv_pool, slot_mappings, block_tables, seq_lens): forward from token ids (int64 [T]),
+//       then the head, in the one parallel region: float32 [T, vocab], the bits of blocked_linear's head over
+//       forward's output, widened to float32 (torch's .float()). The embedding rows are copied as
+//       torch.embedding's lookup gives them. A batch-1 bf16 SmolLM2 step on a Zen 4 VM, alternated step by step
+//       with forward then the head as two calls (6 rounds of 128 steps): 0.95-1.02x the time, median ~0.98x.
+//       Raises (RuntimeError) on an id outside the embedding's rows, and as forward does, before any KV is
+//       written; or when set_ends was not called.
 class DecodeStack {
  public:
   void add_layer(const at::Tensor& in_norm, const at::Tensor& post_norm, double eps, const at::Tensor& qkv_w,
@@ -461,6 +500,23 @@ class DecodeStack {
 
   int64_t size() const { return static_cast<int64_t>(groups_.size()); }
 
+  void set_ends(const at::Tensor& embedding, const at::Tensor& head_w, int64_t vocab) {
+    TORCH_CHECK(final_norm_.defined(), "DecodeStack: set the final norm before the embedding and head");
+    TORCH_CHECK(embedding.dim() == 2 && embedding.size(1) == hidden_ && embedding.scalar_type() == dtype_ &&
+                    embedding.is_contiguous() && embedding.size(0) >= 1,
+                "DecodeStack: the embedding must be contiguous ", dtype_, " [vocab, ", hidden_, "]");
+    TORCH_CHECK(vocab >= 1, "DecodeStack: the head's vocabulary must be >= 1, got ", vocab);
+    if (dtype_ == at::kFloat)
+      head_f32_ = blocked<float>(head_w, c10::nullopt, hidden_, vocab, "head_w");
+    else
+      head_bf16_ = blocked<at::BFloat16>(head_w, c10::nullopt, hidden_, vocab, "head_w");
+    embedding_ = embedding;
+    head_w_ = head_w;
+    vocab_ = vocab;
+  }
+
+  bool has_ends() const { return embedding_.defined(); }
+
   void set_final_norm(const at::Tensor& weight, double eps) {
     TORCH_CHECK(!groups_.empty(), "DecodeStack: add the layers before the final norm");
     TORCH_CHECK(weight.dim() == 1 && weight.size(0) == hidden_ && weight.scalar_type() == dtype_ &&
@@ -480,16 +536,50 @@ class DecodeStack {
     TORCH_CHECK(kv_pool.dim() == 6, "DecodeStack: kv_pool must be [num_blocks, layers, 2, kv_heads, B, head_dim]");
     TORCH_CHECK(slot_mappings.size() == block_tables.size() && slot_mappings.size() == seq_lens.size(),
                 "DecodeStack: one slot mapping, block table and length tensor per KV block group");
-    if (dtype_ == at::kFloat) return run<float>(f32_, x, cos, sin, kv_pool, slot_mappings, block_tables, seq_lens);
-    return run<at::BFloat16>(bf16_, x, cos, sin, kv_pool, slot_mappings, block_tables, seq_lens);
+    auto y = x.clone();
+    if (dtype_ == at::kFloat) run<float>(f32_, y, cos, sin, kv_pool, slot_mappings, block_tables, seq_lens, nullptr);
+    else run<at::BFloat16>(bf16_, y, cos, sin, kv_pool, slot_mappings, block_tables, seq_lens, nullptr);
+    return y;
+  }
+
+  at::Tensor logits(const at::Tensor& ids, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv_pool,
+                    const std::vector<at::Tensor>& slot_mappings, const std::vector<at::Tensor>& block_tables,
+                    const std::vector<at::Tensor>& seq_lens) const {
+    TORCH_CHECK(!groups_.empty(), "DecodeStack: no layers");
+    TORCH_CHECK(has_ends(), "DecodeStack: no embedding and head (set_ends)");
+    TORCH_CHECK(ids.dim() == 1 && ids.size(0) >= 1 && ids.scalar_type() == at::kLong,
+                "DecodeStack: ids must be int64 [T], T >= 1");
+    TORCH_CHECK(kv_pool.dim() == 6, "DecodeStack: kv_pool must be [num_blocks, layers, 2, kv_heads, B, head_dim]");
+    TORCH_CHECK(slot_mappings.size() == block_tables.size() && slot_mappings.size() == seq_lens.size(),
+                "DecodeStack: one slot mapping, block table and length tensor per KV block group");
+    const auto idc = ids.contiguous();
+    const int64_t t_rows = idc.size(0), rows = embedding_.size(0);
+    const int64_t* ip = idc.data_ptr<int64_t>();
+    for (int64_t t = 0; t < t_rows; ++t)
+      TORCH_CHECK(ip[t] >= 0 && ip[t] < rows, "DecodeStack: token ", t, "'s id ", ip[t], " is outside the ", rows,
+                  " rows of the embedding");
+    auto y = at::empty({t_rows, hidden_}, embedding_.options());
+    const auto row_bytes = static_cast<size_t>(hidden_ * embedding_.element_size());
+    for (int64_t t = 0; t < t_rows; ++t)
+      std::memcpy(static_cast<char*>(y.data_ptr()) + t * row_bytes,
+                  static_cast<const char*>(embedding_.data_ptr()) + ip[t] * row_bytes, row_bytes);
+    auto out = at::empty({t_rows, vocab_}, embedding_.options().dtype(at::kFloat));
+    if (dtype_ == at::kFloat)
+      run<float>(f32_, y, cos, sin, kv_pool, slot_mappings, block_tables, seq_lens, out.data_ptr<float>());
+    else
+      run<at::BFloat16>(bf16_, y, cos, sin, kv_pool, slot_mappings, block_tables, seq_lens, out.data_ptr<float>());
+    return out;
   }
 
  private:
+  // y [T, hidden] (the first layer's input) through every layer, in place; with logits (float32 [T, vocab_], or
+  // null) through the final norm and the head too.
   template <typename T>
-  at::Tensor run(const std::vector<LayerPlan<T>>& plans, const at::Tensor& x, const at::Tensor& cos,
-                 const at::Tensor& sin, const at::Tensor& kv_pool, const std::vector<at::Tensor>& slot_mappings,
-                 const std::vector<at::Tensor>& block_tables, const std::vector<at::Tensor>& seq_lens) const {
-    const int64_t t_rows = x.size(0), n = size();
+  void run(const std::vector<LayerPlan<T>>& plans, at::Tensor& y, const at::Tensor& cos, const at::Tensor& sin,
+           const at::Tensor& kv_pool, const std::vector<at::Tensor>& slot_mappings,
+           const std::vector<at::Tensor>& block_tables, const std::vector<at::Tensor>& seq_lens,
+           float* logits) const {
+    const int64_t t_rows = y.size(0), n = size();
     std::vector<at::Tensor> caches, slots;
     std::vector<StepTables> tables;  // one per KV block group
     caches.reserve(n);
@@ -510,10 +600,14 @@ class DecodeStack {
       ptrs.push_back(&plans[i]);
       steps.push_back(layer_step<T>(caches[i], slots[i], tables[groups_[i]]));
     }
-    auto y = x.clone();
+    const Blocked<T>* head = nullptr;
+    if (logits != nullptr) {
+      if constexpr (std::is_same_v<T, float>) head = &head_f32_;
+      else head = &head_bf16_;
+    }
     run_layers<T>(ptrs, steps, y.data_ptr<T>(), t_rows, cos.data_ptr<T>(), sin.data_ptr<T>(),
-                  final_norm_.defined() ? final_norm_.data_ptr<T>() : nullptr, static_cast<float>(final_eps_));
-    return y;
+                  final_norm_.defined() ? final_norm_.data_ptr<T>() : nullptr, static_cast<float>(final_eps_), head,
+                  logits);
   }
 
   at::ScalarType dtype_ = at::kFloat;
@@ -524,6 +618,10 @@ class DecodeStack {
   std::vector<int64_t> groups_, locals_;
   at::Tensor final_norm_;  // undefined: none
   double final_eps_ = 0.0;
+  at::Tensor embedding_, head_w_;  // undefined: none (set_ends)
+  Blocked<float> head_f32_{};
+  Blocked<at::BFloat16> head_bf16_{};
+  int64_t vocab_ = 0;
 };
 
 void bind_decode_stack(pybind11::module_& m) {
@@ -534,5 +632,8 @@ void bind_decode_stack(pybind11::module_& m) {
       .def("add_layer", &DecodeStack::add_layer)
       .def("__len__", &DecodeStack::size)
       .def("set_final_norm", &DecodeStack::set_final_norm)
+      .def("set_ends", &DecodeStack::set_ends)
+      .def("has_ends", &DecodeStack::has_ends)
+      .def("logits", &DecodeStack::logits, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("forward", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

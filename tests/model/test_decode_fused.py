@@ -1,6 +1,7 @@
-"""`DecoderLayer.decode_fused` and `LlamaForCausalLM.decode_layers` (``kernels/csrc/decode_layer.cpp``): bf16 and
-float32 decode steps of up to `kernels.cpu_small.BLOCKED_MAX_ROWS` tokens run each layer as one C++ call, or every
-layer in one (``DecodeStack``), with the bits of the layer's Python path."""
+"""`DecoderLayer.decode_fused`, `LlamaForCausalLM.decode_layers` and `LlamaForCausalLM.decode_logits`
+(``kernels/csrc/decode_layer.cpp``): bf16 and float32 decode steps of up to `kernels.cpu_small.BLOCKED_MAX_ROWS`
+tokens run each layer as one C++ call, every layer in one (``DecodeStack``), or the embedding, every layer and the
+head in one, with the bits of the layer's Python path."""
 
 from __future__ import annotations
 
@@ -21,16 +22,20 @@ PROMPTS = [[(7 * i + 3 * j) % 250 + 1 for j in range(n)]
 
 def _generate(model_dir, monkeypatch: pytest.MonkeyPatch, *, path: str, dtype: str = "bfloat16"):
     """Tokens and logprobs of every request, and the row counts of the steps that ran fused: ``path`` "python"
-    (no fused step), "layers" (one C++ call a layer: `DecoderLayer.decode_fused`) or "stack" (one call a step:
-    `LlamaForCausalLM.decode_layers`)."""
+    (no fused step), "layers" (one C++ call a layer: `DecoderLayer.decode_fused`), "stack" (one call a step for
+    the layers: `LlamaForCausalLM.decode_layers`, then the head) or "logits" (one call a step for the embedding,
+    the layers and the head: `LlamaForCausalLM.decode_logits`)."""
     loaded = load_model(model_dir, dtype=dtype)
     engine = LLMEngine(loaded, EngineConfig(num_blocks=160, enable_prefix_caching=False))
     assert loaded.model.decode_stack is not None and len(loaded.model.decode_stack) == len(loaded.model.model.layers)
     assert loaded.model.stack_norms  # the stack path applies the final norm in its own call
-    if path != "stack":
+    assert loaded.model.stack_logits  # and can run the embedding and head too
+    if path not in ("stack", "logits"):
         loaded.model.decode_stack = None
+    loaded.model.stack_logits = path == "logits"
     fused_rows: list[int] = []
     real_layer, real_stack = DecoderLayer.decode_fused, LlamaForCausalLM.decode_layers
+    real_logits = LlamaForCausalLM.decode_logits
 
     def counting_layer(self, x, *args):
         if self.self_attn.layer_idx == 0:
@@ -41,9 +46,16 @@ def _generate(model_dir, monkeypatch: pytest.MonkeyPatch, *, path: str, dtype: s
         fused_rows.append(x.shape[0])
         return real_stack(self, x, *args)
 
+    def counting_logits(self, ids, *args):
+        logits = real_logits(self, ids, *args)
+        if logits is not None:
+            fused_rows.append(ids.shape[0])
+        return logits
+
     with monkeypatch.context() as m:
         m.setattr(DecoderLayer, "decode_fused", counting_layer)
         m.setattr(LlamaForCausalLM, "decode_layers", counting_stack)
+        m.setattr(LlamaForCausalLM, "decode_logits", counting_logits)
         if path == "python":
             m.setattr(LlamaForCausalLM, "_fused_step", staticmethod(lambda *a: False))
         for i, prompt in enumerate(PROMPTS):
@@ -64,7 +76,7 @@ def test_fused_layers_give_the_python_path_s_tokens_and_logprobs(name, dtype, ti
     model_dir = tiny_model_dir if name == "tiny" else hf_model_dir(name)
     want, none = _generate(model_dir, monkeypatch, path="python", dtype=dtype)
     assert none == []
-    for path in ("layers", "stack"):
+    for path in ("layers", "stack", "logits"):
         got, rows = _generate(model_dir, monkeypatch, path=path, dtype=dtype)
         assert got == want, path  # token ids, and each logprob and its alternatives as exact floats
         # fused at every row count from the batch limit down to one; never past it
@@ -78,9 +90,11 @@ def test_the_stack_gives_the_python_path_s_bits_at_any_thread_count(threads, tin
     try:
         want, _ = _generate(tiny_model_dir, monkeypatch, path="python")
         got, rows = _generate(tiny_model_dir, monkeypatch, path="stack")
+        got_logits, rows_logits = _generate(tiny_model_dir, monkeypatch, path="logits")
     finally:
         torch.set_num_threads(before)
     assert got == want and set(rows) == set(range(1, cpu_small.BLOCKED_MAX_ROWS + 1))
+    assert got_logits == want and set(rows_logits) == set(range(1, cpu_small.BLOCKED_MAX_ROWS + 1))
 
 
 def test_only_dense_gqa_layers_in_bf16_or_float32_are_fused(tiny_model_dir, hf_model_dir) -> None:
@@ -187,6 +201,49 @@ def test_the_stack_refuses_bad_inputs_by_name_before_any_write(tiny_model_dir) -
     for bad in (norm.float(), norm[:-1].contiguous(), torch.stack([norm, norm], 1)[:, 0]):
         with pytest.raises(RuntimeError, match=f"the final norm weight must be contiguous BFloat16 \\[{hidden}\\]"):
             empty.set_final_norm(bad, 1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_stack_s_logits_are_forward_then_the_head_and_bad_ids_are_refused_before_any_write(
+        dtype, tiny_model_dir) -> None:
+    model = load_model(tiny_model_dir, dtype=dtype).model
+    stack, config = model.decode_stack, model.config
+    vocab, hidden, d = config.vocab_size, config.hidden_size, config.head_dim
+    pool = torch.zeros(4, config.num_hidden_layers, 2, config.num_key_value_heads, 16, d,
+                       dtype=model.lm_head.weight.dtype)
+    ids = torch.tensor([5, 17, vocab - 1])
+    cos, sin = model.rotary(torch.tensor([0, 3, 9]), pool.dtype)
+    step = ([torch.tensor([0, 19, 41])], [torch.tensor([[0], [1], [2]], dtype=torch.int32)], [torch.tensor([1, 4, 10])])
+    want_pool = pool.clone()
+    with torch.inference_mode():
+        want = model.compute_logits(stack.forward(model.model.embed_tokens(ids), cos, sin, want_pool, *step))
+    got = stack.logits(ids, cos, sin, pool, *step)
+    assert got.dtype == torch.float32 and got.shape == (3, vocab)
+    assert torch.equal(got, want) and torch.equal(pool, want_pool)  # the same logits bits, the same KV written
+    pool.zero_()
+    with pytest.raises(RuntimeError, match=f"token 1's id {vocab} is outside the {vocab} rows of the embedding"):
+        stack.logits(torch.tensor([5, vocab, 3]), cos, sin, pool, *step)
+    with pytest.raises(RuntimeError, match="token 0's id -1 is outside"):
+        stack.logits(torch.tensor([-1, 2, 3]), cos, sin, pool, *step)
+    with pytest.raises(RuntimeError, match="ids must be int64 \\[T\\]"):
+        stack.logits(ids.int(), cos, sin, pool, *step)
+    with pytest.raises(RuntimeError, match="token 2's slot 64 is past the 4 blocks of the cache"):
+        stack.logits(ids, cos, sin, pool, [torch.tensor([0, 19, 64])], *step[1:])
+    assert pool.abs().sum() == 0
+    ext, before, after = model.model.layers[0].fused
+    empty = ext.DecodeStack()
+    empty.add_layer(*before, *after, 0, 0)
+    with pytest.raises(RuntimeError, match="no embedding and head \\(set_ends\\)"):
+        empty.logits(ids, cos, sin, pool, *step)
+    embedding, head_w = model.model.embed_tokens.weight, model.head.blocked
+    with pytest.raises(RuntimeError, match="set the final norm before the embedding and head"):
+        empty.set_ends(embedding, head_w, vocab)
+    empty.set_final_norm(model.model.norm.weight, 1e-5)
+    with pytest.raises(RuntimeError, match=f"the embedding must be contiguous .* \\[vocab, {hidden}\\]"):
+        empty.set_ends(embedding[:, :-1].contiguous(), head_w, vocab)
+    with pytest.raises(RuntimeError, match=f"head_w must be a blocked .* weight of {vocab + 16} x {hidden}"):
+        empty.set_ends(embedding, head_w, vocab + 16)
+    assert not empty.has_ends() and stack.has_ends()
 
 
 def test_decode_weights_are_moved_onto_huge_pages_in_the_order_a_step_reads_them(tiny_model_dir,
