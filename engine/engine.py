@@ -374,18 +374,19 @@ class LLMEngine:
                 token_generator(s.seed, s.index, s.num_output_tokens, self._device) for s, _ in pairs]
         histories = [(s.token_ids[:s.num_prompt_tokens], s.output_token_ids) if s.params.adjusts_logits else None
                      for s, _ in pairs]
-        logits = result.logits  # each row once, in order (no fork, nothing dropped): no gather
+        logits, argmax = result.logits, result.greedy  # each row once, in order (no fork, nothing dropped): no gather
         if rows != list(range(logits.shape[0])):
             logits = logits.index_select(0, torch.tensor(rows, dtype=torch.int64, device=logits.device))
+            argmax = None if argmax is None else [argmax[r] for r in rows]
         params = [s.params for s, _ in pairs]
         matchers = [s.matcher for s, _ in pairs]
         if any(m is not None for m in matchers):
-            logits = logits.float()
+            logits, argmax = logits.float(), None  # the masks move the maxima
             apply_masks(logits, matchers)
             params = [p if s.matcher is None else lift_min_tokens(p, logits[i], s.num_output_tokens,
                                                                   self.eos_token_ids)
                       for i, ((s, _), p) in enumerate(zip(pairs, params, strict=True))]
-        tokens, logprobs = sample(logits, params, gens, histories, self.eos_token_ids)
+        tokens, logprobs = sample(logits, params, gens, histories, self.eos_token_ids, argmax)
         for (seq, _), tok, lp in zip(pairs, tokens, logprobs, strict=True):
             if seq.matcher is not None and not seq.matcher.accept(tok):
                 log.error("%s (sample %d): token %d is outside its grammar; ending it", seq.request_id, seq.index,

@@ -16,10 +16,12 @@ from model.attention import AttentionBackend, AttentionBatch, KvHook
 
 @dataclass(frozen=True, slots=True)
 class StepLogits:
-    """Logits of the sequences that pick a token this step, in ``seqs`` order: ``[len(seqs), vocab]``."""
+    """Logits of the sequences that pick a token this step, in ``seqs`` order: ``[len(seqs), vocab]``; and, where
+    the model found them with the logits, each row's ``torch.argmax`` (``greedy``; else None)."""
 
     seqs: list[Sequence]
     logits: torch.Tensor
+    greedy: list[int] | None = None
 
 
 class ModelRunner:
@@ -140,12 +142,12 @@ class ModelRunner:
             for group in range(g)
         ]
         batch = batches[0] if g == 1 else dataclasses.replace(batches[0], group_batches=tuple(batches))
-        ids, pos = self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64)
         if not step.prefills and self.fuses_logits:  # every row samples: the logits in one call
-            logits = self.model.decode_logits(ids, pos, self.kv_pool, batch, self.backend)
-            if logits is not None:
-                return StepLogits(sample_seqs, logits)
-        hidden = self.model(ids, pos, self.kv_pool, batch, self.backend)
+            fused = self.model.decode_logits(input_ids, positions, self.kv_pool, batch, self.backend)
+            if fused is not None:
+                return StepLogits(sample_seqs, *fused)
+        hidden = self.model(self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), self.kv_pool,
+                            batch, self.backend)
         if sample_rows != list(range(hidden.shape[0])):  # a decode-only step samples every row: no gather
             hidden = hidden.index_select(0, torch.tensor(sample_rows, dtype=torch.int64, device=hidden.device))
         return StepLogits(sample_seqs, self.model.compute_logits(hidden))

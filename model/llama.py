@@ -29,7 +29,7 @@ from model.config import ModelConfig
 from model.deepseek import DeepseekMoe, MlaAttention
 from model.linear_kernel import LinearKernel, colocate_blocked
 from model.moe import SparseMoe
-from model.rope import apply_rotary, rope_inv_freq, rotary_cos_sin
+from model.rope import RotaryRows, apply_rotary, rope_inv_freq, rotary_cos_sin
 
 
 class RMSNorm(nn.Module):
@@ -297,6 +297,7 @@ class LlamaForCausalLM(nn.Module):
         self.decode_stack: Any = None
         self.stack_norms = False  # whether `decode_stack` applies the final norm too (`prepare_for_inference`)
         self.stack_logits = False  # whether it runs the embedding and head too (`decode_logits`)
+        self.rotary_rows: RotaryRows | None = None  # `decode_logits`'s cos and sin, built on its first call
         self.register_buffer("rope_inv_freq", rope_inv_freq(config.rope, config.head_dim), persistent=False)
         self.kv_place = {layer: (g, local) for g, group in enumerate(config.kv_groups)
                          for local, layer in enumerate(group.layers)}  # layer -> (KV block group, local layer)
@@ -356,12 +357,15 @@ class LlamaForCausalLM(nn.Module):
         if kv_pool.shape[1] != per_block:
             raise ValueError(f"kv_pool blocks hold {kv_pool.shape[1]} layers; the model's hold {per_block}")
 
-    def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_pool: torch.Tensor,
-                      batch: AttentionBatch, backend: AttentionBackend) -> torch.Tensor | None:
+    def decode_logits(self, input_ids: list[int], positions: list[int], kv_pool: torch.Tensor,
+                      batch: AttentionBatch, backend: AttentionBackend) -> tuple[torch.Tensor, list[int]] | None:
         """`forward` then `compute_logits` of every row, in one C++ call (``DecodeStack.logits``: the embedding
         lookup, every layer, the final norm and the head in one parallel region), or None where the step does not
         fuse (`_fused_step`) or the stack has no head (`stack_logits`): then call `forward`. Arguments as
-        `forward`'s; returns float32 ``[T, vocab_size]``, the bits `forward` then `compute_logits` give.
+        `forward`'s, but the token ids and positions as lists (no tensor is built for them; the rotary rows come
+        from `model.rope.RotaryRows`); returns float32 ``[T, vocab_size]``, the bits `forward` then
+        `compute_logits` give, and each row's ``torch.argmax`` (its greedy token, found while the row is in the
+        cache).
 
         Between the layers and the head a separate call cost the head's Python and a parallel region of its own,
         both run with cold caches after the step has streamed the weights: a batch-1 bf16 SmolLM2 step on a Zen 4
@@ -372,14 +376,17 @@ class LlamaForCausalLM(nn.Module):
             RuntimeError: a token id outside the vocabulary, or a slot, block table or shape that does not fit.
         """
         self._check_pool(kv_pool)
-        dtype = self.model.embed_tokens.weight.dtype
+        weight = self.model.embed_tokens.weight
         if self.decode_stack is None or not self.stack_logits or not self._fused_step(
-                input_ids.shape[0], dtype, input_ids.device, kv_pool, batch, backend):
+                len(input_ids), weight.dtype, weight.device, kv_pool, batch, backend):
             return None
+        if self.rotary_rows is None or self.rotary_rows.dtype != weight.dtype:
+            self.rotary_rows = RotaryRows(self.rope_inv_freq, dtype=weight.dtype,
+                                          scaling=self.config.rope.attention_factor)
+        cos, sin, rows = self.rotary_rows.rows(positions)
         groups = [batch.for_group(g) for g in range(len(self.config.kv_groups))]
-        return self.decode_stack.logits(input_ids, *self.rotary(positions, dtype), kv_pool,
-                                        [b.slot_mapping for b in groups], [b.decode_block_tables for b in groups],
-                                        [b.decode_seq_lens for b in groups])
+        return self.decode_stack.logits(input_ids, rows, cos, sin, kv_pool, [b.slot_mapping for b in groups],
+                                        [b.decode_block_tables for b in groups], [b.decode_seq_lens for b in groups])
 
     def decode_layers(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], kv_pool: torch.Tensor,
                       batch: AttentionBatch) -> torch.Tensor:

@@ -105,12 +105,15 @@ def token_logprobs(logits: torch.Tensor, params: SamplingParams, token: int) -> 
 def sample(
     logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
     histories: Sequence[History | None] | None = None, eos_token_ids: Collection[int] = (),
+    argmax: Sequence[int] | None = None,
 ) -> tuple[list[int], list[TokenLogprobs | None]]:
     """One token per row of ``logits`` ``[N, vocab]`` with that row's params and generator, and its
     `TokenLogprobs` for the rows whose params ask for logprobs (else None).
 
     ``histories[i]`` is needed for each row whose params adjust the logits (`SamplingParams.adjusts_logits`);
-    ``eos_token_ids`` are the stop tokens ``min_tokens`` holds back (with ``stop_token_ids``).
+    ``eos_token_ids`` are the stop tokens ``min_tokens`` holds back (with ``stop_token_ids``). ``argmax``: each
+    row's ``torch.argmax`` of ``logits`` where the caller has it already (`engine.model_runner.StepLogits.greedy`):
+    a greedy row whose params do not adjust its logits takes it instead of a search of its own.
     """
     adjusted = [i for i, p in enumerate(params) if p.adjusts_logits]
     if adjusted:
@@ -120,8 +123,12 @@ def sample(
             history = histories[i]
             assert history is not None
             adjust_logits(logits[i], params[i], history, eos_token_ids)
-    greedy_rows = [i for i, p in enumerate(params) if p.greedy]
     out = [0] * len(params)
+    if argmax is not None:  # the rows whose logits no adjustment moved
+        for i, p in enumerate(params):
+            if p.greedy and not p.adjusts_logits:
+                out[i] = argmax[i]
+    greedy_rows = [i for i, p in enumerate(params) if p.greedy and (argmax is None or p.adjusts_logits)]
     if greedy_rows:
         greedy = logits if len(greedy_rows) == logits.shape[0] else logits[greedy_rows]  # every row: no copy
         picked = torch.argmax(greedy, dim=-1).tolist()

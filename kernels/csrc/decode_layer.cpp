@@ -36,6 +36,7 @@
 #include <exception>
 #include <mutex>
 #include <thread>
+#include <tuple>
 #include <type_traits>
 
 #include "small_ops.h"
@@ -170,10 +171,14 @@ struct Scratch {
   std::vector<float> att;    // the attention's part buffers (kvrelay_cpu::AttentionWork)
   std::vector<Word> padded;  // a linear's input rows of odd bf16 width, padded (kvrelay_cpu::blocked_x)
   std::vector<T> head;       // the LM head's rows in T before they are widened to float32 (bf16 only)
-  void fit_head(const Blocked<T>& w, int64_t t_rows) {
+  std::vector<float> best;   // [threads, T]: each thread's largest logit of each row in its columns,
+  std::vector<int64_t> best_at;  // and its column (the first of equal ones; -1: no columns)
+  void fit_head(const Blocked<T>& w, int64_t t_rows, int64_t threads) {
     if (!std::is_same_v<T, float> && static_cast<int64_t>(head.size()) < t_rows * w.out)
       head.resize(static_cast<size_t>(t_rows * w.out));
     if (static_cast<int64_t>(padded.size()) < t_rows * w.k) padded.resize(static_cast<size_t>(t_rows * w.k));
+    best.assign(static_cast<size_t>(threads * t_rows), 0.f);
+    best_at.assign(static_cast<size_t>(threads * t_rows), -1);
   }
   void fit(const LayerPlan<T>& p, int64_t t_rows, int64_t parts) {
     const auto grow = [](auto& v, int64_t n) {
@@ -333,38 +338,73 @@ bool run_layer(const TeamThread& team, const LayerPlan<T>& p, T* x, int64_t t_ro
   return team.sync();
 }
 
+// Whether logit a ranks above b as torch.argmax ranks them: NaN above any number (found from the bits: this file
+// builds with -ffast-math, under which a NaN test may be folded away), else the larger.
+inline bool ranks_above(float a, float b) {
+  const auto nan = [](float v) {
+    uint32_t u;
+    std::memcpy(&u, &v, sizeof(u));
+    return (u & 0x7f800000u) == 0x7f800000u && (u & 0x007fffffu) != 0;
+  };
+  if (nan(a)) return !nan(b);
+  return !nan(b) && a > b;
+}
+
 // logits [T, head.out] (float32) = x W^T for the LM head's blocked W, this thread's groups: summed and rounded to T
-// as blocked_linear does, then widened (the bits of torch's .float() of blocked_linear's result). Syncs after.
+// as blocked_linear does, then widened (the bits of torch's .float() of blocked_linear's result). With greedy
+// (else null), the lead then writes each row's torch.argmax into greedy[t]: its largest logit's column, the first
+// of equal ones, a NaN above any number. Syncs after.
 template <typename T>
 bool team_head(const TeamThread& team, const Blocked<T>& w, const T* x, int64_t t_rows, int64_t in, float* logits,
-               Scratch<T>& s) {
+               int64_t* greedy, Scratch<T>& s) {
+  const auto [begin, end] = team.share(w.groups, kvrelay_cpu::kGroupGrain);
+  const int64_t c0 = begin * kLanes, c1 = std::min(w.out, end * kLanes);
   if constexpr (std::is_same_v<T, float>) {
     if (!team_linear(team, w, x, t_rows, in, logits, s)) return false;
   } else {
     if (!team_linear(team, w, x, t_rows, in, s.head.data(), s)) return false;
-    const auto [begin, end] = team.share(w.groups, kvrelay_cpu::kGroupGrain);
-    const int64_t c0 = begin * kLanes, c1 = std::min(w.out, end * kLanes);
     for (int64_t t = 0; t < t_rows; ++t)
       for (int64_t c = c0; c < c1; ++c) logits[t * w.out + c] = static_cast<float>(s.head[t * w.out + c]);
+  }
+  if (greedy != nullptr) {  // each thread over its own columns (still in its cache), then the lead over the threads
+    for (int64_t t = 0; t < t_rows; ++t) {
+      const float* row = logits + t * w.out;
+      int64_t at = c0 < c1 ? c0 : -1;
+      for (int64_t c = c0 + 1; c < c1; ++c)
+        if (ranks_above(row[c], row[at])) at = c;
+      s.best_at[team.tid * t_rows + t] = at;
+      if (at >= 0) s.best[team.tid * t_rows + t] = row[at];
+    }
+    if (!team.sync()) return false;
+    if (team.lead())
+      for (int64_t t = 0; t < t_rows; ++t) {
+        int64_t at = -1;
+        float best = 0.f;
+        for (int64_t k = 0; k < team.threads; ++k) {  // in column order: a later thread wins only by ranking above
+          const int64_t c = s.best_at[k * t_rows + t];
+          if (c >= 0 && (at < 0 || ranks_above(s.best[k * t_rows + t], best))) at = c, best = s.best[k * t_rows + t];
+        }
+        greedy[t] = at;
+      }
   }
   return team.sync();
 }
 
 // Layers 0 .. n-1 of a step over x [T, hidden] (in place), by a team of at::get_num_threads() threads in one
 // parallel region (one thread: no region). steps[i] is layer i's cache, slots and tables; final_norm (or null)
-// normalises the last layer's output; head (or null: logits is then unused) then writes the LM head's float32
-// logits [T, head->out] into logits. Raises (RuntimeError) what a team thread raised (none is expected: the
+// normalises the last layer's output; head (or null: logits and greedy are then unused) then writes the LM head's
+// float32 logits [T, head->out] into logits, and each row's argmax into greedy [T] where not null. Raises (RuntimeError) what a team thread raised (none is expected: the
 // inputs are checked and the buffers sized before the team starts).
 template <typename T>
 void run_layers(const std::vector<const LayerPlan<T>*>& plans, const std::vector<LayerStep<T>>& steps, T* x,
                 int64_t t_rows, const T* cp, const T* snp, const T* final_norm, float final_eps,
-                const Blocked<T>* head = nullptr, float* logits = nullptr) {
+                const Blocked<T>* head = nullptr, float* logits = nullptr, int64_t* greedy = nullptr) {
   const int64_t threads = std::max<int64_t>(1, at::in_parallel_region() ? 1 : at::get_num_threads());
   // the parts paged_decode_attention splits the keys into, from the thread count it sees (the same bits)
   const int64_t parts = kvrelay_cpu::attention_parts(t_rows, plans[0]->kv_heads, at::get_num_threads());
   Scratch<T> s;
   for (const LayerPlan<T>* p : plans) s.fit(*p, t_rows, parts);
-  if (head != nullptr) s.fit_head(*head, t_rows);
+  if (head != nullptr) s.fit_head(*head, t_rows, threads);
   const int64_t n = static_cast<int64_t>(plans.size());
   SpinBarrier barrier(static_cast<int>(threads));
   std::exception_ptr error;
@@ -382,7 +422,7 @@ void run_layers(const std::vector<const LayerPlan<T>*>& plans, const std::vector
                        last ? 0.f : plans[i + 1]->eps, last ? final_norm : nullptr, final_eps, s))
           return;
       }
-      if (head != nullptr && !team_head(team, *head, x, t_rows, plans[0]->hidden, logits, s)) return;
+      if (head != nullptr && !team_head(team, *head, x, t_rows, plans[0]->hidden, logits, greedy, s)) return;
     } catch (...) {
       std::lock_guard<std::mutex> lock(error_mutex);
       if (!error) error = std::current_exception();
@@ -462,13 +502,15 @@ at::Tensor decode_layer(at::Tensor x, at::Tensor in_norm, at::Tensor post_norm, 
 //   set_ends(embedding, head_w, vocab): the model's token embedding [rows, hidden] (contiguous, the layers' dtype)
 //       and its LM head (head_w in blocked_linear's layout of a [vocab, hidden] weight, no bias), for logits. Needs
 //       the final norm set first; raises (RuntimeError) otherwise or on a shape or dtype that does not fit.
-//   logits(ids, cos, sin, kv_pool, slot_mappings, block_tables, seq_lens): forward from token ids (int64 [T]),
-//       then the head, in the one parallel region: float32 [T, vocab], the bits of blocked_linear's head over
-//       forward's output, widened to float32 (torch's .float()). The embedding rows are copied as
+//   logits(ids, rope_rows, cos_table, sin_table, kv_pool, slot_mappings, block_tables, seq_lens): forward from
+//       the T token ids (a list of ints), with token t's cos and sin row rope_rows[t] of the tables ([rows,
+//       head_dim], the layers' dtype; model.rope.RotaryRows), then the head, in the one parallel region. Returns (float32 [T, vocab], the bits of blocked_linear's head
+//       over forward's output, widened to float32 (torch's .float()); each row's torch.argmax as a list of T ints:
+//       the first of equal maxima, a NaN above any number). The embedding rows are copied as
 //       torch.embedding's lookup gives them. A batch-1 bf16 SmolLM2 step on a Zen 4 VM, alternated step by step
 //       with forward then the head as two calls (6 rounds of 128 steps): 0.95-1.02x the time, median ~0.98x.
-//       Raises (RuntimeError) on an id outside the embedding's rows, and as forward does, before any KV is
-//       written; or when set_ends was not called.
+//       Raises (RuntimeError) on an id outside the embedding's rows or a row outside the tables, and as forward
+//       does, before any KV is written; or when set_ends was not called.
 class DecodeStack {
  public:
   void add_layer(const at::Tensor& in_norm, const at::Tensor& post_norm, double eps, const at::Tensor& qkv_w,
@@ -542,33 +584,48 @@ class DecodeStack {
     return y;
   }
 
-  at::Tensor logits(const at::Tensor& ids, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv_pool,
-                    const std::vector<at::Tensor>& slot_mappings, const std::vector<at::Tensor>& block_tables,
-                    const std::vector<at::Tensor>& seq_lens) const {
+  std::tuple<at::Tensor, std::vector<int64_t>> logits(const std::vector<int64_t>& ids,
+                                                      const std::vector<int64_t>& rope_rows, const at::Tensor& cos_table,
+                                                      const at::Tensor& sin_table, const at::Tensor& kv_pool,
+                                                      const std::vector<at::Tensor>& slot_mappings,
+                                                      const std::vector<at::Tensor>& block_tables,
+                                                      const std::vector<at::Tensor>& seq_lens) const {
     TORCH_CHECK(!groups_.empty(), "DecodeStack: no layers");
     TORCH_CHECK(has_ends(), "DecodeStack: no embedding and head (set_ends)");
-    TORCH_CHECK(ids.dim() == 1 && ids.size(0) >= 1 && ids.scalar_type() == at::kLong,
-                "DecodeStack: ids must be int64 [T], T >= 1");
+    TORCH_CHECK(!ids.empty() && rope_rows.size() == ids.size(), "DecodeStack: one rotary row per token id, T >= 1");
+    TORCH_CHECK(cos_table.dim() == 2 && cos_table.sizes() == sin_table.sizes() && cos_table.scalar_type() == dtype_ &&
+                    sin_table.scalar_type() == dtype_ && cos_table.is_contiguous() && sin_table.is_contiguous(),
+                "DecodeStack: the rotary tables must be contiguous ", dtype_, " [rows, head_dim], both alike");
     TORCH_CHECK(kv_pool.dim() == 6, "DecodeStack: kv_pool must be [num_blocks, layers, 2, kv_heads, B, head_dim]");
     TORCH_CHECK(slot_mappings.size() == block_tables.size() && slot_mappings.size() == seq_lens.size(),
                 "DecodeStack: one slot mapping, block table and length tensor per KV block group");
-    const auto idc = ids.contiguous();
-    const int64_t t_rows = idc.size(0), rows = embedding_.size(0);
-    const int64_t* ip = idc.data_ptr<int64_t>();
-    for (int64_t t = 0; t < t_rows; ++t)
-      TORCH_CHECK(ip[t] >= 0 && ip[t] < rows, "DecodeStack: token ", t, "'s id ", ip[t], " is outside the ", rows,
+    const int64_t t_rows = static_cast<int64_t>(ids.size()), rows = embedding_.size(0);
+    const int64_t table_rows = cos_table.size(0);
+    for (int64_t t = 0; t < t_rows; ++t) {
+      TORCH_CHECK(ids[t] >= 0 && ids[t] < rows, "DecodeStack: token ", t, "'s id ", ids[t], " is outside the ", rows,
                   " rows of the embedding");
-    auto y = at::empty({t_rows, hidden_}, embedding_.options());
-    const auto row_bytes = static_cast<size_t>(hidden_ * embedding_.element_size());
-    for (int64_t t = 0; t < t_rows; ++t)
-      std::memcpy(static_cast<char*>(y.data_ptr()) + t * row_bytes,
-                  static_cast<const char*>(embedding_.data_ptr()) + ip[t] * row_bytes, row_bytes);
+      TORCH_CHECK(rope_rows[t] >= 0 && rope_rows[t] < table_rows, "DecodeStack: token ", t, "'s rotary row ",
+                  rope_rows[t], " is outside the ", table_rows, " rows of the tables");
+    }
+    const auto gather = [t_rows](const at::Tensor& table, const std::vector<int64_t>& at_rows) {
+      auto out = at::empty({t_rows, table.size(1)}, table.options());
+      const auto row_bytes = static_cast<size_t>(table.size(1) * table.element_size());
+      for (int64_t t = 0; t < t_rows; ++t)
+        std::memcpy(static_cast<char*>(out.data_ptr()) + t * row_bytes,
+                    static_cast<const char*>(table.data_ptr()) + at_rows[t] * row_bytes, row_bytes);
+      return out;
+    };
+    auto y = gather(embedding_, ids);
+    const auto cos = gather(cos_table, rope_rows), sin = gather(sin_table, rope_rows);  // checked by run's check_step
     auto out = at::empty({t_rows, vocab_}, embedding_.options().dtype(at::kFloat));
+    std::vector<int64_t> greedy(static_cast<size_t>(t_rows), -1);
     if (dtype_ == at::kFloat)
-      run<float>(f32_, y, cos, sin, kv_pool, slot_mappings, block_tables, seq_lens, out.data_ptr<float>());
+      run<float>(f32_, y, cos, sin, kv_pool, slot_mappings, block_tables, seq_lens, out.data_ptr<float>(),
+                 greedy.data());
     else
-      run<at::BFloat16>(bf16_, y, cos, sin, kv_pool, slot_mappings, block_tables, seq_lens, out.data_ptr<float>());
-    return out;
+      run<at::BFloat16>(bf16_, y, cos, sin, kv_pool, slot_mappings, block_tables, seq_lens, out.data_ptr<float>(),
+                        greedy.data());
+    return {out, greedy};
   }
 
  private:
@@ -578,7 +635,7 @@ class DecodeStack {
   void run(const std::vector<LayerPlan<T>>& plans, at::Tensor& y, const at::Tensor& cos, const at::Tensor& sin,
            const at::Tensor& kv_pool, const std::vector<at::Tensor>& slot_mappings,
            const std::vector<at::Tensor>& block_tables, const std::vector<at::Tensor>& seq_lens,
-           float* logits) const {
+           float* logits, int64_t* greedy = nullptr) const {
     const int64_t t_rows = y.size(0), n = size();
     std::vector<at::Tensor> caches, slots;
     std::vector<StepTables> tables;  // one per KV block group
@@ -607,7 +664,7 @@ class DecodeStack {
     }
     run_layers<T>(ptrs, steps, y.data_ptr<T>(), t_rows, cos.data_ptr<T>(), sin.data_ptr<T>(),
                   final_norm_.defined() ? final_norm_.data_ptr<T>() : nullptr, static_cast<float>(final_eps_), head,
-                  logits);
+                  logits, greedy);
   }
 
   at::ScalarType dtype_ = at::kFloat;

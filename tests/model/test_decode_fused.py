@@ -49,7 +49,7 @@ def _generate(model_dir, monkeypatch: pytest.MonkeyPatch, *, path: str, dtype: s
     def counting_logits(self, ids, *args):
         logits = real_logits(self, ids, *args)
         if logits is not None:
-            fused_rows.append(ids.shape[0])
+            fused_rows.append(len(ids))
         return logits
 
     with monkeypatch.context() as m:
@@ -69,8 +69,9 @@ def _generate(model_dir, monkeypatch: pytest.MonkeyPatch, *, path: str, dtype: s
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-# plain; q/k/v bias; window; an odd intermediate width (padded rows)
-@pytest.mark.parametrize("name", ["tiny", "qwen2_bias_tied", "mistral_window_40", "llama_odd_intermediate"])
+# plain; q/k/v bias; window; an odd intermediate width (padded rows); a head dim of 32 (the rotary rows tabled)
+@pytest.mark.parametrize("name", ["tiny", "qwen2_bias_tied", "mistral_window_40", "llama_odd_intermediate",
+                                  "llama_head_dim_32"])
 def test_fused_layers_give_the_python_path_s_tokens_and_logprobs(name, dtype, tiny_model_dir, hf_model_dir,
                                                                  monkeypatch) -> None:
     model_dir = tiny_model_dir if name == "tiny" else hf_model_dir(name)
@@ -211,30 +212,37 @@ def test_the_stack_s_logits_are_forward_then_the_head_and_bad_ids_are_refused_be
     vocab, hidden, d = config.vocab_size, config.hidden_size, config.head_dim
     pool = torch.zeros(4, config.num_hidden_layers, 2, config.num_key_value_heads, 16, d,
                        dtype=model.lm_head.weight.dtype)
-    ids = torch.tensor([5, 17, vocab - 1])
-    cos, sin = model.rotary(torch.tensor([0, 3, 9]), pool.dtype)
+    ids, positions = [5, 17, vocab - 1], [0, 3, 9]
+    cos, sin = model.rotary(torch.tensor(positions), pool.dtype)
+    table = model.rotary(torch.arange(12), pool.dtype)  # rows 0 .. 11: a token's row is its position
     step = ([torch.tensor([0, 19, 41])], [torch.tensor([[0], [1], [2]], dtype=torch.int32)], [torch.tensor([1, 4, 10])])
     want_pool = pool.clone()
     with torch.inference_mode():
-        want = model.compute_logits(stack.forward(model.model.embed_tokens(ids), cos, sin, want_pool, *step))
-    got = stack.logits(ids, cos, sin, pool, *step)
+        want = model.compute_logits(stack.forward(model.model.embed_tokens(torch.tensor(ids)), cos, sin, want_pool,
+                                                  *step))
+    got, greedy = stack.logits(ids, positions, *table, pool, *step)
     assert got.dtype == torch.float32 and got.shape == (3, vocab)
     assert torch.equal(got, want) and torch.equal(pool, want_pool)  # the same logits bits, the same KV written
+    assert greedy == torch.argmax(want, dim=-1).tolist()
     pool.zero_()
     with pytest.raises(RuntimeError, match=f"token 1's id {vocab} is outside the {vocab} rows of the embedding"):
-        stack.logits(torch.tensor([5, vocab, 3]), cos, sin, pool, *step)
+        stack.logits([5, vocab, 3], positions, *table, pool, *step)
     with pytest.raises(RuntimeError, match="token 0's id -1 is outside"):
-        stack.logits(torch.tensor([-1, 2, 3]), cos, sin, pool, *step)
-    with pytest.raises(RuntimeError, match="ids must be int64 \\[T\\]"):
-        stack.logits(ids.int(), cos, sin, pool, *step)
+        stack.logits([-1, 2, 3], positions, *table, pool, *step)
+    with pytest.raises(RuntimeError, match="token 2's rotary row 12 is outside the 12 rows of the tables"):
+        stack.logits(ids, [0, 3, 12], *table, pool, *step)
+    with pytest.raises(RuntimeError, match="one rotary row per token id"):
+        stack.logits(ids, positions[:2], *table, pool, *step)
+    with pytest.raises(RuntimeError, match="the rotary tables must be contiguous"):
+        stack.logits(ids, positions, table[0].half(), table[1].half(), pool, *step)
     with pytest.raises(RuntimeError, match="token 2's slot 64 is past the 4 blocks of the cache"):
-        stack.logits(ids, cos, sin, pool, [torch.tensor([0, 19, 64])], *step[1:])
+        stack.logits(ids, positions, *table, pool, [torch.tensor([0, 19, 64])], *step[1:])
     assert pool.abs().sum() == 0
     ext, before, after = model.model.layers[0].fused
     empty = ext.DecodeStack()
     empty.add_layer(*before, *after, 0, 0)
     with pytest.raises(RuntimeError, match="no embedding and head \\(set_ends\\)"):
-        empty.logits(ids, cos, sin, pool, *step)
+        empty.logits(ids, positions, *table, pool, *step)
     embedding, head_w = model.model.embed_tokens.weight, model.head.blocked
     with pytest.raises(RuntimeError, match="set the final norm before the embedding and head"):
         empty.set_ends(embedding, head_w, vocab)
@@ -244,6 +252,43 @@ def test_the_stack_s_logits_are_forward_then_the_head_and_bad_ids_are_refused_be
     with pytest.raises(RuntimeError, match=f"head_w must be a blocked .* weight of {vocab + 16} x {hidden}"):
         empty.set_ends(embedding, head_w, vocab + 16)
     assert not empty.has_ends() and stack.has_ends()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_stack_s_greedy_tokens_are_torch_s_argmax_with_ties_and_nans(threads, tiny_model_dir) -> None:
+    """Each row's greedy token from `DecodeStack.logits` is ``torch.argmax``'s: the first of equal maxima, the first
+    NaN over any number, wherever the columns fall in the team's split (head rows crafted to tie or be NaN)."""
+    model = load_model(tiny_model_dir, dtype="bfloat16").model
+    config = model.config
+    vocab, d = config.vocab_size, config.head_dim
+    assert vocab >= 256
+    ids, positions = [5, 17, 99], [0, 3, 9]
+    step = ([torch.tensor([0, 19, 41])], [torch.tensor([[0], [1], [2]], dtype=torch.int32)], [torch.tensor([1, 4, 10])])
+    w = model.lm_head.weight.detach()
+    zeros = torch.zeros_like(w)  # every logit 0.0: column 0
+    tie = zeros.clone()  # logits 0.0 but two equal ones: whichever ties at the maximum, the first column wins
+    tie[7], tie[vocab - 40] = w[7], w[7]
+    nan_both, nan_late = w.clone(), w.clone()
+    nan_both[40], nan_both[vocab - 30] = float("nan"), float("nan")  # the first NaN wins, in either thread's share
+    nan_late[vocab - 30] = float("nan")  # a NaN in the last columns ranks above the finite maximum before it
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for head, want_first in ((w, None), (tie, None), (zeros, 0), (nan_both, 40), (nan_late, vocab - 30)):
+            stack = model.model.layers[0].fused[0].DecodeStack()
+            for i, layer in enumerate(model.model.layers):
+                stack.add_layer(*layer.fused[1], *layer.fused[2], *model.kv_place[i])
+            stack.set_final_norm(model.model.norm.weight, model.model.norm.eps)
+            stack.set_ends(model.model.embed_tokens.weight, cpu_small.block_weight(head), vocab)
+            pool = torch.zeros(4, config.num_hidden_layers, 2, config.num_key_value_heads, 16, d, dtype=torch.bfloat16)
+            logits, greedy = stack.logits(ids, positions, *model.rotary(torch.arange(10), torch.bfloat16), pool, *step)
+            assert greedy == torch.argmax(logits, dim=-1).tolist()
+            if head is tie:
+                assert torch.equal(logits[:, 7], logits[:, vocab - 40])
+            if want_first is not None:
+                assert greedy == [want_first] * 3
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_decode_weights_are_moved_onto_huge_pages_in_the_order_a_step_reads_them(tiny_model_dir,

@@ -9,7 +9,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from model.config import ModelConfig
-from model.rope import apply_rotary, rope_inv_freq, rotary_cos_sin
+from model.rope import RotaryRows, apply_rotary, rope_inv_freq, rotary_cos_sin
 
 ROPE_PARAMETERS = {
     "default": {"rope_type": "default", "rope_theta": 10000.0},
@@ -77,3 +77,37 @@ def test_position_zero_is_identity() -> None:
     rope = ModelConfig.from_hf_dict(_hf_config("default", 8).to_dict()).rope
     cos, sin = rotary_cos_sin(rope_inv_freq(rope, 8), torch.tensor([0]), dtype=torch.float32)
     assert torch.equal(apply_rotary(x, cos, sin), x)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("head_dim", "rope_type"), [(64, "default"), (128, "llama3"), (32, "yarn_truncated_mscale")])
+def test_rotary_rows_hold_each_step_s_own_bits(head_dim: int, rope_type: str, dtype: torch.dtype) -> None:
+    """A tabled row is the bits `rotary_cos_sin` gives its position in a step of any size (1 to 16 tokens, in any
+    order), before and after the tables grow; rows already there do not move."""
+    rope = ModelConfig.from_hf_dict(_hf_config(rope_type, head_dim).to_dict()).rope
+    inv_freq, scaling = rope_inv_freq(rope, head_dim), rope.attention_factor
+    table = RotaryRows(inv_freq, dtype=dtype, scaling=scaling)
+    assert table.tabled and table.cos.shape == (0, head_dim)
+    gen = torch.Generator().manual_seed(0)
+    first = None
+    for limit in (100, 3000, 70000):  # each limit grows the tables
+        for t in range(1, 17):
+            positions = torch.randint(0, limit, (t,), generator=gen).tolist()
+            cos, sin, rows = table.rows(positions)
+            assert rows == positions and cos.shape[0] > max(positions)
+            want_cos, want_sin = rotary_cos_sin(inv_freq, torch.tensor(positions), dtype=dtype, scaling=scaling)
+            assert torch.equal(cos[rows], want_cos) and torch.equal(sin[rows], want_sin)
+        if first is None:
+            first = table.cos[:100].clone()
+    assert table.cos.shape[0] >= 70000 and torch.equal(table.cos[:100], first)
+
+
+def test_rotary_rows_of_a_width_torch_computes_partly_in_scalar_code_are_each_step_s_own() -> None:
+    """At a head dim that is no multiple of 32 nothing is tabled: `RotaryRows.rows` computes the step's rows."""
+    inv_freq = rope_inv_freq(ModelConfig.from_hf_dict(_hf_config("default", 24).to_dict()).rope, 24)
+    table = RotaryRows(inv_freq, dtype=torch.bfloat16)
+    assert not table.tabled
+    cos, sin, rows = table.rows([7, 3, 500])
+    want_cos, want_sin = rotary_cos_sin(inv_freq, torch.tensor([7, 3, 500]), dtype=torch.bfloat16)
+    assert rows == [0, 1, 2] and torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+    assert table.cos.shape[0] == 0
