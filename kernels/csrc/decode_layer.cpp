@@ -33,6 +33,8 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <atomic>
+#include <chrono>
+#include <cmath>
 #include <exception>
 #include <mutex>
 #include <thread>
@@ -239,10 +241,53 @@ struct TeamThread {
   }
 };
 
-// y [T, out] = x [T, in] W^T + b, this thread's groups (blocked_rows' split); the caller syncs after.
+// How a team of two splits the output groups of each kind of linear layer (a layer's [q; k; v], o, [gate; up],
+// down, and the head): the lead takes the first `permille` thousandths, the other thread the rest, each one
+// contiguous stream. The cut follows the two threads' measured speeds, step by step: in a Zen 4 VM's minutes of
+// high read bandwidth one vCPU streamed the weights at ~8-10 bytes a cycle and the other at ~10-12, so that with
+// halves the faster waited at every barrier (fixed cuts of 0.58 gained 7% in one such minute and lost 9% in the
+// next; chunks drawn by the two threads from both ends, 64 a layer, lost 4-7%: a thread then starts a new stream
+// at every chunk). Any cut gives the same bits: each group is computed alone.
+struct Balance {
+  static constexpr int kKinds = 5;  // qkv, o, gate_up, down, head
+  static constexpr int32_t kMin = 200, kMax = 800;  // the lead's share never leaves 0.2 .. 0.8
+  std::atomic<int32_t> permille[kKinds];
+  Balance() {
+    for (auto& p : permille) p.store(500, std::memory_order_relaxed);
+  }
+};
+
+// One step's measurements for Balance: each thread its own row (seconds in the linear kernel, groups computed).
+struct StepBalance {
+  const Balance* balance;
+  double seconds[2][Balance::kKinds] = {};
+  int64_t groups[2][Balance::kKinds] = {};
+  // After the step: each kind's cut moves halfway to where the two threads' measured speeds would have met.
+  void update(Balance& b) const {
+    for (int k = 0; k < Balance::kKinds; ++k) {
+      if (groups[0][k] == 0 || groups[1][k] == 0 || seconds[0][k] <= 0 || seconds[1][k] <= 0) continue;
+      const double r0 = groups[0][k] / seconds[0][k], r1 = groups[1][k] / seconds[1][k];
+      const int32_t old = b.permille[k].load(std::memory_order_relaxed);
+      const auto next = static_cast<int32_t>(std::lround(0.5 * old + 500.0 * r0 / (r0 + r1)));
+      b.permille[k].store(std::clamp(next, Balance::kMin, Balance::kMax), std::memory_order_relaxed);
+    }
+  }
+};
+
+// This thread's output groups begin .. end-1 of a linear layer of kind `kind` with `groups` groups: with balance (a
+// team of two) the cut Balance holds; else blocked_rows' equal split.
+inline std::pair<int64_t, int64_t> linear_share(const TeamThread& team, int64_t groups, const StepBalance* balance,
+                                                int kind) {
+  if (balance == nullptr || team.threads != 2) return team.share(groups, kvrelay_cpu::kGroupGrain);
+  const int64_t cut = (groups * balance->balance->permille[kind].load(std::memory_order_relaxed) + 500) / 1000;
+  return team.lead() ? std::pair<int64_t, int64_t>{0, cut} : std::pair<int64_t, int64_t>{cut, groups};
+}
+
+// y [T, out] = x [T, in] W^T + b, this thread's groups (linear_share), timed into balance where given. The caller
+// syncs after.
 template <typename T>
 bool team_linear(const TeamThread& team, const Blocked<T>& w, const T* x, int64_t t_rows, int64_t in, T* y,
-                 Scratch<T>& s) {
+                 Scratch<T>& s, StepBalance* balance = nullptr, int kind = 0) {
   using Word = typename Scratch<T>::Word;
   const auto* xw = reinterpret_cast<const Word*>(x);
   if (in % static_cast<int64_t>(sizeof(Word) / sizeof(T)) != 0) {  // odd bf16 width: the lead pads the rows, once
@@ -250,8 +295,15 @@ bool team_linear(const TeamThread& team, const Blocked<T>& w, const T* x, int64_
     if (!team.sync()) return false;
     xw = s.padded.data();
   }
-  const auto [begin, end] = team.share(w.groups, kvrelay_cpu::kGroupGrain);
+  const auto [begin, end] = linear_share(team, w.groups, balance, kind);
+  if (balance == nullptr || team.threads != 2) {
+    kvrelay_cpu::blocked_groups(xw, t_rows, w.k, w.w, w.bias, w.out, y, begin, end);
+    return true;
+  }
+  const auto t0 = std::chrono::steady_clock::now();
   kvrelay_cpu::blocked_groups(xw, t_rows, w.k, w.w, w.bias, w.out, y, begin, end);
+  balance->seconds[team.tid][kind] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  balance->groups[team.tid][kind] += end - begin;
   return true;
 }
 
@@ -278,10 +330,10 @@ LayerStep<T> layer_step(const at::Tensor& layer_cache, const at::Tensor& slots, 
 template <typename T>
 bool run_layer(const TeamThread& team, const LayerPlan<T>& p, T* x, int64_t t_rows, const T* cp, const T* snp,
                const LayerStep<T>& ls, int64_t parts, const T* next_norm, float next_eps, const T* final_norm,
-               float final_eps, Scratch<T>& s) {
+               float final_eps, StepBalance* balance, Scratch<T>& s) {
   const int64_t hidden = p.hidden, d = p.d, nq = p.heads * d, nkv = p.kv_heads * d;
   // Attention: [q; k; v], rotary of q and k, the KV write
-  if (!team_linear(team, p.qkv, s.h.data(), t_rows, hidden, s.qkv_out.data(), s) || !team.sync()) return false;
+  if (!team_linear(team, p.qkv, s.h.data(), t_rows, hidden, s.qkv_out.data(), s, balance, 0) || !team.sync()) return false;
   if (team.lead()) {
     kvrelay_cpu::rotary_rows(s.qkv_out.data(), p.qkv.out, d, cp, snp, s.q.data(), t_rows, p.heads, d);
     kvrelay_cpu::rotary_rows(s.qkv_out.data() + nq, p.qkv.out, d, cp, snp, s.k_rot.data(), t_rows, p.kv_heads, d);
@@ -312,14 +364,14 @@ bool run_layer(const TeamThread& team, const LayerPlan<T>& p, T* x, int64_t t_ro
   }
   if (!team.sync()) return false;
   // o_proj, the residual, the MLP's norm
-  if (!team_linear(team, p.out, s.attn.data(), t_rows, nq, s.o.data(), s) || !team.sync()) return false;
+  if (!team_linear(team, p.out, s.attn.data(), t_rows, nq, s.o.data(), s, balance, 1) || !team.sync()) return false;
   if (team.lead()) {
     add_into(x, s.o.data(), t_rows * hidden);
     kvrelay_cpu::rms_norm_rows(static_cast<const T*>(x), p.post_norm, s.h.data(), t_rows, hidden, p.eps);
   }
   if (!team.sync()) return false;
   // MLP: [gate; up], silu * up, down, the residual
-  if (!team_linear(team, p.gate_up, s.h.data(), t_rows, hidden, s.gu.data(), s) || !team.sync()) return false;
+  if (!team_linear(team, p.gate_up, s.h.data(), t_rows, hidden, s.gu.data(), s, balance, 2) || !team.sync()) return false;
   {  // split at multiples of kLanes: each column then takes the vector or scalar exp it takes in one whole-row loop
     const int64_t chunks = (p.inter + kLanes - 1) / kLanes;
     const auto [begin, end] = team.share(chunks, 4);
@@ -327,7 +379,7 @@ bool run_layer(const TeamThread& team, const LayerPlan<T>& p, T* x, int64_t t_ro
                                std::min(p.inter, end * kLanes));
   }
   if (!team.sync()) return false;
-  if (!team_linear(team, p.down, s.act.data(), t_rows, p.inter, s.o.data(), s) || !team.sync()) return false;
+  if (!team_linear(team, p.down, s.act.data(), t_rows, p.inter, s.o.data(), s, balance, 3) || !team.sync()) return false;
   if (team.lead()) {
     add_into(x, s.o.data(), t_rows * hidden);
     if (next_norm != nullptr)
@@ -356,13 +408,13 @@ inline bool ranks_above(float a, float b) {
 // of equal ones, a NaN above any number. Syncs after.
 template <typename T>
 bool team_head(const TeamThread& team, const Blocked<T>& w, const T* x, int64_t t_rows, int64_t in, float* logits,
-               int64_t* greedy, Scratch<T>& s) {
-  const auto [begin, end] = team.share(w.groups, kvrelay_cpu::kGroupGrain);
+               int64_t* greedy, StepBalance* balance, Scratch<T>& s) {
+  const auto [begin, end] = linear_share(team, w.groups, balance, 4);
   const int64_t c0 = begin * kLanes, c1 = std::min(w.out, end * kLanes);
   if constexpr (std::is_same_v<T, float>) {
-    if (!team_linear(team, w, x, t_rows, in, logits, s)) return false;
+    if (!team_linear(team, w, x, t_rows, in, logits, s, balance, 4)) return false;
   } else {
-    if (!team_linear(team, w, x, t_rows, in, s.head.data(), s)) return false;
+    if (!team_linear(team, w, x, t_rows, in, s.head.data(), s, balance, 4)) return false;
     for (int64_t t = 0; t < t_rows; ++t)
       for (int64_t c = c0; c < c1; ++c) logits[t * w.out + c] = static_cast<float>(s.head[t * w.out + c]);
   }
@@ -398,7 +450,8 @@ bool team_head(const TeamThread& team, const Blocked<T>& w, const T* x, int64_t 
 template <typename T>
 void run_layers(const std::vector<const LayerPlan<T>*>& plans, const std::vector<LayerStep<T>>& steps, T* x,
                 int64_t t_rows, const T* cp, const T* snp, const T* final_norm, float final_eps,
-                const Blocked<T>* head = nullptr, float* logits = nullptr, int64_t* greedy = nullptr) {
+                const Blocked<T>* head = nullptr, float* logits = nullptr, int64_t* greedy = nullptr,
+                Balance* balance = nullptr) {
   const int64_t threads = std::max<int64_t>(1, at::in_parallel_region() ? 1 : at::get_num_threads());
   // the parts paged_decode_attention splits the keys into, from the thread count it sees (the same bits)
   const int64_t parts = kvrelay_cpu::attention_parts(t_rows, plans[0]->kv_heads, at::get_num_threads());
@@ -406,6 +459,8 @@ void run_layers(const std::vector<const LayerPlan<T>*>& plans, const std::vector
   for (const LayerPlan<T>* p : plans) s.fit(*p, t_rows, parts);
   if (head != nullptr) s.fit_head(*head, t_rows, threads);
   const int64_t n = static_cast<int64_t>(plans.size());
+  StepBalance step_balance{balance};
+  StepBalance* const timed = balance != nullptr ? &step_balance : nullptr;
   SpinBarrier barrier(static_cast<int>(threads));
   std::exception_ptr error;
   std::mutex error_mutex;
@@ -419,10 +474,10 @@ void run_layers(const std::vector<const LayerPlan<T>*>& plans, const std::vector
       for (int64_t i = 0; i < n; ++i) {
         const bool last = i + 1 == n;
         if (!run_layer(team, *plans[i], x, t_rows, cp, snp, steps[i], parts, last ? nullptr : plans[i + 1]->in_norm,
-                       last ? 0.f : plans[i + 1]->eps, last ? final_norm : nullptr, final_eps, s))
+                       last ? 0.f : plans[i + 1]->eps, last ? final_norm : nullptr, final_eps, timed, s))
           return;
       }
-      if (head != nullptr && !team_head(team, *head, x, t_rows, plans[0]->hidden, logits, greedy, s)) return;
+      if (head != nullptr && !team_head(team, *head, x, t_rows, plans[0]->hidden, logits, greedy, timed, s)) return;
     } catch (...) {
       std::lock_guard<std::mutex> lock(error_mutex);
       if (!error) error = std::current_exception();
@@ -440,6 +495,7 @@ void run_layers(const std::vector<const LayerPlan<T>*>& plans, const std::vector
     }
   }
   if (error) std::rethrow_exception(error);
+  if (balance != nullptr) step_balance.update(*balance);
 }
 
 template <typename T>
@@ -511,6 +567,10 @@ at::Tensor decode_layer(at::Tensor x, at::Tensor in_norm, at::Tensor post_norm, 
 //       with forward then the head as two calls (6 rounds of 128 steps): 0.95-1.02x the time, median ~0.98x.
 //       Raises (RuntimeError) on an id outside the embedding's rows or a row outside the tables, and as forward
 //       does, before any KV is written; or when set_ends was not called.
+//   cuts(), set_cuts(permille): where a team of two splits the output groups of each kind of linear layer ([q; k;
+//       v], o, [gate; up], down, the head), in thousandths of the groups the lead takes (Balance: each step of
+//       forward or logits measures both threads and moves the cuts; set_cuts starts them elsewhere, each in
+//       200 .. 800, else raises RuntimeError). The cuts change which thread computes a group, never its bits.
 class DecodeStack {
  public:
   void add_layer(const at::Tensor& in_norm, const at::Tensor& post_norm, double eps, const at::Tensor& qkv_w,
@@ -558,6 +618,22 @@ class DecodeStack {
   }
 
   bool has_ends() const { return embedding_.defined(); }
+
+  std::vector<int64_t> cuts() const {
+    std::vector<int64_t> v;
+    for (const auto& p : balance_.permille) v.push_back(p.load(std::memory_order_relaxed));
+    return v;
+  }
+
+  void set_cuts(const std::vector<int64_t>& permille) {
+    TORCH_CHECK(permille.size() == Balance::kKinds, "DecodeStack: one cut for each of the ", Balance::kKinds,
+                " kinds of linear layer");
+    for (const int64_t p : permille)
+      TORCH_CHECK(p >= Balance::kMin && p <= Balance::kMax, "DecodeStack: a cut must lie in ", Balance::kMin, " .. ",
+                  Balance::kMax, " thousandths; got ", p);
+    for (int k = 0; k < Balance::kKinds; ++k)
+      balance_.permille[k].store(static_cast<int32_t>(permille[k]), std::memory_order_relaxed);
+  }
 
   void set_final_norm(const at::Tensor& weight, double eps) {
     TORCH_CHECK(!groups_.empty(), "DecodeStack: add the layers before the final norm");
@@ -664,7 +740,7 @@ class DecodeStack {
     }
     run_layers<T>(ptrs, steps, y.data_ptr<T>(), t_rows, cos.data_ptr<T>(), sin.data_ptr<T>(),
                   final_norm_.defined() ? final_norm_.data_ptr<T>() : nullptr, static_cast<float>(final_eps_), head,
-                  logits, greedy);
+                  logits, greedy, &balance_);
   }
 
   at::ScalarType dtype_ = at::kFloat;
@@ -679,6 +755,7 @@ class DecodeStack {
   Blocked<float> head_f32_{};
   Blocked<at::BFloat16> head_bf16_{};
   int64_t vocab_ = 0;
+  mutable Balance balance_;  // how the team of two splits each kind of linear layer, learnt step by step
 };
 
 void bind_decode_stack(pybind11::module_& m) {
@@ -690,6 +767,8 @@ void bind_decode_stack(pybind11::module_& m) {
       .def("__len__", &DecodeStack::size)
       .def("set_final_norm", &DecodeStack::set_final_norm)
       .def("set_ends", &DecodeStack::set_ends)
+      .def("cuts", &DecodeStack::cuts)
+      .def("set_cuts", &DecodeStack::set_cuts)
       .def("has_ends", &DecodeStack::has_ends)
       .def("logits", &DecodeStack::logits, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("forward", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());

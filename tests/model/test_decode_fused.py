@@ -291,6 +291,37 @@ def test_the_stack_s_greedy_tokens_are_torch_s_argmax_with_ties_and_nans(threads
         torch.set_num_threads(before)
 
 
+def test_a_team_of_two_gives_the_same_bits_wherever_it_cuts_the_linear_layers(tiny_model_dir) -> None:
+    """`DecodeStack`'s team of two splits each kind of linear layer where the two threads' measured speeds put the
+    cut (``cuts``, kept in 0.2 .. 0.8): the logits, the greedy tokens and the KV written are the same at any cut."""
+    model = load_model(tiny_model_dir, dtype="bfloat16").model
+    stack, config = model.decode_stack, model.config
+    ids, positions = [5, 17, 99], [0, 3, 9]
+    table = model.rotary(torch.arange(10), torch.bfloat16)
+    step = ([torch.tensor([0, 19, 41])], [torch.tensor([[0], [1], [2]], dtype=torch.int32)], [torch.tensor([1, 4, 10])])
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        results = []
+        for cuts in ([500] * 5, [200] * 5, [800] * 5, [200, 800, 350, 650, 777]):
+            stack.set_cuts(cuts)
+            pool = torch.zeros(4, config.num_hidden_layers, 2, config.num_key_value_heads, 16, config.head_dim,
+                               dtype=torch.bfloat16)
+            logits, greedy = stack.logits(ids, positions, *table, pool, *step)
+            results.append((logits, greedy, pool))
+            assert all(200 <= c <= 800 for c in stack.cuts())  # never past the bounds
+            if cuts == [200] * 5:  # both threads measured: each cut moves halfway to where their speeds meet
+                assert all(c > 200 for c in stack.cuts())
+    finally:
+        torch.set_num_threads(before)
+    for logits, greedy, pool in results[1:]:
+        assert torch.equal(logits, results[0][0]) and greedy == results[0][1] and torch.equal(pool, results[0][2])
+    with pytest.raises(RuntimeError, match="one cut for each of the 5 kinds of linear layer"):
+        stack.set_cuts([500] * 4)
+    with pytest.raises(RuntimeError, match="a cut must lie in 200 .. 800 thousandths; got 900"):
+        stack.set_cuts([500, 500, 900, 500, 500])
+
+
 def test_decode_weights_are_moved_onto_huge_pages_in_the_order_a_step_reads_them(tiny_model_dir,
                                                                                 monkeypatch) -> None:
     """`LlamaForCausalLM.prepare_for_inference` puts every blocked few-row copy into one buffer
