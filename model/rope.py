@@ -110,7 +110,9 @@ class RotaryRows:
     ``inv_freq``'s length) is a multiple of 32: torch computes cos and sin of float32 vectors 32 lanes at a time
     and the leftover lanes with the C library's functions, which may differ in the last bit; a step's ``T x
     head_dim`` values then have no leftover, nor do the table's chunks (`CHUNK_VALUES`, computed one call each).
-    Other widths are not tabled (`tabled` False): `rows` computes the step's own.
+    Other widths are not tabled (`tabled` False): `rows` computes the step's own. The tables hold every position up
+    to the highest asked for (doubling as they grow): ``2 x positions x head_dim`` values, 2 MiB for SmolLM2's 8k
+    context in bf16, 64 MiB for a 128k context at ``head_dim`` 128.
     """
 
     CHUNK_VALUES = 32768  # values per chunk of positions: torch runs an elementwise op this size on one thread

@@ -246,8 +246,10 @@ struct TeamThread {
 // contiguous stream. The cut follows the two threads' measured speeds, step by step: in a Zen 4 VM's minutes of
 // high read bandwidth one vCPU streamed the weights at ~8-10 bytes a cycle and the other at ~10-12, so that with
 // halves the faster waited at every barrier (fixed cuts of 0.58 gained 7% in one such minute and lost 9% in the
-// next; chunks drawn by the two threads from both ends, 64 a layer, lost 4-7%: a thread then starts a new stream
-// at every chunk). Any cut gives the same bits: each group is computed alone.
+// next; chunks of each weight, up to 64, drawn by the two threads from both ends lost 4-7%: a thread then starts a
+// new stream at every chunk). Any cut gives the same bits: each group is computed alone. Batch-1 bf16 SmolLM2,
+// alternated step by step with equal halves: 0.86-0.94x the step time in minutes where the threads differed,
+// 0.99-1.05x where they did not, 0.99-1.00x in slow-memory minutes.
 struct Balance {
   static constexpr int kKinds = 5;  // qkv, o, gate_up, down, head
   static constexpr int32_t kMin = 200, kMax = 800;  // the lead's share never leaves 0.2 .. 0.8
@@ -333,7 +335,8 @@ bool run_layer(const TeamThread& team, const LayerPlan<T>& p, T* x, int64_t t_ro
                float final_eps, StepBalance* balance, Scratch<T>& s) {
   const int64_t hidden = p.hidden, d = p.d, nq = p.heads * d, nkv = p.kv_heads * d;
   // Attention: [q; k; v], rotary of q and k, the KV write
-  if (!team_linear(team, p.qkv, s.h.data(), t_rows, hidden, s.qkv_out.data(), s, balance, 0) || !team.sync()) return false;
+  if (!team_linear(team, p.qkv, s.h.data(), t_rows, hidden, s.qkv_out.data(), s, balance, 0) || !team.sync())
+    return false;
   if (team.lead()) {
     kvrelay_cpu::rotary_rows(s.qkv_out.data(), p.qkv.out, d, cp, snp, s.q.data(), t_rows, p.heads, d);
     kvrelay_cpu::rotary_rows(s.qkv_out.data() + nq, p.qkv.out, d, cp, snp, s.k_rot.data(), t_rows, p.kv_heads, d);
@@ -371,7 +374,8 @@ bool run_layer(const TeamThread& team, const LayerPlan<T>& p, T* x, int64_t t_ro
   }
   if (!team.sync()) return false;
   // MLP: [gate; up], silu * up, down, the residual
-  if (!team_linear(team, p.gate_up, s.h.data(), t_rows, hidden, s.gu.data(), s, balance, 2) || !team.sync()) return false;
+  if (!team_linear(team, p.gate_up, s.h.data(), t_rows, hidden, s.gu.data(), s, balance, 2) || !team.sync())
+    return false;
   {  // split at multiples of kLanes: each column then takes the vector or scalar exp it takes in one whole-row loop
     const int64_t chunks = (p.inter + kLanes - 1) / kLanes;
     const auto [begin, end] = team.share(chunks, 4);
@@ -379,7 +383,8 @@ bool run_layer(const TeamThread& team, const LayerPlan<T>& p, T* x, int64_t t_ro
                                std::min(p.inter, end * kLanes));
   }
   if (!team.sync()) return false;
-  if (!team_linear(team, p.down, s.act.data(), t_rows, p.inter, s.o.data(), s, balance, 3) || !team.sync()) return false;
+  if (!team_linear(team, p.down, s.act.data(), t_rows, p.inter, s.o.data(), s, balance, 3) || !team.sync())
+    return false;
   if (team.lead()) {
     add_into(x, s.o.data(), t_rows * hidden);
     if (next_norm != nullptr)
@@ -445,8 +450,10 @@ bool team_head(const TeamThread& team, const Blocked<T>& w, const T* x, int64_t 
 // Layers 0 .. n-1 of a step over x [T, hidden] (in place), by a team of at::get_num_threads() threads in one
 // parallel region (one thread: no region). steps[i] is layer i's cache, slots and tables; final_norm (or null)
 // normalises the last layer's output; head (or null: logits and greedy are then unused) then writes the LM head's
-// float32 logits [T, head->out] into logits, and each row's argmax into greedy [T] where not null. Raises (RuntimeError) what a team thread raised (none is expected: the
-// inputs are checked and the buffers sized before the team starts).
+// float32 logits [T, head->out] into logits, and each row's argmax into greedy [T] where not null. With balance (or
+// null), a team of two cuts each linear layer where it says and moves the cuts after the step. Raises
+// (RuntimeError) what a team thread raised (none is expected: the inputs are checked and the buffers sized before
+// the team starts).
 template <typename T>
 void run_layers(const std::vector<const LayerPlan<T>*>& plans, const std::vector<LayerStep<T>>& steps, T* x,
                 int64_t t_rows, const T* cp, const T* snp, const T* final_norm, float final_eps,
@@ -560,11 +567,12 @@ at::Tensor decode_layer(at::Tensor x, at::Tensor in_norm, at::Tensor post_norm, 
 //       the final norm set first; raises (RuntimeError) otherwise or on a shape or dtype that does not fit.
 //   logits(ids, rope_rows, cos_table, sin_table, kv_pool, slot_mappings, block_tables, seq_lens): forward from
 //       the T token ids (a list of ints), with token t's cos and sin row rope_rows[t] of the tables ([rows,
-//       head_dim], the layers' dtype; model.rope.RotaryRows), then the head, in the one parallel region. Returns (float32 [T, vocab], the bits of blocked_linear's head
-//       over forward's output, widened to float32 (torch's .float()); each row's torch.argmax as a list of T ints:
-//       the first of equal maxima, a NaN above any number). The embedding rows are copied as
-//       torch.embedding's lookup gives them. A batch-1 bf16 SmolLM2 step on a Zen 4 VM, alternated step by step
-//       with forward then the head as two calls (6 rounds of 128 steps): 0.95-1.02x the time, median ~0.98x.
+//       head_dim], the layers' dtype; model.rope.RotaryRows), then the head, in the one parallel region. Returns
+//       (float32 [T, vocab], the bits of blocked_linear's head over forward's output, widened to float32 (torch's
+//       .float()); each row's torch.argmax as a list of T ints: the first of equal maxima, a NaN above any number).
+//       The embedding rows are copied as torch.embedding's lookup gives them. A batch-1 bf16 SmolLM2 step on a Zen
+//       4 VM, alternated step by step with forward then compute_logits (6 rounds of 128 steps each): 0.95-1.02x the
+//       time with the head in this call, 0.92-0.96x with the greedy token and the rotary rows too.
 //       Raises (RuntimeError) on an id outside the embedding's rows or a row outside the tables, and as forward
 //       does, before any KV is written; or when set_ends was not called.
 //   cuts(), set_cuts(permille): where a team of two splits the output groups of each kind of linear layer ([q; k;
@@ -660,17 +668,16 @@ class DecodeStack {
     return y;
   }
 
-  std::tuple<at::Tensor, std::vector<int64_t>> logits(const std::vector<int64_t>& ids,
-                                                      const std::vector<int64_t>& rope_rows, const at::Tensor& cos_table,
-                                                      const at::Tensor& sin_table, const at::Tensor& kv_pool,
-                                                      const std::vector<at::Tensor>& slot_mappings,
-                                                      const std::vector<at::Tensor>& block_tables,
-                                                      const std::vector<at::Tensor>& seq_lens) const {
+  std::tuple<at::Tensor, std::vector<int64_t>> logits(
+      const std::vector<int64_t>& ids, const std::vector<int64_t>& rope_rows, const at::Tensor& cos_table,
+      const at::Tensor& sin_table, const at::Tensor& kv_pool, const std::vector<at::Tensor>& slot_mappings,
+      const std::vector<at::Tensor>& block_tables, const std::vector<at::Tensor>& seq_lens) const {
     TORCH_CHECK(!groups_.empty(), "DecodeStack: no layers");
     TORCH_CHECK(has_ends(), "DecodeStack: no embedding and head (set_ends)");
     TORCH_CHECK(!ids.empty() && rope_rows.size() == ids.size(), "DecodeStack: one rotary row per token id, T >= 1");
-    TORCH_CHECK(cos_table.dim() == 2 && cos_table.sizes() == sin_table.sizes() && cos_table.scalar_type() == dtype_ &&
-                    sin_table.scalar_type() == dtype_ && cos_table.is_contiguous() && sin_table.is_contiguous(),
+    TORCH_CHECK(cos_table.dim() == 2 && cos_table.sizes() == sin_table.sizes() &&
+                    cos_table.scalar_type() == dtype_ && sin_table.scalar_type() == dtype_ &&
+                    cos_table.is_contiguous() && sin_table.is_contiguous(),
                 "DecodeStack: the rotary tables must be contiguous ", dtype_, " [rows, head_dim], both alike");
     TORCH_CHECK(kv_pool.dim() == 6, "DecodeStack: kv_pool must be [num_blocks, layers, 2, kv_heads, B, head_dim]");
     TORCH_CHECK(slot_mappings.size() == block_tables.size() && slot_mappings.size() == seq_lens.size(),
@@ -717,7 +724,8 @@ class DecodeStack {
     std::vector<StepTables> tables;  // one per KV block group
     caches.reserve(n);
     slots.reserve(n);
-    for (size_t g = 0; g < block_tables.size(); ++g) tables.push_back(step_tables(block_tables[g], seq_lens[g], t_rows));
+    for (size_t g = 0; g < block_tables.size(); ++g)
+      tables.push_back(step_tables(block_tables[g], seq_lens[g], t_rows));
     for (int64_t i = 0; i < n; ++i) {
       TORCH_CHECK(groups_[i] < static_cast<int64_t>(slot_mappings.size()), "DecodeStack: layer ", i,
                   " reads KV block group ", groups_[i], " of ", slot_mappings.size());

@@ -11,7 +11,7 @@ import torch
 
 from engine.engine import EngineConfig, LLMEngine
 from model.loader import load_model
-from model.sampling import SamplingParams, adjust_logits, token_generator
+from model.sampling import SamplingParams, adjust_logits, sample, token_generator
 
 
 def reference_adjust(logits: list[float], p: SamplingParams, prompt: list[int], output: list[int],
@@ -125,3 +125,21 @@ def test_min_tokens_in_an_engine_run(tiny_model_dir, hf_tiny):
     [[held]] = engine.generate([prompt], params)
     assert len(short) == 2 and len(held) >= 6 and stop not in held[:6]
     assert held == _reference_generate(hf_tiny, prompt, params, set(engine.eos_token_ids))
+
+
+def test_a_caller_s_argmax_serves_only_greedy_rows_whose_logits_nothing_adjusts():
+    """`sample`'s ``argmax`` (the fused decode step's greedy tokens): a greedy row takes it as given; a greedy row
+    with a logit bias searches its adjusted logits; a sampled row draws as it would without it."""
+    logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 1.0], [0.0, 1.0, 5.0]])
+    params = [SamplingParams(max_tokens=1), SamplingParams(max_tokens=1, logit_bias=((2, 10.0),)),
+              SamplingParams(max_tokens=1, temperature=1.0, seed=7)]
+    histories = [None, ([4], []), None]
+
+    def draw(argmax):
+        gens = [None, None, token_generator(7, 0, 0, torch.device("cpu"))]
+        return sample(logits.clone(), params, gens, histories, argmax=argmax)[0]
+
+    without, given = draw(None), draw([0, 0, 0])
+    assert without[:2] == [1, 2]
+    assert given[:2] == [0, 2]  # row 0 took the caller's token (not its own logits' 1); row 1 searched its own
+    assert given[2] == without[2]
