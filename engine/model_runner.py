@@ -58,6 +58,11 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         # a decode-only step's logits in one call where the model has one (`LlamaForCausalLM.decode_logits`)
         self.fuses_logits = hasattr(model, "decode_logits")
+        # a decode-only step's prefill lengths, query starts and block tables: the same empty tensors every step
+        # (read, never written), not three new ones (with decode attention's kept scratch, a batch-1 step 0.996x
+        # the time, median of 20 alternated rounds: within noise)
+        self._no_prefill = (self._tensor([]), self._tensor([0]),
+                            torch.zeros(0, 0, dtype=torch.int32, device=self.device))
 
     def _tensor(self, values: list[int], dtype: torch.dtype = torch.int32) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
@@ -124,8 +129,10 @@ class ModelRunner:
                 slots[group].append(seq.block_table[row // bs * g + group] * bs + row % bs)
             sample_rows.append(len(input_ids) - 1)
             sample_seqs.append(seq)
-        common = dict(num_prefill_tokens=num_prefill_tokens, prefill_seq_lens=self._tensor(prefill_lens),
-                      prefill_query_start_loc=self._tensor(query_start),
+        no_prefill = self._no_prefill if not step.prefills else None
+        common = dict(num_prefill_tokens=num_prefill_tokens,
+                      prefill_seq_lens=self._tensor(prefill_lens) if no_prefill is None else no_prefill[0],
+                      prefill_query_start_loc=self._tensor(query_start) if no_prefill is None else no_prefill[1],
                       decode_seq_lens=self._tensor([s.num_kv_tokens + 1 for s in step.decodes]), kv_hook=kv_hook)
         step_tables = self._step_tables(step, prefill_lens, query_start)
 
@@ -135,7 +142,8 @@ class ModelRunner:
         batches = [
             AttentionBatch(
                 slot_mapping=self._tensor(slots[group], torch.int64),
-                prefill_block_tables=self._block_tables([c.seq for c in step.prefills], group),
+                prefill_block_tables=(self._block_tables([c.seq for c in step.prefills], group) if no_prefill is None
+                                      else no_prefill[2]),
                 decode_block_tables=self._block_tables(step.decodes, group),
                 **common, **of_group(group),
             )
