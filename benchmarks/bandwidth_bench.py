@@ -23,6 +23,9 @@ Until stop 43 the limit was the copy's bytes copied per second, which counts hal
 The round of median fraction is reported (every round is in ``rounds``).
 
     kvrelay bench bandwidth --model .models/smollm2-135m-instruct
+
+``--compare one-call|balance`` instead alternates one change's old and new path step by step in each round, each step
+paired with a read as above (`compare_rounds`): the A/B behind stop 59's figures, in one process.
 """
 
 from __future__ import annotations
@@ -80,6 +83,87 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
+def _setup(model_dir: str, dtype: str, prompt_tokens: int) -> tuple[Any, Any, list[int], int, torch.Tensor]:
+    """The loaded model, an engine over it, a prompt of ``prompt_tokens`` ids, the weights' bytes and a buffer of
+    that size on huge pages (float32 ones) to read before each step."""
+    from engine.engine import EngineConfig, LLMEngine
+    from kernels.cpu_small import huge_page_buffer
+    from model.loader import load_model
+
+    loaded = load_model(model_dir, dtype=dtype)
+    engine = LLMEngine(loaded, EngineConfig(num_blocks=256, enable_prefix_caching=False))
+    span = min(30000, loaded.model.config.vocab_size - 100)  # ids 100 .. 30099 where the vocabulary has them
+    prompt = [(i * 7919) % span + 100 for i in range(prompt_tokens)]
+    nbytes = weight_bytes(loaded.model)
+    paired = huge_page_buffer(max(4, nbytes // 4 * 4))[0].view(torch.float32)
+    paired.fill_(1.0)
+    return loaded, engine, prompt, nbytes, paired
+
+
+COMPARISONS = ("one-call", "balance")
+
+
+def compare_rounds(model_dir: str, *, dtype: str, prompt_tokens: int, new_tokens: int, rounds: int,
+                   compare: str) -> dict[str, Any]:
+    """The old and new path of one change alternated step by step in each round's decode (the round's first step
+    alternating between them), each step after the first token paired with a read of the weights' size as in
+    `decode_rounds`:
+
+    * ``one-call``: `LlamaForCausalLM.decode_logits` (the embedding, layers, final norm, head and greedy token in one
+      C++ call) against `forward` then `compute_logits` and the sampler's own argmax;
+    * ``balance``: the decode stack's team of two at its learnt cuts against equal halves (``DecodeStack.set_cuts``;
+      an equal-halves step's measurements are dropped).
+
+    Returns per round the median step of each, new/old, and each one's median paired fraction; and the median of
+    the rounds' new/old.
+
+    Raises:
+        ValueError: an unknown ``compare``, ``new_tokens`` below 3, or a model without the one-call decode.
+    """
+    from model.sampling import SamplingParams
+
+    if compare not in COMPARISONS:
+        raise ValueError(f"compare must be one of {', '.join(COMPARISONS)}, got {compare!r}")
+    if new_tokens < 3:
+        raise ValueError(f"new_tokens must be at least 3 (a step of each path), got {new_tokens}")
+    loaded, engine, prompt, nbytes, paired = _setup(model_dir, dtype, prompt_tokens)
+    model = loaded.model
+    if not model.stack_logits:
+        raise ValueError("this model has no one-call decode (a fused decode stack: bf16 or float32 on the CPU)")
+    stack = model.decode_stack
+    per_round = []
+    for r in range(rounds):
+        times: dict[str, list[tuple[float, float]]] = {"old": [], "new": []}
+        engine.add_request(f"c{r}", prompt, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
+        engine.step()  # the prompt
+        step = 0
+        while engine.has_unfinished():
+            name = ("old", "new")[(step + r) % 2]
+            step += 1
+            learnt = stack.cuts()
+            if compare == "one-call":
+                model.stack_logits = name == "new"
+            elif name == "old":
+                stack.set_cuts([500] * len(learnt))
+            t0 = time.perf_counter()
+            paired.sum()
+            t1 = time.perf_counter()
+            engine.step()
+            times[name].append((t1 - t0, time.perf_counter() - t1))
+            if compare == "balance" and name == "old":
+                stack.set_cuts(learnt)
+        model.stack_logits = True
+        md = statistics.median
+        old, new = (md(s for _, s in times[k]) for k in ("old", "new"))
+        per_round.append({"step_ms_old": 1e3 * old, "step_ms_new": 1e3 * new, "new_over_old": new / old,
+                          "fraction_old": md(rd / s for rd, s in times["old"]),
+                          "fraction_new": md(rd / s for rd, s in times["new"]),
+                          "paired_read_bytes_per_s_median": nbytes / md(rd for k in times for rd, _ in times[k]),
+                          "steps": len(times["old"]) + len(times["new"])})
+    return {"compare": compare, "rounds": per_round, "weight_bytes": nbytes,
+            "new_over_old_median": statistics.median(r["new_over_old"] for r in per_round)}
+
+
 def decode_rounds(model_dir: str, *, dtype: str, prompt_tokens: int, new_tokens: int,
                   rounds: int) -> dict[str, Any]:
     """``rounds`` rounds, each: the read and copy bandwidths (best of 3, fresh buffers), one batch-1 greedy decode
@@ -90,20 +174,11 @@ def decode_rounds(model_dir: str, *, dtype: str, prompt_tokens: int, new_tokens:
     Raises:
         ValueError: ``new_tokens`` is below 2 (no step after the first token).
     """
-    from engine.engine import EngineConfig, LLMEngine
-    from kernels.cpu_small import huge_page_buffer
-    from model.loader import load_model
     from model.sampling import SamplingParams
 
     if new_tokens < 2:
         raise ValueError(f"new_tokens must be at least 2 (a step after the first token), got {new_tokens}")
-    loaded = load_model(model_dir, dtype=dtype)
-    engine = LLMEngine(loaded, EngineConfig(num_blocks=256, enable_prefix_caching=False))
-    span = min(30000, loaded.model.config.vocab_size - 100)  # ids 100 .. 30099 where the vocabulary has them
-    prompt = [(i * 7919) % span + 100 for i in range(prompt_tokens)]
-    nbytes = weight_bytes(loaded.model)
-    paired = huge_page_buffer(max(4, nbytes // 4 * 4))[0].view(torch.float32)
-    paired.fill_(1.0)
+    loaded, engine, prompt, nbytes, paired = _setup(model_dir, dtype, prompt_tokens)
 
     def decode(request_id: str) -> tuple[list[float], list[float]]:
         """(read seconds, step seconds) of each step after the first token's."""
@@ -154,13 +229,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=5, help="bandwidth + decode pairs; the median is reported")
+    p.add_argument("--compare", choices=COMPARISONS, default=None,
+                   help="instead, alternate one change's old and new path step by step (compare_rounds)")
     p.add_argument("--out", default=None, help="also write the JSON here")
     args = p.parse_args(argv)
     if args.rounds < 1:
         raise SystemExit(f"--rounds must be at least 1, got {args.rounds}")
-    result = {"bench": "bandwidth", "model": args.model,
-              **decode_rounds(args.model, dtype=args.dtype, prompt_tokens=args.prompt_tokens,
-                              new_tokens=args.new_tokens, rounds=args.rounds),
-              "torch_threads": torch.get_num_threads(), **machine_label()}
+    if args.compare is not None:
+        measured = compare_rounds(args.model, dtype=args.dtype, prompt_tokens=args.prompt_tokens,
+                                  new_tokens=args.new_tokens, rounds=args.rounds, compare=args.compare)
+    else:
+        measured = decode_rounds(args.model, dtype=args.dtype, prompt_tokens=args.prompt_tokens,
+                                 new_tokens=args.new_tokens, rounds=args.rounds)
+    result = {"bench": "bandwidth", "model": args.model, **measured, "torch_threads": torch.get_num_threads(),
+              **machine_label()}
     emit(result, args.out)
     return 0

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.bandwidth_bench import decode_rounds, weight_bytes
+from benchmarks.bandwidth_bench import compare_rounds, decode_rounds, weight_bytes
 from benchmarks.dtype_bench import run as dtype_run
 from benchmarks.peer import PeerServer
 from model.loader import load_model
@@ -37,6 +37,30 @@ def test_a_round_pairs_each_decode_step_with_a_read_and_keeps_the_peak_bound(tin
 def test_a_decode_of_one_token_is_refused(tiny_model_dir: Path) -> None:
     with pytest.raises(ValueError, match="new_tokens must be at least 2"):
         decode_rounds(str(tiny_model_dir), dtype="float32", prompt_tokens=8, new_tokens=1, rounds=1)
+
+
+@pytest.mark.parametrize("compare", ["one-call", "balance"])
+def test_a_comparison_alternates_the_two_paths_step_by_step(compare: str, tiny_model_dir: Path) -> None:
+    out = compare_rounds(str(tiny_model_dir), dtype="bfloat16", prompt_tokens=8, new_tokens=6, rounds=2,
+                         compare=compare)
+    assert out["compare"] == compare and len(out["rounds"]) == 2
+    for r in out["rounds"]:
+        assert r["steps"] == 5  # every token after the first, the two paths in turn
+        assert r["new_over_old"] == r["step_ms_new"] / r["step_ms_old"]
+        assert r["fraction_old"] > 0 and r["fraction_new"] > 0
+    a, b = (r["new_over_old"] for r in out["rounds"])
+    assert out["new_over_old_median"] == (a + b) / 2  # the median of two rounds
+
+
+def test_a_comparison_is_refused_by_name(tiny_model_dir: Path) -> None:
+    with pytest.raises(ValueError, match="compare must be one of one-call, balance, got 'fast'"):
+        compare_rounds(str(tiny_model_dir), dtype="bfloat16", prompt_tokens=8, new_tokens=6, rounds=1, compare="fast")
+    with pytest.raises(ValueError, match="new_tokens must be at least 3"):
+        compare_rounds(str(tiny_model_dir), dtype="bfloat16", prompt_tokens=8, new_tokens=2, rounds=1,
+                       compare="balance")
+    with pytest.raises(ValueError, match="this model has no one-call decode"):
+        compare_rounds(str(tiny_model_dir), dtype="float16", prompt_tokens=8, new_tokens=4, rounds=1,
+                       compare="one-call")
 
 
 def test_dtype_agreement_is_reported_as_fractions(tiny_model_dir: Path) -> None:
