@@ -384,9 +384,7 @@ class LlamaForCausalLM(nn.Module):
             self.rotary_rows = RotaryRows(self.rope_inv_freq, dtype=weight.dtype,
                                           scaling=self.config.rope.attention_factor)
         cos, sin, rows = self.rotary_rows.rows(positions)
-        groups = [batch.for_group(g) for g in range(len(self.config.kv_groups))]
-        return self.decode_stack.logits(input_ids, rows, cos, sin, kv_pool, [b.slot_mapping for b in groups],
-                                        [b.decode_block_tables for b in groups], [b.decode_seq_lens for b in groups])
+        return self.decode_stack.logits(input_ids, rows, cos, sin, kv_pool, *self._stack_tables(batch))
 
     def decode_layers(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], kv_pool: torch.Tensor,
                       batch: AttentionBatch) -> torch.Tensor:
@@ -395,9 +393,14 @@ class LlamaForCausalLM(nn.Module):
         without a Python call a layer, all of them in one parallel region of torch's thread count. ``x``
         ``[T, hidden]`` → the last layer's output, through the final norm when `stack_norms` (the same kernel as
         `RMSNorm`'s, in the same call); needs `decode_stack`."""
+        return self.decode_stack.forward(x, *cos_sin, kv_pool, *self._stack_tables(batch))
+
+    def _stack_tables(self, batch: AttentionBatch) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """What ``DecodeStack`` reads of a step's metadata: per KV block group, its slot mapping, decode block
+        tables and decode lengths."""
         groups = [batch.for_group(g) for g in range(len(self.config.kv_groups))]
-        return self.decode_stack.forward(x, *cos_sin, kv_pool, [b.slot_mapping for b in groups],
-                                         [b.decode_block_tables for b in groups], [b.decode_seq_lens for b in groups])
+        return ([b.slot_mapping for b in groups], [b.decode_block_tables for b in groups],
+                [b.decode_seq_lens for b in groups])
 
     @staticmethod
     def _fused_step(rows: int, dtype: torch.dtype, device: torch.device, kv_pool: torch.Tensor, batch: AttentionBatch,
