@@ -35,6 +35,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <algorithm>
 #include <exception>
 #include <mutex>
 #include <thread>
@@ -136,27 +137,71 @@ StepTables step_tables(const at::Tensor& block_tables, const at::Tensor& seq_len
   return {tables, lens, tables.data_ptr<int32_t>(), lens.data_ptr<int64_t>(), tables.size(1)};
 }
 
-// The step's inputs a layer reads, checked against its plan; returns the slots (int64, contiguous).
+// The step's rotary rows, checked against a layer's plan: contiguous [T, head_dim] of the layer's dtype.
 template <typename T>
-at::Tensor check_step(const LayerPlan<T>& p, int64_t t_rows, const at::Tensor& cos, const at::Tensor& sin,
-                      const at::Tensor& layer_cache, const at::Tensor& slot_mapping, const StepTables& tb) {
+void check_rotary(const LayerPlan<T>& p, int64_t t_rows, const at::Tensor& cos, const at::Tensor& sin) {
   const auto dtype = c10::CppTypeToScalarType<T>::value;
   const int64_t d = p.d;
   TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == t_rows && cos.size(1) == d &&
                   cos.scalar_type() == dtype && sin.scalar_type() == dtype && cos.is_contiguous() &&
                   sin.is_contiguous() && d % 2 == 0,
               "decode_layer: cos and sin must be contiguous ", dtype, " [T, head_dim] (head_dim even)");
-  TORCH_CHECK(layer_cache.dim() == 5 && layer_cache.size(1) == 2 && layer_cache.size(2) == p.kv_heads &&
-                  layer_cache.size(4) == d && layer_cache.scalar_type() == dtype &&
-                  layer_cache.stride(4) == 1 && layer_cache.stride(3) == d &&
-                  layer_cache.stride(2) == layer_cache.size(3) * d &&
-                  layer_cache.stride(1) == p.kv_heads * layer_cache.size(3) * d,
+}
+
+// A layer's KV cache: sizes and strides of its [num_blocks, 2, kv_heads, B, head_dim] slice (layer_cache, or one
+// local layer of a [num_blocks, layers, 2, kv_heads, B, head_dim] pool read without making the slice a tensor: 30
+// select()s and their tensors a step cost ~0.1 ms of a batch-1 bf16 SmolLM2 step on a Zen 4 VM, run cold).
+struct CacheGeometry {
+  void* data;  // block 0's K of this layer
+  at::ScalarType dtype;
+  int64_t sizes[5], strides[5];
+};
+
+inline CacheGeometry cache_geometry(const at::Tensor& layer_cache) {
+  CacheGeometry g{layer_cache.data_ptr(), layer_cache.scalar_type(), {}, {}};
+  for (int i = 0; i < 5; ++i) g.sizes[i] = layer_cache.size(i), g.strides[i] = layer_cache.stride(i);
+  return g;
+}
+
+inline CacheGeometry pool_geometry(const at::Tensor& kv_pool, int64_t local) {  // kv_pool.select(1, local)'s
+  CacheGeometry g{static_cast<char*>(kv_pool.data_ptr()) + local * kv_pool.stride(1) * kv_pool.element_size(),
+                  kv_pool.scalar_type(), {}, {}};
+  for (int i = 0; i < 5; ++i) {
+    const int dim = i == 0 ? 0 : i + 1;
+    g.sizes[i] = kv_pool.size(dim), g.strides[i] = kv_pool.stride(dim);
+  }
+  return g;
+}
+
+// What a layer reads of a step besides its plan: its cache, slots and block tables (checked by check_cache,
+// check_slots and check_block_tables).
+template <typename T>
+struct LayerStep {
+  T* cache;  // block 0's K; V is kvs after
+  int64_t block_size, bs, kvs, hs;
+  const int64_t* sp;
+  const StepTables* tb;
+};
+
+// The layer's cache checked against its plan; returns how run_layer reads it, with the step's slots and tables.
+template <typename T>
+LayerStep<T> check_cache(const LayerPlan<T>& p, const CacheGeometry& c, const int64_t* sp, const StepTables& tb) {
+  const auto dtype = c10::CppTypeToScalarType<T>::value;
+  const int64_t d = p.d, block_size = c.sizes[3];
+  TORCH_CHECK(c.sizes[1] == 2 && c.sizes[2] == p.kv_heads && c.sizes[4] == d && c.dtype == dtype &&
+                  c.strides[4] == 1 && c.strides[3] == d && c.strides[2] == block_size * d &&
+                  c.strides[1] == p.kv_heads * block_size * d,
               "decode_layer: layer_cache must be ", dtype,
               " [num_blocks, 2, kv_heads, B, head_dim], each block contiguous");
+  return {static_cast<T*>(c.data), block_size, c.strides[0], c.strides[1], c.strides[2], sp, &tb};
+}
+
+// The step's slots for a cache of num_blocks blocks of block_size: int64 [T], each below num_blocks * block_size (a
+// negative slot is padding); returns them contiguous.
+inline at::Tensor check_slots(const at::Tensor& slot_mapping, int64_t t_rows, int64_t num_blocks,
+                              int64_t block_size) {
   TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == t_rows && slot_mapping.scalar_type() == at::kLong,
               "decode_layer: slot_mapping must be int64 [T]");
-  const int64_t num_blocks = layer_cache.size(0), block_size = layer_cache.size(3);
-  kvrelay_cpu::check_block_tables(tb.tp, tb.width, tb.lp, t_rows, block_size, p.window, num_blocks);
   auto slots = slot_mapping.contiguous();
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < t_rows; ++t)
@@ -309,21 +354,6 @@ bool team_linear(const TeamThread& team, const Blocked<T>& w, const T* x, int64_
   return true;
 }
 
-// What a layer reads of a step besides its plan: its cache slice, slots and block tables (checked by check_step).
-template <typename T>
-struct LayerStep {
-  T* cache;  // block 0's K; V is kvs after
-  int64_t block_size, bs, kvs, hs;
-  const int64_t* sp;
-  const StepTables* tb;
-};
-
-template <typename T>
-LayerStep<T> layer_step(const at::Tensor& layer_cache, const at::Tensor& slots, const StepTables& tb) {
-  return {layer_cache.data_ptr<T>(), layer_cache.size(3), layer_cache.stride(0), layer_cache.stride(1),
-          layer_cache.stride(2), slots.data_ptr<int64_t>(), &tb};
-}
-
 // One layer by a team thread: x [T, hidden] (contiguous, updated in place) = x + attn(norm(x)), then that +
 // mlp(norm(that)), with s.h = norm(x) on entry (the lead wrote it, then the team synced). On return the lead has
 // written next_norm(x) into s.h, or normalised x in place with final_norm, or neither (both null); the team has
@@ -449,20 +479,21 @@ bool team_head(const TeamThread& team, const Blocked<T>& w, const T* x, int64_t 
 
 // Layers 0 .. n-1 of a step over x [T, hidden] (in place), by a team of at::get_num_threads() threads in one
 // parallel region (one thread: no region). steps[i] is layer i's cache, slots and tables; final_norm (or null)
-// normalises the last layer's output; head (or null: logits and greedy are then unused) then writes the LM head's
+// normalises the last layer's output; s is the step's scratch (sized here: grown, never shrunk, so that a caller
+// that keeps it allocates nothing in the steady state); head (or null: logits and greedy are then unused) then
+// writes the LM head's
 // float32 logits [T, head->out] into logits, and each row's argmax into greedy [T] where not null. With balance (or
 // null), a team of two cuts each linear layer where it says and moves the cuts after the step. Raises
 // (RuntimeError) what a team thread raised (none is expected: the inputs are checked and the buffers sized before
 // the team starts).
 template <typename T>
 void run_layers(const std::vector<const LayerPlan<T>*>& plans, const std::vector<LayerStep<T>>& steps, T* x,
-                int64_t t_rows, const T* cp, const T* snp, const T* final_norm, float final_eps,
+                int64_t t_rows, const T* cp, const T* snp, const T* final_norm, float final_eps, Scratch<T>& s,
                 const Blocked<T>* head = nullptr, float* logits = nullptr, int64_t* greedy = nullptr,
                 Balance* balance = nullptr) {
   const int64_t threads = std::max<int64_t>(1, at::in_parallel_region() ? 1 : at::get_num_threads());
   // the parts paged_decode_attention splits the keys into, from the thread count it sees (the same bits)
   const int64_t parts = kvrelay_cpu::attention_parts(t_rows, plans[0]->kv_heads, at::get_num_threads());
-  Scratch<T> s;
   for (const LayerPlan<T>* p : plans) s.fit(*p, t_rows, parts);
   if (head != nullptr) s.fit_head(*head, t_rows, threads);
   const int64_t n = static_cast<int64_t>(plans.size());
@@ -518,10 +549,17 @@ at::Tensor decode_layer_t(const at::Tensor& x, const at::Tensor& in_norm, const 
   const LayerPlan<T> p = plan_layer<T>(x.size(1), in_norm, post_norm, eps, qkv_w, qkv_b, o_w, o_b, gate_up_w,
                                        gate_up_b, down_w, down_b, dims, scale, window);
   const StepTables tb = step_tables(block_tables, seq_lens, t_rows);
-  const at::Tensor slots = check_step(p, t_rows, cos, sin, layer_cache, slot_mapping, tb);
+  check_rotary(p, t_rows, cos, sin);
+  TORCH_CHECK(layer_cache.dim() == 5, "decode_layer: layer_cache must be [num_blocks, 2, kv_heads, B, head_dim]");
+  const CacheGeometry c = cache_geometry(layer_cache);
+  const LayerStep<T> step = check_cache(p, c, nullptr, tb);
+  kvrelay_cpu::check_block_tables(tb.tp, tb.width, tb.lp, t_rows, step.block_size, p.window, c.sizes[0]);
+  const at::Tensor slots = check_slots(slot_mapping, t_rows, c.sizes[0], step.block_size);
   auto y = x.clone();
-  run_layers<T>({&p}, {layer_step<T>(layer_cache, slots, tb)}, y.data_ptr<T>(), t_rows, cos.data_ptr<T>(),
-                sin.data_ptr<T>(), nullptr, 0.f);
+  Scratch<T> s;
+  run_layers<T>({&p}, {LayerStep<T>{step.cache, step.block_size, step.bs, step.kvs, step.hs,
+                                    slots.data_ptr<int64_t>(), &tb}},
+                y.data_ptr<T>(), t_rows, cos.data_ptr<T>(), sin.data_ptr<T>(), nullptr, 0.f, s);
   return y;
 }
 
@@ -699,7 +737,7 @@ class DecodeStack {
       return out;
     };
     auto y = gather(embedding_, ids);
-    const auto cos = gather(cos_table, rope_rows), sin = gather(sin_table, rope_rows);  // checked by run's check_step
+    const auto cos = gather(cos_table, rope_rows), sin = gather(sin_table, rope_rows);  // checked by run's check_rotary
     auto out = at::empty({t_rows, vocab_}, embedding_.options().dtype(at::kFloat));
     std::vector<int64_t> greedy(static_cast<size_t>(t_rows), -1);
     if (dtype_ == at::kFloat)
@@ -720,35 +758,43 @@ class DecodeStack {
            const std::vector<at::Tensor>& block_tables, const std::vector<at::Tensor>& seq_lens,
            float* logits, int64_t* greedy = nullptr) const {
     const int64_t t_rows = y.size(0), n = size();
-    std::vector<at::Tensor> caches, slots;
-    std::vector<StepTables> tables;  // one per KV block group
-    caches.reserve(n);
-    slots.reserve(n);
+    std::vector<StepTables> tables;  // one per KV block group, as its slots
+    std::vector<at::Tensor> slots;
+    tables.reserve(block_tables.size());
     for (size_t g = 0; g < block_tables.size(); ++g)
       tables.push_back(step_tables(block_tables[g], seq_lens[g], t_rows));
-    for (int64_t i = 0; i < n; ++i) {
-      TORCH_CHECK(groups_[i] < static_cast<int64_t>(slot_mappings.size()), "DecodeStack: layer ", i,
-                  " reads KV block group ", groups_[i], " of ", slot_mappings.size());
-      TORCH_CHECK(locals_[i] < kv_pool.size(1), "DecodeStack: layer ", i, " reads local layer ", locals_[i],
-                  " of kv_pool's ", kv_pool.size(1));
-      caches.push_back(kv_pool.select(1, locals_[i]));
-      slots.push_back(check_step(plans[i], t_rows, cos, sin, caches.back(), slot_mappings[groups_[i]],
-                                 tables[groups_[i]]));
-    }
+    const int64_t num_blocks = kv_pool.size(0), block_size = kv_pool.size(4);
+    for (const auto& slot_mapping : slot_mappings) slots.push_back(check_slots(slot_mapping, t_rows, num_blocks, block_size));
     std::vector<const LayerPlan<T>*> ptrs;
     std::vector<LayerStep<T>> steps;
+    std::vector<std::pair<int64_t, int64_t>> checked;  // the (group, window) pairs whose tables are checked
     for (int64_t i = 0; i < n; ++i) {
+      const int64_t group = groups_[i];
+      TORCH_CHECK(group < static_cast<int64_t>(slot_mappings.size()), "DecodeStack: layer ", i,
+                  " reads KV block group ", group, " of ", slot_mappings.size());
+      TORCH_CHECK(locals_[i] < kv_pool.size(1), "DecodeStack: layer ", i, " reads local layer ", locals_[i],
+                  " of kv_pool's ", kv_pool.size(1));
+      check_rotary(plans[i], t_rows, cos, sin);
+      const StepTables& tb = tables[group];
+      steps.push_back(check_cache(plans[i], pool_geometry(kv_pool, locals_[i]), slots[group].data_ptr<int64_t>(), tb));
+      if (std::find(checked.begin(), checked.end(), std::pair{group, plans[i].window}) == checked.end()) {
+        kvrelay_cpu::check_block_tables(tb.tp, tb.width, tb.lp, t_rows, block_size, plans[i].window, num_blocks);
+        checked.emplace_back(group, plans[i].window);
+      }
       ptrs.push_back(&plans[i]);
-      steps.push_back(layer_step<T>(caches[i], slots[i], tables[groups_[i]]));
     }
     const Blocked<T>* head = nullptr;
     if (logits != nullptr) {
       if constexpr (std::is_same_v<T, float>) head = &head_f32_;
       else head = &head_bf16_;
     }
+    std::lock_guard<std::mutex> lock(scratch_mutex_);  // one step at a time on the stack's scratch
+    Scratch<T>* scratch;
+    if constexpr (std::is_same_v<T, float>) scratch = &scratch_f32_;
+    else scratch = &scratch_bf16_;
     run_layers<T>(ptrs, steps, y.data_ptr<T>(), t_rows, cos.data_ptr<T>(), sin.data_ptr<T>(),
-                  final_norm_.defined() ? final_norm_.data_ptr<T>() : nullptr, static_cast<float>(final_eps_), head,
-                  logits, greedy, &balance_);
+                  final_norm_.defined() ? final_norm_.data_ptr<T>() : nullptr, static_cast<float>(final_eps_),
+                  *scratch, head, logits, greedy, &balance_);
   }
 
   at::ScalarType dtype_ = at::kFloat;
@@ -764,6 +810,11 @@ class DecodeStack {
   Blocked<at::BFloat16> head_bf16_{};
   int64_t vocab_ = 0;
   mutable Balance balance_;  // how the team of two splits each kind of linear layer, learnt step by step
+  // A step's intermediate rows, kept from step to step: sized anew each step they allocated, and at 16 rows the
+  // head's ~1.5 MB bf16 buffer was mapped and faulted in each step.
+  mutable std::mutex scratch_mutex_;
+  mutable Scratch<float> scratch_f32_;
+  mutable Scratch<at::BFloat16> scratch_bf16_;
 };
 
 void bind_decode_stack(pybind11::module_& m) {
