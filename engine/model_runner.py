@@ -41,7 +41,8 @@ class ModelRunner:
 
     ``graphs``: captured decode steps (`engine.cuda_graphs.DecodeGraphs`), set by the engine on CUDA; a
     decode-only step without a long-context policy replays one when its batch fits, else runs eagerly. A
-    decode-only step asks the model's ``decode_logits`` first, where it has one (None: it runs `forward`).
+    decode-only step without a KV hook runs through the model's ``decode_logits`` where it has one and its
+    ``fuses_decode_logits`` accepts the step (else through `forward`).
     """
 
     def __init__(
@@ -99,6 +100,9 @@ class ModelRunner:
             replayed = self._replay(step.decodes)
             if replayed is not None:
                 return replayed
+        if (self.fuses_logits and kv_hook is None and step.decodes and not step.prefills
+                and self.model.fuses_decode_logits(len(step.decodes), self.kv_pool, self.backend)):
+            return self._decode_logits(step.decodes)
         bs, g = self.block_size_tokens, self.num_groups
         input_ids: list[int] = []
         positions: list[int] = []
@@ -150,15 +154,32 @@ class ModelRunner:
             for group in range(g)
         ]
         batch = batches[0] if g == 1 else dataclasses.replace(batches[0], group_batches=tuple(batches))
-        if not step.prefills and self.fuses_logits:  # every row samples: the logits in one call
-            fused = self.model.decode_logits(input_ids, positions, self.kv_pool, batch, self.backend)
-            if fused is not None:
-                return StepLogits(sample_seqs, *fused)
         hidden = self.model(self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), self.kv_pool,
                             batch, self.backend)
         if sample_rows != list(range(hidden.shape[0])):  # a decode-only step samples every row: no gather
             hidden = hidden.index_select(0, torch.tensor(sample_rows, dtype=torch.int64, device=hidden.device))
         return StepLogits(sample_seqs, self.model.compute_logits(hidden))
+
+    def _decode_logits(self, decodes: list[Sequence]) -> StepLogits:
+        """A decode-only step (every row samples) through the model's ``decode_logits``: its metadata as lists,
+        read in the same call that runs the step (no tensor or `AttentionBatch` built for it here)."""
+        bs, g = self.block_size_tokens, self.num_groups
+        ids, positions, lens = [], [], []
+        slots: list[list[int]] = [[] for _ in range(g)]
+        tables: list[list[list[int]]] = [[] for _ in range(g)]
+        for seq in decodes:
+            p, row = seq.num_computed_tokens, seq.num_kv_tokens  # the KV row is behind p once a policy dropped KV
+            ids.append(seq.token_ids[p])
+            positions.append(p)
+            lens.append(row + 1)
+            table = seq.block_table
+            for group in range(g):
+                slots[group].append(table[row // bs * g + group] * bs + row % bs)
+                own = table[group::g] if g > 1 else table
+                # a given-back block is never read: any valid id does (see class doc)
+                tables[group].append([max(b, 0) for b in own] if self.gives_back_blocks else own)
+        logits, greedy = self.model.decode_logits(ids, positions, self.kv_pool, slots, tables, lens)
+        return StepLogits(list(decodes), logits, greedy)
 
     def _decode_row(self, seq: Sequence) -> DecodeRow:
         """A decoding sequence's next token, its position, and the slot and KV length its KV gets (its KV

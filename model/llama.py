@@ -357,34 +357,40 @@ class LlamaForCausalLM(nn.Module):
         if kv_pool.shape[1] != per_block:
             raise ValueError(f"kv_pool blocks hold {kv_pool.shape[1]} layers; the model's hold {per_block}")
 
+    def fuses_decode_logits(self, rows: int, kv_pool: torch.Tensor, backend: AttentionBackend) -> bool:
+        """Whether a decode-only step of ``rows`` sequences without a KV hook (H2O, InfiniGen) runs through
+        `decode_logits`: the stack has a head (`stack_logits`) and the step fuses (`_fused_kernels`)."""
+        weight = self.model.embed_tokens.weight
+        return (self.decode_stack is not None and self.stack_logits
+                and self._fused_kernels(rows, weight.dtype, weight.device, kv_pool, backend))
+
     def decode_logits(self, input_ids: list[int], positions: list[int], kv_pool: torch.Tensor,
-                      batch: AttentionBatch, backend: AttentionBackend) -> tuple[torch.Tensor, list[int]] | None:
-        """`forward` then `compute_logits` of every row, in one C++ call (``DecodeStack.logits``: the embedding
-        lookup, every layer, the final norm and the head in one parallel region), or None where the step does not
-        fuse (`_fused_step`) or the stack has no head (`stack_logits`): then call `forward`. Arguments as
-        `forward`'s, but the token ids and positions as lists (no tensor is built for them; the rotary rows come
-        from `model.rope.RotaryRows`); returns float32 ``[T, vocab_size]``, the bits `forward` then
-        `compute_logits` give, and each row's ``torch.argmax`` (its greedy token, found while the row is in the
-        cache).
+                      slots: list[list[int]], tables: list[list[list[int]]], lens: list[int]
+                      ) -> tuple[torch.Tensor, list[int]]:
+        """`forward` then `compute_logits` of a decode-only step (every row samples) in one C++ call
+        (``DecodeStack.logits``: the embedding lookup, every layer, the final norm and the head in one parallel
+        region), for a step `fuses_decode_logits` accepts. The step comes as lists, not an `AttentionBatch`: per KV
+        block group, each sequence's slot (``slots[group][t]``) and block table (``tables[group][t]``, ragged: the
+        call pads it); each sequence's KV length with this token (``lens``); no tensor is built for them in Python,
+        and the rotary rows come from `model.rope.RotaryRows`. Returns float32 ``[T, vocab_size]``, the bits
+        `forward` then `compute_logits` give, and each row's ``torch.argmax`` (its greedy token, found while the
+        row is in the cache).
 
         Between the layers and the head a separate call cost the head's Python and a parallel region of its own,
         both run with cold caches after the step has streamed the weights: a batch-1 bf16 SmolLM2 step on a Zen 4
-        VM spent ~1.3 ms in `compute_logits` for a ~1.0 ms read of its 57 MB.
+        VM spent ~1.3 ms in `compute_logits` for a ~1.0 ms read of its 57 MB; the step's metadata tensors and
+        `AttentionBatch` cost another ~0.2 ms, also cold.
 
         Raises:
             ValueError: the pool has the wrong number of layers.
             RuntimeError: a token id outside the vocabulary, or a slot, block table or shape that does not fit.
         """
         self._check_pool(kv_pool)
-        weight = self.model.embed_tokens.weight
-        if self.decode_stack is None or not self.stack_logits or not self._fused_step(
-                len(input_ids), weight.dtype, weight.device, kv_pool, batch, backend):
-            return None
-        if self.rotary_rows is None or self.rotary_rows.dtype != weight.dtype:
-            self.rotary_rows = RotaryRows(self.rope_inv_freq, dtype=weight.dtype,
-                                          scaling=self.config.rope.attention_factor)
+        dtype = self.model.embed_tokens.weight.dtype
+        if self.rotary_rows is None or self.rotary_rows.dtype != dtype:
+            self.rotary_rows = RotaryRows(self.rope_inv_freq, dtype=dtype, scaling=self.config.rope.attention_factor)
         cos, sin, rows = self.rotary_rows.rows(positions)
-        return self.decode_stack.logits(input_ids, rows, cos, sin, kv_pool, *self._stack_tables(batch))
+        return self.decode_stack.logits(input_ids, rows, cos, sin, kv_pool, slots, tables, lens)
 
     def decode_layers(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], kv_pool: torch.Tensor,
                       batch: AttentionBatch) -> torch.Tensor:
@@ -402,15 +408,21 @@ class LlamaForCausalLM(nn.Module):
         return ([b.slot_mapping for b in groups], [b.decode_block_tables for b in groups],
                 [b.decode_seq_lens for b in groups])
 
-    @staticmethod
-    def _fused_step(rows: int, dtype: torch.dtype, device: torch.device, kv_pool: torch.Tensor, batch: AttentionBatch,
-                    backend: AttentionBackend) -> bool:
+    @classmethod
+    def _fused_step(cls, rows: int, dtype: torch.dtype, device: torch.device, kv_pool: torch.Tensor,
+                    batch: AttentionBatch, backend: AttentionBackend) -> bool:
         """Whether this step's layers may run as one C++ call each (`DecoderLayer.decode_fused`): only decode
-        tokens, at most `kernels.cpu_small.BLOCKED_MAX_ROWS` (``rows``), bf16 or float32 activations (``dtype``)
-        and KV of that dtype on the CPU, no KV hook (H2O, InfiniGen), and the CPU backend with its C++ decode
-        attention."""
-        return (batch.num_prefill_tokens == 0 and 0 < rows <= cpu_small.BLOCKED_MAX_ROWS
-                and batch.kv_hook is None and batch.step_block_tables is None
+        tokens, no KV hook (H2O, InfiniGen), and `_fused_kernels`."""
+        return (batch.num_prefill_tokens == 0 and batch.kv_hook is None and batch.step_block_tables is None
+                and cls._fused_kernels(rows, dtype, device, kv_pool, backend))
+
+    @staticmethod
+    def _fused_kernels(rows: int, dtype: torch.dtype, device: torch.device, kv_pool: torch.Tensor,
+                       backend: AttentionBackend) -> bool:
+        """Whether a decode-only step's rows run through the C++ layer kernels: at most
+        `kernels.cpu_small.BLOCKED_MAX_ROWS` (``rows``), bf16 or float32 activations (``dtype``) and KV of that
+        dtype on the CPU, and the CPU backend with its C++ decode attention."""
+        return (0 < rows <= cpu_small.BLOCKED_MAX_ROWS
                 and dtype in (torch.bfloat16, torch.float32) and kv_pool.dtype == dtype
                 and device.type == "cpu" and isinstance(backend, TorchBackend)
                 and backend.cpu_decode_kernels is not None)

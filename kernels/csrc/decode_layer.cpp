@@ -29,6 +29,7 @@
 // paged_decode_attention's), before anything is written.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <omp.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -603,20 +604,48 @@ at::Tensor decode_layer(at::Tensor x, at::Tensor in_norm, at::Tensor post_norm, 
 //   set_ends(embedding, head_w, vocab): the model's token embedding [rows, hidden] (contiguous, the layers' dtype)
 //       and its LM head (head_w in blocked_linear's layout of a [vocab, hidden] weight, no bias), for logits. Needs
 //       the final norm set first; raises (RuntimeError) otherwise or on a shape or dtype that does not fit.
-//   logits(ids, rope_rows, cos_table, sin_table, kv_pool, slot_mappings, block_tables, seq_lens): forward from
-//       the T token ids (a list of ints), with token t's cos and sin row rope_rows[t] of the tables ([rows,
-//       head_dim], the layers' dtype; model.rope.RotaryRows), then the head, in the one parallel region. Returns
+//   logits(ids, rope_rows, cos_table, sin_table, kv_pool, slots, tables, lens): forward from the T token ids (a
+//       list of ints), with token t's cos and sin row rope_rows[t] of the tables ([rows, head_dim], the layers'
+//       dtype; model.rope.RotaryRows), then the head, in the one parallel region. The step's metadata comes as
+//       lists, per KV block group: slots[group] (T ints) and tables[group] (T lists of block ids, ragged: padded
+//       here with block 0); lens (T ints) for every group (the lists cost less to pass than tensors built in Python
+//       each step: a batch-1 bf16 SmolLM2 step on a Zen 4 VM spent ~0.2 ms building them and the step's
+//       AttentionBatch). Returns
 //       (float32 [T, vocab], the bits of blocked_linear's head over forward's output, widened to float32 (torch's
 //       .float()); each row's torch.argmax as a list of T ints: the first of equal maxima, a NaN above any number).
 //       The embedding rows are copied as torch.embedding's lookup gives them. A batch-1 bf16 SmolLM2 step on a Zen
 //       4 VM, alternated step by step with forward then compute_logits (6 rounds of 128 steps each): 0.95-1.02x the
 //       time with the head in this call, 0.92-0.96x with the greedy token and the rotary rows too.
-//       Raises (RuntimeError) on an id outside the embedding's rows or a row outside the tables, and as forward
-//       does, before any KV is written; or when set_ends was not called.
+//       Raises (RuntimeError) on an id outside the embedding's rows or a row outside the tables, a list of the
+//       wrong length, a block id outside int32, and as forward does, before any KV is written; or when set_ends was
+//       not called.
 //   cuts(), set_cuts(permille): where a team of two splits the output groups of each kind of linear layer ([q; k;
 //       v], o, [gate; up], down, the head), in thousandths of the groups the lead takes (Balance: each step of
 //       forward or logits measures both threads and moves the cuts; set_cuts starts them elsewhere, each in
 //       200 .. 800, else raises RuntimeError). The cuts change which thread computes a group, never its bits.
+inline at::Tensor long_tensor(const std::vector<int64_t>& values) {  // int64 [n], a copy of values
+  auto out = at::empty({static_cast<int64_t>(values.size())}, at::kLong);
+  if (!values.empty()) std::memcpy(out.data_ptr<int64_t>(), values.data(), values.size() * sizeof(int64_t));
+  return out;
+}
+
+// Ragged block tables (T lists of block ids) as int32 [T, W], W the longest, each padded with block 0 (never
+// read past the sequence's length). Raises (RuntimeError) on an id outside int32, named as the table checks name a
+// bad id.
+inline at::Tensor padded_tables(const std::vector<std::vector<int64_t>>& lists) {
+  size_t width = 0;
+  for (const auto& l : lists) width = std::max(width, l.size());
+  auto out = at::zeros({static_cast<int64_t>(lists.size()), static_cast<int64_t>(width)}, at::kInt);
+  int32_t* p = out.data_ptr<int32_t>();
+  for (size_t t = 0; t < lists.size(); ++t)
+    for (size_t j = 0; j < lists[t].size(); ++j) {
+      const int64_t id = lists[t][j];
+      TORCH_CHECK(id >= 0 && id <= INT32_MAX, "sequence ", t, ": block id out of range (", id, ")");
+      p[t * width + j] = static_cast<int32_t>(id);
+    }
+  return out;
+}
+
 class DecodeStack {
  public:
   void add_layer(const at::Tensor& in_norm, const at::Tensor& post_norm, double eps, const at::Tensor& qkv_w,
@@ -708,8 +737,8 @@ class DecodeStack {
 
   std::tuple<at::Tensor, std::vector<int64_t>> logits(
       const std::vector<int64_t>& ids, const std::vector<int64_t>& rope_rows, const at::Tensor& cos_table,
-      const at::Tensor& sin_table, const at::Tensor& kv_pool, const std::vector<at::Tensor>& slot_mappings,
-      const std::vector<at::Tensor>& block_tables, const std::vector<at::Tensor>& seq_lens) const {
+      const at::Tensor& sin_table, const at::Tensor& kv_pool, const std::vector<std::vector<int64_t>>& slot_lists,
+      const std::vector<std::vector<std::vector<int64_t>>>& table_lists, const std::vector<int64_t>& len_list) const {
     TORCH_CHECK(!groups_.empty(), "DecodeStack: no layers");
     TORCH_CHECK(has_ends(), "DecodeStack: no embedding and head (set_ends)");
     TORCH_CHECK(!ids.empty() && rope_rows.size() == ids.size(), "DecodeStack: one rotary row per token id, T >= 1");
@@ -718,9 +747,18 @@ class DecodeStack {
                     cos_table.is_contiguous() && sin_table.is_contiguous(),
                 "DecodeStack: the rotary tables must be contiguous ", dtype_, " [rows, head_dim], both alike");
     TORCH_CHECK(kv_pool.dim() == 6, "DecodeStack: kv_pool must be [num_blocks, layers, 2, kv_heads, B, head_dim]");
-    TORCH_CHECK(slot_mappings.size() == block_tables.size() && slot_mappings.size() == seq_lens.size(),
-                "DecodeStack: one slot mapping, block table and length tensor per KV block group");
     const int64_t t_rows = static_cast<int64_t>(ids.size()), rows = embedding_.size(0);
+    TORCH_CHECK(slot_lists.size() == table_lists.size(), "DecodeStack: one slot list and table list per KV block group");
+    TORCH_CHECK(static_cast<int64_t>(len_list.size()) == t_rows, "DecodeStack: one KV length per token id");
+    std::vector<at::Tensor> slot_mappings, block_tables, seq_lens;  // the lists as run reads them
+    for (size_t g = 0; g < slot_lists.size(); ++g) {
+      TORCH_CHECK(static_cast<int64_t>(slot_lists[g].size()) == t_rows &&
+                      static_cast<int64_t>(table_lists[g].size()) == t_rows,
+                  "DecodeStack: KV block group ", g, " needs one slot and one block table per token id");
+      slot_mappings.push_back(long_tensor(slot_lists[g]));
+      block_tables.push_back(padded_tables(table_lists[g]));
+      seq_lens.push_back(long_tensor(len_list));
+    }
     const int64_t table_rows = cos_table.size(0);
     for (int64_t t = 0; t < t_rows; ++t) {
       TORCH_CHECK(ids[t] >= 0 && ids[t] < rows, "DecodeStack: token ", t, "'s id ", ids[t], " is outside the ", rows,

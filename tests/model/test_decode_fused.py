@@ -47,10 +47,8 @@ def _generate(model_dir, monkeypatch: pytest.MonkeyPatch, *, path: str, dtype: s
         return real_stack(self, x, *args)
 
     def counting_logits(self, ids, *args):
-        logits = real_logits(self, ids, *args)
-        if logits is not None:
-            fused_rows.append(len(ids))
-        return logits
+        fused_rows.append(len(ids))
+        return real_logits(self, ids, *args)
 
     with monkeypatch.context() as m:
         m.setattr(DecoderLayer, "decode_fused", counting_layer)
@@ -216,33 +214,48 @@ def test_the_stack_s_logits_are_forward_then_the_head_and_bad_ids_are_refused_be
     cos, sin = model.rotary(torch.tensor(positions), pool.dtype)
     table = model.rotary(torch.arange(12), pool.dtype)  # rows 0 .. 11: a token's row is its position
     step = ([torch.tensor([0, 19, 41])], [torch.tensor([[0], [1], [2]], dtype=torch.int32)], [torch.tensor([1, 4, 10])])
+    lists = ([[0, 19, 41]], [[[0], [1], [2]]], [1, 4, 10])  # the same step as `logits` takes it
     want_pool = pool.clone()
     with torch.inference_mode():
         want = model.compute_logits(stack.forward(model.model.embed_tokens(torch.tensor(ids)), cos, sin, want_pool,
                                                   *step))
-    got, greedy = stack.logits(ids, positions, *table, pool, *step)
+    got, greedy = stack.logits(ids, positions, *table, pool, *lists)
     assert got.dtype == torch.float32 and got.shape == (3, vocab)
     assert torch.equal(got, want) and torch.equal(pool, want_pool)  # the same logits bits, the same KV written
     assert greedy == torch.argmax(want, dim=-1).tolist()
     pool.zero_()
     with pytest.raises(RuntimeError, match=f"token 1's id {vocab} is outside the {vocab} rows of the embedding"):
-        stack.logits([5, vocab, 3], positions, *table, pool, *step)
+        stack.logits([5, vocab, 3], positions, *table, pool, *lists)
     with pytest.raises(RuntimeError, match="token 0's id -1 is outside"):
-        stack.logits([-1, 2, 3], positions, *table, pool, *step)
+        stack.logits([-1, 2, 3], positions, *table, pool, *lists)
     with pytest.raises(RuntimeError, match="token 2's rotary row 12 is outside the 12 rows of the tables"):
-        stack.logits(ids, [0, 3, 12], *table, pool, *step)
+        stack.logits(ids, [0, 3, 12], *table, pool, *lists)
     with pytest.raises(RuntimeError, match="one rotary row per token id"):
-        stack.logits(ids, positions[:2], *table, pool, *step)
+        stack.logits(ids, positions[:2], *table, pool, *lists)
     with pytest.raises(RuntimeError, match="the rotary tables must be contiguous"):
-        stack.logits(ids, positions, table[0].half(), table[1].half(), pool, *step)
+        stack.logits(ids, positions, table[0].half(), table[1].half(), pool, *lists)
     with pytest.raises(RuntimeError, match="token 2's slot 64 is past the 4 blocks of the cache"):
-        stack.logits(ids, positions, *table, pool, [torch.tensor([0, 19, 64])], *step[1:])
+        stack.logits(ids, positions, *table, pool, [[0, 19, 64]], *lists[1:])
+    with pytest.raises(RuntimeError, match="sequence 1: block id out of range \\(-1\\)"):
+        stack.logits(ids, positions, *table, pool, lists[0], [[[0], [-1], [2]]], lists[2])
+    with pytest.raises(RuntimeError, match="sequence 2: length 17 does not fit its block table"):
+        stack.logits(ids, positions, *table, pool, lists[0], lists[1], [1, 4, 17])
+    with pytest.raises(RuntimeError, match="one KV length per token id"):
+        stack.logits(ids, positions, *table, pool, *lists[:2], [1, 4])
+    with pytest.raises(RuntimeError, match="KV block group 0 needs one slot and one block table per token id"):
+        stack.logits(ids, positions, *table, pool, lists[0], [[[0], [1]]], lists[2])
+    with pytest.raises(RuntimeError, match="one slot list and table list per KV block group"):
+        stack.logits(ids, positions, *table, pool, lists[0], [], lists[2])
     assert pool.abs().sum() == 0
+    # ragged tables are padded: a longer table in one row changes nothing another row reads
+    got_ragged, _ = stack.logits(ids, positions, *table, pool, lists[0], [[[0], [1, 3], [2]]], lists[2])
+    assert torch.equal(got_ragged, want) and torch.equal(pool, want_pool)
+    pool.zero_()
     ext, before, after = model.model.layers[0].fused
     empty = ext.DecodeStack()
     empty.add_layer(*before, *after, 0, 0)
     with pytest.raises(RuntimeError, match="no embedding and head \\(set_ends\\)"):
-        empty.logits(ids, positions, *table, pool, *step)
+        empty.logits(ids, positions, *table, pool, *lists)
     embedding, head_w = model.model.embed_tokens.weight, model.head.blocked
     with pytest.raises(RuntimeError, match="set the final norm before the embedding and head"):
         empty.set_ends(embedding, head_w, vocab)
@@ -263,7 +276,7 @@ def test_the_stack_s_greedy_tokens_are_torch_s_argmax_with_ties_and_nans(threads
     vocab, d = config.vocab_size, config.head_dim
     assert vocab >= 256
     ids, positions = [5, 17, 99], [0, 3, 9]
-    step = ([torch.tensor([0, 19, 41])], [torch.tensor([[0], [1], [2]], dtype=torch.int32)], [torch.tensor([1, 4, 10])])
+    step = ([[0, 19, 41]], [[[0], [1], [2]]], [1, 4, 10])
     w = model.lm_head.weight.detach()
     zeros = torch.zeros_like(w)  # every logit 0.0: column 0
     tie = zeros.clone()  # logits 0.0 but two equal ones: whichever ties at the maximum, the first column wins
@@ -298,7 +311,7 @@ def test_a_team_of_two_gives_the_same_bits_wherever_it_cuts_the_linear_layers(ti
     stack, config = model.decode_stack, model.config
     ids, positions = [5, 17, 99], [0, 3, 9]
     table = model.rotary(torch.arange(10), torch.bfloat16)
-    step = ([torch.tensor([0, 19, 41])], [torch.tensor([[0], [1], [2]], dtype=torch.int32)], [torch.tensor([1, 4, 10])])
+    step = ([[0, 19, 41]], [[[0], [1], [2]]], [1, 4, 10])
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
