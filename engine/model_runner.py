@@ -90,19 +90,26 @@ class ModelRunner:
         return {"step_block_tables": [self._block_tables(seqs, g) for g in range(self.num_groups)],
                 "step_seq_lens": self._tensor(lens), "step_query_start_loc": self._tensor(starts)}
 
-    @torch.inference_mode()
     def run(self, step: ScheduledStep, *, kv_hook: KvHook | None = None) -> StepLogits:
         """One forward. Sequences whose pending tokens all get computed this step also get logits.
 
         ``kv_hook``: the long-context policies' calls for this step (`engine.kv_policy`), or None.
         """
-        if self.graphs is not None and kv_hook is None and step.decodes and not step.prefills:
-            replayed = self._replay(step.decodes)
+        decode_only = kv_hook is None and step.decodes and not step.prefills
+        if decode_only and self.graphs is not None:
+            with torch.inference_mode():
+                replayed = self._replay(step.decodes)
             if replayed is not None:
                 return replayed
-        if (self.fuses_logits and kv_hook is None and step.decodes and not step.prefills
+        if (decode_only and self.fuses_logits
                 and self.model.fuses_decode_logits(len(step.decodes), self.kv_pool, self.backend)):
+            # one C++ call that no autograd sees (no weight needs a gradient): outside inference mode, whose
+            # entry and exit cost tens of us of a batch-1 step when run cold
             return self._decode_logits(step.decodes)
+        return self._run(step, kv_hook)
+
+    @torch.inference_mode()
+    def _run(self, step: ScheduledStep, kv_hook: KvHook | None) -> StepLogits:
         bs, g = self.block_size_tokens, self.num_groups
         input_ids: list[int] = []
         positions: list[int] = []

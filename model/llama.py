@@ -16,6 +16,7 @@ math in float32 (the backends accumulate in float32).
 
 from __future__ import annotations
 
+import weakref
 from types import ModuleType
 from typing import Any
 
@@ -298,6 +299,9 @@ class LlamaForCausalLM(nn.Module):
         self.stack_norms = False  # whether `decode_stack` applies the final norm too (`prepare_for_inference`)
         self.stack_logits = False  # whether it runs the embedding and head too (`decode_logits`)
         self.rotary_rows: RotaryRows | None = None  # `decode_logits`'s cos and sin, built on its first call
+        # `fuses_decode_logits`'s last pool and backend, and whether the C++ kernels take steps on them
+        self._fuses_with: tuple[weakref.ref, AttentionBackend] | None = None
+        self._fuses_kernels = False
         self.register_buffer("rope_inv_freq", rope_inv_freq(config.rope, config.head_dim), persistent=False)
         self.kv_place = {layer: (g, local) for g, group in enumerate(config.kv_groups)
                          for local, layer in enumerate(group.layers)}  # layer -> (KV block group, local layer)
@@ -360,9 +364,16 @@ class LlamaForCausalLM(nn.Module):
     def fuses_decode_logits(self, rows: int, kv_pool: torch.Tensor, backend: AttentionBackend) -> bool:
         """Whether a decode-only step of ``rows`` sequences without a KV hook (H2O, InfiniGen) runs through
         `decode_logits`: the stack has a head (`stack_logits`) and the step fuses (`_fused_kernels`)."""
-        weight = self.model.embed_tokens.weight
-        return (self.decode_stack is not None and self.stack_logits
-                and self._fused_kernels(rows, weight.dtype, weight.device, kv_pool, backend))
+        if self.decode_stack is None or not self.stack_logits or not 0 < rows <= cpu_small.BLOCKED_MAX_ROWS:
+            return False
+        # what else it asks changes with neither the pool nor the backend: asked once for them (asked each step, its
+        # cold attribute lookups cost ~40 us of a batch-1 bf16 SmolLM2 step on a Zen 4 VM)
+        seen = self._fuses_with
+        if seen is None or seen[0]() is not kv_pool or seen[1] is not backend:
+            weight = self.model.embed_tokens.weight
+            self._fuses_with = (weakref.ref(kv_pool), backend)  # a weak reference: the pool is the engine's to free
+            self._fuses_kernels = self._fused_kernels(1, weight.dtype, weight.device, kv_pool, backend)
+        return self._fuses_kernels
 
     def decode_logits(self, input_ids: list[int], positions: list[int], kv_pool: torch.Tensor,
                       slots: list[list[int]], tables: list[list[list[int]]], lens: list[int]
