@@ -33,10 +33,10 @@
 #include <omp.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
-#include <algorithm>
 #include <exception>
 #include <mutex>
 #include <thread>
@@ -482,9 +482,9 @@ bool team_head(const TeamThread& team, const Blocked<T>& w, const T* x, int64_t 
 // parallel region (one thread: no region). steps[i] is layer i's cache, slots and tables; final_norm (or null)
 // normalises the last layer's output; s is the step's scratch (sized here: grown, never shrunk, so that a caller
 // that keeps it allocates nothing in the steady state); head (or null: logits and greedy are then unused) then
-// writes the LM head's
-// float32 logits [T, head->out] into logits, and each row's argmax into greedy [T] where not null. With balance (or
-// null), a team of two cuts each linear layer where it says and moves the cuts after the step. Raises
+// writes the LM head's float32 logits [T, head->out] into logits, and each row's argmax into greedy [T] where not
+// null. With balance (or null), a team of two cuts each linear layer where it says and moves the cuts after the
+// step. Raises
 // (RuntimeError) what a team thread raised (none is expected: the inputs are checked and the buffers sized before
 // the team starts).
 template <typename T>
@@ -553,14 +553,13 @@ at::Tensor decode_layer_t(const at::Tensor& x, const at::Tensor& in_norm, const 
   check_rotary(p, t_rows, cos, sin);
   TORCH_CHECK(layer_cache.dim() == 5, "decode_layer: layer_cache must be [num_blocks, 2, kv_heads, B, head_dim]");
   const CacheGeometry c = cache_geometry(layer_cache);
-  const LayerStep<T> step = check_cache(p, c, nullptr, tb);
+  LayerStep<T> step = check_cache(p, c, nullptr, tb);
   kvrelay_cpu::check_block_tables(tb.tp, tb.width, tb.lp, t_rows, step.block_size, p.window, c.sizes[0]);
   const at::Tensor slots = check_slots(slot_mapping, t_rows, c.sizes[0], step.block_size);
+  step.sp = slots.data_ptr<int64_t>();
   auto y = x.clone();
   Scratch<T> s;
-  run_layers<T>({&p}, {LayerStep<T>{step.cache, step.block_size, step.bs, step.kvs, step.hs,
-                                    slots.data_ptr<int64_t>(), &tb}},
-                y.data_ptr<T>(), t_rows, cos.data_ptr<T>(), sin.data_ptr<T>(), nullptr, 0.f, s);
+  run_layers<T>({&p}, {step}, y.data_ptr<T>(), t_rows, cos.data_ptr<T>(), sin.data_ptr<T>(), nullptr, 0.f, s);
   return y;
 }
 
@@ -582,6 +581,29 @@ at::Tensor decode_layer(at::Tensor x, at::Tensor in_norm, at::Tensor post_norm, 
   return decode_layer_t<at::BFloat16>(x, in_norm, post_norm, eps, qkv_w, qkv_b, o_w, o_b, gate_up_w, gate_up_b,
                                       down_w, down_b, dims, cos, sin, layer_cache, slot_mapping, block_tables,
                                       seq_lens, scale, window);
+}
+
+inline at::Tensor long_tensor(const std::vector<int64_t>& values) {  // int64 [n], a copy of values
+  auto out = at::empty({static_cast<int64_t>(values.size())}, at::kLong);
+  if (!values.empty()) std::memcpy(out.data_ptr<int64_t>(), values.data(), values.size() * sizeof(int64_t));
+  return out;
+}
+
+// Ragged block tables (T lists of block ids) as int32 [T, W], W the longest, each padded with block 0 (never
+// read past the sequence's length). Raises (RuntimeError) on an id outside int32, named as the table checks name a
+// bad id.
+inline at::Tensor padded_tables(const std::vector<std::vector<int64_t>>& lists) {
+  size_t width = 0;
+  for (const auto& l : lists) width = std::max(width, l.size());
+  auto out = at::zeros({static_cast<int64_t>(lists.size()), static_cast<int64_t>(width)}, at::kInt);
+  int32_t* p = out.data_ptr<int32_t>();
+  for (size_t t = 0; t < lists.size(); ++t)
+    for (size_t j = 0; j < lists[t].size(); ++j) {
+      const int64_t id = lists[t][j];
+      TORCH_CHECK(id >= 0 && id <= INT32_MAX, "sequence ", t, ": block id out of range (", id, ")");
+      p[t * width + j] = static_cast<int32_t>(id);
+    }
+  return out;
 }
 
 // DecodeStack: a model's decoder layers for decode_layer, planned (checked) once, then run as one call a step:
@@ -623,29 +645,6 @@ at::Tensor decode_layer(at::Tensor x, at::Tensor in_norm, at::Tensor post_norm, 
 //       v], o, [gate; up], down, the head), in thousandths of the groups the lead takes (Balance: each step of
 //       forward or logits measures both threads and moves the cuts; set_cuts starts them elsewhere, each in
 //       200 .. 800, else raises RuntimeError). The cuts change which thread computes a group, never its bits.
-inline at::Tensor long_tensor(const std::vector<int64_t>& values) {  // int64 [n], a copy of values
-  auto out = at::empty({static_cast<int64_t>(values.size())}, at::kLong);
-  if (!values.empty()) std::memcpy(out.data_ptr<int64_t>(), values.data(), values.size() * sizeof(int64_t));
-  return out;
-}
-
-// Ragged block tables (T lists of block ids) as int32 [T, W], W the longest, each padded with block 0 (never
-// read past the sequence's length). Raises (RuntimeError) on an id outside int32, named as the table checks name a
-// bad id.
-inline at::Tensor padded_tables(const std::vector<std::vector<int64_t>>& lists) {
-  size_t width = 0;
-  for (const auto& l : lists) width = std::max(width, l.size());
-  auto out = at::zeros({static_cast<int64_t>(lists.size()), static_cast<int64_t>(width)}, at::kInt);
-  int32_t* p = out.data_ptr<int32_t>();
-  for (size_t t = 0; t < lists.size(); ++t)
-    for (size_t j = 0; j < lists[t].size(); ++j) {
-      const int64_t id = lists[t][j];
-      TORCH_CHECK(id >= 0 && id <= INT32_MAX, "sequence ", t, ": block id out of range (", id, ")");
-      p[t * width + j] = static_cast<int32_t>(id);
-    }
-  return out;
-}
-
 class DecodeStack {
  public:
   void add_layer(const at::Tensor& in_norm, const at::Tensor& post_norm, double eps, const at::Tensor& qkv_w,
@@ -748,7 +747,8 @@ class DecodeStack {
                 "DecodeStack: the rotary tables must be contiguous ", dtype_, " [rows, head_dim], both alike");
     TORCH_CHECK(kv_pool.dim() == 6, "DecodeStack: kv_pool must be [num_blocks, layers, 2, kv_heads, B, head_dim]");
     const int64_t t_rows = static_cast<int64_t>(ids.size()), rows = embedding_.size(0);
-    TORCH_CHECK(slot_lists.size() == table_lists.size(), "DecodeStack: one slot list and table list per KV block group");
+    TORCH_CHECK(slot_lists.size() == table_lists.size(),
+                "DecodeStack: one slot list and table list per KV block group");
     TORCH_CHECK(static_cast<int64_t>(len_list.size()) == t_rows, "DecodeStack: one KV length per token id");
     std::vector<at::Tensor> slot_mappings, block_tables, seq_lens;  // the lists as run reads them
     for (size_t g = 0; g < slot_lists.size(); ++g) {
@@ -775,7 +775,8 @@ class DecodeStack {
       return out;
     };
     auto y = gather(embedding_, ids);
-    const auto cos = gather(cos_table, rope_rows), sin = gather(sin_table, rope_rows);  // checked by run's check_rotary
+    // checked by run's check_rotary
+    const auto cos = gather(cos_table, rope_rows), sin = gather(sin_table, rope_rows);
     auto out = at::empty({t_rows, vocab_}, embedding_.options().dtype(at::kFloat));
     std::vector<int64_t> greedy(static_cast<size_t>(t_rows), -1);
     if (dtype_ == at::kFloat)
@@ -802,7 +803,8 @@ class DecodeStack {
     for (size_t g = 0; g < block_tables.size(); ++g)
       tables.push_back(step_tables(block_tables[g], seq_lens[g], t_rows));
     const int64_t num_blocks = kv_pool.size(0), block_size = kv_pool.size(4);
-    for (const auto& slot_mapping : slot_mappings) slots.push_back(check_slots(slot_mapping, t_rows, num_blocks, block_size));
+    for (const auto& slot_mapping : slot_mappings)
+      slots.push_back(check_slots(slot_mapping, t_rows, num_blocks, block_size));
     std::vector<const LayerPlan<T>*> ptrs;
     std::vector<LayerStep<T>> steps;
     std::vector<std::pair<int64_t, int64_t>> checked;  // the (group, window) pairs whose tables are checked
@@ -814,7 +816,8 @@ class DecodeStack {
                   " of kv_pool's ", kv_pool.size(1));
       check_rotary(plans[i], t_rows, cos, sin);
       const StepTables& tb = tables[group];
-      steps.push_back(check_cache(plans[i], pool_geometry(kv_pool, locals_[i]), slots[group].data_ptr<int64_t>(), tb));
+      steps.push_back(
+          check_cache(plans[i], pool_geometry(kv_pool, locals_[i]), slots[group].data_ptr<int64_t>(), tb));
       if (std::find(checked.begin(), checked.end(), std::pair{group, plans[i].window}) == checked.end()) {
         kvrelay_cpu::check_block_tables(tb.tp, tb.width, tb.lp, t_rows, block_size, plans[i].window, num_blocks);
         checked.emplace_back(group, plans[i].window);
