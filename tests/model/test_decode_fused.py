@@ -246,6 +246,8 @@ def test_the_stack_s_logits_are_forward_then_the_head_and_bad_ids_are_refused_be
         stack.logits(ids, positions, *table, pool, lists[0], [[[0], [1]]], lists[2])
     with pytest.raises(RuntimeError, match="one slot list and table list per KV block group"):
         stack.logits(ids, positions, *table, pool, lists[0], [], lists[2])
+    with pytest.raises(RuntimeError, match="layer_cache must be .* \\[num_blocks, 2, kv_heads, B, head_dim\\]"):
+        stack.logits(ids, positions, *table, pool.half(), *lists)  # each layer's slice of the pool, checked
     assert pool.abs().sum() == 0
     # ragged tables are padded: a longer table in one row changes nothing another row reads
     got_ragged, _ = stack.logits(ids, positions, *table, pool, lists[0], [[[0], [1, 3], [2]]], lists[2])
