@@ -58,12 +58,17 @@ class ModelRunner:
         self.device = kv_pool.device
         self.graphs: DecodeGraphs | None = None
         # a decode-only step's logits in one call where the model has one (`LlamaForCausalLM.decode_logits`)
-        self.fuses_logits = hasattr(model, "decode_logits")
+        self.fuses_logits = hasattr(model, "fuses_decode_logits")
         # a decode-only step's prefill lengths, query starts and block tables: the same empty tensors every step
         # (read, never written), not three new ones (with decode attention's kept scratch, a batch-1 step 0.996x
         # the time, median of 20 alternated rounds: within noise)
         self._no_prefill = (self._tensor([]), self._tensor([0]),
                             torch.zeros(0, 0, dtype=torch.int32, device=self.device))
+
+    def _slot(self, table: list[int], row: int, group: int = 0) -> int:
+        """The KV slot of token row ``row`` in KV block group ``group``, from a sequence's block table."""
+        bs = self.block_size_tokens
+        return table[row // bs * self.num_groups + group] * bs + row % bs
 
     def _tensor(self, values: list[int], dtype: torch.dtype = torch.int32) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
@@ -137,7 +142,7 @@ class ModelRunner:
             input_ids.append(seq.token_ids[p])
             positions.append(p)
             for group in range(g):
-                slots[group].append(seq.block_table[row // bs * g + group] * bs + row % bs)
+                slots[group].append(self._slot(seq.block_table, row, group))
             sample_rows.append(len(input_ids) - 1)
             sample_seqs.append(seq)
         no_prefill = self._no_prefill if not step.prefills else None
@@ -170,7 +175,7 @@ class ModelRunner:
     def _decode_logits(self, decodes: list[Sequence]) -> StepLogits:
         """A decode-only step (every row samples) through the model's ``decode_logits``: its metadata as lists,
         read in the same call that runs the step (no tensor or `AttentionBatch` built for it here)."""
-        bs, g = self.block_size_tokens, self.num_groups
+        g = self.num_groups
         ids, positions, lens = [], [], []
         slots: list[list[int]] = [[] for _ in range(g)]
         tables: list[list[list[int]]] = [[] for _ in range(g)]
@@ -181,7 +186,7 @@ class ModelRunner:
             lens.append(row + 1)
             table = seq.block_table
             for group in range(g):
-                slots[group].append(table[row // bs * g + group] * bs + row % bs)
+                slots[group].append(self._slot(table, row, group))
                 own = table[group::g] if g > 1 else table
                 # a given-back block is never read: any valid id does (see class doc)
                 tables[group].append([max(b, 0) for b in own] if self.gives_back_blocks else own)
@@ -191,9 +196,8 @@ class ModelRunner:
     def _decode_row(self, seq: Sequence) -> DecodeRow:
         """A decoding sequence's next token, its position, and the slot and KV length its KV gets (its KV
         row is behind its position once a long-context policy dropped KV)."""
-        bs = self.block_size_tokens
         p, row = seq.num_computed_tokens, seq.num_kv_tokens
-        return DecodeRow(seq.token_ids[p], p, seq.block_table[row // bs] * bs + row % bs, row + 1, seq.block_table)
+        return DecodeRow(seq.token_ids[p], p, self._slot(seq.block_table, row), row + 1, seq.block_table)
 
     def _replay(self, decodes: list[Sequence]) -> StepLogits | None:
         """A decode-only step through ``self.graphs``, or None when it does not fit one."""
