@@ -204,15 +204,21 @@ class Measured:
 def request_rows(records: Sequence[RequestRecord]) -> list[dict[str, Any]]:
     """Per request: the server's id (``id``, "" if it sent none), ``prompt_tokens``, ``ttft_ms`` and ``tpot_ms``
     (`request_tpot_s`; both None for a failed request), ``ok`` (it succeeded), and from the router's ``kvrelay``
-    answer field the ``plan`` ("" if none) and ``kv_pull_ms`` (None if it reported none)."""
+    answer field the ``plan`` ("" if none), ``kv_pull_ms`` (None if it reported none) and every stage timing it
+    reported (``stages_ms``: `router.request_trace`'s names without ``_s``, in ms; empty if none), so a miss can be
+    put down to a stage (the router's queue, a node's queue, its compute, the publish)."""
     rows = []
     for r in records:
-        pull = (r.server.get("timings") or {}).get("kv_pull_s")
+        timings = r.server.get("timings") or {}
+        pull = timings.get("kv_pull_s")
+        stages = {name.removesuffix("_s"): round(float(v) * 1e3, 1) for name, v in timings.items()
+                  if isinstance(v, (int, float)) and not isinstance(v, bool)}
         rows.append({"id": r.response_id, "prompt_tokens": r.prompt_len,
                      "ttft_ms": round(r.ttft_s * 1e3, 1) if r.success else None,
                      "tpot_ms": round(request_tpot_s(r) * 1e3, 2) if r.success else None, "ok": r.success,
                      "plan": str(r.server.get("plan") or ""),
-                     "kv_pull_ms": round(float(pull) * 1e3, 1) if isinstance(pull, (int, float)) else None})
+                     "kv_pull_ms": round(float(pull) * 1e3, 1) if isinstance(pull, (int, float)) else None,
+                     "stages_ms": stages})
     return rows
 
 
@@ -278,13 +284,17 @@ class Sweep:
     stop_below_frac: float
     seed: int
     request_timeout_s: float
+    prefill_packing: str | None = None  # every node's engine.prefill_packing (None: its default)
 
 
-def deployment_overrides(name: str, slo: Slo) -> dict[str, dict[str, Any]]:
+def deployment_overrides(name: str, slo: Slo, prefill_packing: str | None = None) -> dict[str, dict[str, Any]]:
     """Deployment ``name``'s config overrides, with the router told the TPOT SLO (``router.tpot_slo_s``: under
-    ``auto`` a local prefill keeps the decode node's streams within it; the other plans do not read it)."""
+    ``auto`` a local prefill keeps the decode node's streams within it; the other plans do not read it), and
+    ``engine.prefill_packing`` where given."""
     overrides = {section: dict(values) for section, values in DEPLOYMENT_TO_OVERRIDES[name].items()}
     overrides.setdefault("router", {}).update(tpot_slo_s=slo.tpot_s, ttft_slo_s=slo.ttft_s)
+    if prefill_packing is not None:
+        overrides["engine"] = {"prefill_packing": prefill_packing}
     return overrides
 
 
@@ -299,7 +309,7 @@ def run_deployment(name: str, model_dir: str, sweep: Sweep, *, network: str = "l
     from benchmarks.netns_deployment import NetnsDeployment
 
     points: list[Measured] = []
-    overrides = deployment_overrides(name, sweep.slo)
+    overrides = deployment_overrides(name, sweep.slo, sweep.prefill_packing)
     deployment = NetnsDeployment(model_dir, overrides=overrides) if network == "netns" else \
         Deployment(model_dir, overrides=overrides, up_args=UP_ARGS)
     with deployment as d:
@@ -421,6 +431,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="loopback: each deployment is one `kvrelay up` on this host; netns: each node and the "
                         "router on a network namespace of its own, KV crossing TCP (needs root)")
     p.add_argument("--request-timeout-s", type=float, default=300.0)
+    p.add_argument("--prefill-packing", choices=("priced", "fill"), default=None,
+                   help="every node's engine.prefill_packing (default: the engine's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="also write the JSON here")
     p.add_argument("--plot", default=None, help="PNG path (default: next to --out, else bench-out/goodput.png)")
@@ -463,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
             warmup = mixed_prompts(num_requests=4, long_share_frac=0.5, short_tokens=short_tokens,
                                    long_tokens=long_tokens, output_tokens=4, seed=f"warm-up{tag}", vocab=vocab)
             sweeps.append(Sweep(workload_to_rate_specs, rates, warmup, slo, a.stop_below, a.seed + 1000 * r,
-                                a.request_timeout_s))
+                                a.request_timeout_s, a.prefill_packing))
     except ValueError as exc:
         p.error(str(exc))
     measured: dict[str, list[Measured]] = {name: [] for name in deployments}

@@ -95,7 +95,8 @@ def build_engine(config: Any, *, node_name: str, registry: CollectorRegistry,
     e = config.engine
     return LLMEngine(loaded, EngineConfig(  # the layout is ``spec``, built once above
         num_blocks=store_config.num_device_blocks, max_num_seqs=e.max_num_seqs,
-        max_num_batched_tokens=e.max_num_batched_tokens, max_model_len=e.max_model_len,
+        max_num_batched_tokens=e.max_num_batched_tokens, prefill_packing=e.prefill_packing,
+        max_model_len=e.max_model_len,
         enable_prefix_caching=e.enable_prefix_caching, long_context=config.decode.long_context,
         attention_backend=e.attention_backend, cuda_graphs=e.cuda_graphs,
         cuda_graph_batch_sizes=e.cuda_graph_batch_sizes,

@@ -143,12 +143,14 @@ class LLMEngine:
                 max_num_seqs=self.config.max_num_seqs,
                 max_num_batched_tokens=self.config.max_num_batched_tokens,
                 enable_prefix_caching=self.config.enable_prefix_caching,
+                prefill_packing=self.config.prefill_packing,
             ),
             self.store, tables=tables, spec=self.spec, copy_block=self.runner.copy_block,
             on_free=self.policies.on_free, group_windows=tuple(g.window for g in cfg.kv_groups),
         )
         self.stats = EngineStats()
         self.rates = StepRates()
+        self.scheduler.step_cost = lambda: self.rates.cost.coefficients[:2]
         self._requests: dict[str, _Request] = {}
         self._next_seq_id = 0
         self._device = device

@@ -18,6 +18,9 @@ class EngineConfig:
     block_size_tokens: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
+    # whether a prompt joins a step in which another prompt's prefill ends (`engine.scheduler`): "priced" (by the
+    # measured step cost) or "fill" (up to max_num_batched_tokens)
+    prefill_packing: str = "priced"
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     attention_backend: str | None = None  # None: triton on CUDA, torch elsewhere
@@ -30,6 +33,8 @@ class EngineConfig:
         """Raises ValueError naming the field (as in the YAML ``engine``/``kvstore`` sections)."""
         for name in ("num_blocks", "block_size_tokens", "max_num_seqs", "max_num_batched_tokens"):
             require_int(name, getattr(self, name))
+        if self.prefill_packing not in ("priced", "fill"):
+            raise ValueError(f"prefill_packing must be priced or fill, got {self.prefill_packing!r}")
         if self.max_model_len is not None:
             require_int("max_model_len", self.max_model_len)
         if self.attention_backend is not None and self.attention_backend not in BACKEND_NAME_TO_CLASS:

@@ -2,7 +2,16 @@
 
 Each step runs every decode-ready sequence (one token each) plus prefill chunks, first-come
 first-served, under a token budget (``max_num_batched_tokens``) and a sequence cap
-(``max_num_seqs``). Long prompts are chunked across steps. A waiting prompt that shares a block with
+(``max_num_seqs``). Long prompts are chunked across steps. Once a prompt finishes its prefill in a
+step, a later prompt joins that step only where its price says so (``prefill_packing: priced``, the
+default, from the engine's measured step cost ``fixed_s + prefill_token_s · tokens``): it would delay
+the first token of each of the ``k`` prompts finishing in the step by its own compute, and saves one
+step's fixed cost for itself and for each of the ``m`` prompts queued from it on, so it joins when
+``k · tokens · prefill_token_s ≤ m · fixed_s`` and it finishes in the step too. On a CPU a step's
+time grows with its tokens, so packing two prompts into one step gives both the first token at the
+end of both (1P1D on a Zen 4 VM, long mix at 1.5 req/s: a 367-token prompt's compute took 1.09 s
+beside a 485-token one); a prompt behind a queue, or one whose prefix is cached, still joins.
+``fill`` packs up to the budget whatever the price. A waiting prompt that shares a block with
 a prompt still being prefilled waits for it (later arrivals may go first meanwhile), so a prefix that
 many requests bring at once is computed once and then read from the prefix cache. When a decode
 needs a block and none is free, the most recently arrived running sequence is preempted by
@@ -25,11 +34,15 @@ CopyBlock = Callable[[int, int], None]
 FreeHook = Callable[[Sequence], None]
 
 
+PREFILL_PACKINGS = ("priced", "fill")
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
     enable_prefix_caching: bool = True
+    prefill_packing: str = "priced"  # `Scheduler.schedule`: whether a prompt joins a step another one finishes in
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +96,12 @@ class Scheduler:
         self.running: list[Sequence] = []  # sorted by arrival
         self.num_prefix_hit_tokens = 0  # tokens whose KV came from the prefix cache at admission
         self.num_prefix_query_tokens = 0  # tokens looked up in the prefix cache at admission
+        # ``(fixed_s, prefill_token_s)`` of a step as the engine measured it (`engine.step_rates.StepCost`), for
+        # ``prefill_packing: priced``; None, or either 0.0 (not fitted yet): prompts pack up to the budget
+        self.step_cost: Callable[[], tuple[float, float]] | None = None
+        if config.prefill_packing not in PREFILL_PACKINGS:
+            raise ValueError(f"prefill_packing must be one of {', '.join(PREFILL_PACKINGS)}, "
+                             f"got {config.prefill_packing!r}")
 
     # ---------------------------------------------------------------- admission
     def add(self, seq: Sequence) -> None:
@@ -149,14 +168,25 @@ class Scheduler:
                 decodes.append(seq)
                 budget -= 1
         prefills: list[PrefillChunk] = []
-        for seq in self.running:
+        finishing = 0  # prompts whose prefill ends this step
+        price: list[tuple[float, float] | None] = []  # read once a prompt asks to join (a fit costs ~0.15 ms)
+
+        def joins(seq: Sequence, queued: int) -> bool:
+            if not price:
+                price.append(self._join_price())
+            return self._joins(seq, budget, finishing, queued, price[0])
+
+        partial = [seq for seq in self.running if not seq.is_decode]
+        for n, seq in enumerate(partial):
             if budget <= 0:
                 break
-            if not seq.is_decode:
-                chunk = self._grow_for_prefill(seq, budget)
-                if chunk:
-                    prefills.append(PrefillChunk(seq, chunk))
-                    budget -= chunk
+            if finishing and not joins(seq, len(partial) - n + len(self.waiting)):
+                continue
+            chunk = self._grow_for_prefill(seq, budget)
+            if chunk:
+                prefills.append(PrefillChunk(seq, chunk))
+                budget -= chunk
+                finishing += chunk == seq.num_pending_tokens
         inflight = self._inflight_keys()
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -168,9 +198,13 @@ class Scheduler:
                 continue
             if not seq.prefix_matched:
                 self._match_prefix(seq)
+            if finishing and not joins(seq, len(self.waiting) - i):
+                i += 1
+                continue
             chunk = self._grow_for_prefill(seq, budget)
             if chunk == 0:
                 break
+            finishing += chunk == seq.num_pending_tokens
             self.waiting.pop(i)
             inflight.update(self._prompt_keys(seq)[seq.num_keyed_blocks :])
             self._drop_pins(seq)
@@ -180,6 +214,24 @@ class Scheduler:
             prefills.append(PrefillChunk(seq, chunk))
             budget -= chunk
         return ScheduledStep(prefills, decodes, preempted)
+
+    def _join_price(self) -> tuple[float, float] | None:
+        """``(fixed_s, prefill_token_s)`` to price a prompt joining a step by (module docstring); None: pack."""
+        if self.config.prefill_packing != "priced" or self.step_cost is None:
+            return None
+        fixed_s, token_s = self.step_cost()
+        return (fixed_s, token_s) if fixed_s > 0 and token_s > 0 else None
+
+    @staticmethod
+    def _joins(seq: Sequence, budget: int, finishing: int, queued: int, price: tuple[float, float] | None) -> bool:
+        """Whether ``seq``'s prefill joins a step in which ``finishing`` prompts already end, with ``budget``
+        tokens left and ``queued`` prompts (``seq`` and those behind it) still to prefill: it must end in the step
+        too and cost the ``finishing`` prompts no more than the fixed costs it saves (module docstring)."""
+        if price is None:
+            return True
+        fixed_s, token_s = price
+        tokens = seq.num_pending_tokens
+        return tokens <= budget and finishing * tokens * token_s <= queued * fixed_s
 
     def _prompt_keys(self, seq: Sequence) -> list[BlockKey]:
         """Keys of the full blocks of ``seq``'s tokens so far (empty with prefix caching off)."""

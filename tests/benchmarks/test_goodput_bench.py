@@ -58,9 +58,9 @@ def test_request_rows_name_each_request_and_its_times():
     rec.server = {"plan": "disaggregated", "timings": {"kv_pull_s": 0.0345, "ttft_s": 0.5}}
     assert request_rows([rec, RECORDS[4]]) == [
         {"id": "cmpl-1", "prompt_tokens": 3, "ttft_ms": 500.0, "tpot_ms": 50.0, "ok": True,
-         "plan": "disaggregated", "kv_pull_ms": 34.5},
+         "plan": "disaggregated", "kv_pull_ms": 34.5, "stages_ms": {"kv_pull": 34.5, "ttft": 500.0}},
         {"id": "", "prompt_tokens": 3, "ttft_ms": None, "tpot_ms": None, "ok": False, "plan": "",
-         "kv_pull_ms": None}]
+         "kv_pull_ms": None, "stages_ms": {}}]
 
 
 def test_handoff_reads_the_disaggregated_requests_pull_and_second_token():
