@@ -1,5 +1,5 @@
-"""`benchmarks.goodput_bench`: SLO attainment, goodput from a sweep, the prompt mix and the router's plan samples,
-on hand-made records and values."""
+"""`benchmarks.goodput_bench` and `benchmarks.goodput_rows`: SLO attainment, goodput from a sweep, the prompt mix,
+the router's plan samples and the request rows, on hand-made records and values."""
 
 from __future__ import annotations
 
@@ -14,15 +14,14 @@ from benchmarks.goodput_bench import (
     attainment,
     deployment_overrides,
     goodput_rate,
-    handoff,
     markdown_table,
     mixed_prompts,
     pool,
-    request_rows,
     router_plan_samples,
     summarize_goodput,
     ttft_error_median,
 )
+from benchmarks.goodput_rows import handoff, request_rows
 from benchmarks.serve_client import RequestRecord, RequestSpec
 
 SLO = Slo(ttft_s=1.0, tpot_s=0.05)
