@@ -175,10 +175,10 @@ KEYS: Mapping[str, Key] = _table(
     Key("engine.max_num_seqs", positive_int, 64, "The most sequences one engine step runs.", unit="sequences"),
     Key("engine.max_num_batched_tokens", positive_int, 1024, "The most tokens one engine step computes (the "
         "prefill chunk).", unit="tokens"),
-    Key("engine.prefill_packing", one_of(("priced", "fill")), "priced", "Whether a prompt joins a step in which "
-        "another prompt's prefill ends: priced (when it ends there too and the measured step cost says the delay "
-        "it puts on the others' first token is less than the fixed costs it saves), or fill (up to "
-        "max_num_batched_tokens)."),
+    Key("engine.prefill_packing", one_of(("fill", "priced")), "fill", "Whether a prompt joins a step in which "
+        "another prompt's prefill ends: fill (up to max_num_batched_tokens), or priced (only when it ends there too "
+        "and, by the measured step cost, the delay it puts on the others' first token is less than the step it "
+        "saves itself and the prompts behind it)."),
     Key("engine.max_model_len", positive_int, None, "The longest sequence, prompt and output together.",
         unit="tokens", default_text="the model's context window"),
     Key("engine.enable_prefix_caching", boolean, True, "Reuse the KV blocks of prompt prefixes computed before."),

@@ -150,7 +150,7 @@ class LLMEngine:
         )
         self.stats = EngineStats()
         self.rates = StepRates()
-        self.scheduler.step_cost = lambda: self.rates.cost.coefficients[:2]
+        self.scheduler.step_cost = lambda: self.rates.cost.coefficients
         self._requests: dict[str, _Request] = {}
         self._next_seq_id = 0
         self._device = device

@@ -18,9 +18,9 @@ class EngineConfig:
     block_size_tokens: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
-    # whether a prompt joins a step in which another prompt's prefill ends (`engine.scheduler`): "priced" (by the
-    # measured step cost) or "fill" (up to max_num_batched_tokens)
-    prefill_packing: str = "priced"
+    # whether a prompt joins a step in which another prompt's prefill ends (`engine.scheduler`): "fill" (up to
+    # max_num_batched_tokens) or "priced" (by the measured step cost)
+    prefill_packing: str = "fill"
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     attention_backend: str | None = None  # None: triton on CUDA, torch elsewhere

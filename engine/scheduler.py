@@ -2,16 +2,19 @@
 
 Each step runs every decode-ready sequence (one token each) plus prefill chunks, first-come
 first-served, under a token budget (``max_num_batched_tokens``) and a sequence cap
-(``max_num_seqs``). Long prompts are chunked across steps. Once a prompt finishes its prefill in a
-step, a later prompt joins that step only where its price says so (``prefill_packing: priced``, the
-default, from the engine's measured step cost ``fixed_s + prefill_token_s · tokens``): it would delay
-the first token of each of the ``k`` prompts finishing in the step by its own compute, and saves one
-step's fixed cost for itself and for each of the ``m`` prompts queued from it on, so it joins when
-``k · tokens · prefill_token_s ≤ m · fixed_s`` and it finishes in the step too. On a CPU a step's
-time grows with its tokens, so packing two prompts into one step gives both the first token at the
-end of both (1P1D on a Zen 4 VM, long mix at 1.5 req/s: a 367-token prompt's compute took 1.09 s
-beside a 485-token one); a prompt behind a queue, or one whose prefix is cached, still joins.
-``fill`` packs up to the budget whatever the price. A waiting prompt that shares a block with
+(``max_num_seqs``). Long prompts are chunked across steps. With ``prefill_packing: fill`` (the
+default) prompts pack up to the budget. With ``priced``, once a prompt finishes its prefill in a step,
+a later prompt joins that step only where the engine's measured step cost (``fixed_s +
+prefill_token_s · tokens + decode_row_s · rows``) says so: it would delay the first token of each of
+the ``k`` prompts finishing in the step by its own compute, and saves one step (``fixed_s +
+decode_row_s · R``, with the step's ``R`` decode rows) for itself and for each of the ``m`` prompts
+queued from it on, so it joins when ``k · tokens · prefill_token_s ≤ m · (fixed_s + decode_row_s ·
+R)`` and it finishes in the step too. On a CPU a step's time grows with its tokens, so two prompts
+packed into one step both get their first token at the end of both (1P1D on a Zen 4 VM, long mix at
+1.5 req/s: a 367-token prompt's compute took 1.09 s beside a 485-token one); in one engine, three
+prompts arriving together got their first tokens 0.85× as late on average with ``priced``. Not the
+default: in served goodput runs (a price without the decode rows) it did not pay on the long mix and
+lost at the mixed workload's knee (`docs/benchmarks.md`). A waiting prompt that shares a block with
 a prompt still being prefilled waits for it (later arrivals may go first meanwhile), so a prefix that
 many requests bring at once is computed once and then read from the prefix cache. When a decode
 needs a block and none is free, the most recently arrived running sequence is preempted by
@@ -42,7 +45,7 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
     enable_prefix_caching: bool = True
-    prefill_packing: str = "priced"  # `Scheduler.schedule`: whether a prompt joins a step another one finishes in
+    prefill_packing: str = "fill"  # `Scheduler.schedule`: whether a prompt joins a step another one finishes in
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,9 +99,10 @@ class Scheduler:
         self.running: list[Sequence] = []  # sorted by arrival
         self.num_prefix_hit_tokens = 0  # tokens whose KV came from the prefix cache at admission
         self.num_prefix_query_tokens = 0  # tokens looked up in the prefix cache at admission
-        # ``(fixed_s, prefill_token_s)`` of a step as the engine measured it (`engine.step_rates.StepCost`), for
-        # ``prefill_packing: priced``; None, or either 0.0 (not fitted yet): prompts pack up to the budget
-        self.step_cost: Callable[[], tuple[float, float]] | None = None
+        # ``(fixed_s, prefill_token_s, decode_row_s)`` of a step as the engine measured it
+        # (`engine.step_rates.StepCost`), for ``prefill_packing: priced``; None, or no fixed or per-token cost
+        # fitted yet: prompts pack up to the budget
+        self.step_cost: Callable[[], tuple[float, float, float]] | None = None
         if config.prefill_packing not in PREFILL_PACKINGS:
             raise ValueError(f"prefill_packing must be one of {', '.join(PREFILL_PACKINGS)}, "
                              f"got {config.prefill_packing!r}")
@@ -173,7 +177,7 @@ class Scheduler:
 
         def joins(seq: Sequence, queued: int) -> bool:
             if not price:
-                price.append(self._join_price())
+                price.append(self._join_price(len(decodes)))
             return self._joins(seq, budget, finishing, queued, price[0])
 
         partial = [seq for seq in self.running if not seq.is_decode]
@@ -215,12 +219,13 @@ class Scheduler:
             budget -= chunk
         return ScheduledStep(prefills, decodes, preempted)
 
-    def _join_price(self) -> tuple[float, float] | None:
-        """``(fixed_s, prefill_token_s)`` to price a prompt joining a step by (module docstring); None: pack."""
+    def _join_price(self, rows: int) -> tuple[float, float] | None:
+        """``(step_s, prefill_token_s)`` to price a prompt joining a step of ``rows`` decode rows by: ``step_s`` what
+        one more such step costs without prompt tokens (module docstring); None: pack."""
         if self.config.prefill_packing != "priced" or self.step_cost is None:
             return None
-        fixed_s, token_s = self.step_cost()
-        return (fixed_s, token_s) if fixed_s > 0 and token_s > 0 else None
+        fixed_s, token_s, row_s = self.step_cost()
+        return (fixed_s + row_s * rows, token_s) if fixed_s > 0 and token_s > 0 else None
 
     @staticmethod
     def _joins(seq: Sequence, budget: int, finishing: int, queued: int, price: tuple[float, float] | None) -> bool:
@@ -229,9 +234,9 @@ class Scheduler:
         too and cost the ``finishing`` prompts no more than the fixed costs it saves (module docstring)."""
         if price is None:
             return True
-        fixed_s, token_s = price
+        step_s, token_s = price
         tokens = seq.num_pending_tokens
-        return tokens <= budget and finishing * tokens * token_s <= queued * fixed_s
+        return tokens <= budget and finishing * tokens * token_s <= queued * step_s
 
     def _prompt_keys(self, seq: Sequence) -> list[BlockKey]:
         """Keys of the full blocks of ``seq``'s tokens so far (empty with prefix caching off)."""

@@ -1,5 +1,5 @@
-"""`engine.prefill_packing`: a prompt joins a step in which another prompt's prefill ends only where the measured
-step cost says it pays (`engine.scheduler`), and the tokens are those of packing up to the budget."""
+"""`engine.prefill_packing: priced`: a prompt joins a step in which another prompt's prefill ends only where the
+measured step cost says it pays (`engine.scheduler`), and the tokens are those of packing up to the budget."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from engine.engine import EngineConfig, LLMEngine
 from model.loader import load_model
 from model.sampling import SamplingParams
 
-FIXED_S, TOKEN_S = 0.01, 0.001  # a step: 10 ms, plus 1 ms a prompt token
+COST = (0.01, 0.001, 0.002)  # a step: 10 ms, plus 1 ms a prompt token and 2 ms a decode row
 
 
-def _engine(tiny_model_dir, packing: str = "priced", cost: tuple[float, float] | None = (FIXED_S, TOKEN_S),
+def _engine(tiny_model_dir, packing: str = "priced", cost: tuple[float, float, float] | None = COST,
             budget: int = 1024) -> LLMEngine:
     eng = LLMEngine(load_model(tiny_model_dir), EngineConfig(num_blocks=64, max_num_batched_tokens=budget,
                                                              enable_prefix_caching=False, prefill_packing=packing))
@@ -42,7 +42,9 @@ def test_a_prompt_joins_only_where_its_delay_to_the_finishing_ones_is_below_the_
 
 def test_fill_and_an_unfitted_step_cost_pack_up_to_the_budget(tiny_model_dir):
     assert _scheduled(_engine(tiny_model_dir, "fill"), [40, 30, 2]) == [("r0", 40), ("r1", 30), ("r2", 2)]
-    assert _scheduled(_engine(tiny_model_dir, cost=(0.0, 0.0)), [40, 30, 2]) == [("r0", 40), ("r1", 30), ("r2", 2)]
+    assert _scheduled(_engine(tiny_model_dir, cost=(0.0, 0.0, 0.0)), [40, 30, 2]) == [("r0", 40), ("r1", 30),
+                                                                                   ("r2", 2)]
+    assert EngineConfig().prefill_packing == "fill"
 
 
 def test_a_queue_of_short_prompts_joins_while_the_fixed_costs_saved_outweigh_the_delay(tiny_model_dir):
@@ -50,6 +52,17 @@ def test_a_queue_of_short_prompts_joins_while_the_fixed_costs_saved_outweigh_the
     # (k=1, m=5: yes; 2, 4: yes; 3, 3: yes; 4, 2: no; 4, 1: no)
     got = _scheduled(_engine(tiny_model_dir), [8] * 6)
     assert got == [(f"r{i}", 8) for i in range(4)]
+
+
+def test_decode_rows_make_the_step_a_prompt_saves_dearer(tiny_model_dir):
+    # six sequences decoding: the step r1 would wait for costs 10 + 6 * 2 = 22 ms, for r1 and r2 44 ms, more than
+    # the 30 ms r1 delays r0 by: it joins, and r2 (2 ms) too
+    eng = _engine(tiny_model_dir, cost=None)
+    for i in range(6):
+        eng.add_request(f"d{i}", _prompt(3, 10 + i), SamplingParams(max_tokens=50))
+    eng.step()  # their prompts, packed (no cost yet); from now on they decode
+    eng.scheduler.step_cost = lambda: COST
+    assert _scheduled(eng, [40, 30, 2]) == [("r0", 40), ("r1", 30), ("r2", 2)]
 
 
 def test_a_prompt_that_would_not_end_in_the_step_does_not_join(tiny_model_dir):
@@ -62,8 +75,7 @@ def test_a_prompt_that_would_not_end_in_the_step_does_not_join(tiny_model_dir):
 def test_the_engine_prices_by_its_own_fitted_step_cost(tiny_model_dir):
     eng = _engine(tiny_model_dir, cost=None)
     eng.generate([_prompt(20, 0), _prompt(5, 1)], SamplingParams(max_tokens=6))
-    fixed_s, token_s, _ = eng.rates.cost.coefficients
-    assert eng.scheduler.step_cost() == (fixed_s, token_s)
+    assert eng.scheduler.step_cost() == eng.rates.cost.coefficients
 
 
 @pytest.mark.parametrize("packing", ["priced", "fill"])
