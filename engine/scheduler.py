@@ -13,8 +13,8 @@ R)`` and it finishes in the step too. On a CPU a step's time grows with its toke
 packed into one step both get their first token at the end of both (1P1D on a Zen 4 VM, long mix at
 1.5 req/s: a 367-token prompt's compute took 1.09 s beside a 485-token one); in one engine, three
 prompts arriving together got their first tokens 0.85× as late on average with ``priced``. Not the
-default: in served goodput runs (a price without the decode rows) it did not pay on the long mix and
-lost at the mixed workload's knee (`docs/benchmarks.md`). A waiting prompt that shares a block with
+default: in served goodput runs it did not pay on the long mix and lost at the mixed workload's knee,
+with the decode rows priced or not (`docs/benchmarks.md`, stop 61). A waiting prompt that shares a block with
 a prompt still being prefilled waits for it (later arrivals may go first meanwhile), so a prefix that
 many requests bring at once is computed once and then read from the prefix cache. When a decode
 needs a block and none is free, the most recently arrived running sequence is preempted by
