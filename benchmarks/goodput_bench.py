@@ -59,6 +59,7 @@ from benchmarks.common import emit, machine_label, seeded_prompt
 from benchmarks.goodput_rows import handoff, request_rows
 from benchmarks.serve_client import ClientConfig, LoadConfig, RequestRecord, RequestSpec, run_load
 from benchmarks.serve_metrics import parse_prometheus, request_tpot_s, summarize
+from engine.scheduler import PREFILL_PACKINGS
 
 DEPLOYMENT_TO_OVERRIDES: dict[str, dict[str, dict[str, Any]]] = {
     "2x-aggregated": {"prefill": {"ports": []}, "decode": {"ports": [0, 0]}},
@@ -392,7 +393,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="loopback: each deployment is one `kvrelay up` on this host; netns: each node and the "
                         "router on a network namespace of its own, KV crossing TCP (needs root)")
     p.add_argument("--request-timeout-s", type=float, default=300.0)
-    p.add_argument("--prefill-packing", choices=("priced", "fill"), default=None,
+    p.add_argument("--prefill-packing", choices=PREFILL_PACKINGS, default=None,
                    help="every node's engine.prefill_packing (default: the engine's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="also write the JSON here")

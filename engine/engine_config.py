@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from engine.cuda_graphs import check_batch_sizes, default_batch_sizes
 from engine.long_context import LongContextConfig
+from engine.scheduler import PREFILL_PACKINGS
 from kvstore.checks import require_int
 from model.attention import BACKEND_NAME_TO_CLASS
 
@@ -33,8 +34,9 @@ class EngineConfig:
         """Raises ValueError naming the field (as in the YAML ``engine``/``kvstore`` sections)."""
         for name in ("num_blocks", "block_size_tokens", "max_num_seqs", "max_num_batched_tokens"):
             require_int(name, getattr(self, name))
-        if self.prefill_packing not in ("priced", "fill"):
-            raise ValueError(f"prefill_packing must be priced or fill, got {self.prefill_packing!r}")
+        if self.prefill_packing not in PREFILL_PACKINGS:
+            raise ValueError(f"prefill_packing must be one of {', '.join(PREFILL_PACKINGS)}, "
+                             f"got {self.prefill_packing!r}")
         if self.max_model_len is not None:
             require_int("max_model_len", self.max_model_len)
         if self.attention_backend is not None and self.attention_backend not in BACKEND_NAME_TO_CLASS:

@@ -37,7 +37,7 @@ CopyBlock = Callable[[int, int], None]
 FreeHook = Callable[[Sequence], None]
 
 
-PREFILL_PACKINGS = ("priced", "fill")
+PREFILL_PACKINGS = ("fill", "priced")  # `SchedulerConfig.prefill_packing` (module docstring)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +45,7 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
     enable_prefix_caching: bool = True
-    prefill_packing: str = "fill"  # `Scheduler.schedule`: whether a prompt joins a step another one finishes in
+    prefill_packing: str = "fill"  # one of PREFILL_PACKINGS, checked by `engine.engine_config.EngineConfig`
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,9 +103,6 @@ class Scheduler:
         # (`engine.step_rates.StepCost`), for ``prefill_packing: priced``; None, or no fixed or per-token cost
         # fitted yet: prompts pack up to the budget
         self.step_cost: Callable[[], tuple[float, float, float]] | None = None
-        if config.prefill_packing not in PREFILL_PACKINGS:
-            raise ValueError(f"prefill_packing must be one of {', '.join(PREFILL_PACKINGS)}, "
-                             f"got {config.prefill_packing!r}")
 
     # ---------------------------------------------------------------- admission
     def add(self, seq: Sequence) -> None:
@@ -231,7 +228,7 @@ class Scheduler:
     def _joins(seq: Sequence, budget: int, finishing: int, queued: int, price: tuple[float, float] | None) -> bool:
         """Whether ``seq``'s prefill joins a step in which ``finishing`` prompts already end, with ``budget``
         tokens left and ``queued`` prompts (``seq`` and those behind it) still to prefill: it must end in the step
-        too and cost the ``finishing`` prompts no more than the fixed costs it saves (module docstring)."""
+        too and cost the ``finishing`` prompts no more than the steps it saves (module docstring)."""
         if price is None:
             return True
         step_s, token_s = price

@@ -90,5 +90,5 @@ def test_packing_changes_no_token(tiny_model_dir, packing):
 
 
 def test_an_unknown_packing_is_refused_by_name():
-    with pytest.raises(ValueError, match="prefill_packing must be priced or fill, got 'greedy'"):
+    with pytest.raises(ValueError, match="prefill_packing must be one of fill, priced, got 'greedy'"):
         EngineConfig(prefill_packing="greedy")
