@@ -44,7 +44,6 @@ from deploy.config_checks import (
     url_list,
 )
 from engine.long_context import POLICIES, SELECTIONS, LongContextConfig
-from engine.scheduler import PREFILL_PACKINGS
 from kvstore.digest import DEFAULT_INTEGRITY, DEFAULT_SAMPLE_RATE
 from kvstore.policy import DEFAULT_POLICY
 from model.dtype_names import AUTO, DTYPE_CHOICES, DTYPE_NAMES
@@ -176,7 +175,8 @@ KEYS: Mapping[str, Key] = _table(
     Key("engine.max_num_seqs", positive_int, 64, "The most sequences one engine step runs.", unit="sequences"),
     Key("engine.max_num_batched_tokens", positive_int, 1024, "The most tokens one engine step computes (the "
         "prefill chunk).", unit="tokens"),
-    Key("engine.prefill_packing", one_of(PREFILL_PACKINGS), "fill", "Whether a prompt joins a step in which "
+    # the choices of engine.scheduler.PREFILL_PACKINGS, not imported: the router loads this module without torch
+    Key("engine.prefill_packing", one_of(("fill", "priced")), "fill", "Whether a prompt joins a step in which "
         "another prompt's prefill ends: fill (up to max_num_batched_tokens), or priced (only when it ends there too "
         "and, by the measured step cost, the delay it puts on the others' first token is less than the step it "
         "saves itself and the prompts behind it)."),
