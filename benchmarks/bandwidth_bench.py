@@ -22,6 +22,15 @@ round lowers it). The copy bandwidth (``Tensor.copy_``, bytes read plus bytes wr
 Until stop 43 the limit was the copy's bytes copied per second, which counts half of the traffic a copy makes.
 The round of median fraction is reported (every round is in ``rounds``).
 
+Where the VM places its two vCPUs moves with the phases. Each round records, before and after its decode, the time
+for a cache line to go from one thread of the two-thread team to the other and back
+(`kvrelay_cpu.thread_round_trip_ns`) and the read bandwidth of one thread alone. On the 2-vCPU Zen 4 VM of stops
+57-62 the slow phase is two vCPUs behind one cache (~50-80 ns; two threads read ~1.1x one thread, ~34 GB/s) and
+the fast phase two vCPUs on different dies (~340 ns; two threads read ~2x one thread, ~60 GB/s): the limit halves
+while every hand-off between a decode step's two threads (~300 a step) pays the longer trip. Rounds are
+classed ``near`` (both trips under 150 ns), ``far`` (both over) or ``changed``, and ``fraction_of_limit_by_placement``
+gives each class's median.
+
     kvrelay bench bandwidth --model .models/smollm2-135m-instruct
 
 ``--compare one-call|balance`` instead alternates one change's old and new path step by step in each round, each step
@@ -31,6 +40,7 @@ paired with a read as above (`compare_rounds`): the A/B behind stop 59's figures
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from typing import Any
@@ -71,6 +81,46 @@ def read_bandwidth(nbytes: int = COPY_BYTES, repeats: int = 5) -> float:
         src.sum()
         best = min(best, time.perf_counter() - t0)
     return src.numel() * 4 / best
+
+
+NEAR_ROUND_TRIP_NS = 150.0  # below: the two threads share a cache (~50-80 ns measured); above: apart (~340 ns)
+
+
+def one_thread_read(buf: torch.Tensor, repeats: int = 3) -> float:
+    """Bytes read per second (best of ``repeats``) by a float32 sum over ``buf`` on one torch thread; the thread
+    count is restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            buf.sum()
+            best = min(best, time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    return buf.numel() * buf.element_size() / best
+
+
+def round_trip_ns(trips: int = 1000, probes: int = 5) -> float | None:
+    """The median of ``probes`` runs of `kvrelay_cpu.thread_round_trip_ns` over ``trips`` round trips each (one run
+    that met a descheduled vCPU reads µs), or None where it cannot run: no compiled extension, or fewer than two
+    CPUs to run on (the two threads would then take turns on one)."""
+    from kernels.cpu_small import load
+
+    ext = load()
+    if ext is None or len(os.sched_getaffinity(0)) < 2 or torch.get_num_threads() < 2:
+        return None
+    ns = statistics.median(ext.thread_round_trip_ns(trips) for _ in range(probes))
+    return None if ns != ns else ns  # NaN: the team had one thread
+
+
+def placement(before_ns: float | None, after_ns: float | None) -> str | None:
+    """``near``, ``far`` or ``changed`` from a round's two round trips (`NEAR_ROUND_TRIP_NS`); None without them."""
+    if before_ns is None or after_ns is None:
+        return None
+    near = (before_ns < NEAR_ROUND_TRIP_NS, after_ns < NEAR_ROUND_TRIP_NS)
+    return "near" if all(near) else "far" if not any(near) else "changed"
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -168,8 +218,10 @@ def decode_rounds(model_dir: str, *, dtype: str, prompt_tokens: int, new_tokens:
                   rounds: int) -> dict[str, Any]:
     """``rounds`` rounds, each: the read and copy bandwidths (best of 3, fresh buffers), one batch-1 greedy decode
     of ``new_tokens`` tokens with a timed read of a weight-sized buffer before each step after the first token
-    (see the module doc), and the read bandwidth again. Returns the round of median ``fraction_of_limit`` with
-    every round in ``rounds`` and ``weight_bytes``, ``dtype``.
+    (see the module doc), and the read bandwidth again; around them the threads' round trip (`round_trip_ns`,
+    before and after: the round's `placement`) and one thread's read. Returns the round of median
+    ``fraction_of_limit`` with every round in ``rounds``, each placement's median fraction in
+    ``fraction_of_limit_by_placement``, and ``weight_bytes``, ``dtype``.
 
     Raises:
         ValueError: ``new_tokens`` is below 2 (no step after the first token).
@@ -204,9 +256,11 @@ def decode_rounds(model_dir: str, *, dtype: str, prompt_tokens: int, new_tokens:
     decode("warm-up")
     per_round = []
     for r in range(rounds):
+        trip_before, one_thread = round_trip_ns(), one_thread_read(paired)
         before, copy = read_bandwidth(repeats=3), copy_bandwidth(repeats=3)
         reads, steps = decode(f"r{r}")
         after = read_bandwidth(repeats=3)
+        trip_after = round_trip_ns()
         read = max(before, after)  # the VM's memory can change phase within the decode: the higher one bounds it
         rate = 1.0 / statistics.median(steps)
         peak_limit = read / nbytes
@@ -216,9 +270,14 @@ def decode_rounds(model_dir: str, *, dtype: str, prompt_tokens: int, new_tokens:
             "paired_read_bytes_per_s_median": nbytes / statistics.median(reads),
             "fraction_of_peak_limit": rate / peak_limit, "peak_limit_tok_s": peak_limit,
             "read_bytes_per_s": read, "read_before_bytes_per_s": before, "read_after_bytes_per_s": after,
-            "copy_bytes_per_s": copy, "steps": len(steps)})
+            "copy_bytes_per_s": copy, "one_thread_read_bytes_per_s": one_thread,
+            "round_trip_ns_before": trip_before, "round_trip_ns_after": trip_after,
+            "placement": placement(trip_before, trip_after), "steps": len(steps)})
     median = sorted(per_round, key=lambda x: x["fraction_of_limit"])[(rounds - 1) // 2]
-    return {**median, "rounds": per_round, "weight_bytes": nbytes,
+    by_placement = {
+        kind: statistics.median(x["fraction_of_limit"] for x in per_round if x["placement"] == kind)
+        for kind in ("near", "far", "changed") if any(x["placement"] == kind for x in per_round)}
+    return {**median, "rounds": per_round, "fraction_of_limit_by_placement": by_placement, "weight_bytes": nbytes,
             "dtype": str(next(loaded.model.parameters()).dtype).removeprefix("torch.")}
 
 

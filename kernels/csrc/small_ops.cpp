@@ -9,6 +9,13 @@
 #include <ATen/ops/empty_like.h>
 #include <torch/csrc/utils/pybind.h>
 #include <ATen/Parallel.h>
+#include <omp.h>
+
+#include <atomic>
+#include <chrono>
+#include <limits>
+#include <memory>
+#include <thread>
 
 #include "small_ops.h"
 
@@ -132,6 +139,46 @@ at::Tensor silu_mul(at::Tensor gate_up) {
   return y;
 }
 
+// thread_round_trip_ns: the mean time (ns) for a cache line to go from one thread of an OpenMP team of two (the
+// team torch's ops and a decode step run on) to the other and back, over `trips` round trips (each thread spins
+// until the other has written the line). Where the two threads run on cores that share a cache it is that cache's
+// latency, where they sit on different dies the link's: on a 2-vCPU Zen 4 VM ~50-65 ns in some minutes and ~340 ns
+// in others, as the hypervisor places the vCPUs (`kvrelay bench bandwidth` records it each round; every hand-off
+// between a decode step's two threads pays it). NaN when the team has one thread. Raises (RuntimeError) when
+// trips < 1.
+double thread_round_trip_ns(int64_t trips) {
+  TORCH_CHECK(trips >= 1, "thread_round_trip_ns: trips must be at least 1, got ", trips);
+  struct alignas(64) Line {  // alone on its cache line: nothing else either thread touches shares it
+    std::atomic<int64_t> value{0};
+    char pad[64 - sizeof(std::atomic<int64_t>)];
+  };
+  const auto line = std::make_unique<Line>();
+  const auto await = [&line](int64_t value) {  // yields after a while: a descheduled vCPU
+    for (int spins = 0; line->value.load(std::memory_order_acquire) != value; ++spins)
+      if (spins < (1 << 14)) spin_pause();
+      else std::this_thread::yield();
+  };
+  double ns = std::numeric_limits<double>::quiet_NaN();
+#pragma omp parallel num_threads(2)
+  if (omp_get_num_threads() == 2) {
+    if (omp_get_thread_num() == 0) {
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int64_t i = 0; i < trips; ++i) {
+        line->value.store(2 * i + 1, std::memory_order_release);
+        await(2 * i + 2);
+      }
+      ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count() /
+           static_cast<double>(trips);
+    } else {
+      for (int64_t i = 0; i < trips; ++i) {
+        await(2 * i + 1);
+        line->value.store(2 * i + 2, std::memory_order_release);
+      }
+    }
+  }
+  return ns;
+}
+
 // Defined in decode_attention.cpp. A declaration that drifted from the definition would name another (mangled)
 // symbol, and the extension would fail to import: the CPU kernel tests load it.
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
@@ -165,6 +212,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "Llama RMSNorm per row (CPU, float32 or bf16)", kNoGil);
   m.def("decode_layer", &decode_layer, "one Llama decoder layer for a few bf16 or float32 decode tokens (CPU)", kNoGil);
   bind_decode_stack(m);
+  m.def("thread_round_trip_ns", &thread_round_trip_ns, "ns for a cache line to go to another thread and back",
+        kNoGil);
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)", kNoGil);
   m.def("prefill_attention_bf16", &prefill_attention_bf16, "flash-style causal paged prefill attention (CPU, bf16)",
         kNoGil);

@@ -7,7 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.bandwidth_bench import compare_rounds, decode_rounds, weight_bytes
+from benchmarks.bandwidth_bench import (
+    NEAR_ROUND_TRIP_NS,
+    compare_rounds,
+    decode_rounds,
+    placement,
+    round_trip_ns,
+    weight_bytes,
+)
 from benchmarks.dtype_bench import run as dtype_run
 from benchmarks.peer import PeerServer
 from model.loader import load_model
@@ -32,6 +39,37 @@ def test_a_round_pairs_each_decode_step_with_a_read_and_keeps_the_peak_bound(tin
     assert r["peak_limit_tok_s"] == r["read_bytes_per_s"] / out["weight_bytes"]
     assert r["fraction_of_peak_limit"] == r["decode_tok_s"] / r["peak_limit_tok_s"]
     assert out["fraction_of_limit"] == r["fraction_of_limit"] and out["dtype"] == "float32"
+    assert r["one_thread_read_bytes_per_s"] > 0
+    # this machine has two CPUs and the compiled extension: each round records the threads' round trips
+    assert r["round_trip_ns_before"] > 0 and r["round_trip_ns_after"] > 0
+    assert r["placement"] == placement(r["round_trip_ns_before"], r["round_trip_ns_after"])
+    assert out["fraction_of_limit_by_placement"] == {r["placement"]: r["fraction_of_limit"]}
+
+
+def test_a_round_is_placed_by_its_two_round_trips() -> None:
+    near, far = NEAR_ROUND_TRIP_NS - 1, NEAR_ROUND_TRIP_NS + 1
+    assert placement(near, near) == "near" and placement(far, far) == "far"
+    assert placement(near, far) == "changed" and placement(far, near) == "changed"
+    assert placement(None, near) is None and placement(far, None) is None
+
+
+def test_the_round_trip_probe_runs_on_a_team_of_two_and_refuses_no_trips() -> None:
+    import torch
+
+    from kernels.cpu_small import load
+
+    ext = load()
+    assert ext is not None  # the CPU kernels build on every machine this runs on
+    ns = ext.thread_round_trip_ns(1000)
+    assert 0 < ns < 1e6  # a cache line's trip, not a thread's wake-up
+    with pytest.raises(RuntimeError, match="trips must be at least 1, got 0"):
+        ext.thread_round_trip_ns(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert round_trip_ns(100) is None  # one torch thread: no team of two to measure
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_a_decode_of_one_token_is_refused(tiny_model_dir: Path) -> None:
