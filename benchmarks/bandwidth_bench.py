@@ -25,8 +25,8 @@ The round of median fraction is reported (every round is in ``rounds``).
 Where the VM places its two vCPUs moves with the phases. Each round records, before and after its decode, the time
 for a cache line to go from one thread of the two-thread team to the other and back
 (`kvrelay_cpu.thread_round_trip_ns`) and the read bandwidth of one thread alone. On the 2-vCPU Zen 4 VM of stops
-57-62 the slow phase is two vCPUs behind one cache (~50-80 ns; two threads read ~1.1x one thread, ~34 GB/s) and
-the fast phase two vCPUs on different dies (~340 ns; two threads read ~2x one thread, ~60 GB/s): the limit halves
+57-62 the slow phase is two vCPUs behind one cache (61-75 ns; two threads read ~1.1x one thread, ~34 GB/s) and
+the fast phase two vCPUs on different dies (304-338 ns; two threads read ~2x one thread, ~60 GB/s): the limit halves
 while every hand-off between a decode step's two threads (~300 a step) pays the longer trip. Rounds are
 classed ``near`` (both trips under 150 ns), ``far`` (both over) or ``changed``, and ``fraction_of_limit_by_placement``
 gives each class's median.
@@ -83,7 +83,7 @@ def read_bandwidth(nbytes: int = COPY_BYTES, repeats: int = 5) -> float:
     return src.numel() * 4 / best
 
 
-NEAR_ROUND_TRIP_NS = 150.0  # below: the two threads share a cache (~50-80 ns measured); above: apart (~340 ns)
+NEAR_ROUND_TRIP_NS = 150.0  # below: the two threads share a cache (61-75 ns measured); above: apart (304-338 ns)
 
 
 def one_thread_read(buf: torch.Tensor, repeats: int = 3) -> float:

@@ -1,5 +1,6 @@
 // Small CPU ops of a decode step, where torch's per-op overhead or its few-row matmul path dominate: the few-row
-// linear layer over a blocked weight, RMSNorm, rotary, silu * up. Their raw-pointer cores are in small_ops.h.
+// linear layer over a blocked weight, RMSNorm, rotary, silu * up; and a probe of how long a hand-off between two
+// threads takes (thread_round_trip_ns). The ops' raw-pointer cores are in small_ops.h.
 // This file also holds the Python module of the whole extension (kernels/cpu_build.py: CPU_KERNELS), whose other
 // files compile beside it.
 // Narrow headers, not <torch/extension.h>: that one parses for ~40 s on the AVX2 VM, and every clean clone (CI)
@@ -142,7 +143,7 @@ at::Tensor silu_mul(at::Tensor gate_up) {
 // thread_round_trip_ns: the mean time (ns) for a cache line to go from one thread of an OpenMP team of two (the
 // team torch's ops and a decode step run on) to the other and back, over `trips` round trips (each thread spins
 // until the other has written the line). Where the two threads run on cores that share a cache it is that cache's
-// latency, where they sit on different dies the link's: on a 2-vCPU Zen 4 VM ~50-65 ns in some minutes and ~340 ns
+// latency, where they sit on different dies the link's: on a 2-vCPU Zen 4 VM 61-75 ns in some minutes and 304-338 ns
 // in others, as the hypervisor places the vCPUs (`kvrelay bench bandwidth` records it each round; every hand-off
 // between a decode step's two threads pays it). NaN when the team has one thread. Raises (RuntimeError) when
 // trips < 1.
