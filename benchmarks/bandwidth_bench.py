@@ -75,12 +75,17 @@ def read_bandwidth(nbytes: int = COPY_BYTES, repeats: int = 5) -> float:
 
     src = huge_page_buffer(nbytes // 4 * 4)[0].view(torch.float32)
     src.fill_(1.0)
+    return sum_rate(src, repeats)
+
+
+def sum_rate(buf: torch.Tensor, repeats: int) -> float:
+    """Bytes read per second (best of ``repeats``) by ``buf.sum()`` on the current torch threads."""
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        src.sum()
+        buf.sum()
         best = min(best, time.perf_counter() - t0)
-    return src.numel() * 4 / best
+    return buf.numel() * buf.element_size() / best
 
 
 NEAR_ROUND_TRIP_NS = 150.0  # below: the two threads share a cache (61-75 ns measured); above: apart (304-338 ns)
@@ -92,14 +97,9 @@ def one_thread_read(buf: torch.Tensor, repeats: int = 3) -> float:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        best = float("inf")
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            buf.sum()
-            best = min(best, time.perf_counter() - t0)
+        return sum_rate(buf, repeats)
     finally:
         torch.set_num_threads(threads)
-    return buf.numel() * buf.element_size() / best
 
 
 def round_trip_ns(trips: int = 1000, probes: int = 5) -> float | None:
@@ -274,9 +274,11 @@ def decode_rounds(model_dir: str, *, dtype: str, prompt_tokens: int, new_tokens:
             "round_trip_ns_before": trip_before, "round_trip_ns_after": trip_after,
             "placement": placement(trip_before, trip_after), "steps": len(steps)})
     median = sorted(per_round, key=lambda x: x["fraction_of_limit"])[(rounds - 1) // 2]
-    by_placement = {
-        kind: statistics.median(x["fraction_of_limit"] for x in per_round if x["placement"] == kind)
-        for kind in ("near", "far", "changed") if any(x["placement"] == kind for x in per_round)}
+    by_placement: dict[str, float] = {}
+    for kind in ("near", "far", "changed"):
+        fractions = [x["fraction_of_limit"] for x in per_round if x["placement"] == kind]
+        if fractions:
+            by_placement[kind] = statistics.median(fractions)
     return {**median, "rounds": per_round, "fraction_of_limit_by_placement": by_placement, "weight_bytes": nbytes,
             "dtype": str(next(loaded.model.parameters()).dtype).removeprefix("torch.")}
 

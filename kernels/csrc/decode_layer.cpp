@@ -39,7 +39,6 @@
 #include <cmath>
 #include <exception>
 #include <mutex>
-#include <thread>
 #include <tuple>
 #include <type_traits>
 
@@ -260,11 +259,8 @@ class SpinBarrier {
       count_.store(0, std::memory_order_relaxed);
       gen_.fetch_add(1, std::memory_order_release);
     } else {
-      for (int spins = 0; gen_.load(std::memory_order_acquire) == gen; ++spins) {
-        if (failed.load(std::memory_order_relaxed)) return false;
-        if (spins < (1 << 14)) kvrelay_cpu::spin_pause();
-        else std::this_thread::yield();
-      }
+      kvrelay_cpu::spin_until(
+          [&] { return gen_.load(std::memory_order_acquire) != gen || failed.load(std::memory_order_relaxed); });
     }
     return !failed.load(std::memory_order_relaxed);
   }

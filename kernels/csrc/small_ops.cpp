@@ -16,7 +16,6 @@
 #include <chrono>
 #include <limits>
 #include <memory>
-#include <thread>
 
 #include "small_ops.h"
 
@@ -154,10 +153,8 @@ double thread_round_trip_ns(int64_t trips) {
     char pad[64 - sizeof(std::atomic<int64_t>)];
   };
   const auto line = std::make_unique<Line>();
-  const auto await = [&line](int64_t value) {  // yields after a while: a descheduled vCPU
-    for (int spins = 0; line->value.load(std::memory_order_acquire) != value; ++spins)
-      if (spins < (1 << 14)) spin_pause();
-      else std::this_thread::yield();
+  const auto await = [&line](int64_t value) {
+    spin_until([&] { return line->value.load(std::memory_order_acquire) == value; });
   };
   double ns = std::numeric_limits<double>::quiet_NaN();
 #pragma omp parallel num_threads(2)

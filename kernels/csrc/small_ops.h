@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <thread>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -25,6 +26,15 @@ inline void spin_pause() {  // a spin-wait's pause (x86's PAUSE; nothing elsewhe
 #if defined(__AVX512F__) || defined(__AVX2__)
   _mm_pause();
 #endif
+}
+
+// Spins until done() holds: a pause between tries, and after 2^14 of them the core yielded at each (a VM's
+// descheduled peer, or a team sharing one CPU). The wait of DecodeStack's barrier and of thread_round_trip_ns.
+template <typename Done>
+inline void spin_until(const Done& done) {
+  for (int spins = 0; !done(); ++spins)
+    if (spins < (1 << 14)) spin_pause();
+    else std::this_thread::yield();
 }
 constexpr int kTile = 16;  // rows of x per pass over a group's blocks: sixteen sums in registers
 
