@@ -42,6 +42,14 @@ def _hang_env(hang_dir: Path) -> dict[str, str]:
     return {"PYTHONPATH": HANG_SITE, "KVRELAY_TEST_HANG_DIR": str(hang_dir)}
 
 
+def _arm(trigger: Path, text: str) -> None:
+    """Writes a hang trigger (hang_site) whole, at once: the node checks for it before every step, and a file it
+    finds between `write_text`'s create and write reads empty (seen once in `make test`)."""
+    staged = trigger.with_name(trigger.name + ".staged")
+    staged.write_text(text)
+    staged.replace(trigger)
+
+
 def _get(url: str) -> tuple[int, dict] | None:
     """(status, JSON body) of a GET, or None when the node does not answer."""
     try:
@@ -122,7 +130,7 @@ def test_a_hung_engine_step_makes_the_node_unready_fails_its_request_with_503_an
         with ThreadPoolExecutor(1) as pool:
             request = pool.submit(post, c.url, LONG, 120.0)
             wait_for(lambda: get_json(node + "/health")["running"] == 1, what="the long request running")
-            (tmp_path / "decode-0.hang").write_text("600")  # hangs the next step for good
+            _arm(tmp_path / "decode-0.hang", "600")  # hangs the next step for good
             wait_for(lambda: (tmp_path / "decode-0.hanging").exists(), what="the hang to begin")
             seen: list[tuple[int, dict] | None] = []
 
@@ -162,7 +170,7 @@ def test_blocks_given_back_during_a_hang_past_the_pool_call_timeout_are_not_lost
         with ThreadPoolExecutor(2) as pool:
             background = pool.submit(post, c.url, LONG, 240.0)  # so the engine steps
             wait_for(lambda: get_json(node + "/health")["running"] == 1, what="the background request running")
-            (tmp_path / "decode-0.hang-after-reserve").write_text("6")
+            _arm(tmp_path / "decode-0.hang-after-reserve", "6")
             pulled = pool.submit(post, c.url, {"model": "tiny", "prompt": "p" * 64, "max_tokens": 8,
                                                "temperature": 0, "ignore_eos": True}, 240.0)
             code, answer = pulled.result(timeout=240)
