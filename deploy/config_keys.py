@@ -180,6 +180,10 @@ KEYS: Mapping[str, Key] = _table(
         "another prompt's prefill ends: fill (up to max_num_batched_tokens), or priced (only when it ends there too "
         "and, by the measured step cost, the delay it puts on the others' first token is less than the step it "
         "saves itself and the prompts behind it)."),
+    # the modes of engine.kernel_tuning.PLAN_MODES, not imported: the router loads this module without torch
+    Key("engine.kernel_plan", one_of(("auto", "measure", "builtin")), "auto", "Which CPU kernel path each part of "
+        "a step takes: auto (timed on this machine at the first start and kept per CPU model, model and build), "
+        "measure (timed again now), or builtin (the fixed rule, nothing timed)."),
     Key("engine.max_model_len", positive_int, None, "The longest sequence, prompt and output together.",
         unit="tokens", default_text="the model's context window"),
     Key("engine.enable_prefix_caching", boolean, True, "Reuse the KV blocks of prompt prefixes computed before."),

@@ -23,6 +23,7 @@ from engine.block_tables import BlockTables, held
 from engine.cuda_graphs import try_capture
 from engine.engine_config import EngineConfig
 from engine.grammar import GrammarError, Grammars, apply_masks, lift_min_tokens
+from engine.kernel_tuning import plan_for
 from engine.kv_layout import kv_block_spec
 from engine.kv_policy import KvPolicies
 from engine.long_context import LongContextConfig
@@ -33,7 +34,8 @@ from engine.step_rates import StepRates
 from kvstore.block_key import BlockKey, extend_group_keys
 from kvstore.block_spec import BlockSpec
 from kvstore.tiered_store import TieredStore, TieredStoreConfig
-from model.attention import default_backend_name, make_backend
+from model.attention import AttentionBackend, TorchBackend, default_backend_name, make_backend
+from model.kernel_plan import KernelPlan
 from model.loader import LoadedModel
 from model.sampling import SamplingParams, TokenLogprobs, sample, token_generator
 from model.skew import SkewTables, load_or_compute_skew
@@ -126,6 +128,7 @@ class LLMEngine:
         self.kv_pool = self.store.device_pool
         self.attention_backend = self.config.attention_backend or default_backend_name(device)  # the one in use
         backend = make_backend(self.attention_backend)
+        self.kernel_plan = self._plan_kernels(backend)
         self.runner = ModelRunner(self.model, self.kv_pool, backend, block_size_tokens=self.spec.block_size_tokens,
                                   num_groups=self.spec.num_groups,
                                   gives_back_blocks=any(g.window is not None for g in cfg.kv_groups))
@@ -159,6 +162,19 @@ class LLMEngine:
         # Set by a step that could schedule nothing because blocks held outside the scheduler (leases,
         # pulls) keep the pending work from fitting: the caller may wait for a pool change before stepping.
         self.stalled = False
+
+    def _plan_kernels(self, backend: AttentionBackend) -> KernelPlan:
+        """The model's kernel plan (`engine.kernel_tuning.plan_for` with ``config.kernel_plan``), applied to the
+        model (once: a model another engine planned keeps its plan) and followed by ``backend``; logged."""
+        plan = getattr(self.model, "kernel_plan", None)
+        if plan is None:
+            plan = plan_for(self.model, self.kv_pool, backend, mode=self.config.kernel_plan)
+            if hasattr(self.model, "apply_kernel_plan"):
+                self.model.apply_kernel_plan(plan)
+            log.info("kernel plan (%s): %s", plan.source, plan.summary())
+        if isinstance(backend, TorchBackend):
+            backend.follow(plan)
+        return plan
 
     @property
     def cuda_graph_sizes(self) -> tuple[int, ...]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.cuda_graphs import check_batch_sizes, default_batch_sizes
+from engine.kernel_tuning import PLAN_MODES
 from engine.long_context import LongContextConfig
 from engine.scheduler import PREFILL_PACKINGS
 from kvstore.checks import require_int
@@ -22,6 +23,9 @@ class EngineConfig:
     # whether a prompt joins a step in which another prompt's prefill ends (`engine.scheduler`): "fill" (up to
     # max_num_batched_tokens) or "priced" (by the measured step cost)
     prefill_packing: str = "fill"
+    # the CPU kernel paths (`engine.kernel_tuning.PLAN_MODES`): "auto" (timed once per machine and kept), "measure"
+    # (timed again), "builtin" (the fixed rule)
+    kernel_plan: str = "auto"
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     attention_backend: str | None = None  # None: triton on CUDA, torch elsewhere
@@ -37,6 +41,8 @@ class EngineConfig:
         if self.prefill_packing not in PREFILL_PACKINGS:
             raise ValueError(f"prefill_packing must be one of {', '.join(PREFILL_PACKINGS)}, "
                              f"got {self.prefill_packing!r}")
+        if self.kernel_plan not in PLAN_MODES:
+            raise ValueError(f"kernel_plan must be one of {', '.join(PLAN_MODES)}, got {self.kernel_plan!r}")
         if self.max_model_len is not None:
             require_int("max_model_len", self.max_model_len)
         if self.attention_backend is not None and self.attention_backend not in BACKEND_NAME_TO_CLASS:

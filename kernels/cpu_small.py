@@ -13,7 +13,8 @@ for bf16, AVX512-BF16's VDPBF16PS where the CPU has it (plain C++ elsewhere).
   memory moved (a row-major layout summed eight rows at a time: ~0.65× the blocked one's speed).
 * float32, Zen 1 VM (AVX2), over SmolLM2's 121 weights: even with the row-major eight-row kernel it replaced at one
   row (both at ~17-18 GB/s, the read bandwidth), 1.2-1.4× its speed at 4, 8 and 16 rows.
-`model.linear_kernel.LinearKernel` uses it at up to `BLOCKED_MAX_ROWS` rows; ``KVRELAY_CPU_KERNELS=0`` turns it off
+`model.linear_kernel.LinearKernel` uses it at up to `BLOCKED_MAX_ROWS` rows where `model.kernel_plan` (timed on the
+machine) says it is the fastest; ``KVRELAY_CPU_KERNELS=0`` turns it off
 with the other C++ CPU kernels.
 
 `rms_norm` is Llama's RMSNorm in one pass per row: torch's composite (pow, mean, add, rsqrt, mul) took ~70 µs
@@ -37,8 +38,8 @@ import torch
 
 from kernels.cpu_build import CPU_KERNELS
 
-BLOCKED_MAX_ROWS = 16  # blocked_linear: equal to oneDNN's packed matmul at 12 rows, 1.13x its time at 16, but at
-# 9-16 rows the fused decode layer (model.llama) needs it: a batch-16 SmolLM2 step 0.91x (Zen 4 VM)
+BLOCKED_MAX_ROWS = 16  # the most rows `model.kernel_plan` may give blocked_linear and the fused decode layer (on a
+# Zen 4 VM: equal to oneDNN's packed matmul at 12 rows, 1.13x its time at 16; a fused batch-16 SmolLM2 step 0.91x)
 
 
 def load() -> ModuleType | None:

@@ -21,6 +21,7 @@ from typing import Protocol
 import torch
 
 from kernels import cpu_attention, reference, torch_attention
+from model.kernel_plan import KernelPlan
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,7 +144,8 @@ class TorchBackend:
     the inputs (CPU, float32/bf16 KV in the query's dtype, no token weights; window and sinks included),
     else through torch ops. Prefill attention goes through its flash-style bf16 kernel there (bf16 q and KV,
     head dim a multiple of 16, no token weights, window or sinks: SmolLM2 at 2,048 tokens, ~0.5x SDPA's time
-    on a Zen 4 VM), else through SDPA.
+    on a Zen 4 VM), else through SDPA. Either C++ kernel is used only where the engine's kernel plan
+    (`model.kernel_plan`, timed on the machine) found it the faster (`follow`).
     """
 
     block_key_summaries = staticmethod(reference.block_key_summaries)
@@ -151,10 +153,16 @@ class TorchBackend:
 
     def __init__(self) -> None:
         self.cpu_decode_kernels = cpu_attention.load()  # the C++ attention kernels' extension, or None
+        # whether the per-layer path takes the C++ prefill / decode attention where it fits (`follow`)
+        self.cpp_prefill = self.cpp_decode = True
         # (slot_mapping, block_size, plan) of the current step, one per KV block group (`AttentionBatch.for_group`)
         self._slots: list[tuple[torch.Tensor, int, torch_attention.SlotPlan]] = []
         # (block_tables, seq_lens, block_size, window -> plan) of the current step
         self._decode: tuple[torch.Tensor, torch.Tensor, int, dict[int | None, torch_attention.DecodePlan]] | None = None
+
+    def follow(self, plan: KernelPlan) -> None:
+        """Take ``plan``'s prefill and decode attention paths (``cpp`` or ``torch``)."""
+        self.cpp_prefill, self.cpp_decode = plan.prefill_attention == "cpp", plan.decode_attention == "cpp"
 
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -169,8 +177,8 @@ class TorchBackend:
                           block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *,
                           scale: float, token_weights: torch.Tensor | None = None, window: int | None = None,
                           sinks: torch.Tensor | None = None) -> torch.Tensor:
-        if (self.cpu_decode_kernels is not None and token_weights is None and window is None and sinks is None
-                and cpu_attention.supports_prefill(q, k_cache, v_cache)):
+        if (self.cpu_decode_kernels is not None and self.cpp_prefill and token_weights is None and window is None
+                and sinks is None and cpu_attention.supports_prefill(q, k_cache, v_cache)):
             return cpu_attention.prefill_attention(self.cpu_decode_kernels, q, k_cache, v_cache, block_tables,
                                                    seq_lens, query_start_loc, scale=scale)
         return torch_attention.prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
@@ -180,7 +188,8 @@ class TorchBackend:
                                block_tables: torch.Tensor, seq_lens: torch.Tensor, *, scale: float,
                                token_weights: torch.Tensor | None = None, window: int | None = None,
                                sinks: torch.Tensor | None = None) -> torch.Tensor:
-        if self.cpu_decode_kernels is not None and token_weights is None and cpu_attention.supports(q, k_cache):
+        if (self.cpu_decode_kernels is not None and self.cpp_decode and token_weights is None
+                and cpu_attention.supports(q, k_cache)):
             return cpu_attention.paged_decode_attention(self.cpu_decode_kernels, q, k_cache, v_cache, block_tables,
                                                         seq_lens, scale=scale, window=window, sinks=sinks)
         plan = None

@@ -28,6 +28,7 @@ from kernels import cpu_small
 from model.attention import AttentionBackend, AttentionBatch, TorchBackend, paged_attention
 from model.config import ModelConfig
 from model.deepseek import DeepseekMoe, MlaAttention
+from model.kernel_plan import FEW_ROW_BUCKETS, FEW_ROWS, KernelPlan, bucket_of
 from model.linear_kernel import LinearKernel, colocate_blocked
 from model.moe import SparseMoe
 from model.rope import RotaryRows, apply_rotary, rope_inv_freq, rotary_cos_sin
@@ -261,7 +262,7 @@ class DecoderLayer(nn.Module):
 
     def decode_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer_cache: torch.Tensor,
                      batch: AttentionBatch) -> torch.Tensor:
-        """`forward` for a step of 1 to `kernels.cpu_small.BLOCKED_MAX_ROWS` decode tokens and no KV hook,
+        """`forward` for a step of 1 to 16 decode tokens (where the kernel plan takes the C++ path) and no KV hook,
         in one C++ call (``kernels/csrc/decode_layer.cpp``): the same kernels in the same order, the same bits,
         without ~35 torch ops and Python calls a layer. Needs ``fused`` (`prepare_fused`)."""
         assert self.fused is not None
@@ -302,6 +303,9 @@ class LlamaForCausalLM(nn.Module):
         # `fuses_decode_logits`'s last pool and backend, and whether the C++ kernels take steps on them
         self._fuses_with: tuple[weakref.ref, AttentionBackend] | None = None
         self._fuses_kernels = False
+        # the paths of its steps (`apply_kernel_plan`); until then the built-in rule: the one-call stack at 1-16 rows
+        self.kernel_plan: KernelPlan | None = None
+        self.stack_by_bucket: tuple[bool, ...] = (True,) * FEW_ROW_BUCKETS
         self.register_buffer("rope_inv_freq", rope_inv_freq(config.rope, config.head_dim), persistent=False)
         self.kv_place = {layer: (g, local) for g, group in enumerate(config.kv_groups)
                          for local, layer in enumerate(group.layers)}  # layer -> (KV block group, local layer)
@@ -363,8 +367,11 @@ class LlamaForCausalLM(nn.Module):
 
     def fuses_decode_logits(self, rows: int, kv_pool: torch.Tensor, backend: AttentionBackend) -> bool:
         """Whether a decode-only step of ``rows`` sequences without a KV hook (H2O, InfiniGen) runs through
-        `decode_logits`: the stack has a head (`stack_logits`) and the step fuses (`_fused_kernels`)."""
-        if self.decode_stack is None or not self.stack_logits or not 0 < rows <= cpu_small.BLOCKED_MAX_ROWS:
+        `decode_logits`: the stack has a head (`stack_logits`), the plan takes the stack at ``rows``
+        (`stack_by_bucket`) and the C++ kernels take the step (`_fuses_on`)."""
+        if self.decode_stack is None or not self.stack_logits or not 0 < rows <= FEW_ROWS:
+            return False
+        if not self.stack_by_bucket[bucket_of(rows)]:
             return False
         # what else it asks changes with neither the pool nor the backend: asked once for them (asked each step, its
         # cold attribute lookups cost ~40 us of a batch-1 bf16 SmolLM2 step on a Zen 4 VM)
@@ -372,7 +379,7 @@ class LlamaForCausalLM(nn.Module):
         if seen is None or seen[0]() is not kv_pool or seen[1] is not backend:
             weight = self.model.embed_tokens.weight
             self._fuses_with = (weakref.ref(kv_pool), backend)  # a weak reference: the pool is the engine's to free
-            self._fuses_kernels = self._fused_kernels(1, weight.dtype, weight.device, kv_pool, backend)
+            self._fuses_kernels = self._fuses_on(weight.dtype, weight.device, kv_pool, backend)
         return self._fuses_kernels
 
     def decode_logits(self, input_ids: list[int], positions: list[int], kv_pool: torch.Tensor,
@@ -419,22 +426,21 @@ class LlamaForCausalLM(nn.Module):
         return ([b.slot_mapping for b in groups], [b.decode_block_tables for b in groups],
                 [b.decode_seq_lens for b in groups])
 
-    @classmethod
-    def _fused_step(cls, rows: int, dtype: torch.dtype, device: torch.device, kv_pool: torch.Tensor,
+    def _fused_step(self, rows: int, dtype: torch.dtype, device: torch.device, kv_pool: torch.Tensor,
                     batch: AttentionBatch, backend: AttentionBackend) -> bool:
-        """Whether this step's layers may run as one C++ call each (`DecoderLayer.decode_fused`): only decode
-        tokens, no KV hook (H2O, InfiniGen), and `_fused_kernels`."""
+        """Whether this step's layers may run as one C++ call each (`DecoderLayer.decode_fused`) or all in one
+        (`decode_layers`): only decode tokens, no KV hook (H2O, InfiniGen), 1 to 16 of them where the plan takes
+        the stack (`stack_by_bucket`), and `_fuses_on`."""
         return (batch.num_prefill_tokens == 0 and batch.kv_hook is None and batch.step_block_tables is None
-                and cls._fused_kernels(rows, dtype, device, kv_pool, backend))
+                and 0 < rows <= FEW_ROWS and self.stack_by_bucket[bucket_of(rows)]
+                and self._fuses_on(dtype, device, kv_pool, backend))
 
     @staticmethod
-    def _fused_kernels(rows: int, dtype: torch.dtype, device: torch.device, kv_pool: torch.Tensor,
-                       backend: AttentionBackend) -> bool:
-        """Whether a decode-only step's rows run through the C++ layer kernels: at most
-        `kernels.cpu_small.BLOCKED_MAX_ROWS` (``rows``), bf16 or float32 activations (``dtype``) and KV of that
-        dtype on the CPU, and the CPU backend with its C++ decode attention."""
-        return (0 < rows <= cpu_small.BLOCKED_MAX_ROWS
-                and dtype in (torch.bfloat16, torch.float32) and kv_pool.dtype == dtype
+    def _fuses_on(dtype: torch.dtype, device: torch.device, kv_pool: torch.Tensor,
+                  backend: AttentionBackend) -> bool:
+        """Whether the C++ layer kernels can run a decode-only step: bf16 or float32 activations (``dtype``) and
+        KV of that dtype on the CPU, and the CPU backend with its C++ decode attention."""
+        return (dtype in (torch.bfloat16, torch.float32) and kv_pool.dtype == dtype
                 and device.type == "cpu" and isinstance(backend, TorchBackend)
                 and backend.cpu_decode_kernels is not None)
 
@@ -479,6 +485,40 @@ class LlamaForCausalLM(nn.Module):
                     stack.set_ends(embedding, head.blocked, self.lm_head.weight.shape[0])
                     self.stack_logits = True
             self.decode_stack = stack
+
+    def linear_kernels(self) -> dict[str, list[LinearKernel]]:
+        """This model's dense linear kernels by `model.kernel_plan.LINEAR_KINDS` kind, layer order (after
+        `prepare_for_inference`; MoE experts and MLA projections are not among them: they keep the built-in
+        rule)."""
+        kinds: dict[str, list[LinearKernel]] = {"qkv": [], "out": [], "gate_up": [], "down": [],
+                                                "head": [self.head] if self.head is not None else []}
+        for layer in self.model.layers:
+            attn, ffn = layer.self_attn, layer.ffn
+            for kind, owner, name in (("qkv", attn, "qkv"), ("out", attn, "out"), ("gate_up", ffn, "gate_up"),
+                                      ("down", ffn, "down")):
+                kernel = getattr(owner, name, None) if isinstance(owner, (Attention, MLP)) else None
+                if kernel is not None:
+                    kinds[kind].append(kernel)
+        return kinds
+
+    def apply_kernel_plan(self, plan: KernelPlan) -> None:
+        """Take ``plan``'s paths (`model.kernel_plan`): each dense linear kernel's per row bucket, the one-call
+        decode path's row counts, and free the weight copies no chosen path reads (without the stack, its blocked
+        copies and the stack itself; the blocked copies left are gathered into a new huge-page buffer). A copy
+        freed is gone: apply a plan once, after `prepare_for_inference` (a second call may only drop more)."""
+        stack = any(plan.stack)
+        for kind, kernels in self.linear_kernels().items():
+            for kernel in kernels:
+                kernel.use(plan.linear[kind])
+                kernel.drop_unused(keep_blocked=stack)
+        self.stack_by_bucket = plan.stack
+        if not stack:
+            self.decode_stack, self.stack_norms, self.stack_logits = None, False, False
+            for layer in self.model.layers:
+                layer.fused = None  # it holds the blocked copies
+            colocate_blocked([k for kernels in self.linear_kernels().values() for k in kernels])
+        self._fuses_with = None
+        self.kernel_plan = plan
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden_size]`` → float32 ``[N, vocab_size]``."""

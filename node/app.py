@@ -374,6 +374,8 @@ class EngineNode:
             # {"state": "open"|"unavailable"|"none", "path", "reason"}: unavailable = serving without it
             "disk_tier": dataclasses.asdict(self.engine.store.disk_status),
             "long_context": dataclasses.asdict(self.engine.policies.stats),
+            # the CPU kernel paths this node's steps take, as timed on this machine (`model.kernel_plan`)
+            "kernel_plan": self.engine.kernel_plan.summary(),
         })
 
     def kv_bytes(self) -> dict[str, int]:

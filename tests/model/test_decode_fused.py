@@ -26,7 +26,7 @@ def _generate(model_dir, monkeypatch: pytest.MonkeyPatch, *, path: str, dtype: s
     the layers: `LlamaForCausalLM.decode_layers`, then the head) or "logits" (one call a step for the embedding,
     the layers and the head: `LlamaForCausalLM.decode_logits`)."""
     loaded = load_model(model_dir, dtype=dtype)
-    engine = LLMEngine(loaded, EngineConfig(num_blocks=160, enable_prefix_caching=False))
+    engine = LLMEngine(loaded, EngineConfig(num_blocks=160, enable_prefix_caching=False, kernel_plan="builtin"))
     assert loaded.model.decode_stack is not None and len(loaded.model.decode_stack) == len(loaded.model.model.layers)
     assert loaded.model.stack_norms  # the stack path applies the final norm in its own call
     assert loaded.model.stack_logits  # and can run the embedding and head too

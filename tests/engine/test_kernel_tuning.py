@@ -1,0 +1,129 @@
+"""`engine.kernel_tuning`: the CPU's identity, plans measured on the model's own shapes, kept per key and read back,
+one measurement for processes that start at once, and the modes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import kernel_tuning
+from engine.engine import EngineConfig, LLMEngine
+from engine.kernel_tuning import cpu_identity, fastest, median_us, plan_for
+from model.attention import TorchBackend
+from model.kernel_plan import LINEAR_KINDS, ROW_BUCKETS, KernelPlan, builtin_plan
+from model.loader import load_model
+
+CPUINFO = """processor\t: 0
+vendor_id\t: GenuineIntel
+model name\t: Intel(R) Xeon(R) Platinum 8480+
+flags\t\t: fpu sse2 avx2 avx512f avx512_bf16 amx_bf16 amx_tile amx_int8 avx512_vnni
+
+processor\t: 1
+model name\t: Another CPU
+flags\t\t: fpu
+"""
+
+
+def test_cpu_identity_names_the_model_and_the_flags_the_kernels_branch_on() -> None:
+    assert cpu_identity(CPUINFO) == ("Intel(R) Xeon(R) Platinum 8480+ "
+                                     "[avx2 avx512f avx512_bf16 avx512_vnni amx_tile amx_bf16 amx_int8]")
+    assert cpu_identity("processor\t: 0\nmodel name\t: AMD EPYC\nflags\t: avx2 fma\n") == "AMD EPYC [avx2]"
+    assert cpu_identity("") == "unknown CPU []"
+
+
+def test_median_and_fastest() -> None:
+    calls: list[str] = []
+    result = median_us({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, rounds=3)
+    assert calls == ["a", "b", "a", "b", "b", "a", "a", "b"]  # one warm-up each, then the order turned each round
+    assert set(result) == {"a", "b"} and all(t >= 0 for t in result.values())
+    assert fastest({"x": 3.0, "y": 1.5, "z": 1.5}) == "y"
+
+
+def _pool_and_backend(loaded) -> tuple[torch.Tensor, TorchBackend]:
+    engine = LLMEngine(loaded, EngineConfig(num_blocks=32, kernel_plan="builtin"))
+    return engine.kv_pool, engine.runner.backend
+
+
+def test_a_measured_plan_times_every_candidate(tiny_model_dir, tmp_path) -> None:
+    loaded = load_model(tiny_model_dir, dtype="bfloat16")
+    pool, backend = _pool_and_backend(loaded)
+    loaded.model.kernel_plan = None  # measure on the same model: every copy is still there (builtin keeps them)
+    plan = plan_for(loaded.model, pool, backend, mode="measure", cache_dir=tmp_path)
+    assert plan.source == "measured" and plan.cpu == cpu_identity()
+    kernels = loaded.model.linear_kernels()
+    want = set()
+    for kind in LINEAR_KINDS:
+        for bucket, rows in enumerate(ROW_BUCKETS):
+            paths = ("onednn", "torch") if bucket == len(ROW_BUCKETS) - 1 else ("blocked", "onednn", "torch")
+            want |= {f"linear.{kind}.{rows}.{p}" for p in paths if kernels[kind][0].can_take(p)}
+    if backend.cpu_decode_kernels is not None:
+        want |= {f"{name}.{p}" for name in ("prefill_attention", "decode_attention") for p in ("cpp", "torch")}
+        want |= {f"stack.{rows}.{p}" for rows in ROW_BUCKETS[:5] for p in ("stack", "layers")}
+    assert set(plan.timings_us) == want
+    for kind in LINEAR_KINDS:  # each bucket's choice is its fastest candidate
+        for bucket, rows in enumerate(ROW_BUCKETS):
+            times = {p: t for k, t in plan.timings_us.items() if k.startswith(f"linear.{kind}.{rows}.")
+                     for p in [k.rsplit(".", 1)[1]]}
+            assert plan.linear[kind][bucket] == fastest(times)
+    for bucket, rows in enumerate(ROW_BUCKETS[:5]):
+        if backend.cpu_decode_kernels is not None:
+            stack, layers = plan.timings_us[f"stack.{rows}.stack"], plan.timings_us[f"stack.{rows}.layers"]
+            assert plan.stack[bucket] == (stack <= layers)
+
+
+def test_auto_measures_once_and_reads_the_plan_back(tiny_model_dir, tmp_path, monkeypatch) -> None:
+    loaded = load_model(tiny_model_dir, dtype="float32")
+    pool, backend = _pool_and_backend(loaded)
+    measured: list[KernelPlan] = []
+    real = kernel_tuning.measure
+    monkeypatch.setattr(kernel_tuning, "measure", lambda *a, **k: measured.append(real(*a, **k)) or measured[-1])
+    first = plan_for(loaded.model, pool, backend, cache_dir=tmp_path)
+    second = plan_for(loaded.model, pool, backend, cache_dir=tmp_path)
+    assert len(measured) == 1 and first.source == "measured" and second.source == "cached"
+    assert second == KernelPlan.from_json(first.to_json())
+    stored = list(tmp_path.glob("*.json"))
+    assert len(stored) == 1 and stored[0].stem == kernel_tuning.plan_key(loaded.model, pool, cpu=cpu_identity())
+    stored[0].write_text("{half a plan")  # unreadable: measured again and stored whole
+    third = plan_for(loaded.model, pool, backend, cache_dir=tmp_path)
+    assert len(measured) == 2 and third.source == "measured"
+    assert KernelPlan.from_json(stored[0].read_text()).linear == third.linear
+    assert plan_for(loaded.model, pool, backend, mode="measure", cache_dir=tmp_path).source == "measured"
+    assert len(measured) == 3
+    assert plan_for(loaded.model, pool, backend, mode="builtin", cache_dir=tmp_path) == builtin_plan(packed=False)
+    assert len(measured) == 3
+    with pytest.raises(ValueError, match="kernel_plan must be one of auto, measure, builtin; got 'fast'"):
+        plan_for(loaded.model, pool, backend, mode="fast", cache_dir=tmp_path)
+
+
+def test_engine_config_refuses_an_unknown_mode() -> None:
+    with pytest.raises(ValueError, match="kernel_plan must be one of auto, measure, builtin, got 'always'"):
+        EngineConfig(kernel_plan="always")
+
+
+RACER = """
+import sys
+from engine.engine import EngineConfig, LLMEngine
+from engine.kernel_tuning import plan_for
+from model.loader import load_model
+from pathlib import Path
+loaded = load_model(sys.argv[1], dtype="bfloat16")
+engine = LLMEngine(loaded, EngineConfig(num_blocks=32, kernel_plan="builtin"))
+loaded.model.kernel_plan = None
+plan = plan_for(loaded.model, engine.kv_pool, engine.runner.backend, cache_dir=Path(sys.argv[2]))
+print(plan.source, plan.to_json().replace(plan.source, "-"))
+"""
+
+
+def test_processes_starting_at_once_measure_once(tiny_model_dir, tmp_path) -> None:
+    """Two processes on one cache: one measures, the other waits on the lock and reads its plan."""
+    root = Path(__file__).resolve().parents[2]
+    procs = [subprocess.Popen([sys.executable, "-c", RACER, str(tiny_model_dir), str(tmp_path)], cwd=root,
+                              stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=300)[0].split(" ", 1) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    assert sorted(o[0] for o in outs) == ["cached", "measured"]
+    assert outs[0][1] == outs[1][1]  # the same plan, timings and all
