@@ -127,3 +127,14 @@ def test_processes_starting_at_once_measure_once(tiny_model_dir, tmp_path) -> No
     assert [p.returncode for p in procs] == [0, 0]
     assert sorted(o[0] for o in outs) == ["cached", "measured"]
     assert outs[0][1] == outs[1][1]  # the same plan, timings and all
+
+
+def test_the_config_key_offers_exactly_the_engine_s_modes() -> None:
+    """`deploy.config_keys` spells the modes itself (the router loads it without torch): the same ones."""
+    from deploy.config_keys import KEYS
+
+    key = KEYS["engine.kernel_plan"]
+    assert key.check.allowed == ", ".join(kernel_tuning.PLAN_MODES) and key.default == EngineConfig().kernel_plan
+    assert [key.check(mode) for mode in kernel_tuning.PLAN_MODES] == list(kernel_tuning.PLAN_MODES)
+    with pytest.raises(ValueError, match="is not one of"):
+        key.check("sometimes")
