@@ -2,7 +2,8 @@
 
 `plan_for` gives an engine its `model.kernel_plan.KernelPlan`:
 
-* ``auto`` (the default): the plan stored for this key, else measured now and stored. The key (`plan_key`) is the
+* ``auto`` (the default): the plan stored for this key, else measured now and stored (unless the measuring
+  thread was preempted for more than a tenth of the time: then it is used, not kept). The key (`plan_key`) is the
   CPU (`cpu_identity`: model name and the flags the kernels branch on), torch's version and thread count, the C++
   kernels' sources, and the model's shapes and dtypes: a cache moved to another CPU model, a new build or another
   model measures again. Processes starting at once measure once: the first takes a file lock, the rest wait for it
@@ -11,8 +12,8 @@
 * ``builtin``: the fixed rule (`model.kernel_plan.builtin_plan`), nothing timed.
 
 `measure` times, in this order, each alternative at every row bucket with the candidates alternated round by round
-and the median kept (the VM this was written on moved its memory speed from minute to minute, so one timing of each
-would compare two speeds of the machine, not two kernels):
+and the best of each kept (the VM this was written on moved its memory speed from minute to minute, so one timing of
+each would compare two speeds of the machine, not two kernels):
 
 1. each kind of dense linear layer (`model.kernel_plan.LINEAR_KINDS`) on each path its weights have, over the
    layers a step reads one after the other (as many as stream ``STREAM_BYTES`` of weights at 1-16 rows, where a
@@ -33,7 +34,6 @@ import hashlib
 import json
 import logging
 import os
-import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -59,6 +59,7 @@ MANY_ROWS_LAYERS = 4  # layers a 64-row timing multiplies: compute-bound, so a f
 ROUNDS_FEW, ROUNDS_MANY = 7, 3  # rounds of alternated candidates; the median of each is compared
 CONTEXT_BLOCKS = 8  # KV blocks a timed decode sequence holds (128 tokens at 16 a block)
 PREFILL_TOKENS = 512
+MIN_CPU_SHARE = 0.9  # a plan is kept only if the measuring thread ran this share of the wall time (not preempted)
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
 
 
@@ -134,16 +135,24 @@ def plan_for(model: torch.nn.Module, kv_pool: torch.Tensor, backend: AttentionBa
                 return KernelPlan.from_json(path.read_text())
             except (OSError, ValueError) as exc:
                 log.warning("kernel plan: %s unreadable (%s); measuring again", path, exc)
+        started_cpu, started = time.thread_time(), time.perf_counter()
         plan = measure(model, kv_pool, backend, cpu=cpu)
+        share = (time.thread_time() - started_cpu) / (time.perf_counter() - started)
+        if share < MIN_CPU_SHARE:  # preempted for a good part of it: good for this process, not to keep
+            log.warning("kernel plan: this thread ran %.0f%% of the time it was measured (another process shares "
+                        "its CPUs); using the plan without keeping it, the next start measures again", 100 * share)
+            return plan
         staged = path.with_suffix(f".{os.getpid()}.tmp")
         staged.write_text(plan.to_json())
         staged.replace(path)  # whole or not at all: a reader never sees half a plan
         return plan
 
 
-def median_us(candidates: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
-    """Each candidate's median time in microseconds over ``rounds`` rounds, after one warm-up call each; within a
-    round they run one after the other, the order turned each round."""
+def best_us(candidates: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
+    """Each candidate's best time in microseconds over ``rounds`` rounds, after one warm-up call each; within a
+    round they run one after the other, the order turned each round. The best, not the median: a run the scheduler
+    preempts takes a whole time slice longer (seen: timings in steps of ~8 ms beside another busy process), and
+    one clean run of each is enough to compare them."""
     names = list(candidates)
     for name in names:
         candidates[name]()
@@ -153,7 +162,7 @@ def median_us(candidates: dict[str, Callable[[], object]], rounds: int) -> dict[
             start = time.perf_counter()
             candidates[name]()
             times[name].append((time.perf_counter() - start) * 1e6)
-    return {n: statistics.median(t) for n, t in times.items()}
+    return {n: min(t) for n, t in times.items()}
 
 
 def fastest(timings: dict[str, float]) -> str:
@@ -197,7 +206,7 @@ def _measure_linear(kinds: dict[str, list[LinearKernel]], timings: dict[str, flo
             names = [p for p in (("onednn", "torch") if many else ("blocked", "onednn", "torch"))
                      if all(k.can_take(p) for k in timed)]
             candidates = {p: _linear_pass(timed, p, x) for p in names}
-            result = median_us(candidates, ROUNDS_MANY if many else ROUNDS_FEW)
+            result = best_us(candidates, ROUNDS_MANY if many else ROUNDS_FEW)
             timings.update({f"linear.{kind}.{rows}.{p}": t for p, t in result.items()})
             paths.append(fastest(result))
         out[kind] = tuple(paths)
@@ -246,7 +255,7 @@ def _measure_attention(model: torch.nn.Module, kv_pool: torch.Tensor, backend: T
                 else:
                     backend.paged_decode_attention(q, k, v, tables, lens, scale=scale)
 
-        result = median_us({"cpp": lambda run=run: run(True), "torch": lambda run=run: run(False)}, ROUNDS_FEW)
+        result = best_us({"cpp": lambda run=run: run(True), "torch": lambda run=run: run(False)}, ROUNDS_FEW)
         timings.update({f"{name}.{p}": t for p, t in result.items()})
         chosen.append(fastest(result))
     backend.cpp_prefill = backend.cpp_decode = True
@@ -287,7 +296,7 @@ def _measure_stack(model: torch.nn.Module, kv_pool: torch.Tensor, backend: Torch
                 model.stack_by_bucket = (False,) * FEW_ROW_BUCKETS
                 _forward_logits(model, ids, positions, pool, batch, backend)
 
-            result = median_us({"stack": fused, "layers": layers}, ROUNDS_FEW)
+            result = best_us({"stack": fused, "layers": layers}, ROUNDS_FEW)
             timings.update({f"stack.{rows}.{p}": t for p, t in result.items()})
             chosen.append(fastest(result) == "stack")
     finally:

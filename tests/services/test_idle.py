@@ -70,10 +70,14 @@ def test_idle_deployment_uses_under_a_twentieth_of_a_cpu(tiny_model_dir: Path) -
         assert [h["cpus"] for h in health] == split_cpus(available_cpus(), 2)  # the thread budget: own CPUs
         assert [h["cpu_pool"] for h in health] == [available_cpus()] * 2  # ... and the idle ones it may borrow
         assert [h["threads"] for h in health] == [len(h["cpus"]) for h in health]
-        # each node's kernel paths, timed on this CPU: the same for both (one timed, the other read it, or both read)
+        # each node's kernel paths, timed on this CPU: the same for both where one read the other's (or both read
+        # one); both measure only where the first was preempted while measuring and kept nothing
         plans = [{k: v for k, v in h["kernel_plan"].items() if k != "source"} for h in health]
-        assert plans[0] == plans[1] and plans[0]["cpu"] == cpu_identity()
-        assert {h["kernel_plan"]["source"] for h in health} <= {"measured", "cached"}
+        sources = sorted(h["kernel_plan"]["source"] for h in health)
+        assert [p["cpu"] for p in plans] == [cpu_identity()] * 2
+        assert sources in (["cached", "cached"], ["cached", "measured"], ["measured", "measured"])
+        if sources != ["measured", "measured"]:
+            assert plans[0] == plans[1]
         openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0).completions.create(
             model="tiny", prompt=list(range(1, 40)), max_tokens=4)  # every part has run once: KV moved over NIXL
         _wait_until_settled(cluster.prefill_urls + cluster.decode_urls)  # leases released, nothing running
