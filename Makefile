@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 CPU_TORCH ?= torch==2.13.0
 
 .PHONY: serve model test bench bench-real bench-long-context bench-families bench-load bench-goodput bench-first-run \
-	bench-structured lint docs gpu-check clean
+	bench-structured bench-guard lint docs gpu-check clean
 
 $(BIN)/kvrelay: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -99,6 +99,19 @@ bench-first-run: $(BIN)/kvrelay model
 	mkdir -p bench-out
 	bash $(PEER) setup
 	$(BIN)/kvrelay bench vllm-client --model $(MODEL_DIR) --concurrency 16,64,256 --out bench-out/vllm-client.json
+
+# The regression guard a change to the engine, the model, the kernels or the router runs before it lands (~6 min on the
+# 2-CPU VM, vLLM's one start included; longer where kvrelay has slowed down): kvrelay against vLLM's CPU build side by
+# side on vLLM's client at concurrency 16 and on bench-real's shared-prefix burst (aggregated and 1P1D); the kvrelay /
+# vLLM ratios against the record for this CPU in docs/benchmarks.md, a REGRESSION line and exit 1 when one falls by
+# more than the noise.
+# GUARD_ARGS=--record writes the run as this CPU's record. On a machine others benchmark on:
+# flock /tmp/kvrelay-bench.lock make bench-guard
+GUARD_ARGS ?=
+bench-guard: $(BIN)/kvrelay model
+	mkdir -p bench-out
+	bash $(PEER) setup
+	$(BIN)/kvrelay bench guard --model $(MODEL_DIR) --peer-script $(PEER) --out bench-out/guard.json $(GUARD_ARGS)
 
 # Constrained decoding (issue 32): TPOT of 16 concurrent chat requests each with a JSON schema over the same requests
 # unconstrained (each decoding as many tokens as its constrained twin), kvrelay 1P1D and vLLM's CPU build in one run,

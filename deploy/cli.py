@@ -9,7 +9,7 @@
     kvrelay store stats|clear|verify --config FILE [--node NAME]
     kvrelay config show [--config FILE] | kvrelay config check FILE | kvrelay config reference [--out PATH]
     kvrelay bench memory|decode|cuda-graphs|hybrid-kv|kernel|tiers|transfer|serve|goodput|long-context|load|
-                  migration|disk-prefix|vllm-client|structured
+                  migration|disk-prefix|vllm-client|structured|guard
                   [...]
 """
 
@@ -237,9 +237,9 @@ def _cmd_role(args: argparse.Namespace) -> int:
                     cpu_lock_dir=args.cpu_lock_dir, memory_budget_bytes=args.memory_budget)
 
 
-BENCH_NAMES = ("bandwidth", "cache-policies", "cuda-graphs", "decode", "disk-prefix", "dtype", "goodput", "hybrid-kv",
-               "kernel", "load", "long-context", "memory", "migration", "mla", "prefill", "serve", "structured",
-               "tiers", "tracing", "transfer", "vllm-client")
+BENCH_NAMES = ("bandwidth", "cache-policies", "cuda-graphs", "decode", "disk-prefix", "dtype", "goodput", "guard",
+               "hybrid-kv", "kernel", "load", "long-context", "memory", "migration", "mla", "prefill", "serve",
+               "structured", "tiers", "tracing", "transfer", "vllm-client")
 
 
 def _bench_main(name: str) -> Callable[[list[str]], int]:
@@ -259,6 +259,8 @@ def _bench_main(name: str) -> Callable[[list[str]], int]:
         from benchmarks.dtype_bench import main
     elif name == "goodput":
         from benchmarks.goodput_bench import main
+    elif name == "guard":
+        from benchmarks.guard_bench import main
     elif name == "hybrid-kv":
         from benchmarks.hybrid_kv_bench import main
     elif name == "kernel":

@@ -108,7 +108,7 @@ def test_every_bench_name_resolves_to_its_main() -> None:
         "bandwidth": "benchmarks.bandwidth_bench", "cache-policies": "benchmarks.cache_policies",
         "cuda-graphs": "benchmarks.graph_bench",
         "decode": "benchmarks.decode_bench", "disk-prefix": "benchmarks.disk_prefix_bench",
-        "dtype": "benchmarks.dtype_bench", "goodput": "benchmarks.goodput_bench",
+        "dtype": "benchmarks.dtype_bench", "goodput": "benchmarks.goodput_bench", "guard": "benchmarks.guard_bench",
         "hybrid-kv": "benchmarks.hybrid_kv_bench",
         "kernel": "benchmarks.kernel_bench", "load": "benchmarks.load",
         "long-context": "benchmarks.long_context_bench", "memory": "benchmarks.memory_bench",
