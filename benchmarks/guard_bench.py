@@ -18,7 +18,7 @@ the machine is quiet (`benchmarks.cpu_load`; ``QUIET_CPUS``, at most ``QUIET_WAI
 than ``BUSY_LIMIT_CPUS`` busy gets a loud ``WARNING`` at the end of the report and cannot be recorded.
 
 Each figure (`benchmarks.guard_record.FIGURES`) is the median over rounds of kvrelay / vLLM within a round, compared
-with the record for this CPU (`benchmarks.cpu_identity`) in ``docs/benchmarks.md`` (`benchmarks.guard_record`
+with the record for this CPU (`model.cpu_identity`) in ``docs/benchmarks.md`` (`benchmarks.guard_record`
 defines the record and the noise margin). Output: JSON (stdout, and ``--out``), then a table of the ratios under
 the CPU's name and flags.
 
@@ -42,7 +42,6 @@ from typing import Any
 
 from benchmarks import vllm_client
 from benchmarks.common import emit
-from benchmarks.cpu_identity import CpuIdentity, this_cpu
 from benchmarks.cpu_load import wait_until_quiet
 from benchmarks.guard_record import (
     FIGURES,
@@ -58,6 +57,7 @@ from benchmarks.peer import DEFAULT_PEER_SCRIPT, PeerServer
 from benchmarks.serve_baselines import MakeWorkload, first_model, vllm_args, workload_factory
 from benchmarks.serve_client import ClientConfig, LoadConfig
 from benchmarks.serve_run import ServerNodes, run_workload
+from model.cpu_identity import CpuIdentity, this_cpu
 
 REPO = Path(__file__).resolve().parents[1]
 LAYOUT_TO_BASELINE = {"aggregated": "aggregated", "1p1d": "disaggregated"}  # `BASELINE_TO_OVERRIDES` names
@@ -204,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.from_json:
         saved = json.loads(Path(a.from_json).read_text())
-        cpu = CpuIdentity(**{**saved["cpu"], "bf16_flags": tuple(saved["cpu"]["bf16_flags"])})
+        cpu = CpuIdentity(**{**saved["cpu"], "bf16_flags": tuple(saved["cpu"]["bf16_flags"]),
+                             "kernel_flags": tuple(saved["cpu"].get("kernel_flags", ()))})
         runs, commit, date, model = saved["runs"], saved["commit"], saved["date"], saved["model"]
     else:
         model_dir, vllm = Path(a.model).resolve(), Path(a.vllm_venv) / "bin" / "vllm"

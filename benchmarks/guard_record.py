@@ -5,7 +5,7 @@ compares and rewrites text).
 **Figures** (`FIGURES`) are kvrelay / vLLM ratios measured in one run, each the median of its rounds' ratios.
 
 **The record** is the first fenced ``json`` block under the heading `RECORDS_HEADING`: one object keyed by
-`benchmarks.cpu_identity.CpuIdentity.key`, each value a `GuardRecord`::
+`model.cpu_identity.CpuIdentity.key`, each value a `GuardRecord`::
 
     ### Regression guard records
     ```json

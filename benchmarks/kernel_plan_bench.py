@@ -7,8 +7,8 @@ whichever the plan measured faster at 17+ rows, torch's attention — what ``KVR
 generates the same greedy work at batch 1, 4 and 16 (prompts of ``--prompt-len`` tokens, ``--max-out`` tokens
 each); the plans alternate round by round and each's median is kept. Reported: output tokens per second of each
 plan and the measured plan's ratio to each fixed one (>= 1: the measurement chose at least as well), with the CPU
-(`engine.kernel_tuning.cpu_identity`) and the measured plan's choices. A plan's weight copies no path reads are
-freed, so the bytes each copy of the model keeps are reported too.
+(`model.cpu_identity.CpuIdentity.kernel_label`) and the measured plan's choices. A plan's weight copies no path
+reads are freed, so the bytes each copy of the model keeps are reported too.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ def _weight_bytes(model: torch.nn.Module) -> int:
 
 def run(*, model_dir: str | None, prompt_len: int, max_out: int, rounds: int, dtype: str, seed: int = 0) -> dict:
     from engine.engine import EngineConfig, LLMEngine
-    from engine.kernel_tuning import cpu_identity, plan_for
+    from engine.kernel_tuning import plan_for
+    from model.cpu_identity import this_cpu
     from model.kernel_plan import FEW_ROW_BUCKETS, LINEAR_KINDS, KernelPlan, builtin_plan
     from model.loader import load_model
     from model.sampling import SamplingParams
@@ -96,7 +97,7 @@ def run(*, model_dir: str | None, prompt_len: int, max_out: int, rounds: int, dt
             "measured_vs_builtin": round(tok_s["measured"] / tok_s["builtin"], 3),
             "measured_vs_torch": round(tok_s["measured"] / tok_s["torch"], 3),
         }
-    return {"bench": "kernel-plan", **machine_label(), "cpu": cpu_identity(), "model": path, "dtype": dtype,
+    return {"bench": "kernel-plan", **machine_label(), "cpu": this_cpu().kernel_label, "model": path, "dtype": dtype,
             "threads": torch.get_num_threads(), "prompt_tokens": prompt_len, "max_output_tokens": max_out,
             "rounds": rounds, "plan": measured.summary(),
             "weight_bytes": {n: _weight_bytes(e.model) for n, e in engines.items()}, **results}

@@ -4,10 +4,11 @@
 
 * ``auto`` (the default): the plan stored for this key, else measured now and stored (unless the measuring
   thread was preempted for more than a tenth of the time: then it is used, not kept). The key (`plan_key`) is the
-  CPU (`cpu_identity`: model name and the flags the kernels branch on), torch's version and thread count, the C++
-  kernels' sources, and the model's shapes and dtypes: a cache moved to another CPU model, a new build or another
-  model measures again. Processes starting at once measure once: the first takes a file lock, the rest wait for it
-  and read its plan (so two nodes of one deployment take the same paths).
+  CPU (`model.cpu_identity.CpuIdentity.kernel_label`: model name, family, model and the flags the kernels branch on),
+  torch's version and thread count, the C++ kernels' sources, and the model's shapes and dtypes: a cache moved to
+  another CPU model, a new build or another model measures again. Processes starting at once measure once: the
+  first takes a file lock, the rest wait for it and read its plan (so two nodes of one deployment take the same
+  paths).
 * ``measure``: measured now, stored over the old plan.
 * ``builtin``: the fixed rule (`model.kernel_plan.builtin_plan`), nothing timed.
 
@@ -42,6 +43,7 @@ import torch
 
 from kernels.cpu_build import CSRC
 from model.attention import AttentionBackend, AttentionBatch, TorchBackend
+from model.cpu_identity import this_cpu
 from model.kernel_plan import (
     FEW_ROW_BUCKETS,
     LINEAR_KINDS,
@@ -60,33 +62,11 @@ ROUNDS_FEW, ROUNDS_MANY = 7, 3  # rounds of alternated candidates; the median of
 CONTEXT_BLOCKS = 8  # KV blocks a timed decode sequence holds (128 tokens at 16 a block)
 PREFILL_TOKENS = 512
 MIN_CPU_SHARE = 0.9  # a plan is kept only if the measuring thread ran this share of the wall time (not preempted)
-CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
 
 
 def default_cache_dir() -> Path:
     """``~/.cache/kvrelay/kernel-plans``."""
     return Path.home() / ".cache" / "kvrelay" / "kernel-plans"
-
-
-def cpu_identity(cpuinfo: str | None = None) -> str:
-    """``"<model name> [<flags>]"`` of the first processor in ``cpuinfo`` (default: ``/proc/cpuinfo``), its flags
-    those of `CPU_FLAGS` it has, in that order; ``"unknown CPU"`` where nothing can be read."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return "unknown CPU"
-    fields: dict[str, str] = {}
-    for line in cpuinfo.splitlines():
-        if not line.strip():
-            if fields:
-                break
-            continue
-        name, _, value = line.partition(":")
-        fields.setdefault(name.strip(), value.strip())
-    flags = set(fields.get("flags", "").split())
-    model = fields.get("model name", "unknown CPU")
-    return f"{model} [{' '.join(f for f in CPU_FLAGS if f in flags)}]"
 
 
 def plan_key(model: torch.nn.Module, kv_pool: torch.Tensor, *, cpu: str) -> str:
@@ -118,7 +98,7 @@ def plan_for(model: torch.nn.Module, kv_pool: torch.Tensor, backend: AttentionBa
     if (mode == "builtin" or kv_pool.device.type != "cpu" or not isinstance(backend, TorchBackend)
             or not all(kinds.get(kind) for kind in LINEAR_KINDS)):
         return builtin_plan(packed=packed)
-    cpu = cpu_identity()
+    cpu = this_cpu().kernel_label
     directory = cache_dir or default_cache_dir()
     key = plan_key(model, kv_pool, cpu=cpu)
     path = directory / f"{key}.json"

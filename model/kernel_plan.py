@@ -49,7 +49,7 @@ class KernelPlan:
         prefill_attention, decode_attention: `ATTENTION_PATHS` names for the per-layer path.
         source: ``measured`` (timed in this process), ``cached`` (timed earlier on this CPU model, read back) or
             ``builtin`` (`builtin_plan`: nothing timed).
-        cpu: the CPU it was measured on (`engine.kernel_tuning.cpu_identity`), or "" for ``builtin``.
+        cpu: the CPU it was measured on (`model.cpu_identity.CpuIdentity.kernel_label`), or "" for ``builtin``.
         timings_us: the median time of every candidate timed (``"linear.qkv.1.blocked"``, ``"stack.4.layers"``,
             ``"prefill_attention.cpp"``...), microseconds; empty for ``builtin``.
     """

@@ -4,12 +4,12 @@ measured."""
 from __future__ import annotations
 
 from benchmarks.kernel_plan_bench import BATCHES, run
-from engine.kernel_tuning import cpu_identity
+from model.cpu_identity import this_cpu
 
 
 def test_the_bench_compares_the_measured_plan_with_both_fixed_rules(tiny_model_dir) -> None:
     result = run(model_dir=str(tiny_model_dir), prompt_len=16, max_out=3, rounds=1, dtype="bfloat16")
-    assert result["cpu"] == cpu_identity() and result["plan"]["source"] == "measured"
+    assert result["cpu"] == this_cpu().kernel_label and result["plan"]["source"] == "measured"
     for batch in BATCHES:
         row = result[f"batch_{batch}"]
         assert set(row) == {"measured_tok_per_s", "builtin_tok_per_s", "torch_tok_per_s", "measured_vs_builtin",

@@ -12,27 +12,11 @@ import torch
 
 from engine import kernel_tuning
 from engine.engine import EngineConfig, LLMEngine
-from engine.kernel_tuning import best_us, cpu_identity, fastest, plan_for
+from engine.kernel_tuning import best_us, fastest, plan_for
 from model.attention import TorchBackend
+from model.cpu_identity import this_cpu
 from model.kernel_plan import LINEAR_KINDS, ROW_BUCKETS, KernelPlan, builtin_plan
 from model.loader import load_model
-
-CPUINFO = """processor\t: 0
-vendor_id\t: GenuineIntel
-model name\t: Intel(R) Xeon(R) Platinum 8480+
-flags\t\t: fpu sse2 avx2 avx512f avx512_bf16 amx_bf16 amx_tile amx_int8 avx512_vnni
-
-processor\t: 1
-model name\t: Another CPU
-flags\t\t: fpu
-"""
-
-
-def test_cpu_identity_names_the_model_and_the_flags_the_kernels_branch_on() -> None:
-    assert cpu_identity(CPUINFO) == ("Intel(R) Xeon(R) Platinum 8480+ "
-                                     "[avx2 avx512f avx512_bf16 avx512_vnni amx_tile amx_bf16 amx_int8]")
-    assert cpu_identity("processor\t: 0\nmodel name\t: AMD EPYC\nflags\t: avx2 fma\n") == "AMD EPYC [avx2]"
-    assert cpu_identity("") == "unknown CPU []"
 
 
 def test_best_and_fastest() -> None:
@@ -53,7 +37,7 @@ def test_a_measured_plan_times_every_candidate(tiny_model_dir, tmp_path) -> None
     pool, backend = _pool_and_backend(loaded)
     loaded.model.kernel_plan = None  # measure on the same model: every copy is still there (builtin keeps them)
     plan = plan_for(loaded.model, pool, backend, mode="measure", cache_dir=tmp_path)
-    assert plan.source == "measured" and plan.cpu == cpu_identity()
+    assert plan.source == "measured" and plan.cpu == this_cpu().kernel_label
     kernels = loaded.model.linear_kernels()
     want = set()
     for kind in LINEAR_KINDS:
@@ -87,7 +71,8 @@ def test_auto_measures_once_and_reads_the_plan_back(tiny_model_dir, tmp_path, mo
     assert len(measured) == 1 and first.source == "measured" and second.source == "cached"
     assert second == KernelPlan.from_json(first.to_json())
     stored = list(tmp_path.glob("*.json"))
-    assert len(stored) == 1 and stored[0].stem == kernel_tuning.plan_key(loaded.model, pool, cpu=cpu_identity())
+    key = kernel_tuning.plan_key(loaded.model, pool, cpu=this_cpu().kernel_label)
+    assert len(stored) == 1 and stored[0].stem == key
     stored[0].write_text("{half a plan")  # unreadable: measured again and stored whole
     third = plan_for(loaded.model, pool, backend, cache_dir=tmp_path)
     assert len(measured) == 2 and third.source == "measured"

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from deploy.cpu_budget import available_cpus, split_cpus
-from engine.kernel_tuning import cpu_identity
+from model.cpu_identity import this_cpu
 from tests.services.cluster import Cluster, get_json
 from transfer.config import TOKEN_HEADER
 
@@ -74,7 +74,7 @@ def test_idle_deployment_uses_under_a_twentieth_of_a_cpu(tiny_model_dir: Path) -
         # one); both measure only where the first was preempted while measuring and kept nothing
         plans = [{k: v for k, v in h["kernel_plan"].items() if k != "source"} for h in health]
         sources = sorted(h["kernel_plan"]["source"] for h in health)
-        assert [p["cpu"] for p in plans] == [cpu_identity()] * 2
+        assert [p["cpu"] for p in plans] == [this_cpu().kernel_label] * 2
         assert sources in (["cached", "cached"], ["cached", "measured"], ["measured", "measured"])
         if sources != ["measured", "measured"]:
             assert plans[0] == plans[1]

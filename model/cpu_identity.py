@@ -1,6 +1,8 @@
-"""Which CPU a figure was measured on: ``/proc/cpuinfo``'s model name (what ``lscpu`` shows as "Model name"),
-its family and model numbers, and which of the bf16 instructions that decide ``dtype: auto``
-(`model.dtype.BF16_CPU_FLAGS`: ``amx_bf16``, ``avx512_bf16``) it has.
+"""Which CPU this is: ``/proc/cpuinfo``'s model name (what ``lscpu`` shows as "Model name"), its family and model
+numbers, which of the bf16 instructions that decide ``dtype: auto`` (`model.dtype.BF16_CPU_FLAGS`: ``amx_bf16``,
+``avx512_bf16``) it has, and which of the vector and matrix extensions the CPU kernels branch on
+(`KERNEL_CPU_FLAGS`). A benchmark record (`benchmarks.guard_record`) and a kernel plan (`engine.kernel_tuning`) are
+kept per CPU by it.
 
 The model name alone does not tell the machines here apart: under KVM a Zen 1 and a Zen 4 both say "AMD EPYC",
 and they serve different dtypes (float32 and bf16). `CpuIdentity.key` therefore joins all three::
@@ -18,6 +20,9 @@ from pathlib import Path
 
 from model.dtype import BF16_CPU_FLAGS
 
+# the extensions the kernels (ours, oneDNN's) choose code paths by, in the order `CpuIdentity.kernel_label` names them
+KERNEL_CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
+
 
 @dataclass(frozen=True, slots=True)
 class CpuIdentity:
@@ -25,12 +30,18 @@ class CpuIdentity:
     family: str
     model: str
     bf16_flags: tuple[str, ...]  # the flags of BF16_CPU_FLAGS this CPU reports, sorted
+    kernel_flags: tuple[str, ...] = ()  # the flags of KERNEL_CPU_FLAGS it reports, in that order
 
     @property
     def key(self) -> str:
         """The name records are kept under (see the module doc)."""
         flags = " ".join(self.bf16_flags) or "no bf16"
         return f"{self.model_name} (family {self.family}, model {self.model}; {flags})"
+
+    @property
+    def kernel_label(self) -> str:
+        """What a kernel plan is kept under: ``AMD EPYC (family 25, model 17) [avx2 avx512f avx512_bf16 ...]``."""
+        return f"{self.model_name} (family {self.family}, model {self.model}) [{' '.join(self.kernel_flags)}]"
 
     def describe(self) -> str:
         """``AMD EPYC (family 25, model 17): amx_bf16 no, avx512_bf16 yes``."""
@@ -54,7 +65,8 @@ def parse_cpuinfo(text: str) -> CpuIdentity:
     flags = set(fields.get("flags", "").split())
     return CpuIdentity(model_name=fields.get("model name") or platform.machine() or "?",
                        family=fields.get("cpu family", "?"), model=fields.get("model", "?"),
-                       bf16_flags=tuple(sorted(flags & BF16_CPU_FLAGS)))
+                       bf16_flags=tuple(sorted(flags & BF16_CPU_FLAGS)),
+                       kernel_flags=tuple(f for f in KERNEL_CPU_FLAGS if f in flags))
 
 
 def this_cpu(cpuinfo: Path = Path("/proc/cpuinfo")) -> CpuIdentity:
