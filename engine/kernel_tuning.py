@@ -248,7 +248,7 @@ def _measure_stack(model: torch.nn.Module, kv_pool: torch.Tensor, backend: Torch
     where the model has no fused layers or the C++ kernels cannot take its steps."""
     weight = model.model.embed_tokens.weight
     fuses = model.decode_stack is not None or any(layer.fused is not None for layer in model.model.layers)
-    if not fuses or not model._fuses_on(weight.dtype, weight.device, kv_pool, backend):
+    if not fuses or not model.fuses_on(weight.dtype, weight.device, kv_pool, backend):
         return (False,) * FEW_ROW_BUCKETS
     block, groups = kv_pool.shape[4], len(model.config.kv_groups)
     saved = model.stack_by_bucket
@@ -281,7 +281,6 @@ def _measure_stack(model: torch.nn.Module, kv_pool: torch.Tensor, backend: Torch
             chosen.append(fastest(result) == "stack")
     finally:
         model.stack_by_bucket = saved
-        model._fuses_with = None
     return tuple(chosen)
 
 

@@ -368,7 +368,7 @@ class LlamaForCausalLM(nn.Module):
     def fuses_decode_logits(self, rows: int, kv_pool: torch.Tensor, backend: AttentionBackend) -> bool:
         """Whether a decode-only step of ``rows`` sequences without a KV hook (H2O, InfiniGen) runs through
         `decode_logits`: the stack has a head (`stack_logits`), the plan takes the stack at ``rows``
-        (`stack_by_bucket`) and the C++ kernels take the step (`_fuses_on`)."""
+        (`stack_by_bucket`) and the C++ kernels take the step (`fuses_on`)."""
         if self.decode_stack is None or not self.stack_logits or not 0 < rows <= FEW_ROWS:
             return False
         if not self.stack_by_bucket[bucket_of(rows)]:
@@ -379,7 +379,7 @@ class LlamaForCausalLM(nn.Module):
         if seen is None or seen[0]() is not kv_pool or seen[1] is not backend:
             weight = self.model.embed_tokens.weight
             self._fuses_with = (weakref.ref(kv_pool), backend)  # a weak reference: the pool is the engine's to free
-            self._fuses_kernels = self._fuses_on(weight.dtype, weight.device, kv_pool, backend)
+            self._fuses_kernels = self.fuses_on(weight.dtype, weight.device, kv_pool, backend)
         return self._fuses_kernels
 
     def decode_logits(self, input_ids: list[int], positions: list[int], kv_pool: torch.Tensor,
@@ -430,13 +430,13 @@ class LlamaForCausalLM(nn.Module):
                     batch: AttentionBatch, backend: AttentionBackend) -> bool:
         """Whether this step's layers may run as one C++ call each (`DecoderLayer.decode_fused`) or all in one
         (`decode_layers`): only decode tokens, no KV hook (H2O, InfiniGen), 1 to 16 of them where the plan takes
-        the stack (`stack_by_bucket`), and `_fuses_on`."""
+        the stack (`stack_by_bucket`), and `fuses_on`."""
         return (batch.num_prefill_tokens == 0 and batch.kv_hook is None and batch.step_block_tables is None
                 and 0 < rows <= FEW_ROWS and self.stack_by_bucket[bucket_of(rows)]
-                and self._fuses_on(dtype, device, kv_pool, backend))
+                and self.fuses_on(dtype, device, kv_pool, backend))
 
     @staticmethod
-    def _fuses_on(dtype: torch.dtype, device: torch.device, kv_pool: torch.Tensor,
+    def fuses_on(dtype: torch.dtype, device: torch.device, kv_pool: torch.Tensor,
                   backend: AttentionBackend) -> bool:
         """Whether the C++ layer kernels can run a decode-only step: bf16 or float32 activations (``dtype``) and
         KV of that dtype on the CPU, and the CPU backend with its C++ decode attention."""
