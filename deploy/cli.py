@@ -9,7 +9,7 @@
     kvrelay store stats|clear|verify --config FILE [--node NAME]
     kvrelay config show [--config FILE] | kvrelay config check FILE | kvrelay config reference [--out PATH]
     kvrelay bench memory|decode|cuda-graphs|hybrid-kv|kernel|tiers|transfer|serve|goodput|long-context|load|
-                  migration|disk-prefix|vllm-client|structured|guard
+                  migration|disk-prefix|vllm-client|structured|guard|ttft-prefix
                   [...]
 """
 
@@ -239,7 +239,7 @@ def _cmd_role(args: argparse.Namespace) -> int:
 
 BENCH_NAMES = ("bandwidth", "cache-policies", "cuda-graphs", "decode", "disk-prefix", "dtype", "goodput", "guard",
                "hybrid-kv", "kernel", "load", "long-context", "memory", "migration", "mla", "prefill", "serve",
-               "structured", "tiers", "tracing", "transfer", "vllm-client")
+               "structured", "tiers", "tracing", "transfer", "ttft-prefix", "vllm-client")
 
 
 def _bench_main(name: str) -> Callable[[list[str]], int]:
@@ -287,6 +287,8 @@ def _bench_main(name: str) -> Callable[[list[str]], int]:
         from benchmarks.tracing_bench import main
     elif name == "transfer":
         from benchmarks.transfer_bench import main
+    elif name == "ttft-prefix":
+        from benchmarks.ttft_prefix import main
     elif name == "vllm-client":
         from benchmarks.vllm_client import main
     else:

@@ -111,6 +111,9 @@ def test_ttft_prefix_probe(server: Deployment):
     assert res["repeats"] == 1 and len(res["runs"]) == 1
     assert res["median_cold_ttft_ms"] > 0 and res["median_warm_ttft_ms"] > 0
     assert res["warm_over_cold"] == pytest.approx(res["median_warm_ttft_ms"] / res["median_cold_ttft_ms"])
+    # the router's plan and stage timings of each request (the server disaggregates always)
+    assert res["plans"] == {"disaggregated -> disaggregated": 1}
+    assert {"prefill_compute", "kv_pull", "ttft"} <= set(res["runs"][0]["warm_stages_ms"])
 
 
 def test_transformers_baseline_counts_requested_tokens(model_dir: str):

@@ -115,7 +115,7 @@ def test_every_bench_name_resolves_to_its_main() -> None:
         "migration": "benchmarks.migration_bench", "mla": "benchmarks.mla_bench", "prefill": "benchmarks.prefill_bench",
         "serve": "benchmarks.serve_bench", "structured": "benchmarks.structured_bench",
         "tiers": "benchmarks.tier_bench", "tracing": "benchmarks.tracing_bench",
-        "transfer": "benchmarks.transfer_bench",
+        "transfer": "benchmarks.transfer_bench", "ttft-prefix": "benchmarks.ttft_prefix",
             "vllm-client": "benchmarks.vllm_client"}
     with pytest.raises(ValueError, match="unknown benchmark 'nope'"):
         _bench_main("nope")
