@@ -8,7 +8,7 @@
                      [--min-tokens N --ignore-eos --json]
     kvrelay store stats|clear|verify --config FILE [--node NAME]
     kvrelay config show [--config FILE] | kvrelay config check FILE | kvrelay config reference [--out PATH]
-    kvrelay bench memory|decode|cuda-graphs|hybrid-kv|kernel|tiers|transfer|serve|goodput|long-context|load|
+    kvrelay bench memory|decode|cuda-graphs|hybrid-kv|kernel|kernel-plan|tiers|transfer|serve|goodput|long-context|load|
                   migration|disk-prefix|vllm-client|structured|guard|ttft-prefix
                   [...]
 """
@@ -238,8 +238,8 @@ def _cmd_role(args: argparse.Namespace) -> int:
 
 
 BENCH_NAMES = ("bandwidth", "cache-policies", "cuda-graphs", "decode", "disk-prefix", "dtype", "goodput", "guard",
-               "hybrid-kv", "kernel", "load", "long-context", "memory", "migration", "mla", "prefill", "serve",
-               "structured", "tiers", "tracing", "transfer", "ttft-prefix", "vllm-client")
+               "hybrid-kv", "kernel", "kernel-plan", "load", "long-context", "memory", "migration", "mla", "prefill",
+               "serve", "structured", "tiers", "tracing", "transfer", "ttft-prefix", "vllm-client")
 
 
 def _bench_main(name: str) -> Callable[[list[str]], int]:
@@ -265,6 +265,8 @@ def _bench_main(name: str) -> Callable[[list[str]], int]:
         from benchmarks.hybrid_kv_bench import main
     elif name == "kernel":
         from benchmarks.kernel_bench import main
+    elif name == "kernel-plan":
+        from benchmarks.kernel_plan_bench import main
     elif name == "load":
         from benchmarks.load import main
     elif name == "long-context":

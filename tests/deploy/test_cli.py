@@ -110,7 +110,7 @@ def test_every_bench_name_resolves_to_its_main() -> None:
         "decode": "benchmarks.decode_bench", "disk-prefix": "benchmarks.disk_prefix_bench",
         "dtype": "benchmarks.dtype_bench", "goodput": "benchmarks.goodput_bench", "guard": "benchmarks.guard_bench",
         "hybrid-kv": "benchmarks.hybrid_kv_bench",
-        "kernel": "benchmarks.kernel_bench", "load": "benchmarks.load",
+        "kernel": "benchmarks.kernel_bench", "kernel-plan": "benchmarks.kernel_plan_bench", "load": "benchmarks.load",
         "long-context": "benchmarks.long_context_bench", "memory": "benchmarks.memory_bench",
         "migration": "benchmarks.migration_bench", "mla": "benchmarks.mla_bench", "prefill": "benchmarks.prefill_bench",
         "serve": "benchmarks.serve_bench", "structured": "benchmarks.structured_bench",
