@@ -44,7 +44,6 @@ def _weight_bytes(model: torch.nn.Module) -> int:
 
 def run(*, model_dir: str | None, prompt_len: int, max_out: int, rounds: int, dtype: str, seed: int = 0) -> dict:
     from engine.engine import EngineConfig, LLMEngine
-    from engine.kernel_tuning import plan_for
     from model.cpu_identity import this_cpu
     from model.kernel_plan import FEW_ROW_BUCKETS, LINEAR_KINDS, KernelPlan, builtin_plan
     from model.loader import load_model
@@ -52,30 +51,21 @@ def run(*, model_dir: str | None, prompt_len: int, max_out: int, rounds: int, dt
 
     path = ensure_tiny_model(model_dir)
     engines: dict[str, LLMEngine] = {}
-    measured: KernelPlan | None = None
-    for name in ("measured", "builtin", "torch"):
+    blocks = max(BATCHES) * (-(-(prompt_len + max_out) // 16) + 1) + 16
+    # timed on this machine now (and stored over the kept plan, as `kernel_plan: measure` does)
+    engines["measured"] = LLMEngine(load_model(path, dtype=dtype), EngineConfig(
+        num_blocks=blocks, enable_prefix_caching=False, kernel_plan="measure"))
+    measured: KernelPlan = engines["measured"].kernel_plan
+    for name in ("builtin", "torch"):
         loaded = load_model(path, dtype=dtype)
-        config = EngineConfig(num_blocks=max(BATCHES) * (-(-(prompt_len + max_out) // 16) + 1) + 16,
-                              enable_prefix_caching=False, kernel_plan="builtin")
-        if name == "measured":
-            engine = LLMEngine(loaded, config)  # the builtin plan keeps every copy: measure on it, then apply
-            loaded.model.kernel_plan = None
-            measured = plan_for(loaded.model, engine.kv_pool, engine.runner.backend, mode="measure")
-            loaded.model.apply_kernel_plan(measured)
-            engine.runner.backend.follow(measured)
-            engine.kernel_plan = measured
-        else:
-            assert measured is not None
-            packed = any(k.packed is not None for ks in loaded.model.linear_kernels().values() for k in ks)
-            plan = builtin_plan(packed=packed)
-            if name == "torch":
-                many = {k: ("torch",) * FEW_ROW_BUCKETS + (measured.linear[k][-1],) for k in LINEAR_KINDS}
-                plan = dataclasses.replace(plan, linear=many, stack=(False,) * FEW_ROW_BUCKETS,
-                                           prefill_attention="torch", decode_attention="torch")
-            loaded.model.apply_kernel_plan(plan)
-            engine = LLMEngine(loaded, config)
-        engines[name] = engine
-    assert measured is not None
+        packed = any(k.packed is not None for ks in loaded.model.linear_kernels().values() for k in ks)
+        plan = builtin_plan(packed=packed)
+        if name == "torch":
+            many = {k: ("torch",) * FEW_ROW_BUCKETS + (measured.linear[k][-1],) for k in LINEAR_KINDS}
+            plan = dataclasses.replace(plan, linear=many, stack=(False,) * FEW_ROW_BUCKETS,
+                                       prefill_attention="torch", decode_attention="torch")
+        loaded.model.apply_kernel_plan(plan)
+        engines[name] = LLMEngine(loaded, EngineConfig(num_blocks=blocks, enable_prefix_caching=False))
     vocab = engines["measured"].model_config.vocab_size
     rng = random.Random(seed)
     results: dict[str, dict] = {}

@@ -156,14 +156,13 @@ def measure(model: torch.nn.Module, kv_pool: torch.Tensor, backend: TorchBackend
     does)."""
     start = time.perf_counter()
     timings: dict[str, float] = {}
-    linear = _measure_linear(model.linear_kernels(), timings)
+    kinds = model.linear_kernels()
+    linear = _measure_linear(kinds, timings)
     attention = _measure_attention(model, kv_pool, backend, timings)
-    plan = KernelPlan(linear=linear, stack=(False,) * FEW_ROW_BUCKETS, prefill_attention=attention[0],
-                      decode_attention=attention[1], source="measured", cpu=cpu)
-    for kind, kernels in model.linear_kernels().items():
+    for kind, kernels in kinds.items():  # the per-layer path the stack is timed against takes the choices so far
         for kernel in kernels:
-            kernel.use(plan.linear[kind])
-    backend.follow(plan)
+            kernel.use(linear[kind])
+    backend.cpp_prefill, backend.cpp_decode = attention[0] == "cpp", attention[1] == "cpp"
     stack = _measure_stack(model, kv_pool, backend, timings)
     plan = KernelPlan(linear=linear, stack=stack, prefill_attention=attention[0], decode_attention=attention[1],
                       source="measured", cpu=cpu, timings_us={k: round(v, 1) for k, v in timings.items()})
