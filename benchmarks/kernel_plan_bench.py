@@ -22,6 +22,7 @@ import time
 import torch
 
 from benchmarks.common import emit, ensure_tiny_model, machine_label, seeded_prompt
+from model.kernel_paths import apply_kernel_plan, linear_kernels
 
 BATCHES = (1, 4, 16)
 
@@ -33,7 +34,7 @@ def _weight_bytes(model: torch.nn.Module) -> int:
     for tensor in model.parameters():
         storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
     packed = 0
-    for kernels in model.linear_kernels().values():
+    for kernels in linear_kernels(model).values():
         for kernel in kernels:
             if kernel.blocked is not None:
                 storages[kernel.blocked.untyped_storage().data_ptr()] = kernel.blocked.untyped_storage().nbytes()
@@ -58,13 +59,13 @@ def run(*, model_dir: str | None, prompt_len: int, max_out: int, rounds: int, dt
     measured: KernelPlan = engines["measured"].kernel_plan
     for name in ("builtin", "torch"):
         loaded = load_model(path, dtype=dtype)
-        packed = any(k.packed is not None for ks in loaded.model.linear_kernels().values() for k in ks)
+        packed = any(k.packed is not None for ks in linear_kernels(loaded.model).values() for k in ks)
         plan = builtin_plan(packed=packed)
         if name == "torch":
             many = {k: ("torch",) * FEW_ROW_BUCKETS + (measured.linear[k][-1],) for k in LINEAR_KINDS}
             plan = dataclasses.replace(plan, linear=many, stack=(False,) * FEW_ROW_BUCKETS,
                                        prefill_attention="torch", decode_attention="torch")
-        loaded.model.apply_kernel_plan(plan)
+        apply_kernel_plan(loaded.model, plan)
         engines[name] = LLMEngine(loaded, EngineConfig(num_blocks=blocks, enable_prefix_caching=False))
     vocab = engines["measured"].model_config.vocab_size
     rng = random.Random(seed)

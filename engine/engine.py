@@ -35,7 +35,9 @@ from kvstore.block_key import BlockKey, extend_group_keys
 from kvstore.block_spec import BlockSpec
 from kvstore.tiered_store import TieredStore, TieredStoreConfig
 from model.attention import AttentionBackend, TorchBackend, default_backend_name, make_backend
+from model.kernel_paths import apply_kernel_plan
 from model.kernel_plan import KernelPlan
+from model.llama import LlamaForCausalLM
 from model.loader import LoadedModel
 from model.sampling import SamplingParams, TokenLogprobs, sample, token_generator
 from model.skew import SkewTables, load_or_compute_skew
@@ -169,8 +171,8 @@ class LLMEngine:
         plan = getattr(self.model, "kernel_plan", None)
         if plan is None:
             plan = plan_for(self.model, self.kv_pool, backend, mode=self.config.kernel_plan)
-            if hasattr(self.model, "apply_kernel_plan"):
-                self.model.apply_kernel_plan(plan)
+            if isinstance(self.model, LlamaForCausalLM):
+                apply_kernel_plan(self.model, plan)
             log.info("kernel plan (%s): %s", plan.source, plan.summary())
         if isinstance(backend, TorchBackend):
             backend.follow(plan)

@@ -44,6 +44,7 @@ import torch
 from kernels.cpu_build import CSRC
 from model.attention import AttentionBackend, AttentionBatch, TorchBackend
 from model.cpu_identity import this_cpu
+from model.kernel_paths import linear_kernels
 from model.kernel_plan import (
     FEW_ROW_BUCKETS,
     LINEAR_KINDS,
@@ -52,6 +53,7 @@ from model.kernel_plan import (
     builtin_plan,
 )
 from model.linear_kernel import LinearKernel
+from model.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +95,7 @@ def plan_for(model: torch.nn.Module, kv_pool: torch.Tensor, backend: AttentionBa
     """
     if mode not in PLAN_MODES:
         raise ValueError(f"kernel_plan must be one of {', '.join(PLAN_MODES)}; got {mode!r}")
-    kinds = model.linear_kernels() if hasattr(model, "linear_kernels") else {}
+    kinds = linear_kernels(model) if isinstance(model, LlamaForCausalLM) else {}
     packed = any(k.packed is not None for kernels in kinds.values() for k in kernels)
     if (mode == "builtin" or kv_pool.device.type != "cpu" or not isinstance(backend, TorchBackend)
             or not all(kinds.get(kind) for kind in LINEAR_KINDS)):
@@ -152,11 +154,11 @@ def fastest(timings: dict[str, float]) -> str:
 
 def measure(model: torch.nn.Module, kv_pool: torch.Tensor, backend: TorchBackend, *, cpu: str) -> KernelPlan:
     """Time every candidate (module doc) and return the plan of the fastest, ``source="measured"``. Leaves the
-    model's kernels on the measured paths and ``backend`` following the plan; frees nothing (`apply_kernel_plan`
-    does)."""
+    model's kernels on the measured paths and ``backend`` following the plan; frees nothing
+    (`model.kernel_paths.apply_kernel_plan` does)."""
     start = time.perf_counter()
     timings: dict[str, float] = {}
-    kinds = model.linear_kernels()
+    kinds = linear_kernels(model)
     linear = _measure_linear(kinds, timings)
     attention = _measure_attention(model, kv_pool, backend, timings)
     for kind, kernels in kinds.items():  # the per-layer path the stack is timed against takes the choices so far

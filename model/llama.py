@@ -303,7 +303,8 @@ class LlamaForCausalLM(nn.Module):
         # `fuses_decode_logits`'s last pool and backend, and whether the C++ kernels take steps on them
         self._fuses_with: tuple[weakref.ref, AttentionBackend] | None = None
         self._fuses_kernels = False
-        # the paths of its steps (`apply_kernel_plan`); until then the built-in rule: the one-call stack at 1-16 rows
+        # the paths of its steps (`model.kernel_paths.apply_kernel_plan`); until then the built-in rule: the one-call
+        # stack at 1-16 rows
         self.kernel_plan: KernelPlan | None = None
         self.stack_by_bucket: tuple[bool, ...] = (True,) * FEW_ROW_BUCKETS
         self.register_buffer("rope_inv_freq", rope_inv_freq(config.rope, config.head_dim), persistent=False)
@@ -485,40 +486,6 @@ class LlamaForCausalLM(nn.Module):
                     stack.set_ends(embedding, head.blocked, self.lm_head.weight.shape[0])
                     self.stack_logits = True
             self.decode_stack = stack
-
-    def linear_kernels(self) -> dict[str, list[LinearKernel]]:
-        """This model's dense linear kernels by `model.kernel_plan.LINEAR_KINDS` kind, layer order (after
-        `prepare_for_inference`; MoE experts and MLA projections are not among them: they keep the built-in
-        rule)."""
-        kinds: dict[str, list[LinearKernel]] = {"qkv": [], "out": [], "gate_up": [], "down": [],
-                                                "head": [self.head] if self.head is not None else []}
-        for layer in self.model.layers:
-            attn, ffn = layer.self_attn, layer.ffn
-            for kind, owner, name in (("qkv", attn, "qkv"), ("out", attn, "out"), ("gate_up", ffn, "gate_up"),
-                                      ("down", ffn, "down")):
-                kernel = getattr(owner, name, None) if isinstance(owner, (Attention, MLP)) else None
-                if kernel is not None:
-                    kinds[kind].append(kernel)
-        return kinds
-
-    def apply_kernel_plan(self, plan: KernelPlan) -> None:
-        """Take ``plan``'s paths (`model.kernel_plan`): each dense linear kernel's per row bucket, the one-call
-        decode path's row counts, and free the weight copies no chosen path reads (without the stack, its blocked
-        copies and the stack itself; the blocked copies left are gathered into a new huge-page buffer). A copy
-        freed is gone: apply a plan once, after `prepare_for_inference` (a second call may only drop more)."""
-        stack = any(plan.stack)
-        for kind, kernels in self.linear_kernels().items():
-            for kernel in kernels:
-                kernel.use(plan.linear[kind])
-                kernel.drop_unused(keep_blocked=stack)
-        self.stack_by_bucket = plan.stack
-        if not stack:
-            self.decode_stack, self.stack_norms, self.stack_logits = None, False, False
-            for layer in self.model.layers:
-                layer.fused = None  # it holds the blocked copies
-            colocate_blocked([k for kernels in self.linear_kernels().values() for k in kernels])
-        self._fuses_with = None
-        self.kernel_plan = plan
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden_size]`` → float32 ``[N, vocab_size]``."""

@@ -15,6 +15,7 @@ from engine.engine import EngineConfig, LLMEngine
 from engine.kernel_tuning import best_us, fastest, plan_for
 from model.attention import TorchBackend
 from model.cpu_identity import this_cpu
+from model.kernel_paths import linear_kernels
 from model.kernel_plan import LINEAR_KINDS, ROW_BUCKETS, KernelPlan, builtin_plan
 from model.loader import load_model
 
@@ -38,7 +39,7 @@ def test_a_measured_plan_times_every_candidate(tiny_model_dir, tmp_path) -> None
     loaded.model.kernel_plan = None  # measure on the same model: every copy is still there (builtin keeps them)
     plan = plan_for(loaded.model, pool, backend, mode="measure", cache_dir=tmp_path)
     assert plan.source == "measured" and plan.cpu == this_cpu().kernel_label
-    kernels = loaded.model.linear_kernels()
+    kernels = linear_kernels(loaded.model)
     want = set()
     for kind in LINEAR_KINDS:
         for bucket, rows in enumerate(ROW_BUCKETS):
@@ -103,6 +104,7 @@ import sys
 from engine.engine import EngineConfig, LLMEngine
 from engine import kernel_tuning
 from engine.kernel_tuning import plan_for
+from model.kernel_paths import linear_kernels
 from model.loader import load_model
 from pathlib import Path
 kernel_tuning.MIN_CPU_SHARE = 0.0  # kept however busy the machine is

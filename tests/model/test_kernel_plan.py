@@ -1,5 +1,5 @@
 """`model.kernel_plan`: row buckets, the plan's checks and its stored form; `LinearKernel.use` / `drop_unused`; and
-`LlamaForCausalLM.apply_kernel_plan` (paths taken, copies freed, the same tokens)."""
+`model.kernel_paths.apply_kernel_plan` (paths taken, copies freed, the same tokens)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from engine.engine import EngineConfig, LLMEngine
 from kernels import cpu_small
 from model import linear_kernel
+from model.kernel_paths import apply_kernel_plan, linear_kernels
 from model.kernel_plan import (
     FEW_ROW_BUCKETS,
     LINEAR_KINDS,
@@ -117,7 +118,7 @@ def _generate(model_dir, plan: KernelPlan | None) -> tuple[dict[str, tuple[list[
     """float32 greedy tokens and logprobs of ten ragged requests under ``plan`` (None: the builtin rule)."""
     loaded = load_model(model_dir, dtype="float32")
     if plan is not None:
-        loaded.model.apply_kernel_plan(plan)
+        apply_kernel_plan(loaded.model, plan)
     engine = LLMEngine(loaded, EngineConfig(num_blocks=96, enable_prefix_caching=False, kernel_plan="builtin"))
     assert engine.kernel_plan is plan if plan is not None else engine.kernel_plan.source == "builtin"
     for i in range(10):
@@ -142,7 +143,7 @@ def test_a_plan_without_the_stack_frees_it_and_gives_the_same_bits(tiny_model_di
     assert got == want
     assert model.decode_stack is None and not model.stack_logits
     assert all(layer.fused is None for layer in model.model.layers)
-    assert all(k.blocked is not None for kernels in model.linear_kernels().values() for k in kernels)
+    assert all(k.blocked is not None for kernels in linear_kernels(model).values() for k in kernels)
 
 
 def test_a_plan_on_torch_paths_frees_every_copy(tiny_model_dir) -> None:
@@ -153,6 +154,6 @@ def test_a_plan_on_torch_paths_frees_every_copy(tiny_model_dir) -> None:
                             prefill_attention="torch", decode_attention="torch")
     got, model = _generate(tiny_model_dir, torch_only)
     assert {k: v[0] for k, v in got.items()} == {k: v[0] for k, v in want.items()}
-    kernels = [k for ks in model.linear_kernels().values() for k in ks]
+    kernels = [k for ks in linear_kernels(model).values() for k in ks]
     assert len(kernels) == 4 * len(model.model.layers) + 1
     assert all(k.blocked is None and k.packed is None and k.paths == ("torch",) * 6 for k in kernels)
