@@ -184,6 +184,10 @@ KEYS: Mapping[str, Key] = _table(
     Key("engine.kernel_plan", one_of(("auto", "measure", "builtin")), "auto", "Which CPU kernel path each part of "
         "a step takes: auto (timed on this machine at the first start and kept per CPU model, model and build), "
         "measure (timed again now), or builtin (the fixed rule, nothing timed)."),
+    Key("engine.deterministic", boolean, False, "Outputs that do not depend on what else is batched, how a prompt "
+        "is chunked, which node computed its KV or whether its stream moved: every step takes kernels whose bits "
+        "do not change with the batch (in place of engine.kernel_plan's), at a cost in speed. Dense bf16 or "
+        "float32 models on the CPU; no long-context policy."),
     Key("engine.max_model_len", positive_int, None, "The longest sequence, prompt and output together.",
         unit="tokens", default_text="the model's context window"),
     Key("engine.enable_prefix_caching", boolean, True, "Reuse the KV blocks of prompt prefixes computed before."),

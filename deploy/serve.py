@@ -96,7 +96,7 @@ def build_engine(config: Any, *, node_name: str, registry: CollectorRegistry,
     return LLMEngine(loaded, EngineConfig(  # the layout is ``spec``, built once above
         num_blocks=store_config.num_device_blocks, max_num_seqs=e.max_num_seqs,
         max_num_batched_tokens=e.max_num_batched_tokens, prefill_packing=e.prefill_packing,
-        kernel_plan=e.kernel_plan, max_model_len=e.max_model_len,
+        kernel_plan=e.kernel_plan, deterministic=e.deterministic, max_model_len=e.max_model_len,
         enable_prefix_caching=e.enable_prefix_caching, long_context=config.decode.long_context,
         attention_backend=e.attention_backend, cuda_graphs=e.cuda_graphs,
         cuda_graph_batch_sizes=e.cuda_graph_batch_sizes,

@@ -35,6 +35,7 @@ class EngineSection:
     max_num_batched_tokens: int = 1024
     prefill_packing: str = "fill"  # engine.scheduler: whether a prompt joins a step another one finishes in
     kernel_plan: str = "auto"  # engine.kernel_tuning.PLAN_MODES
+    deterministic: bool = False  # engine.engine_config.EngineConfig.deterministic
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     attention_backend: str | None = None  # model.attention.BACKEND_NAME_TO_CLASS; None: by device

@@ -23,7 +23,7 @@ from engine.block_tables import BlockTables, held
 from engine.cuda_graphs import try_capture
 from engine.engine_config import EngineConfig
 from engine.grammar import GrammarError, Grammars, apply_masks, lift_min_tokens
-from engine.kernel_tuning import plan_for
+from engine.kernel_tuning import deterministic_plan_for, plan_for
 from engine.kv_layout import kv_block_spec
 from engine.kv_policy import KvPolicies
 from engine.long_context import LongContextConfig
@@ -166,11 +166,16 @@ class LLMEngine:
         self.stalled = False
 
     def _plan_kernels(self, backend: AttentionBackend) -> KernelPlan:
-        """The model's kernel plan (`engine.kernel_tuning.plan_for` with ``config.kernel_plan``), applied to the
+        """The model's kernel plan (`engine.kernel_tuning.plan_for` with ``config.kernel_plan``, or
+        `engine.kernel_tuning.deterministic_plan_for` with ``config.deterministic``), applied to the
         model (once: a model another engine planned keeps its plan) and followed by ``backend``; logged."""
         plan = getattr(self.model, "kernel_plan", None)
+        if plan is not None and plan.deterministic != self.config.deterministic:
+            raise ValueError(f"engine.deterministic is {self.config.deterministic}, but this model was planned for "
+                             f"another engine with deterministic {plan.deterministic}; load the model again")
         if plan is None:
-            plan = plan_for(self.model, self.kv_pool, backend, mode=self.config.kernel_plan)
+            plan = (deterministic_plan_for(self.model, self.kv_pool, backend) if self.config.deterministic
+                    else plan_for(self.model, self.kv_pool, backend, mode=self.config.kernel_plan))
             if isinstance(self.model, LlamaForCausalLM):
                 apply_kernel_plan(self.model, plan)
             log.info("kernel plan (%s): %s", plan.source, plan.summary())
@@ -226,6 +231,9 @@ class LLMEngine:
         refusal = self.model_config.long_context_refusal
         if config.active and refusal is not None:
             raise ValueError(f"long_context: policy {config.policy} is not supported for {refusal}; use policy none")
+        if config.active and self.config.deterministic:
+            raise ValueError(f"long_context: policy {config.policy} selects KV by attention scores through kernels "
+                             "deterministic mode does not cover (engine.deterministic); use policy none")
         if config.policy == "infinigen" and self.store.host is None:
             raise ValueError("long_context: infinigen offloads to the host tier, and this node has none; "
                              "size kvstore.host.bytes or use policy h2o")

@@ -26,6 +26,9 @@ class EngineConfig:
     # the CPU kernel paths (`engine.kernel_tuning.PLAN_MODES`): "auto" (timed once per machine and kept), "measure"
     # (timed again), "builtin" (the fixed rule)
     kernel_plan: str = "auto"
+    # outputs that do not depend on the batch, the chunking, P/D placement or a migration (`model.kernel_plan`'s
+    # deterministic plan, in place of kernel_plan's): opt-in, it costs speed (`kvrelay bench deterministic`)
+    deterministic: bool = False
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     attention_backend: str | None = None  # None: triton on CUDA, torch elsewhere
@@ -48,6 +51,8 @@ class EngineConfig:
         if self.attention_backend is not None and self.attention_backend not in BACKEND_NAME_TO_CLASS:
             raise ValueError(f"attention_backend must be one of {sorted(BACKEND_NAME_TO_CLASS)} or unset, "
                              f"got {self.attention_backend!r}")
+        if not isinstance(self.deterministic, bool):
+            raise ValueError(f"deterministic must be true or false, got {self.deterministic!r}")
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be true or false, got {self.cuda_graphs!r}")
         if self.cuda_graph_batch_sizes is not None:

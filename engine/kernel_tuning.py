@@ -51,9 +51,10 @@ from model.kernel_plan import (
     ROW_BUCKETS,
     KernelPlan,
     builtin_plan,
+    deterministic_plan,
 )
 from model.linear_kernel import LinearKernel
-from model.llama import LlamaForCausalLM
+from model.llama import MLP, Attention, LlamaForCausalLM, RMSNorm
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +129,42 @@ def plan_for(model: torch.nn.Module, kv_pool: torch.Tensor, backend: AttentionBa
         staged.write_text(plan.to_json())
         staged.replace(path)  # whole or not at all: a reader never sees half a plan
         return plan
+
+
+def deterministic_plan_for(model: torch.nn.Module, kv_pool: torch.Tensor, backend: AttentionBackend) -> KernelPlan:
+    """`model.kernel_plan.deterministic_plan`, after checking that every kernel of ``model``'s steps then has a
+    batch-invariant path: a dense decoder (`model.llama` GQA attention and MLP) on the CPU backend with the C++
+    kernels built, bf16 or float32 weights (blocked copies) and KV of the weights' dtype.
+
+    Raises:
+        ValueError: naming what deterministic mode does not cover here.
+    """
+    def refuse(why: str) -> ValueError:
+        return ValueError(f"engine.deterministic: {why}; deterministic mode covers dense bf16 or float32 models on "
+                          "the CPU with the C++ kernels")
+
+    if not isinstance(model, LlamaForCausalLM):
+        raise refuse(f"{type(model).__name__} is not a decoder this mode knows")
+    if kv_pool.device.type != "cpu" or not isinstance(backend, TorchBackend):
+        raise refuse(f"the KV pool is on {kv_pool.device.type} with the {type(backend).__name__}")
+    if backend.cpu_decode_kernels is None:
+        raise refuse("the C++ CPU kernels are off or did not build (KVRELAY_CPU_KERNELS=0, or no compiler)")
+    for i, layer in enumerate(model.model.layers):
+        if not isinstance(layer.self_attn, Attention):
+            raise refuse(f"layer {i}'s attention is {type(layer.self_attn).__name__}, not GQA (latent attention is not "
+                         "covered)")
+        if not isinstance(layer.ffn, MLP):
+            raise refuse(f"layer {i}'s feed-forward is {type(layer.ffn).__name__}, not a dense MLP (mixtures of "
+                         "experts are not covered)")
+    weight = model.model.embed_tokens.weight
+    if kv_pool.dtype != weight.dtype:
+        raise refuse(f"the KV is {kv_pool.dtype} and the weights {weight.dtype}")
+    for kind, kernels in linear_kernels(model).items():
+        if not kernels or not all(k.can_take("blocked") for k in kernels):
+            raise refuse(f"the {kind} weights ({weight.dtype}) have no blocked copy")
+    if not all(m.fast is not None for m in model.modules() if isinstance(m, RMSNorm)):
+        raise refuse("an RMSNorm has no C++ kernel (weights scaled in float32, or not contiguous)")
+    return deterministic_plan()
 
 
 def best_us(candidates: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:

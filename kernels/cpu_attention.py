@@ -40,14 +40,18 @@ def load() -> ModuleType | None:
 
 def paged_decode_attention(ext: ModuleType, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, *, scale: float,
-                           window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                           window: int | None = None, sinks: torch.Tensor | None = None,
+                           parts: int = 0) -> torch.Tensor:
     """`kernels.reference.paged_decode_attention` (no token weights) through ``ext``.
 
     q ``[N, Hq, D]`` and the caches ``[num_blocks, Hkv, B, D]`` (each block's ``[Hkv, B, D]``
     contiguous, as slices of the KV pool are) share one dtype, float32 or bfloat16; tables
     ``[N, ≥ ceil(len/B)]``; every length ≥ 1. ``window`` (tokens, >= 1) and ``sinks`` (float32 ``[Hq]``
     on the CPU) as in the reference: a windowed sequence's loops start at position ``len - window``, so
-    blocks before it are never read; a sink is one more logit in each head's max and sum.
+    blocks before it are never read; a sink is one more logit in each head's max and sum. ``parts``: how many
+    runs each (sequence, KV head)'s keys are split into (module doc), or 0 for the rule that splits them when the
+    batch is small; the order of the sums follows the parts, so only a fixed count (1) gives a sequence the same
+    bits in any batch and at any thread count (`prefill_attention_rows`, deterministic mode).
     Returns ``[N, Hq, D]`` in q's dtype.
 
     Raises:
@@ -57,7 +61,37 @@ def paged_decode_attention(ext: ModuleType, q: torch.Tensor, k_cache: torch.Tens
     """
     reference.check_window_and_sinks(window, sinks, num_q_heads=q.shape[1], device=q.device, token_weights=None)
     return ext.paged_decode_attention(q.contiguous(), k_cache, v_cache, block_tables, seq_lens, float(scale),
-                                      0 if window is None else window, sinks)
+                                      0 if window is None else window, sinks, parts)
+
+
+def prefill_attention_rows(ext: ModuleType, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *,
+                           scale: float, window: int | None = None,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Prefill attention as decode attention: each query row is its own one-query sequence over the keys up to
+    its position, through `paged_decode_attention` with one part. A token's output then has the bits a decode
+    step gives it, whatever its chunk, its batch or the thread count: deterministic mode's prefill
+    (`model.attention.TorchBackend`), where a prompt's KV recomputed (a migration, a lost pull) must equal the KV
+    a decode node wrote token by token. Its cost against the flash kernel: `kvrelay bench deterministic`.
+
+    Inputs as `prefill_attention` (KV of q's dtype, float32 or bf16, any head dim), with ``window`` and ``sinks``
+    as in `paged_decode_attention`. Returns ``[T, Hq, D]`` in q's dtype.
+
+    Raises:
+        ValueError: a sequence with more queries than its length, or ``window``/``sinks`` that do not fit.
+        RuntimeError: as `paged_decode_attention`.
+    """
+    starts = query_start_loc.to(torch.int64)
+    q_lens = starts[1:] - starts[:-1]
+    lens = seq_lens.to(torch.int64)
+    if bool((q_lens > lens).any()):
+        raise ValueError("prefill_attention_rows: a sequence has more queries than its length")
+    seq_of_row = torch.repeat_interleave(torch.arange(q_lens.numel()), q_lens)
+    # row r of sequence n is query r - starts[n] of n's q_len, at position lens[n] - q_len + that
+    row_lens = (lens - q_lens)[seq_of_row] + (torch.arange(q.shape[0]) - starts[:-1][seq_of_row]) + 1
+    tables = block_tables.index_select(0, seq_of_row)
+    return paged_decode_attention(ext, q, k_cache, v_cache, tables, row_lens, scale=scale, window=window,
+                                  sinks=sinks, parts=1)
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:

@@ -146,6 +146,10 @@ class TorchBackend:
     head dim a multiple of 16, no token weights, window or sinks: SmolLM2 at 2,048 tokens, ~0.5x SDPA's time
     on a Zen 4 VM), else through SDPA. Either C++ kernel is used only where the engine's kernel plan
     (`model.kernel_plan`, timed on the machine) found it the faster (`follow`).
+
+    Under a deterministic plan (``invariant``) both go through the C++ decode kernel with each sequence's keys in one
+    part, prefill as one decode row per token (`kernels.cpu_attention.prefill_attention_rows`): a token's output
+    has the same bits whatever else the step holds, however its prompt was chunked, at any thread count.
     """
 
     block_key_summaries = staticmethod(reference.block_key_summaries)
@@ -155,14 +159,27 @@ class TorchBackend:
         self.cpu_decode_kernels = cpu_attention.load()  # the C++ attention kernels' extension, or None
         # whether the per-layer path takes the C++ prefill / decode attention where it fits (`follow`)
         self.cpp_prefill = self.cpp_decode = True
+        self.invariant = False  # a deterministic plan's attention (class doc; `follow`)
         # (slot_mapping, block_size, plan) of the current step, one per KV block group (`AttentionBatch.for_group`)
         self._slots: list[tuple[torch.Tensor, int, torch_attention.SlotPlan]] = []
         # (block_tables, seq_lens, block_size, window -> plan) of the current step
         self._decode: tuple[torch.Tensor, torch.Tensor, int, dict[int | None, torch_attention.DecodePlan]] | None = None
 
     def follow(self, plan: KernelPlan) -> None:
-        """Take ``plan``'s prefill and decode attention paths (``cpp`` or ``torch``)."""
+        """Take ``plan``'s prefill and decode attention paths (``cpp`` or ``torch``; the invariant ones for a
+        deterministic plan).
+
+        Raises:
+            ValueError: a deterministic plan without the C++ kernels.
+        """
+        if plan.deterministic and self.cpu_decode_kernels is None:
+            raise ValueError("a deterministic plan needs the C++ attention kernels, which did not build here")
         self.cpp_prefill, self.cpp_decode = plan.prefill_attention == "cpp", plan.decode_attention == "cpp"
+        self.invariant = plan.deterministic
+
+    def _refuse_variant(self, token_weights: torch.Tensor | None) -> None:
+        if token_weights is not None:
+            raise ValueError("deterministic attention does not give token weights (a long-context policy's)")
 
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -177,6 +194,11 @@ class TorchBackend:
                           block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *,
                           scale: float, token_weights: torch.Tensor | None = None, window: int | None = None,
                           sinks: torch.Tensor | None = None) -> torch.Tensor:
+        if self.invariant:
+            self._refuse_variant(token_weights)
+            return cpu_attention.prefill_attention_rows(self.cpu_decode_kernels, q, k_cache, v_cache, block_tables,
+                                                        seq_lens, query_start_loc, scale=scale, window=window,
+                                                        sinks=sinks)
         if (self.cpu_decode_kernels is not None and self.cpp_prefill and token_weights is None and window is None
                 and sinks is None and cpu_attention.supports_prefill(q, k_cache, v_cache)):
             return cpu_attention.prefill_attention(self.cpu_decode_kernels, q, k_cache, v_cache, block_tables,
@@ -188,6 +210,10 @@ class TorchBackend:
                                block_tables: torch.Tensor, seq_lens: torch.Tensor, *, scale: float,
                                token_weights: torch.Tensor | None = None, window: int | None = None,
                                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        if self.invariant:
+            self._refuse_variant(token_weights)
+            return cpu_attention.paged_decode_attention(self.cpu_decode_kernels, q, k_cache, v_cache, block_tables,
+                                                        seq_lens, scale=scale, window=window, sinks=sinks, parts=1)
         if (self.cpu_decode_kernels is not None and self.cpp_decode and token_weights is None
                 and cpu_attention.supports(q, k_cache)):
             return cpu_attention.paged_decode_attention(self.cpu_decode_kernels, q, k_cache, v_cache, block_tables,

@@ -15,6 +15,12 @@ The choices come from timing every candidate on the model's own shapes (`engine.
 of machines: on a Zen 4 VM the blocked kernel took 0.58x oneDNN's time at one row, while on an AMX Xeon oneDNN's
 tile path makes it the slower one. `builtin_plan` is the rule the code had before the plan was measured (blocked at
 1-16 rows, the stack, the C++ attention), kept as the plan of a machine where measuring is turned off.
+
+`deterministic_plan` is the plan of deterministic mode (``engine.deterministic``): not the fastest paths but ones
+whose bits do not depend on the batch, the chunk or the thread count. The blocked kernel sums each output row on
+its own in input order, at any row count (oneDNN and ``F.linear`` pick other blockings, so other sums, as the rows
+change); the C++ decode attention with its keys in one part (`kernels.cpu_attention`), and prefill as decode rows
+(`kernels.cpu_attention.prefill_attention_rows`); no one-call stack (it splits the keys by the thread count).
 """
 
 from __future__ import annotations
@@ -47,11 +53,13 @@ class KernelPlan:
         stack: per few-row bucket (`FEW_ROW_BUCKETS`), whether a decode-only step of that many rows runs as the
             one C++ call.
         prefill_attention, decode_attention: `ATTENTION_PATHS` names for the per-layer path.
-        source: ``measured`` (timed in this process), ``cached`` (timed earlier on this CPU model, read back) or
-            ``builtin`` (`builtin_plan`: nothing timed).
-        cpu: the CPU it was measured on (`model.cpu_identity.CpuIdentity.kernel_label`), or "" for ``builtin``.
+        source: ``measured`` (timed in this process), ``cached`` (timed earlier on this CPU model, read back),
+            ``builtin`` (`builtin_plan`: nothing timed) or ``deterministic`` (`deterministic_plan`).
+        cpu: the CPU it was measured on (`model.cpu_identity.CpuIdentity.kernel_label`), or "" when not timed.
         timings_us: the median time of every candidate timed (``"linear.qkv.1.blocked"``, ``"stack.4.layers"``,
             ``"prefill_attention.cpp"``...), microseconds; empty for ``builtin``.
+        deterministic: `deterministic_plan`'s (source ``deterministic``): blocked at every bucket, no stack, the
+            C++ attention in its batch-invariant form.
     """
 
     linear: dict[str, tuple[str, ...]]
@@ -61,6 +69,7 @@ class KernelPlan:
     source: str = "builtin"
     cpu: str = ""
     timings_us: dict[str, float] = field(default_factory=dict)
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         """Raises ValueError naming the field that does not fit."""
@@ -70,13 +79,19 @@ class KernelPlan:
             if len(paths) != len(ROW_BUCKETS) or any(p not in LINEAR_PATHS for p in paths):
                 raise ValueError(f"KernelPlan.linear[{kind!r}] must be {len(ROW_BUCKETS)} of {LINEAR_PATHS}; "
                                  f"got {paths}")
-            if paths[-1] == "blocked":
-                raise ValueError(f"KernelPlan.linear[{kind!r}]: the blocked kernel is for 1-16 rows only")
+            if self.deterministic and set(paths) != {"blocked"}:
+                raise ValueError(f"KernelPlan.linear[{kind!r}]: a deterministic plan takes the blocked kernel at "
+                                 f"every row count; got {paths}")
+            if paths[-1] == "blocked" and not self.deterministic:
+                raise ValueError(f"KernelPlan.linear[{kind!r}]: the blocked kernel is for 1-16 rows only "
+                                 "(every row count in a deterministic plan)")
         if len(self.stack) != FEW_ROW_BUCKETS:
             raise ValueError(f"KernelPlan.stack must have {FEW_ROW_BUCKETS} entries; got {len(self.stack)}")
         for name in ("prefill_attention", "decode_attention"):
             if getattr(self, name) not in ATTENTION_PATHS:
                 raise ValueError(f"KernelPlan.{name} must be one of {ATTENTION_PATHS}; got {getattr(self, name)!r}")
+        if self.deterministic and (any(self.stack) or {self.prefill_attention, self.decode_attention} != {"cpp"}):
+            raise ValueError("KernelPlan: a deterministic plan has no stack and the C++ attention")
 
     @property
     def stack_rows(self) -> tuple[int, ...]:
@@ -90,12 +105,14 @@ class KernelPlan:
 
     def summary(self) -> dict[str, object]:
         """The choices without the timings, for logs and ``/health``: ``{"source", "cpu", "linear": {kind:
-        {"1": path, "2": ..., "17+": ...}}, "stack_rows", "prefill_attention", "decode_attention"}``."""
+        {"1": path, "2": ..., "17+": ...}}, "stack_rows", "prefill_attention", "decode_attention",
+        "deterministic"}``."""
         names = [str(r) for r in ROW_BUCKETS[:-1]] + [f"{ROW_BUCKETS[-2] + 1}+"]
         return {"source": self.source, "cpu": self.cpu,
                 "linear": {k: dict(zip(names, p, strict=True)) for k, p in self.linear.items()},
                 "stack_rows": list(self.stack_rows),
-                "prefill_attention": self.prefill_attention, "decode_attention": self.decode_attention}
+                "prefill_attention": self.prefill_attention, "decode_attention": self.decode_attention,
+                "deterministic": self.deterministic}
 
     def to_json(self) -> str:
         return json.dumps({"version": PLAN_VERSION, **asdict(self)}, sort_keys=True)
@@ -130,3 +147,10 @@ def builtin_plan(*, packed: bool) -> KernelPlan:
     attention."""
     return KernelPlan(linear=dict.fromkeys(LINEAR_KINDS, builtin_linear_paths(packed=packed)),
                       stack=(True,) * FEW_ROW_BUCKETS)
+
+
+def deterministic_plan() -> KernelPlan:
+    """Deterministic mode's plan (see module doc): the blocked kernel at every row count for every kind, no stack,
+    the C++ attention (prefill as decode rows, the keys in one part)."""
+    return KernelPlan(linear=dict.fromkeys(LINEAR_KINDS, ("blocked",) * len(ROW_BUCKETS)),
+                      stack=(False,) * FEW_ROW_BUCKETS, source="deterministic", deterministic=True)

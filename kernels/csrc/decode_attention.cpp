@@ -8,6 +8,10 @@
 //   window       sliding window in tokens, or 0 for none: sequence n reads positions max(0, len - window) .. len-1
 //                only (table entries of blocks wholly before them are not read, not even checked)
 //   sinks        None, or float32 [Hq] contiguous: one more softmax logit per query head, not scaled (gpt-oss)
+//   parts        how many runs each (sequence, KV head)'s keys are split into, or 0 for attention_parts' rule
+//                (more parts when the pairs are fewer than twice the threads). The parts decide the order of the
+//                sums, so with the rule a sequence's bits depend on the batch and the thread count; with a fixed
+//                count (1: deterministic mode, model/attention.py) they depend on neither.
 //   returns      [N, Hq, D] in q's dtype
 // Work is split over (sequence, kv head, part of the keys) with at::parallel_for (torch's thread pool): see
 // decode_items and small_ops.h's AttentionWork (DecodeStack runs the same items in its own region). In bf16 at
@@ -404,8 +408,10 @@ void decode_items_any(const AttentionWork<T>& a, int64_t begin, int64_t end) {
 template <typename T>
 void decode_kernel(const T* q, const T* k_cache, const T* v_cache, int64_t block_stride, const int32_t* tables,
                    int64_t table_width, const int64_t* lens, T* out, int64_t n_seqs, int64_t hq, int64_t hkv,
-                   int64_t block_size, int64_t d, float scale, int64_t window, const float* sinks) {
-  const int64_t parts = kvrelay_cpu::attention_parts(n_seqs, hkv, at::get_num_threads());
+                   int64_t block_size, int64_t d, float scale, int64_t window, const float* sinks,
+                   int64_t fixed_parts) {
+  const int64_t parts =
+      fixed_parts > 0 ? fixed_parts : kvrelay_cpu::attention_parts(n_seqs, hkv, at::get_num_threads());
   std::vector<float> buf(static_cast<size_t>(kvrelay_cpu::attention_floats(n_seqs, hq, hkv, d, parts)));
   AttentionWork<T> a{q, k_cache, v_cache, block_stride, tables, table_width, lens, out, n_seqs, hq, hkv,
                      block_size, d, scale, window, sinks, parts, hq / hkv, nullptr, nullptr, nullptr};
@@ -453,8 +459,9 @@ void attention_merge(const AttentionWork<c10::BFloat16>& a, int64_t begin, int64
 
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                                   at::Tensor block_tables, at::Tensor seq_lens, double scale,
-                                  int64_t window, c10::optional<at::Tensor> sinks) {
+                                  int64_t window, c10::optional<at::Tensor> sinks, int64_t parts) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [N, Hq, D]");
+  TORCH_CHECK(parts >= 0, "parts must be >= 1, or 0 for the thread-count rule; got ", parts);
   TORCH_CHECK(q.device().is_cpu(), "q must be on the CPU");
   check_cache(k_cache, q, "k_cache");
   check_cache(v_cache, q, "v_cache");
@@ -480,11 +487,12 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v
   if (q.scalar_type() == at::kFloat) {
     decode_kernel<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), k_cache.stride(0),
                          tp, tables.size(1), lp, out.data_ptr<float>(), n, hq, hkv, block_size, d, float(scale),
-                         window, sp);
+                         window, sp, parts);
   } else if (q.scalar_type() == at::kBFloat16) {
     using T = c10::BFloat16;
     decode_kernel<T>(q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), k_cache.stride(0), tp,
-                     tables.size(1), lp, out.data_ptr<T>(), n, hq, hkv, block_size, d, float(scale), window, sp);
+                     tables.size(1), lp, out.data_ptr<T>(), n, hq, hkv, block_size, d, float(scale), window, sp,
+                     parts);
   } else {
     TORCH_CHECK(false, "paged_decode_attention: dtype must be float32 or bfloat16, got ", q.scalar_type());
   }

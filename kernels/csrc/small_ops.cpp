@@ -181,7 +181,7 @@ double thread_round_trip_ns(int64_t trips) {
 // symbol, and the extension would fail to import: the CPU kernel tests load it.
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                                   at::Tensor block_tables, at::Tensor seq_lens, double scale,
-                                  int64_t window, c10::optional<at::Tensor> sinks);
+                                  int64_t window, c10::optional<at::Tensor> sinks, int64_t parts);
 
 // Defined in prefill_attention.cpp (its contract is there).
 at::Tensor prefill_attention_bf16(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,

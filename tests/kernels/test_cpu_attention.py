@@ -200,3 +200,65 @@ def test_the_torch_backend_prefills_bf16_through_the_kernel_only(ext, monkeypatc
     q, k_cache, v_cache, *rest = args
     backend.prefill_attention(q.float(), k_cache.float(), v_cache.float(), *rest, scale=0.125)
     assert sdpa_calls == [torch.bfloat16, torch.float32]
+
+
+# ------------------------------------------------------------------ deterministic mode's attention (issue 63)
+INVARIANT_LENS = (700, 1, 33, 129, 16, 300)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_one_part_gives_a_sequence_the_same_bits_in_any_batch(ext, dtype: str, threads: int) -> None:
+    """``parts=1``: each sequence alone (where the thread-count rule would split its keys) has the bits it has in the
+    batch of six, at one thread and at two."""
+    q, k_cache, v_cache, tables, seq_lens = _inputs(INVARIANT_LENS, dtype, 3, seed=5)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        batch = cpu_attention.paged_decode_attention(ext, q, k_cache, v_cache, tables, seq_lens, scale=0.125,
+                                                     parts=1)
+        for n in range(len(INVARIANT_LENS)):
+            alone = cpu_attention.paged_decode_attention(ext, q[n:n + 1], k_cache, v_cache, tables[n:n + 1],
+                                                         seq_lens[n:n + 1], scale=0.125, parts=1)
+            assert torch.equal(alone[0], batch[n]), f"sequence {n} ({INVARIANT_LENS[n]} keys)"
+    finally:
+        torch.set_num_threads(before)
+    want = reference.paged_decode_attention(q.float(), k_cache.float(), v_cache.float(), tables, seq_lens,
+                                            scale=0.125)
+    torch.testing.assert_close(batch.float(), want, atol=2e-2 if dtype == "bfloat16" else 1e-5, rtol=0)
+
+
+def test_a_negative_part_count_is_refused(ext) -> None:
+    q, k_cache, v_cache, tables, seq_lens = _inputs((5, 9), "float32", 1, seed=2)
+    with pytest.raises(RuntimeError, match="parts must be >= 1, or 0 for the thread-count rule; got -1"):
+        cpu_attention.paged_decode_attention(ext, q, k_cache, v_cache, tables, seq_lens, scale=0.125, parts=-1)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("window_sinks", [False, True])
+def test_prefill_rows_are_the_decode_steps_bits(ext, dtype: str, window_sinks: bool) -> None:
+    """`prefill_attention_rows`: a 300-token chunk over a 400-token cached prefix beside a 40-token cold prompt gives
+    each query row the bits one decode step at its position gives (that sequence alone, one part), and the
+    reference's values; with a window and sinks too."""
+    q, k_cache, v_cache, tables, seq_lens, starts = _prefill_inputs([(300, 700), (40, 40)], 3, seed=8)
+    q, k_cache, v_cache = q.to(getattr(torch, dtype)), k_cache.to(getattr(torch, dtype)), v_cache.to(
+        getattr(torch, dtype))
+    extra = {"window": 50, "sinks": torch.linspace(-1.0, 1.0, q.shape[1])} if window_sinks else {}
+    got = cpu_attention.prefill_attention_rows(ext, q, k_cache, v_cache, tables, seq_lens, starts, scale=0.125,
+                                               **extra)
+    for row, (seq, pos) in enumerate([(0, 400 + i) for i in range(300)] + [(1, i) for i in range(40)]):
+        if row % 37 and row not in (299, 300, 339):  # every 37th row and the ends: each is a full decode call
+            continue
+        step = cpu_attention.paged_decode_attention(ext, q[row:row + 1], k_cache, v_cache, tables[seq:seq + 1],
+                                                    torch.tensor([pos + 1]), scale=0.125, parts=1, **extra)
+        assert torch.equal(step[0], got[row]), f"row {row}"
+    want = reference.prefill_attention(q.float(), k_cache.float(), v_cache.float(), tables, seq_lens, starts,
+                                       scale=0.125, **extra)
+    torch.testing.assert_close(got.float(), want, atol=2e-2 if dtype == "bfloat16" else 1e-5, rtol=0)
+
+
+def test_prefill_rows_refuse_more_queries_than_keys(ext) -> None:
+    q, k_cache, v_cache, tables, seq_lens, starts = _prefill_inputs([(20, 20), (5, 40)], 1, seed=3)
+    seq_lens[0] = 19
+    with pytest.raises(ValueError, match="a sequence has more queries than its length"):
+        cpu_attention.prefill_attention_rows(ext, q, k_cache, v_cache, tables, seq_lens, starts, scale=0.125)

@@ -20,6 +20,7 @@ from model.kernel_plan import (
     bucket_of,
     builtin_linear_paths,
     builtin_plan,
+    deterministic_plan,
 )
 from model.linear_kernel import LinearKernel, packing_supported
 from model.llama import LlamaForCausalLM
@@ -41,7 +42,17 @@ def test_builtin_plan() -> None:
         "source": "builtin", "cpu": "",
         "linear": {k: {"1": "blocked", "2": "blocked", "4": "blocked", "8": "blocked", "16": "blocked",
                        "17+": "torch"} for k in LINEAR_KINDS},
-        "stack_rows": list(range(1, 17)), "prefill_attention": "cpp", "decode_attention": "cpp"}
+        "stack_rows": list(range(1, 17)), "prefill_attention": "cpp", "decode_attention": "cpp",
+        "deterministic": False}
+
+
+def test_deterministic_plan() -> None:
+    plan = deterministic_plan()
+    assert plan.linear == dict.fromkeys(LINEAR_KINDS, ("blocked",) * 6) and plan.stack_rows == ()
+    assert (plan.source, plan.deterministic, plan.prefill_attention, plan.decode_attention) == (
+        "deterministic", True, "cpp", "cpp")
+    assert plan.summary()["deterministic"] is True and plan.summary()["linear"]["qkv"]["17+"] == "blocked"
+    assert KernelPlan.from_json(plan.to_json(), source="deterministic") == plan
 
 
 def _plan(**changes: object) -> KernelPlan:
@@ -56,6 +67,11 @@ def _plan(**changes: object) -> KernelPlan:
     ({"stack": (True,) * 6}, "must have 5 entries"),
     ({"prefill_attention": "sdpa"}, "prefill_attention must be one of"),
     ({"decode_attention": "fast"}, "decode_attention must be one of"),
+    ({"deterministic": True}, "a deterministic plan takes the blocked kernel at every row count"),
+    ({"deterministic": True, "linear": dict.fromkeys(LINEAR_KINDS, ("blocked",) * 6)},
+     "a deterministic plan has no stack and the C\\+\\+ attention"),
+    ({"deterministic": True, "linear": dict.fromkeys(LINEAR_KINDS, ("blocked",) * 6), "stack": (False,) * 5,
+      "prefill_attention": "torch"}, "a deterministic plan has no stack and the C\\+\\+ attention"),
 ])
 def test_a_plan_that_does_not_fit_is_refused(changes: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
