@@ -1,0 +1,90 @@
+"""Issue 63: deterministic mode across processes — bf16 streams prefilled on one node, decoded on another, then moved
+to a third when that one dies (their KV recomputed there) end with exactly the tokens of one in-process engine
+running them all at once. Without the mode a migrated bf16 stream continued with other greedy tokens (6 of 6 in
+one run): the recomputed KV and the decode node's took paths that round differently.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+
+from engine.engine import EngineConfig, LLMEngine
+from model.loader import load_model
+from model.sampling import SamplingParams
+from model.tiny import write_tiny_model
+from model.tokenizer import load_tokenizer
+from tests.services.cluster import Cluster, get_json, metrics
+from tests.services.test_faults import post, wait_for
+from tests.services.test_migration import Stream, idle
+
+STREAMS = 8
+MAX_TOKENS = 1200  # long enough that none ends before the node dies: 8 streams of a tiny model step fast
+PREFIX_TOKENS = 128
+
+
+@pytest.fixture(scope="module")
+def bf16_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny bf16 model wide enough (128) that the default paths' sums differ (`tests/engine/test_deterministic.py`)."""
+    return write_tiny_model(tmp_path_factory.mktemp("det-cluster") / "model", seed=1, hidden=128, heads=4,
+                            kv_heads=2, dtype="bfloat16")
+
+
+def reference(model_dir: Path, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
+    engine = LLMEngine(load_model(model_dir, dtype="bfloat16"),
+                       EngineConfig(num_blocks=2048, max_model_len=2048, deterministic=True))
+    out: dict[str, list[int]] = {}
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(f"r{i}", prompt, p)
+        out[f"r{i}"] = []
+    while engine.has_unfinished():
+        for step in engine.step():
+            out[step.request_id].extend(step.new_token_ids)
+    return [out[f"r{i}"] for i in range(len(prompts))]
+
+
+def test_bf16_streams_moved_mid_stream_end_as_one_engine_runs_them(bf16_dir: Path) -> None:
+    rng = random.Random(11)
+    prefix = [rng.randrange(3, 256) for _ in range(PREFIX_TOKENS)]
+    prompts = [prefix + [rng.randrange(3, 256) for _ in range(8 + 5 * i)] for i in range(STREAMS)]
+    bodies = [{"max_tokens": MAX_TOKENS, "extra_body": {"ignore_eos": True}, "temperature": 0}
+              if i % 2 == 0 else
+              {"max_tokens": MAX_TOKENS, "extra_body": {"ignore_eos": True}, "temperature": 1.0, "top_p": 0.95,
+               "seed": 500 + i} for i in range(STREAMS)]
+    params = [SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=b["temperature"],
+                             top_p=b.get("top_p", 1.0), seed=b.get("seed")) for b in bodies]
+    expected = reference(bf16_dir, prompts, params)
+    tok = load_tokenizer(bf16_dir)
+    assert tok is not None
+    overrides = {"model": {"dtype": "bfloat16"},
+                 "engine": {"deterministic": True, "max_num_seqs": 16, "max_num_batched_tokens": 256},
+                 "router": {"load_weight_tokens": 1}}  # every stream to the decode node holding the prefix
+    with Cluster(bf16_dir, prefill=1, decode=2, overrides=overrides) as c:
+        victim, survivor = c.decode_urls
+        assert get_json(victim + "/health")["kernel_plan"]["deterministic"] is True
+        assert post(c.url, {"model": "tiny", "prompt": prefix, "max_tokens": 2, "temperature": 0})[0] == 200
+        wait_for(lambda: get_json(c.url + "/health")["nodes"]["decode-0"]["kv_keys"] >= PREFIX_TOKENS // 16,
+                 what="the victim's prefix blocks indexed")
+        client = openai.OpenAI(base_url=c.url + "/v1", api_key="none", max_retries=0, timeout=300)
+        streams = [Stream(client, p, b) for p, b in zip(prompts, bodies, strict=True)]
+        with ThreadPoolExecutor(STREAMS) as pool:
+            futures = [pool.submit(s) for s in streams]
+            for s in streams:
+                assert s.started.wait(120), "a stream sent no text"
+            wait_for(lambda: [get_json(u + "/health")["running"] for u in (victim, survivor)] == [STREAMS, 0],
+                     timeout_s=30, what=f"all {STREAMS} streams running on the victim")
+            assert not any(s.finish for s in streams)
+            os.kill(c.node_pid(victim), signal.SIGKILL)
+            done = [f.result(timeout=600) for f in futures]
+        for i, s in enumerate(done):
+            assert s.error is None, f"stream {i}: {s.error!r}"
+            assert s.finish == "length" and s.usage.completion_tokens == MAX_TOKENS
+            assert "".join(s.pieces) == tok.decode(expected[i]), f"stream {i} differs from the one-engine run"
+        assert metrics(c.url)['kvrelay_router_migrations_total{outcome="moved"}'] == STREAMS
+        wait_for(lambda: idle([*c.prefill_urls, survivor]), what="every block given back")
