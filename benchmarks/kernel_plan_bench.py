@@ -27,7 +27,7 @@ from model.kernel_paths import apply_kernel_plan, linear_kernels
 BATCHES = (1, 4, 16)
 
 
-def _weight_bytes(model: torch.nn.Module) -> int:
+def kernel_weight_bytes(model: torch.nn.Module) -> int:
     """The bytes of the model's parameters and every linear kernel's other copies (oneDNN-packed, blocked; the
     blocked copies share one buffer, counted once)."""
     storages: dict[int, int] = {}
@@ -91,7 +91,7 @@ def run(*, model_dir: str | None, prompt_len: int, max_out: int, rounds: int, dt
     return {"bench": "kernel-plan", **machine_label(), "cpu": this_cpu().kernel_label, "model": path, "dtype": dtype,
             "threads": torch.get_num_threads(), "prompt_tokens": prompt_len, "max_output_tokens": max_out,
             "rounds": rounds, "plan": measured.summary(),
-            "weight_bytes": {n: _weight_bytes(e.model) for n, e in engines.items()}, **results}
+            "weight_bytes": {n: kernel_weight_bytes(e.model) for n, e in engines.items()}, **results}
 
 
 def main(argv: list[str] | None = None) -> int:

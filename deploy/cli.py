@@ -9,7 +9,7 @@
     kvrelay store stats|clear|verify --config FILE [--node NAME]
     kvrelay config show [--config FILE] | kvrelay config check FILE | kvrelay config reference [--out PATH]
     kvrelay bench memory|decode|cuda-graphs|hybrid-kv|kernel|kernel-plan|tiers|transfer|serve|goodput|long-context|load|
-                  migration|disk-prefix|vllm-client|structured|guard|ttft-prefix
+                  migration|disk-prefix|vllm-client|structured|guard|ttft-prefix|deterministic
                   [...]
 """
 
@@ -237,7 +237,8 @@ def _cmd_role(args: argparse.Namespace) -> int:
                     cpu_lock_dir=args.cpu_lock_dir, memory_budget_bytes=args.memory_budget)
 
 
-BENCH_NAMES = ("bandwidth", "cache-policies", "cuda-graphs", "decode", "disk-prefix", "dtype", "goodput", "guard",
+BENCH_NAMES = ("bandwidth", "cache-policies", "cuda-graphs", "decode", "deterministic", "disk-prefix", "dtype",
+               "goodput", "guard",
                "hybrid-kv", "kernel", "kernel-plan", "load", "long-context", "memory", "migration", "mla", "prefill",
                "serve", "structured", "tiers", "tracing", "transfer", "ttft-prefix", "vllm-client")
 
@@ -263,6 +264,8 @@ def _bench_main(name: str) -> Callable[[list[str]], int]:
         from benchmarks.guard_bench import main
     elif name == "hybrid-kv":
         from benchmarks.hybrid_kv_bench import main
+    elif name == "deterministic":
+        from benchmarks.deterministic_bench import main
     elif name == "kernel":
         from benchmarks.kernel_bench import main
     elif name == "kernel-plan":

@@ -107,7 +107,8 @@ def test_every_bench_name_resolves_to_its_main() -> None:
     assert {name: f.__module__ for name, f in mains.items()} == {
         "bandwidth": "benchmarks.bandwidth_bench", "cache-policies": "benchmarks.cache_policies",
         "cuda-graphs": "benchmarks.graph_bench",
-        "decode": "benchmarks.decode_bench", "disk-prefix": "benchmarks.disk_prefix_bench",
+        "decode": "benchmarks.decode_bench", "deterministic": "benchmarks.deterministic_bench",
+        "disk-prefix": "benchmarks.disk_prefix_bench",
         "dtype": "benchmarks.dtype_bench", "goodput": "benchmarks.goodput_bench", "guard": "benchmarks.guard_bench",
         "hybrid-kv": "benchmarks.hybrid_kv_bench",
         "kernel": "benchmarks.kernel_bench", "kernel-plan": "benchmarks.kernel_plan_bench", "load": "benchmarks.load",

@@ -31,7 +31,7 @@ PREFIX_TOKENS = 128
 
 @pytest.fixture(scope="module")
 def bf16_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny bf16 model wide enough (128) that the default paths' sums differ (`tests/engine/test_deterministic.py`)."""
+    """A tiny bf16 model wide enough (128) that the default paths' sums differ."""
     return write_tiny_model(tmp_path_factory.mktemp("det-cluster") / "model", seed=1, hidden=128, heads=4,
                             kv_heads=2, dtype="bfloat16")
 
