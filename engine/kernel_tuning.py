@@ -164,7 +164,7 @@ def deterministic_plan_for(model: torch.nn.Module, kv_pool: torch.Tensor, backen
             raise refuse(f"the {kind} weights ({weight.dtype}) have no blocked copy")
     if not all(m.fast is not None for m in model.modules() if isinstance(m, RMSNorm)):
         raise refuse("an RMSNorm has no C++ kernel (weights scaled in float32, or not contiguous)")
-    return deterministic_plan()
+    return deterministic_plan(stack=model.decode_stack is not None)
 
 
 def best_us(candidates: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:

@@ -28,9 +28,19 @@ def linear_kernels(model: LlamaForCausalLM) -> dict[str, list[LinearKernel]]:
 def apply_kernel_plan(model: LlamaForCausalLM, plan: KernelPlan) -> None:
     """Take ``plan``'s paths: each dense linear kernel's per row bucket, the one-call decode path's row counts, and
     free the weight copies no chosen path reads (without the stack, its blocked copies and the stack itself; the
-    blocked copies left are gathered into a new huge-page buffer). A copy freed is gone: apply a plan once, after
-    `LlamaForCausalLM.prepare_for_inference` (a second call may only drop more)."""
+    blocked copies left are gathered into a new huge-page buffer). A deterministic plan's stack splits each
+    sequence's keys into one part. A copy freed is gone: apply a plan once, after
+    `LlamaForCausalLM.prepare_for_inference` (a second call may only drop more).
+
+    Raises:
+        ValueError: a deterministic plan with the stack for a model without one (its layers would run the one-call
+            layer, whose attention splits the keys by the thread count).
+    """
     stack = any(plan.stack)
+    if plan.deterministic and stack:
+        if model.decode_stack is None:
+            raise ValueError("a deterministic plan takes the stack only for a model whose every layer fuses")
+        model.decode_stack.set_fixed_parts(1)
     for kind, kernels in linear_kernels(model).items():
         for kernel in kernels:
             kernel.use(plan.linear[kind])

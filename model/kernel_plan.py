@@ -20,7 +20,8 @@ tile path makes it the slower one. `builtin_plan` is the rule the code had befor
 whose bits do not depend on the batch, the chunk or the thread count. The blocked kernel sums each output row on
 its own in input order, at any row count (oneDNN and ``F.linear`` pick other blockings, so other sums, as the rows
 change); the C++ decode attention with its keys in one part (`kernels.cpu_attention`), and prefill as decode rows
-(`kernels.cpu_attention.prefill_attention_rows`); no one-call stack (it splits the keys by the thread count).
+(`kernels.cpu_attention.prefill_attention_rows`); the one-call stack where every layer fuses, its attention's keys
+in one part too (it runs the per-layer path's kernels in the same order).
 """
 
 from __future__ import annotations
@@ -58,8 +59,8 @@ class KernelPlan:
         cpu: the CPU it was measured on (`model.cpu_identity.CpuIdentity.kernel_label`), or "" when not timed.
         timings_us: the median time of every candidate timed (``"linear.qkv.1.blocked"``, ``"stack.4.layers"``,
             ``"prefill_attention.cpp"``...), microseconds; empty for ``builtin``.
-        deterministic: `deterministic_plan`'s (source ``deterministic``): blocked at every bucket, no stack, the
-            C++ attention in its batch-invariant form.
+        deterministic: `deterministic_plan`'s (source ``deterministic``): blocked at every bucket, the C++
+            attention and the stack (where taken) in their batch-invariant form.
     """
 
     linear: dict[str, tuple[str, ...]]
@@ -90,8 +91,10 @@ class KernelPlan:
         for name in ("prefill_attention", "decode_attention"):
             if getattr(self, name) not in ATTENTION_PATHS:
                 raise ValueError(f"KernelPlan.{name} must be one of {ATTENTION_PATHS}; got {getattr(self, name)!r}")
-        if self.deterministic and (any(self.stack) or {self.prefill_attention, self.decode_attention} != {"cpp"}):
-            raise ValueError("KernelPlan: a deterministic plan has no stack and the C++ attention")
+        if self.deterministic and {self.prefill_attention, self.decode_attention} != {"cpp"}:
+            raise ValueError("KernelPlan: a deterministic plan takes the C++ attention")
+        if self.deterministic and len(set(self.stack)) > 1:
+            raise ValueError("KernelPlan: a deterministic plan takes the stack at every few-row bucket or at none")
 
     @property
     def stack_rows(self) -> tuple[int, ...]:
@@ -149,8 +152,9 @@ def builtin_plan(*, packed: bool) -> KernelPlan:
                       stack=(True,) * FEW_ROW_BUCKETS)
 
 
-def deterministic_plan() -> KernelPlan:
-    """Deterministic mode's plan (see module doc): the blocked kernel at every row count for every kind, no stack,
-    the C++ attention (prefill as decode rows, the keys in one part)."""
+def deterministic_plan(*, stack: bool) -> KernelPlan:
+    """Deterministic mode's plan (see module doc): the blocked kernel at every row count for every kind, the C++
+    attention (prefill as decode rows, the keys in one part), and the one-call stack at 1-16 rows with ``stack``
+    (pass whether the model has one: `model.llama.LlamaForCausalLM.decode_stack`)."""
     return KernelPlan(linear=dict.fromkeys(LINEAR_KINDS, ("blocked",) * len(ROW_BUCKETS)),
-                      stack=(False,) * FEW_ROW_BUCKETS, source="deterministic", deterministic=True)
+                      stack=(stack,) * FEW_ROW_BUCKETS, source="deterministic", deterministic=True)

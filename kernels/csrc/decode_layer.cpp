@@ -480,17 +480,20 @@ bool team_head(const TeamThread& team, const Blocked<T>& w, const T* x, int64_t 
 // that keeps it allocates nothing in the steady state); head (or null: logits and greedy are then unused) then
 // writes the LM head's float32 logits [T, head->out] into logits, and each row's argmax into greedy [T] where not
 // null. With balance (or null), a team of two cuts each linear layer where it says and moves the cuts after the
-// step. Raises
+// step. fixed_parts > 0: the attention splits each sequence's keys into that many parts whatever the batch and the
+// thread count (paged_decode_attention's `parts`: deterministic mode's 1); 0: attention_parts' rule. Raises
 // (RuntimeError) what a team thread raised (none is expected: the inputs are checked and the buffers sized before
 // the team starts).
 template <typename T>
 void run_layers(const std::vector<const LayerPlan<T>*>& plans, const std::vector<LayerStep<T>>& steps, T* x,
                 int64_t t_rows, const T* cp, const T* snp, const T* final_norm, float final_eps, Scratch<T>& s,
                 const Blocked<T>* head = nullptr, float* logits = nullptr, int64_t* greedy = nullptr,
-                Balance* balance = nullptr) {
+                Balance* balance = nullptr, int64_t fixed_parts = 0) {
   const int64_t threads = std::max<int64_t>(1, at::in_parallel_region() ? 1 : at::get_num_threads());
   // the parts paged_decode_attention splits the keys into, from the thread count it sees (the same bits)
-  const int64_t parts = kvrelay_cpu::attention_parts(t_rows, plans[0]->kv_heads, at::get_num_threads());
+  const int64_t parts = fixed_parts > 0 ? fixed_parts
+                                        : kvrelay_cpu::attention_parts(t_rows, plans[0]->kv_heads,
+                                                                       at::get_num_threads());
   for (const LayerPlan<T>* p : plans) s.fit(*p, t_rows, parts);
   if (head != nullptr) s.fit_head(*head, t_rows, threads);
   const int64_t n = static_cast<int64_t>(plans.size());
@@ -705,6 +708,14 @@ class DecodeStack {
       balance_.permille[k].store(static_cast<int32_t>(permille[k]), std::memory_order_relaxed);
   }
 
+  // Each sequence's keys in `parts` parts at every step (paged_decode_attention's `parts`), or 0 for the rule that
+  // splits them when the batch is small (the default).
+  void set_fixed_parts(int64_t parts) {
+    TORCH_CHECK(parts >= 0, "DecodeStack: parts must be >= 1, or 0 for the thread-count rule; got ", parts);
+    fixed_parts_ = parts;
+  }
+  int64_t fixed_parts() const { return fixed_parts_; }
+
   void set_final_norm(const at::Tensor& weight, double eps) {
     TORCH_CHECK(!groups_.empty(), "DecodeStack: add the layers before the final norm");
     TORCH_CHECK(weight.dim() == 1 && weight.size(0) == hidden_ && weight.scalar_type() == dtype_ &&
@@ -831,7 +842,7 @@ class DecodeStack {
     else scratch = &scratch_bf16_;
     run_layers<T>(ptrs, steps, y.data_ptr<T>(), t_rows, cos.data_ptr<T>(), sin.data_ptr<T>(),
                   final_norm_.defined() ? final_norm_.data_ptr<T>() : nullptr, static_cast<float>(final_eps_),
-                  *scratch, head, logits, greedy, &balance_);
+                  *scratch, head, logits, greedy, &balance_, fixed_parts_);
   }
 
   at::ScalarType dtype_ = at::kFloat;
@@ -847,6 +858,7 @@ class DecodeStack {
   Blocked<at::BFloat16> head_bf16_{};
   int64_t vocab_ = 0;
   mutable Balance balance_;  // how the team of two splits each kind of linear layer, learnt step by step
+  int64_t fixed_parts_ = 0;  // set_fixed_parts
   // A step's intermediate rows, kept from step to step: sized anew each step they allocated, and at 16 rows the
   // head's ~1.5 MB bf16 buffer was mapped and faulted in each step.
   mutable std::mutex scratch_mutex_;
@@ -865,6 +877,8 @@ void bind_decode_stack(pybind11::module_& m) {
       .def("set_ends", &DecodeStack::set_ends)
       .def("cuts", &DecodeStack::cuts)
       .def("set_cuts", &DecodeStack::set_cuts)
+      .def("set_fixed_parts", &DecodeStack::set_fixed_parts)
+      .def("fixed_parts", &DecodeStack::fixed_parts)
       .def("has_ends", &DecodeStack::has_ends)
       .def("logits", &DecodeStack::logits, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("forward", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());

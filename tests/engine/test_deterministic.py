@@ -110,10 +110,16 @@ def test_tokens_and_logprobs_do_not_depend_on_batch_chunk_threads_or_recompute(b
 
 
 def test_the_deterministic_plan_is_applied(bf16_dir: Path) -> None:
+    """Llama's layers all fuse: the one-call stack at 1-16 rows, its keys in one part; Qwen3's q/k norms do not:
+    no stack, no one-call layer."""
     engine = _engine(bf16_dir)
     plan, model = engine.kernel_plan, engine.model
     assert plan.deterministic and plan.source == "deterministic"
-    assert model.decode_stack is None and all(layer.fused is None for layer in model.model.layers)
+    if model.config.qk_norm:
+        assert plan.stack_rows == () and model.decode_stack is None
+        assert all(layer.fused is None for layer in model.model.layers)
+    else:
+        assert plan.stack_rows == tuple(range(1, 17)) and model.decode_stack.fixed_parts() == 1
     kernels = [k for ks in linear_kernels(model).values() for k in ks]
     assert all(k.paths == ("blocked",) * 6 and k.packed is None and k.blocked is not None for k in kernels)
     assert engine.runner.backend.invariant

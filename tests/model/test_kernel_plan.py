@@ -47,12 +47,13 @@ def test_builtin_plan() -> None:
 
 
 def test_deterministic_plan() -> None:
-    plan = deterministic_plan()
-    assert plan.linear == dict.fromkeys(LINEAR_KINDS, ("blocked",) * 6) and plan.stack_rows == ()
+    plan = deterministic_plan(stack=True)
+    assert plan.linear == dict.fromkeys(LINEAR_KINDS, ("blocked",) * 6) and plan.stack_rows == tuple(range(1, 17))
     assert (plan.source, plan.deterministic, plan.prefill_attention, plan.decode_attention) == (
         "deterministic", True, "cpp", "cpp")
     assert plan.summary()["deterministic"] is True and plan.summary()["linear"]["qkv"]["17+"] == "blocked"
     assert KernelPlan.from_json(plan.to_json(), source="deterministic") == plan
+    assert deterministic_plan(stack=False).stack_rows == ()
 
 
 def _plan(**changes: object) -> KernelPlan:
@@ -68,10 +69,10 @@ def _plan(**changes: object) -> KernelPlan:
     ({"prefill_attention": "sdpa"}, "prefill_attention must be one of"),
     ({"decode_attention": "fast"}, "decode_attention must be one of"),
     ({"deterministic": True}, "a deterministic plan takes the blocked kernel at every row count"),
-    ({"deterministic": True, "linear": dict.fromkeys(LINEAR_KINDS, ("blocked",) * 6)},
-     "a deterministic plan has no stack and the C\\+\\+ attention"),
+    ({"deterministic": True, "linear": dict.fromkeys(LINEAR_KINDS, ("blocked",) * 6),
+      "stack": (True, False, True, True, True)}, "takes the stack at every few-row bucket or at none"),
     ({"deterministic": True, "linear": dict.fromkeys(LINEAR_KINDS, ("blocked",) * 6), "stack": (False,) * 5,
-      "prefill_attention": "torch"}, "a deterministic plan has no stack and the C\\+\\+ attention"),
+      "prefill_attention": "torch"}, "a deterministic plan takes the C\\+\\+ attention"),
 ])
 def test_a_plan_that_does_not_fit_is_refused(changes: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
