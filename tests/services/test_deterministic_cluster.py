@@ -87,4 +87,8 @@ def test_bf16_streams_moved_mid_stream_end_as_one_engine_runs_them(bf16_dir: Pat
             assert s.finish == "length" and s.usage.completion_tokens == MAX_TOKENS
             assert "".join(s.pieces) == tok.decode(expected[i]), f"stream {i} differs from the one-engine run"
         assert metrics(c.url)['kvrelay_router_migrations_total{outcome="moved"}'] == STREAMS
+        # a long-context policy selects KV through kernels the mode does not cover: refused, nothing held
+        code, body = post(c.url, {"model": "tiny", "prompt": prompts[0], "max_tokens": 4,
+                                  "kvrelay": {"long_context": {"policy": "h2o", "device_budget_tokens": 256}}})
+        assert code == 400 and "policy h2o selects KV by attention scores" in str(body), (code, body)
         wait_for(lambda: idle([*c.prefill_urls, survivor]), what="every block given back")
