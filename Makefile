@@ -18,7 +18,10 @@ $(BIN)/kvrelay: pyproject.toml
 	# No NVIDIA GPU: torch's CPU build first (here it lies on disk; half the install time and size of the CUDA
 	# build and its 3 GB of CUDA libraries). Set CPU_TORCH= to keep the CUDA build.
 	command -v nvidia-smi >/dev/null || test -z '$(CPU_TORCH)' || $(BIN)/pip install -q '$(CPU_TORCH)'
-	$(BIN)/pip install -q -e '.[test,dev]'
+	# The C++ CPU kernels compile at install against the torch installed (setup.py), so no start compiles: torch and
+	# setuptools first, then no build isolation; only this machine's variant (a wheel carries all four).
+	$(BIN)/pip install -q 'setuptools>=77' "$$(grep -o '"torch[^"]*"' pyproject.toml | tr -d '"')"
+	KVRELAY_BUILD_VARIANTS=native $(BIN)/pip install -q --no-build-isolation -e '.[test,dev]'
 	# Hugging Face's `kernels` distribution (pulled in by transformers 5.25+) is imported as this project's kernels/
 	$(BIN)/pip uninstall -q -y kernels 2>/dev/null || true
 	touch $(BIN)/kvrelay

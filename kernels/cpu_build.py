@@ -1,40 +1,62 @@
-"""Building this package's C++ CPU kernels (`kernels/csrc/`) once per process, on first use.
+"""Loading this package's C++ CPU kernels (`kernels/csrc/`): prebuilt at install, else built once per machine.
 
-All of them are one extension, `CPU_KERNELS` (`kernels.cpu_small` and `kernels.cpu_attention` call into it): its
-`LazyExtension.load` compiles the sources with torch's C++ extension builder (ninja, the files side by side on
-the machine's cores; cached per machine under ``~/.cache/torch_extensions``) the first time and returns the
-module, or None when ``KVRELAY_CPU_KERNELS=0`` turns the C++ kernels off or the build failed (logged once;
-callers keep their torch path). One extension, not one per file: a clean clone (CI, a user's first start)
-builds the files at once instead of one after the other (11.9 s against 22.2 s on a 2-core Zen 4 VM).
+All of them are one extension, `CPU_KERNELS` (`kernels.cpu_small` and `kernels.cpu_attention` call into it), in the
+instruction-set variant this CPU runs (`kernels.isa`: AVX512-BF16, AVX-512, AVX2 or plain C++). `LazyExtension.load`
+returns, on its first call in a process:
+
+1. the variant's prebuilt module ``kernels._cpu_kernels_<variant>``, compiled by ``pip install`` (``setup.py``:
+   every variant, so the wheel runs on any x86-64 CPU without a compiler) — taken only when its `kernels.isa.build_id`
+   matches the sources and torch beside it (an edited source or another torch builds again instead);
+2. else a build on this machine with torch's extension builder, cached under ``KVRELAY_KERNEL_CACHE`` (default
+   ``~/.cache/kvrelay/kernels``) per torch version and variant, so a cache shared by different CPUs keeps one build
+   each. Builders take turns on a file lock the kernel frees when its holder dies; a process that holds it and
+   finds torch's own lock file in the build directory removes it (it can only be left by a build killed midway,
+   which would otherwise hang every later start); a process that waits longer than ``BUILD_WAIT_S`` for another's
+   build gives up;
+3. else None: ``KVRELAY_CPU_KERNELS=0``, no compiler, a failed build or a wait given up (logged once) — callers keep
+   their torch path.
 """
 
 from __future__ import annotations
 
-import hashlib
+import fcntl
+import importlib
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 
+from kernels.isa import CSRC, SOURCES, IsaVariant, compile_args, cpu_flags, module_name, variant_for
+from kernels.isa import build_id as isa_build_id
+
 log = logging.getLogger(__name__)
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 DISABLE_ENV = "KVRELAY_CPU_KERNELS"
+CACHE_ENV = "KVRELAY_KERNEL_CACHE"
+BUILD_WAIT_S = 600.0  # a cold build takes ~12-40 s on 2 cores; a holder this long is stuck, not building
+POLL_S = 0.2
+
+
+def default_cache_dir() -> Path:
+    """``KVRELAY_KERNEL_CACHE``, else ``~/.cache/kvrelay/kernels``."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "kvrelay" / "kernels")
 
 
 class LazyExtension:
-    """``name``: the extension's module name; ``sources``: its C++ files (one of them defines the Python
-    module); ``fallback``: what the callers use instead, for the log line."""
+    """``name``: the extension's name; ``sources``: its C++ files (one of them defines the Python module);
+    ``fallback``: what the callers use instead, for the log line. The variant comes from this CPU's flags
+    (`kernels.isa.variant_for`)."""
 
     def __init__(self, name: str, sources: list[Path], fallback: str) -> None:
         self.name, self.sources, self.fallback = name, sources, fallback
         self._lock = threading.Lock()
         self._loaded: ModuleType | None = None
         self._tried = False
+        self.origin = ""  # "prebuilt" or "built" once loaded: where the module came from
 
     def load(self) -> ModuleType | None:
-        """The compiled extension (built on the first call in this process), or None when disabled or the build
-        failed."""
+        """The extension (see module doc), or None when disabled or neither prebuilt nor buildable."""
         with self._lock:
             if self._tried:
                 return self._loaded
@@ -43,30 +65,73 @@ class LazyExtension:
                 log.info("%s=0: %s", DISABLE_ENV, self.fallback)
                 return None
             try:
-                from torch.utils.cpp_extension import load as build
+                import torch
 
-                self._loaded = build(self.name, [str(s) for s in self.sources],
-                                     extra_cflags=[*CFLAGS, f"-DKVRELAY_HEADERS={headers_digest(self.sources)}"],
-                                     verbose=False)
-            except Exception as exc:  # noqa: BLE001 - any build failure falls back to the torch path
-                log.warning("could not build %s (%s); %s", ", ".join(s.name for s in self.sources), exc,
+                variant = variant_for(cpu_flags())
+                want = isa_build_id(variant, torch.__version__)
+                self._loaded = prebuilt(variant, want)
+                self.origin = "prebuilt"
+                if self._loaded is None:
+                    self._loaded = build(variant, self.sources, default_cache_dir() / f"torch-{torch.__version__}",
+                                         wait_s=BUILD_WAIT_S)
+                    self.origin = "built"
+                log.info("C++ CPU kernels: %s, %s", variant.name, self.origin)
+            except Exception as exc:  # noqa: BLE001 - any failure falls back to the torch path
+                log.warning("could not load or build %s (%s); %s", ", ".join(s.name for s in self.sources), exc,
                             self.fallback)
                 self._loaded = None
             return self._loaded
 
 
-def headers_digest(sources: list[Path]) -> str:
-    """A digest of the headers beside ``sources``: torch's builder rebuilds when a source or a flag changes, not a
-    header, so the digest goes into the flags."""
-    digest = hashlib.sha256()
-    for header in sorted({h for s in sources for h in s.parent.glob("*.h")}):
-        digest.update(header.read_bytes())
-    return digest.hexdigest()[:16]
+def prebuilt(variant: IsaVariant, want: str) -> ModuleType | None:
+    """The variant's module compiled at install (``kernels._cpu_kernels_<variant>``), or None when there is none or
+    it was built from other sources or for another torch (its ``build_id()`` is not ``want``)."""
+    try:
+        module = importlib.import_module(f"kernels.{module_name(variant)}")
+    except ImportError:
+        return None
+    got = module.build_id()
+    if got != want:
+        log.info("the prebuilt %s kernels are from other sources or another torch (%s, not %s); building",
+                 variant.name, got, want)
+        return None
+    return module
 
 
-CSRC = Path(__file__).parent / "csrc"
-CPU_KERNELS = LazyExtension("kvrelay_cpu_kernels",
-                            [CSRC / "small_ops.cpp", CSRC / "decode_attention.cpp", CSRC / "decode_layer.cpp",
-                             CSRC / "prefill_attention.cpp"],
+def build(variant: IsaVariant, sources: list[Path], cache: Path, *, wait_s: float) -> ModuleType:
+    """``variant``'s module built with torch's extension builder into ``cache / <variant>`` (reused when up to date),
+    holding ``cache / <variant>.lock`` while it builds (see module doc).
+
+    Raises:
+        TimeoutError: another process held the lock for ``wait_s``.
+        RuntimeError, OSError: the build failed.
+    """
+    import torch
+    from torch.utils.cpp_extension import load
+
+    directory = cache / variant.name
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(cache / f"{variant.name}.lock", "w") as lock:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"another process has been building the {variant.name} kernels in "
+                                       f"{directory} for over {wait_s:.0f} s") from None
+                time.sleep(POLL_S)
+        # every builder holds the flock first, so torch's own lock file here is a killed build's leftover
+        baton = directory / "lock"
+        if baton.exists():
+            log.warning("removing %s, left by a build that did not finish", baton)
+            baton.unlink()
+        return load(module_name(variant), [str(s) for s in sources],
+                    extra_cflags=compile_args(variant, torch.__version__), build_directory=str(directory),
+                    verbose=False)
+
+
+CPU_KERNELS = LazyExtension("kvrelay_cpu_kernels", [CSRC / s for s in SOURCES],
                             "F.linear, torch's RMSNorm, decode attention through torch ops and prefill "
                             "attention through SDPA instead")

@@ -202,7 +202,16 @@ void bind_decode_stack(pybind11::module_& m);  // decode_layer.cpp: the DecodeSt
 // to 0.23-0.39 s (p90 1.04-1.10 s); the rest was lease renewals waiting for the engine thread (transfer/owner.py).
 constexpr auto kNoGil = pybind11::call_guard<pybind11::gil_scoped_release>();
 
+// What this build was made from (kernels/isa.py build_id: sources, headers, flags, torch's version): the loader takes
+// a prebuilt module only when it matches the files beside it.
+#ifndef KVRELAY_BUILD_ID
+#define KVRELAY_BUILD_ID unknown
+#endif
+#define KVRELAY_STR2(x) #x
+#define KVRELAY_STR(x) KVRELAY_STR2(x)
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("build_id", []() { return std::string(KVRELAY_STR(KVRELAY_BUILD_ID)); }, "what this build was made from");
   m.def("blocked_linear", &blocked_linear, "y = x W^T + b for a few rows of x, W blocked (CPU, bf16 or float32)",
         kNoGil);
   m.def("rotary", &rotary, "NeoX rotary embedding of [T, H, D] (CPU, float32 or bf16)", kNoGil);

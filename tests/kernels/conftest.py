@@ -41,3 +41,18 @@ def no_tf32():
     torch.backends.cuda.matmul.allow_tf32 = False
     yield
     torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+@pytest.fixture(scope="session")
+def base_kernels(tmp_path_factory: pytest.TempPathFactory):
+    """The plain C++ variant (`kernels.isa`: no AVX2, AVX-512 or AVX512-BF16 instructions) built by
+    `kernels.cpu_build.build` into a fresh cache in which a killed build's lock file was left behind: ``(module,
+    cache directory)``. The build must remove the stale lock, not wait on it (pytest's timeout fails a hang)."""
+    from kernels import cpu_build
+    from kernels.isa import VARIANT_BY_NAME
+
+    cache = tmp_path_factory.mktemp("kernel-cache")
+    (cache / "base").mkdir()
+    (cache / "base" / "lock").touch()  # what torch's builder leaves when killed mid-build
+    module = cpu_build.build(VARIANT_BY_NAME["base"], cpu_build.CPU_KERNELS.sources, cache, wait_s=5.0)
+    return module, cache

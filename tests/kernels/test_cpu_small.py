@@ -196,21 +196,11 @@ def test_linear_kernel_takes_blocked_for_bf16_at_up_to_its_rows_only(ext, monkey
     assert LinearKernel(w.double(), None).blocked_ext is None
 
 
-def test_blocked_linear_without_vector_instructions_gives_the_same_results(tmp_path) -> None:
-    """The plain C++ paths (CPUs without AVX512-BF16, AVX-512 or AVX2) sum the same layouts in float32: built here
-    with those instructions turned off, they agree with the product as the vector paths do (the linear layer in
-    bf16 and float32, the prefill attention, which shares its cores, and the decode attention's bf16 passes)."""
-    import shutil
-
-    from torch.utils.cpp_extension import load as build
-
-    if shutil.which("g++") is None:
-        pytest.fail("g++ is needed to build the C++ kernels")
-    from kernels.cpu_build import CFLAGS, CPU_KERNELS
-
-    plain = build("kvrelay_cpu_kernels_plain", [str(s) for s in CPU_KERNELS.sources],
-                  extra_cflags=[*CFLAGS, "-mno-avx512f", "-mno-avx2", "-mno-fma"], build_directory=str(tmp_path),
-                  verbose=False)
+def test_blocked_linear_without_vector_instructions_gives_the_same_results(base_kernels) -> None:
+    """The plain C++ paths (CPUs without AVX512-BF16, AVX-512 or AVX2: the ``base`` variant of `kernels.isa`) sum the
+    same layouts in float32: they agree with the product as the vector paths do (the linear layer in bf16 and
+    float32, the prefill attention, which shares its cores, and the decode attention's bf16 passes)."""
+    plain, _ = base_kernels
     g = torch.Generator().manual_seed(3)
     for rows, (out, inp) in ((1, (960, 576)), (17, (17, 33))):
         x = torch.randn(rows, inp, generator=g).bfloat16()
