@@ -34,10 +34,22 @@ History = tuple[Sequence[int], Sequence[int]]  # (prompt token ids, output token
 
 def adjust_logits(row: torch.Tensor, params: SamplingParams, history: History,
                   eos_token_ids: Collection[int]) -> None:
-    """Apply ``params``' min_tokens, logit_bias and penalties to one float32 row ``[vocab]`` in place
-    (the order and meaning are `SamplingParams`')."""
+    """Apply ``params``' allowed_token_ids, bad words, min_tokens, logit_bias and penalties to one float32 row
+    ``[vocab]`` in place (the order and meaning are `SamplingParams`')."""
     prompt, output = history
     vocab = row.shape[-1]
+    if params.allowed_token_ids is not None:
+        keep = torch.tensor([t for t in params.allowed_token_ids if t < vocab], dtype=torch.long, device=row.device)
+        kept = row[keep]
+        row.fill_(float("-inf"))
+        row[keep] = kept
+    if params.bad_words_token_ids:
+        tail = list(output)
+        banned_words = [w[-1] for w in params.bad_words_token_ids
+                        if w[-1] < vocab and (len(w) == 1 or (len(tail) >= len(w) - 1
+                                                              and tail[len(tail) - len(w) + 1:] == list(w[:-1])))]
+        if banned_words:
+            row[banned_words] = float("-inf")
     if len(output) < params.min_tokens:
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
         banned = [t for t in stops if 0 <= t < vocab]
