@@ -187,8 +187,11 @@ def test_bad_words_allowed_ids_and_truncation_reach_the_params(served):
     assert p.allowed_token_ids == (6, 5)
     req = parse_completion({"model": "tiny", "prompt": list(range(1, 11)), "truncate_prompt_tokens": 4}, served)
     assert req.prompt_token_ids == [7, 8, 9, 10]
-    assert parse_completion({"model": "tiny", "prompt": [1] * 200, "truncate_prompt_tokens": -1},
-                            served).prompt_token_ids == [1] * MAX_MODEL_LEN
+    err = refused(lambda b: parse_completion(b, served), {"model": "tiny", "prompt": [1] * 200,
+                                                          "truncate_prompt_tokens": -1})
+    assert err.message.startswith("this model's context window is 128 tokens and the prompt has 128: no room")
+    assert parse_completion({"model": "tiny", "prompt": [1] * 100, "truncate_prompt_tokens": -1},
+                            served).prompt_token_ids == [1] * 100
     err = refused(lambda b: parse_completion(b, served), {"model": "tiny", "prompt": "x", "allowed_token_ids": [258]})
     assert (err.param, err.message) == ("allowed_token_ids", "allowed_token_ids: 258 is not a token id in [0, 258)")
     err = refused(lambda b: parse_completion(b, served), {"model": "tiny", "prompt": "x", "truncate_prompt_tokens": 0})
@@ -247,6 +250,8 @@ def test_every_vllm_field_is_honoured_or_refused_with_a_400_naming_it(served, th
                     body["add_generation_prompt"] = False
                 if name == "top_logprobs":
                     body["logprobs"] = True
+                if name == "tools":
+                    body["tool_choice"] = "none"
                 parse(body)  # raises ApiError if refused
             if refused_here:
                 err = refused(parse, {**base, name: REFUSED[name]})
