@@ -183,9 +183,10 @@ class DecodeService(EngineNode):
         error: str | None = None
         try:
             async for out in stream:
-                timings = None
+                timings, cached = None, None
                 if first:  # the request's first step is over: the stages up to it are known
                     first = False
+                    cached = out.num_cached_prompt_tokens
                     stages += _engine_stages(submitted_ns, stream.times.scheduled_ns, stream.times.first_output_ns)
                     timings = _timings(stages)
                 if out.finished:
@@ -194,7 +195,7 @@ class DecodeService(EngineNode):
                     stages.append(Stage("decode.stream", stream.times.first_output_ns, time.time_ns()))
                     timings = _timings(stages)
                 await self._write(request, resp, encode_frame(DecodeFrame(
-                    out.index, out.new_token_ids, out.finished, out.finish_reason, out.logprobs, timings)))
+                    out.index, out.new_token_ids, out.finished, out.finish_reason, out.logprobs, timings, cached)))
             done = True
         except RequestError as exc:
             error = str(exc)

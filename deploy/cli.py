@@ -169,6 +169,8 @@ def serve_config(args: argparse.Namespace, *, free_port: int) -> dict[str, Any]:
     for key in ("enable_auto_tool_choice", "return_tokens_as_token_ids"):
         if getattr(args, key):
             router[key] = True
+    if args.generation_config is not None:
+        router["generation_config"] = args.generation_config
     if args.otlp_traces_endpoint is not None:
         section("observability")["otlp_endpoint"] = args.otlp_traces_endpoint
     for key in ("prefill_urls", "decode_urls", "prefill_dns", "decode_dns"):  # the one node is this machine's
@@ -320,6 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     from deploy.service_config import ATTENTION_BACKENDS
     from deploy.store_cmd import add_store_parser
     from model.dtype_names import DTYPE_CHOICES
+    from model.generation_config import GENERATION_CONFIG_MODES
     from router.tool_calls import PARSER_NAMES
 
     parser = argparse.ArgumentParser(prog="kvrelay", description=__doc__.splitlines()[0])
@@ -401,6 +404,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="observability.otlp_endpoint: export one trace per request over OTLP/HTTP to this URL")
     p.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help='router.return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"')
+    p.add_argument("--generation-config", default=None, choices=GENERATION_CONFIG_MODES,
+                   help="router.generation_config: auto (default) takes the sampling defaults of the model's "
+                        "generation_config.json; vllm uses vLLM's neutral defaults")
     p.set_defaults(func=_cmd_serve)
     for role in ("router", "prefill", "decode"):
         p = sub.add_parser(role, help=f"run one {role} process (for separate deployments)")

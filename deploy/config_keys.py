@@ -47,6 +47,7 @@ from engine.long_context import POLICIES, SELECTIONS, LongContextConfig
 from kvstore.digest import DEFAULT_INTEGRITY, DEFAULT_SAMPLE_RATE
 from kvstore.policy import DEFAULT_POLICY
 from model.dtype_names import AUTO, DTYPE_CHOICES, DTYPE_NAMES
+from model.generation_config import GENERATION_CONFIG_MODES
 from router.plan import MODES as DISAGGREGATION_MODES
 from router.tool_calls import PARSER_NAMES
 from transfer.config import PUBLISH_FAULTS
@@ -319,6 +320,10 @@ KEYS: Mapping[str, Key] = _table(
         "the output for tool calls (vLLM's --enable-auto-tool-choice)."),
     Key("router.return_tokens_as_token_ids", boolean, False, 'Logprobs name tokens "token_id:N" (vLLM\'s '
         "--return-tokens-as-token-ids)."),
+    Key("router.generation_config", one_of(GENERATION_CONFIG_MODES), "auto", "Defaults of the sampling fields a "
+        "request leaves out (vLLM's --generation-config): auto takes temperature, top_p, top_k, min_p, "
+        "repetition_penalty, max_new_tokens and extra eos_token_id entries from the model's "
+        "generation_config.json; vllm uses vLLM's neutral defaults."),
     # ---------------------------------------------------------- observability
     Key("observability.otlp_endpoint", http_url, None, "An OTLP/HTTP traces URL, e.g. "
         "http://collector:4318/v1/traces (vLLM's --otlp-traces-endpoint).",

@@ -108,6 +108,7 @@ class RouterSection:
     tool_call_parser: str | None = None  # vLLM's --tool-call-parser (router.tool_calls); None: by model family
     enable_auto_tool_choice: bool = False  # vLLM's --enable-auto-tool-choice: tool_choice auto is parsed
     return_tokens_as_token_ids: bool = False  # vLLM's --return-tokens-as-token-ids: logprob tokens as token_id:N
+    generation_config: str = "auto"  # vLLM's --generation-config: auto (the model's defaults) | vllm
 
 
 

@@ -4,7 +4,7 @@ The servers are the ``kvrelay`` command (`deploy.cli`); the packages beside this
 """
 
 from kvrelay.llm import LLM, CompletionOutput, RequestOutput
-from model.sampling_params import SamplingParams
+from kvrelay.sampling_params import SamplingParams
 from model.structured import StructuredOutput, StructuredOutputsParams
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "StructuredOutput", "StructuredOutputsParams"]

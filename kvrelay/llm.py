@@ -19,7 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from model.sampling_params import SamplingParams, TokenLogprobs
+from kvrelay.sampling_params import SamplingParams
+from model.generation_config import load_generation_defaults
+from model.sampling_params import TokenLogprobs
 
 Prompt = str | Sequence[int]
 
@@ -57,6 +59,8 @@ class LLM:
             CPU. On CUDA, ``gpu_memory_utilization`` (a fraction of the free memory) instead, default 0.85.
         max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching: as the server's
             ``engine`` section.
+        generation_config: ``auto`` (the model's ``generation_config.json`` gives the defaults of
+            `get_default_sampling_params`, as vLLM's) or ``vllm`` (vLLM's neutral defaults).
 
     Raises:
         deploy.sizes.ConfigError: a bad value, naming it (as the server's config does).
@@ -65,7 +69,7 @@ class LLM:
     def __init__(self, model: str | Path, *, dtype: str = "auto", device: str = "cpu", block_size: int = 16,
                  kv_cache_memory: int | str | None = None, gpu_memory_utilization: float | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, generation_config: str = "auto") -> None:
         from prometheus_client import CollectorRegistry
 
         from deploy.config import parse_config
@@ -94,14 +98,24 @@ class LLM:
         }, base_dir=Path.cwd())
         self.engine = build_engine(self.config, node_name="offline", registry=CollectorRegistry())
         self.tokenizer = load_tokenizer(self.config.model.path)
+        self._defaults = load_generation_defaults(self.config.model.path, generation_config)
         self._ids = itertools.count()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` use when given no params (vLLM's): `SamplingParams()` with the model's
+        generation_config.json defaults (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens
+        as max_tokens) under ``generation_config="auto"``."""
+        d = self._defaults
+        return SamplingParams(temperature=d.temperature, top_p=d.top_p, top_k=d.top_k, min_p=d.min_p,
+                              repetition_penalty=d.repetition_penalty, max_tokens=d.max_tokens or 16)
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams]
                  | None = None, *, use_tqdm: bool = True) -> list[RequestOutput]:
         """Complete every prompt (text, or token ids) in one batch; results in prompt order.
 
-        ``sampling_params``: one for all, or one per prompt (default: ``SamplingParams()``, greedy, 16
-        tokens). A request's seed gives the same tokens as the server with that seed.
+        ``sampling_params``: one for all, or one per prompt (default: `get_default_sampling_params`, which
+        samples at temperature 1.0 unless the model's generation_config.json says otherwise, as vLLM's). A
+        request's seed gives the same tokens as the server with that seed.
 
         Raises:
             engine.engine.RequestError: a prompt the engine refuses (empty, too long, ...), naming it.
@@ -111,7 +125,7 @@ class LLM:
             prompts = [prompts]  # type: ignore[list-item]
         prompt_list = list(prompts)  # type: ignore[arg-type]
         params_list = (list(sampling_params) if isinstance(sampling_params, Sequence)
-                       else [sampling_params or SamplingParams()] * len(prompt_list))
+                       else [sampling_params or self.get_default_sampling_params()] * len(prompt_list))
         if len(params_list) != len(prompt_list):
             raise ValueError(f"got {len(params_list)} sampling params for {len(prompt_list)} prompts")
         token_lists = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt_list]
@@ -128,7 +142,7 @@ class LLM:
         texts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
         token_lists = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
         params_list = (list(sampling_params) if isinstance(sampling_params, Sequence)
-                       else [sampling_params or SamplingParams()] * len(texts))
+                       else [sampling_params or self.get_default_sampling_params()] * len(texts))
         return self._run(texts, token_lists, params_list, use_tqdm)
 
     def _run(self, prompts: list[Any], token_lists: list[list[int]], params_list: list[SamplingParams],

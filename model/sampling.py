@@ -34,15 +34,29 @@ History = tuple[Sequence[int], Sequence[int]]  # (prompt token ids, output token
 
 def adjust_logits(row: torch.Tensor, params: SamplingParams, history: History,
                   eos_token_ids: Collection[int]) -> None:
-    """Apply ``params``' min_tokens, logit_bias and penalties to one float32 row ``[vocab]`` in place
-    (the order and meaning are `SamplingParams`')."""
+    """Apply ``params``' allowed_token_ids, bad words, min_tokens, logit_bias and penalties to one float32 row
+    ``[vocab]`` in place (the order and meaning are `SamplingParams`').
+
+    A mask that would leave no token at all (every logit -inf: nothing could be drawn, and greedy would pick
+    token 0) is not applied: what came before it wins (a grammar over allowed_token_ids, those over a bad word,
+    any of them over min_tokens' hold on the stop tokens).
+    """
     prompt, output = history
     vocab = row.shape[-1]
+    if params.allowed_token_ids is not None:
+        keep = torch.tensor([t for t in params.allowed_token_ids if t < vocab], dtype=torch.long, device=row.device)
+        masked = torch.full_like(row, float("-inf"))
+        masked[keep] = row[keep]
+        if bool(torch.isfinite(masked).any()):
+            row.copy_(masked)
+    if params.bad_words_token_ids:
+        tail = list(output)
+        _ban(row, [w[-1] for w in params.bad_words_token_ids
+                   if w[-1] < vocab and (len(w) == 1 or (len(tail) >= len(w) - 1
+                                                         and tail[len(tail) - len(w) + 1:] == list(w[:-1])))])
     if len(output) < params.min_tokens:
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
-        banned = [t for t in stops if 0 <= t < vocab]
-        if banned:
-            row[banned] = float("-inf")
+        _ban(row, [t for t in stops if 0 <= t < vocab])
     if params.logit_bias:
         pairs = [(t, b) for t, b in params.logit_bias if 0 <= t < vocab]
         if pairs:
@@ -55,6 +69,16 @@ def adjust_logits(row: torch.Tensor, params: SamplingParams, history: History,
     if (params.frequency_penalty or params.presence_penalty) and output:
         counts = torch.bincount(torch.tensor(list(output), device=row.device), minlength=vocab)[:vocab].to(row.dtype)
         row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(row.dtype)
+
+
+def _ban(row: torch.Tensor, ids: list[int]) -> None:
+    """Set ``row[ids]`` to -inf in place, unless that leaves no finite logit (then ``row`` is left as it was)."""
+    if not ids:
+        return
+    saved = row[ids].clone()
+    row[ids] = float("-inf")
+    if not bool(torch.isfinite(row).any()):
+        row[ids] = saved
 
 
 def sampling_scores(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 from model.structured import StructuredOutput, StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # top alternatives per token (as OpenAI's top_logprobs and vLLM's default)
+MAX_ALLOWED_TOKEN_IDS = 1 << 18  # allowed_token_ids entries (a whole vocabulary of today's models)
+MAX_BAD_WORDS = 64  # token sequences in bad_words_token_ids (each word counts up to twice: with a leading space)
+MAX_BAD_WORD_TOKENS = 64  # tokens in one of them
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +30,15 @@ class SamplingParams:
     ``structured_outputs``: the output must match it (`model.structured`); tokens that would leave it are
     masked out before everything above (`engine.grammar`), and the request stops (``stop``) once the
     grammar has ended, ``ignore_eos`` notwithstanding.
+
+    ``allowed_token_ids`` (vLLM's): when set, every other token is masked out (-inf) before everything
+    above but the grammar. ``bad_words_token_ids`` (vLLM's ``bad_words``, tokenized by the router): a
+    one-token word is never picked; for a longer one, its last token is masked out whenever the output
+    ends with the word's other tokens.
+
+    This class is the engine's: its defaults are greedy (``temperature=0``), what internal callers and
+    tests mean when they leave temperature out. The public ``kvrelay.SamplingParams`` takes vLLM's
+    defaults (``temperature=1.0``).
 
     Raises:
         ValueError: naming the parameter and the allowed range.
@@ -49,6 +61,8 @@ class SamplingParams:
     logprobs: int | None = None  # return each token's logprob and this many top alternatives (None: none)
     # constrained decoding (None: free text); a StructuredOutputsParams (vLLM's spelling) becomes a StructuredOutput
     structured_outputs: StructuredOutput | None = None
+    allowed_token_ids: tuple[int, ...] | None = None  # only these may be picked (None: any)
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default_factory=tuple)  # token sequences never completed
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -78,6 +92,11 @@ class SamplingParams:
         ids = [t for t, _ in self.logit_bias]
         if len(set(ids)) != len(ids) or not all(-100.0 <= b <= 100.0 for _, b in self.logit_bias):
             raise ValueError("logit_bias must map distinct token ids to biases in [-100, 100]")
+        if self.allowed_token_ids is not None and not (
+                self.allowed_token_ids and all(isinstance(t, int) and t >= 0 for t in self.allowed_token_ids)):
+            raise ValueError("allowed_token_ids must be a non-empty list of token ids")
+        if not all(w and all(isinstance(t, int) and t >= 0 for t in w) for w in self.bad_words_token_ids):
+            raise ValueError("bad_words_token_ids must be non-empty token id sequences")
         if isinstance(self.structured_outputs, StructuredOutputsParams):
             object.__setattr__(self, "structured_outputs", self.structured_outputs.to_structured())
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutput):
@@ -92,7 +111,8 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         """Whether anything changes the logits before sampling (then the sampler needs the history)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.min_tokens or self.logit_bias)
+                    or self.min_tokens or self.logit_bias or self.allowed_token_ids is not None
+                    or self.bad_words_token_ids)
 
 
 @dataclass(frozen=True, slots=True)

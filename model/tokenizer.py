@@ -16,6 +16,7 @@ the template writes, so it is encoded with ``add_special_tokens=False``, as
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -101,14 +102,17 @@ class Tokenizer:
         return data
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
-                            tools: list[dict[str, Any]] | None = None) -> str:
+                            tools: list[dict[str, Any]] | None = None,
+                            template_kwargs: Mapping[str, Any] | None = None) -> str:
         """Render ``messages`` (``[{"role": ..., "content": ...}, ...]``) with the chat template.
 
         ``tools``: the functions the model may call, in OpenAI's shape (``[{"type": "function", "function":
         {"name", "description", "parameters"}}]``), as transformers passes them (templates that take none
         ignore them). Messages may carry what tool-use templates read: an assistant's ``tool_calls``
         (``[{"type": "function", "function": {"name", "arguments": {...}}}]``, arguments an object) and a tool
-        result's ``tool_call_id``.
+        result's ``tool_call_id``. ``template_kwargs``: more names for the template (vLLM's
+        ``chat_template_kwargs``, e.g. Qwen3's ``enable_thinking``; ``documents``); they cannot replace
+        ``messages``, ``tools``, ``add_generation_prompt`` or the special tokens.
 
         Raises:
             ValueError: the model has no chat template.
@@ -118,9 +122,9 @@ class Tokenizer:
             raise ValueError("this model's tokenizer_config.json has no chat_template; send a plain prompt")
         if self._compiled_template is None:
             self._compiled_template = compile_chat_template(self.chat_template)
+        names = {"documents": None, **(template_kwargs or {}), **self._special_tokens}
         return self._compiled_template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, documents=None,
-            **self._special_tokens,
+            **{**names, "messages": messages, "add_generation_prompt": add_generation_prompt, "tools": tools},
         )
 
 

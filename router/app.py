@@ -2,7 +2,7 @@
 
     POST /v1/completions, /v1/chat/completions   (stream: SSE ending with ``data: [DONE]``)
     POST /tokenize, /detokenize
-    GET  /v1/models, /health, /metrics
+    GET  /v1/models, /version, /health, /metrics
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import hashlib
 import hmac
+import importlib.metadata
 import json
 import logging
 import math
@@ -22,6 +23,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from model.generation_config import load_generation_defaults
 from model.sampling_params import TokenLogprobs
 from model.tokenizer import load_tokenizer
 from node.tracing import Tracing
@@ -154,6 +156,7 @@ class Router:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/version", self.version)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/health", self.health)
@@ -175,6 +178,10 @@ class Router:
             migration_limit=cfg.migration_limit, migrated=lambda outcome: self.metrics.migrations.labels(outcome).inc(),
             planned=self.metrics.planned)
         tokenizer = load_tokenizer(cfg.model_dir)
+        defaults = load_generation_defaults(cfg.model_dir, cfg.generation_config)
+        log.info("generation config %s: %s", cfg.generation_config,
+                 ", ".join(f"{k}={v}" for k, v in defaults.applied) if defaults.applied
+                 else "vLLM's neutral defaults (nothing taken from the model's generation_config.json)")
         parser = cfg.tool_call_parser or default_parser(
             cfg.model_dir, tokenizer.chat_template if tokenizer is not None else None)
         if cfg.enable_auto_tool_choice and parser is None:
@@ -182,7 +189,8 @@ class Router:
                         "is refused until router.tool_call_parser (--tool-call-parser) names one", cfg.model_dir)
         self.served = ServedModel(cfg.model_name, info.vocab_size, info.max_model_len, cfg.max_n, tokenizer,
                                   tool_call_parser=parser, enable_auto_tool_choice=cfg.enable_auto_tool_choice,
-                                  return_tokens_as_token_ids=cfg.return_tokens_as_token_ids)
+                                  return_tokens_as_token_ids=cfg.return_tokens_as_token_ids, defaults=defaults,
+                                  eos_token_ids=info.eos_token_ids)
         self.membership.start(self.nodes, on_change=self.dispatcher.queue.pump)
         self._pump_task = asyncio.create_task(self._pump_periodically())
 
@@ -374,11 +382,13 @@ class Router:
         token_ids: list[list[int]] = [[] for _ in choices]
         logprobs: list[list[TokenLogprobs]] = [[] for _ in choices]
         timer = _Timer()
+        cached = 0  # prompt tokens from a prefix cache, every prompt's
         gen = self._run_all(reqs, salt, tickets, trace.runs)
         try:
             async for i, delta in _with_deadline(gen, self.config.request_timeout_s):
                 timer.tokens(len(delta.token_ids))
                 trace.tokens(len(delta.token_ids))
+                cached += delta.num_cached_tokens or 0
                 if reasons[i] is not None:
                     continue
                 token_ids[i].extend(delta.token_ids)
@@ -408,7 +418,7 @@ class Router:
         body = full_response(
             req, self.served.name, outputs, reasons, sum(t.num_tokens for t in texts),
             [logprobs_body(req, tok, ids, lps) for ids, lps in zip(token_ids, logprobs, strict=True)],
-            prompt_tokens=sum(len(r.prompt_token_ids) for r in reqs), parsed=parsed)
+            prompt_tokens=sum(len(r.prompt_token_ids) for r in reqs), parsed=parsed, cached_tokens=cached)
         if req.timings:
             body["kvrelay"] = trace.answer_field()
         return web.json_response(body)
@@ -416,7 +426,8 @@ class Router:
     def _sample_text(self, req: GenerationRequest) -> SampleText:
         assert self.served is not None
         keep = req.tool_output.keep_token_ids if req.tool_output is not None else frozenset()
-        return SampleText(self.served.tokenizer, req.stop, keep_special_ids=keep)
+        return SampleText(self.served.tokenizer, req.stop, keep_special_ids=keep,
+                          skip_special_tokens=req.skip_special_tokens, include_stop=req.include_stop_str_in_output)
 
     async def _stream(self, request: web.Request, reqs: list[GenerationRequest], salt: bytes,
                       tickets: list[Ticket], trace: RequestTrace) -> web.StreamResponse:
@@ -429,10 +440,12 @@ class Router:
         offsets = [0] * len(choices)  # completions' text_offset of each choice's next token
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         timer = _Timer()
+        cached = 0  # prompt tokens from a prefix cache, every prompt's
         gen = self._run_all(reqs, salt, tickets, trace.runs)
         try:
             async for i, delta in _with_deadline(gen, self.config.request_timeout_s):
                 trace.tokens(len(delta.token_ids))
+                cached += delta.num_cached_tokens or 0
                 if not resp.prepared:
                     await self._write(request, resp)
                 timer.tokens(len(delta.token_ids))
@@ -481,7 +494,7 @@ class Router:
         finally:
             await gen.aclose()  # closes the decode stream: the decode node aborts the request
         last = usage_chunk(req, name, sum(t.num_tokens for t in texts),
-                           sum(len(r.prompt_token_ids) for r in reqs)) if req.include_usage else None
+                           sum(len(r.prompt_token_ids) for r in reqs), cached) if req.include_usage else None
         if req.timings:  # on the usage chunk, or on a chunk of its own (no choices, as the usage chunk)
             last = {**(last or extension_chunk(req, name)), "kvrelay": trace.answer_field()}
         tail = _sse(last) if last is not None else b""
@@ -527,6 +540,10 @@ class Router:
         return web.json_response({"object": "list", "data": [{
             "id": self.served.name, "object": "model", "created": 0, "owned_by": "kvrelay",
             "max_model_len": self.served.max_model_len}]})
+
+    async def version(self, request: web.Request) -> web.Response:
+        """``GET /version`` (as vLLM): ``{"version": <the installed kvrelay package's version>}``."""
+        return web.json_response({"version": package_version()})
 
     async def health(self, request: web.Request) -> web.Response:
         if self.nodes is None:
@@ -591,6 +608,14 @@ async def _with_deadline(gen: AsyncIterator[T], timeout_s: float) -> AsyncIterat
         except asyncio.TimeoutError:
             raise ApiError(504, f"request did not finish within {timeout_s} s") from None
         yield item
+
+
+def package_version() -> str:
+    """The installed ``kvrelay`` distribution's version (``0+unknown`` when it is not installed)."""
+    try:
+        return importlib.metadata.version("kvrelay")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
 
 
 def _sse(obj: dict[str, Any]) -> bytes:

@@ -64,6 +64,9 @@ class RouterConfig:
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
     return_tokens_as_token_ids: bool = False  # the default of the request field (logprobs' tokens as "token_id:N")
+    # vLLM's --generation-config: auto (the model's generation_config.json gives the defaults of the sampling
+    # fields a request leaves out: `model.generation_config`) | vllm (vLLM's neutral defaults)
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         """Raises ValueError naming the field (as in the YAML ``router`` section)."""

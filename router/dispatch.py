@@ -39,6 +39,7 @@ from kvstore.block_key import block_keys
 from model.sampling_params import TokenLogprobs
 from model.structured import GRAMMAR_ERROR_PREFIX
 from router.backends import Backends, NodeRefused, NodeUnavailable
+from router.cache_salt import request_salt
 from router.node_state import Node
 from router.nodes import NodeSet, Reservation
 from router.openai_api import ApiError, GenerationRequest
@@ -68,6 +69,9 @@ class SampleDelta:
     finished: bool
     reason: str | None
     logprobs: list[TokenLogprobs] | None = None  # one per token, when the request asked
+    # prompt tokens served from a prefix cache (the prefill node's; under a local plan the decode node's): on
+    # one delta of each run, the first that knows it; None on the others
+    num_cached_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +115,8 @@ class Dispatcher:
         Raises:
             Overloaded: the queue will not take them (429 with Retry-After).
         """
-        return self.queue.admit(reqs, [self.keys_for(r.prompt_token_ids, salt) for r in reqs], salt)
+        return self.queue.admit(reqs, [self.keys_for(r.prompt_token_ids, request_salt(salt, r.cache_salt))
+                                       for r in reqs], salt)
 
     async def _prefill(self, req: GenerationRequest, salt: bytes, keys: Sequence[bytes],
                        reserved: Node | None, trace: RunTrace) -> tuple[PrefillReply, Node] | None:
@@ -170,10 +175,14 @@ class Dispatcher:
         sample has finished. ``trace`` (default: a fresh untraced one) hears each stage as it passes
         (`router.request_trace`).
 
+        ``salt`` is the tenant's; the request's KV is keyed under it and the request's ``cache_salt``
+        (`router.cache_salt`).
+
         Raises:
             Overloaded: the request waited past its deadline, or was pushed out of the queue.
             ApiError: 4xx for a refused request, 429 when full, 503 when no node can serve.
         """
+        salt = request_salt(salt, req.cache_salt)
         ticket.taken = True
         trace = trace or RunTrace.untraced(req.request_id)
         reservation = await self.queue.place(ticket)
@@ -186,6 +195,7 @@ class Dispatcher:
         generated = 0  # tokens yielded, all samples
         handle: KvHandle | None = None
         lease = _Lease()  # lease.lease_id (on lease.owner): what the router releases unless a decode node ended it
+        cached_known = False  # a delta has carried the run's num_cached_tokens
         try:
             prefilled = await self._prefill(req, salt, ticket.keys, reservation.prefill, trace)
             if reservation.prefill is not None:
@@ -207,11 +217,17 @@ class Dispatcher:
                     finished[i] = reason is not None
                     generated += 1
                     yield SampleDelta(i, [tok], finished[i], reason,
-                                      None if pre.first_logprobs is None else [pre.first_logprobs[i]])
+                                      None if pre.first_logprobs is None else [pre.first_logprobs[i]],
+                                      pre.num_cached_tokens if i == 0 else None)
+                cached_known = True
                 if all(finished):
                     return  # the prefill node released the lease itself
             async for delta in self._decode(req, salt, ticket.keys, first, handle, finished,
                                             _Started(reservation, lease), reservation.decode, trace):
+                if delta.num_cached_tokens is not None:
+                    if cached_known:  # the prefill node's count (or a node's before a move) stands
+                        delta = dataclasses.replace(delta, num_cached_tokens=None)
+                    cached_known = True
                 if not generated:
                     self._first_token(req, reservation, placed_at, trace)
                 if delta.index == 0:
@@ -342,7 +358,8 @@ class Dispatcher:
                         continue
                     finished[i] = frame.finished
                     sent[i].extend(frame.tokens)
-                    yield SampleDelta(i, frame.tokens, finished[i], frame.reason, frame.logprobs)
+                    yield SampleDelta(i, frame.tokens, finished[i], frame.reason, frame.logprobs,
+                                      frame.num_cached_tokens)
                 if not all(finished):
                     raise NodeUnavailable(f"{node.name} ended the stream before every sample finished")
                 return

@@ -2,7 +2,13 @@
 `router.openai_responses`.
 
 Parsing turns a JSON body into a `GenerationRequest` or raises `ApiError` with the HTTP status and
-a message that names the offending field. Unknown fields are ignored, as OpenAI's API does.
+a message that names the offending field. Every field vLLM takes is honoured or refused (`router.request_fields`);
+fields neither server knows are ignored, as OpenAI's API does.
+
+Defaults, as vLLM's: a chat answer without ``max_tokens`` / ``max_completion_tokens`` may fill the rest of the
+context (capped by the model's ``max_new_tokens``), a completion 16 tokens (fewer where the context ends first);
+the sampling fields a request leaves out take the model's generation_config.json values
+(`ServedModel.defaults`, `model.generation_config`).
 """
 
 from __future__ import annotations
@@ -13,9 +19,12 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from model.generation_config import GenerationDefaults
 from model.sampling_params import MAX_LOGPROBS, SamplingParams
 from model.structured import StructuredOutput
 from model.tokenizer import Tokenizer
+from router import request_fields
+from router.request_fields import FieldError
 from router.structured_api import StructuredError, check_compiles, structured_from_body
 from router.tool_api import ToolError, ToolPlan, template_message, tool_plan
 from router.tool_calls import ToolOutput
@@ -30,6 +39,7 @@ UNSUPPORTED_FIELD_TO_NEUTRAL: dict[str, tuple[Any, ...]] = {
 }
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions and vLLM's CompletionRequest
 
 
 class ApiError(Exception):
@@ -54,7 +64,8 @@ class ServedModel:
     """What the router serves: the name clients use, limits, the tokenizer, and how the API behaves:
     ``tool_call_parser`` finds calls for tool_choice ``auto`` (`router.tool_calls`; None: none fits the model),
     which needs ``enable_auto_tool_choice`` (vLLM's flag); ``return_tokens_as_token_ids`` is the default of the
-    request field."""
+    request field; ``defaults`` fill the sampling fields a request leaves out; ``eos_token_ids`` are the ids the
+    engine stops on (the generation config's others become stop ids)."""
 
     name: str
     vocab_size: int
@@ -64,6 +75,8 @@ class ServedModel:
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
     return_tokens_as_token_ids: bool = False
+    defaults: GenerationDefaults = GenerationDefaults()
+    eos_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +97,9 @@ class GenerationRequest:
     tool_output: ToolOutput | None = None  # chat with tools: how each choice's text becomes tool calls
     tokens_as_ids: bool = False  # logprobs name tokens "token_id:<id>" (vLLM's return_tokens_as_token_ids)
     timings: bool = False  # ``kvrelay.timings``: the answer carries the request's stage timings
+    cache_salt: str | None = None  # vLLM's cache_salt: narrows the tenant's KV salt (`router.cache_salt`)
+    skip_special_tokens: bool = True  # special tokens are left out of the text
+    include_stop_str_in_output: bool = False  # the stop string that ended a choice stays in its text
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,11 +178,27 @@ def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
     return count
 
 
-def _sampling(body: dict[str, Any], served: ServedModel, prompt_len: int, *,
-              chat: bool = False) -> tuple[SamplingParams, tuple[str, ...]]:
+def _max_tokens(body: dict[str, Any], served: ServedModel, prompt_len: int, *, chat: bool) -> int:
+    """The request's ``max_tokens`` (or ``max_completion_tokens``), else vLLM's default: the rest of the context
+    (chat: capped by the model's max_new_tokens; completions: at most 16). Raises ApiError(400) for a prompt that
+    leaves no room."""
     max_tokens = _get(body, "max_tokens", int, None)
     if max_tokens is None:
-        max_tokens = _get(body, "max_completion_tokens", int, 16)
+        max_tokens = _get(body, "max_completion_tokens", int, None)
+    if max_tokens is not None:
+        return max_tokens
+    room = served.max_model_len - prompt_len
+    if room <= 0:
+        raise ApiError(400, f"this model's context window is {served.max_model_len} tokens and the prompt has "
+                            f"{prompt_len}: no room for an answer; shorten the prompt (or send "
+                            "truncate_prompt_tokens)", param="prompt" if not chat else "messages")
+    cap = (served.defaults.max_tokens or room) if chat else COMPLETION_DEFAULT_MAX_TOKENS
+    return min(room, cap)
+
+
+def _sampling(body: dict[str, Any], served: ServedModel, prompt_len: int, *,
+              chat: bool = False) -> tuple[SamplingParams, tuple[str, ...]]:
+    max_tokens = _max_tokens(body, served, prompt_len, chat=chat)
     if max_tokens <= 0:
         raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
     if prompt_len + max_tokens > served.max_model_len:
@@ -177,13 +209,14 @@ def _sampling(body: dict[str, Any], served: ServedModel, prompt_len: int, *,
             "shorten the prompt or lower max_tokens",
             param="max_tokens" if prompt_len < served.max_model_len else "prompt",
         )
-    temperature = _number(body, "temperature", 1.0)
+    defaults = served.defaults
+    temperature = _number(body, "temperature", defaults.temperature)
     if not 0 <= temperature <= 2:  # NaN fails too
         raise ApiError(400, f"temperature must be in [0, 2], got {temperature}", param="temperature")
-    top_p = _number(body, "top_p", 1.0)
+    top_p = _number(body, "top_p", defaults.top_p)
     if not 0 < top_p <= 1:
         raise ApiError(400, f"top_p must be in (0, 1], got {top_p}", param="top_p")
-    top_k = _get(body, "top_k", int, 0)
+    top_k = _get(body, "top_k", int, defaults.top_k)
     if not -1 <= top_k <= served.vocab_size:
         raise ApiError(400, f"top_k must be -1 or 0 (disabled) or at most the vocabulary size "
                             f"({served.vocab_size}), got {top_k}", param="top_k")
@@ -221,7 +254,8 @@ def _sampling(body: dict[str, Any], served: ServedModel, prompt_len: int, *,
                            param=name)
     penalties = {}
     for name, low, high, neutral in (("presence_penalty", -2.0, 2.0, 0.0), ("frequency_penalty", -2.0, 2.0, 0.0),
-                                     ("repetition_penalty", 0.0, 2.0, 1.0), ("min_p", 0.0, 1.0, 0.0)):
+                                     ("repetition_penalty", 0.0, 2.0, defaults.repetition_penalty),
+                                     ("min_p", 0.0, 1.0, defaults.min_p)):
         value = _number(body, name, neutral)
         lower_ok = value > low if name == "repetition_penalty" else value >= low
         if not (lower_ok and value <= high):  # NaN fails too
@@ -232,13 +266,41 @@ def _sampling(body: dict[str, Any], served: ServedModel, prompt_len: int, *,
     if not 0 <= min_tokens <= max_tokens:
         raise ApiError(400, f"min_tokens must be in [0, max_tokens={max_tokens}], got {min_tokens}",
                        param="min_tokens")
+    if not ignore_eos:  # as vLLM: the generation config's other EOS ids end a choice too
+        stop_ids = list(dict.fromkeys([*stop_ids, *(t for t in defaults.eos_token_ids
+                                                    if t not in served.eos_token_ids and t < served.vocab_size)]))
+    try:
+        bad_words = request_fields.bad_words_token_ids(body, served.tokenizer)
+        allowed = request_fields.allowed_token_ids(body, served.vocab_size)
+    except FieldError as exc:
+        raise ApiError(400, str(exc), param=exc.param) from None
     params = SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=max(top_k, 0), seed=seed, n=n,
         stop_token_ids=tuple(stop_ids), ignore_eos=ignore_eos, min_tokens=min_tokens,
         logit_bias=_logit_bias(body, served), logprobs=_logprobs(body, chat),
-        structured_outputs=_structured(body, served), **penalties,
+        structured_outputs=_structured(body, served), allowed_token_ids=allowed, bad_words_token_ids=bad_words,
+        **penalties,
     )
     return params, stops
+
+
+def _output_fields(body: dict[str, Any]) -> dict[str, Any]:
+    """The `GenerationRequest` fields vLLM's output options set: cache_salt, skip_special_tokens,
+    include_stop_str_in_output. Raises ApiError(400) naming the field."""
+    typed = request_fields.typed_field
+    try:
+        return {"cache_salt": request_fields.cache_salt(body),
+                "skip_special_tokens": typed(body, "skip_special_tokens", bool, True),
+                "include_stop_str_in_output": typed(body, "include_stop_str_in_output", bool, False)}
+    except FieldError as exc:
+        raise ApiError(400, str(exc), param=exc.param) from None
+
+
+def _check_refused(body: dict[str, Any], *, chat: bool) -> None:
+    try:
+        request_fields.check_refused(body, chat=chat)
+    except FieldError as exc:
+        raise ApiError(400, str(exc), param=exc.param) from None
 
 
 def _structured(body: dict[str, Any], served: ServedModel) -> StructuredOutput | None:
@@ -305,6 +367,9 @@ def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
     stream = _get(body, "stream", bool, False)
     opts = _get(body, "stream_options", dict, {})
     include_usage = bool(opts.get("include_usage", False))
+    if opts.get("continuous_usage_stats"):
+        raise ApiError(400, "stream_options.continuous_usage_stats is not supported by this server: usage comes "
+                            "once, on the last chunk (include_usage)", param="stream_options")
     return stream, include_usage
 
 
@@ -314,6 +379,7 @@ def parse_completions(body: Any, served: ServedModel) -> list[GenerationRequest]
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     _check_model(body, served)
+    _check_refused(body, chat=False)
     prompt = body.get("prompt")
     if prompt == []:
         raise ApiError(400, "prompt is empty", param="prompt")
@@ -328,21 +394,23 @@ def parse_completions(body: Any, served: ServedModel) -> list[GenerationRequest]
         raise ApiError(400, f"prompt takes at most {MAX_PROMPTS} prompts per request, got {len(prompts)}",
                        param="prompt")
     echo = _get(body, "echo", bool, False)
+    add_special = _get(body, "add_special_tokens", bool, True)
     stream, include_usage = _stream_options(body)
-    created, extension = int(time.time()), _kvrelay_extension(body)
+    created, extension, output = int(time.time()), _kvrelay_extension(body), _output_fields(body)
     out = []
     for k, one in enumerate(prompts):
         where = "prompt" if len(prompts) == 1 else f"prompt[{k}]"
         if isinstance(one, str):
             if served.tokenizer is None:
                 raise ApiError(400, "this model has no tokenizer; send the prompt as token ids", param="prompt")
-            ids = served.tokenizer.encode(one)
+            ids = served.tokenizer.encode(one, add_special_tokens=add_special)
         elif isinstance(one, list):
             ids = _check_ids(one, served, where)
         else:
             raise ApiError(400, f"{where} must be a string or a list of token ids", param="prompt")
         if not ids:
             raise ApiError(400, f"{where} is empty", param="prompt")
+        ids = _truncated(ids, body, served)
         params, stops = _sampling(body, served, len(ids))
         if echo and params.logprobs is not None:
             raise ApiError(400, "echo with logprobs needs the prompt's logprobs, which this server does not "
@@ -354,8 +422,15 @@ def parse_completions(body: Any, served: ServedModel) -> list[GenerationRequest]
         out.append(GenerationRequest(f"cmpl-{uuid.uuid4().hex}", "completion", ids, params, stops, stream,
                                      include_usage, created, extension.long_context, echo_text,
                                      _structured_param(body), tokens_as_ids=_tokens_as_ids(body, served),
-                                     timings=extension.timings))
+                                     timings=extension.timings, **output))
     return out
+
+
+def _truncated(ids: list[int], body: dict[str, Any], served: ServedModel) -> list[int]:
+    try:
+        return request_fields.truncate_prompt(ids, body, served.max_model_len)
+    except FieldError as exc:
+        raise ApiError(400, str(exc), param=exc.param) from None
 
 
 def parse_completion(body: Any, served: ServedModel) -> GenerationRequest:
@@ -405,6 +480,7 @@ def parse_chat(body: Any, served: ServedModel, *, check_length: bool = True) -> 
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     _check_model(body, served)
+    _check_refused(body, chat=True)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list", param="messages")
@@ -413,15 +489,24 @@ def parse_chat(body: Any, served: ServedModel, *, check_length: bool = True) -> 
         clean = [_message(i, msg) for i, msg in enumerate(messages)]
         plan = tool_plan(body, parser=served.tool_call_parser, auto_enabled=served.enable_auto_tool_choice,
                          tokenizer=tok)
+        options = request_fields.chat_template_options(body)
     except ToolError as exc:
+        raise ApiError(400, str(exc), param=exc.param) from None
+    except FieldError as exc:
         raise ApiError(400, str(exc), param=exc.param) from None
     if tok is None or tok.chat_template is None:
         raise ApiError(400, "this model has no chat template; use /v1/completions", param="messages")
     try:
-        text = tok.apply_chat_template(clean, add_generation_prompt=True, tools=plan.tools)
+        text = tok.apply_chat_template(clean, add_generation_prompt=options.add_generation_prompt, tools=plan.tools,
+                                       template_kwargs=options.template_kwargs)
     except Exception as exc:  # noqa: BLE001 - template errors are the client's messages' fault
         raise ApiError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
-    ids = tok.encode(text, add_special_tokens=False)
+    if options.continue_final_message:
+        try:
+            text = request_fields.continue_final(text, clean[-1].get("content") or "")
+        except FieldError as exc:
+            raise ApiError(400, str(exc), param=exc.param) from None
+    ids = _truncated(tok.encode(text, add_special_tokens=options.add_special_tokens), body, served)
     params, stops = _sampling(body, served, len(ids) if check_length else 0, chat=True)
     structured_param = _structured_param(body)
     params, structured_param = _tool_constraint(plan, params, structured_param)
@@ -430,7 +515,7 @@ def parse_chat(body: Any, served: ServedModel, *, check_length: bool = True) -> 
     return GenerationRequest(f"chatcmpl-{uuid.uuid4().hex}", "chat", ids, params, stops, stream, include_usage,
                              int(time.time()), extension.long_context, structured_param=structured_param,
                              tool_output=plan.output, tokens_as_ids=_tokens_as_ids(body, served),
-                             timings=extension.timings)
+                             timings=extension.timings, **_output_fields(body))
 
 
 def _message(i: int, msg: Any) -> dict[str, Any]:

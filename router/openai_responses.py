@@ -11,9 +11,12 @@ from router.openai_api import GenerationRequest
 from router.tool_calls import ParsedOutput, StreamDelta
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's ``usage``, with ``prompt_tokens_details.cached_tokens``: the prompt tokens a node took from its
+    prefix cache (whole blocks; every prompt of the request summed)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def logprobs_body(req: GenerationRequest, tokenizer: Tokenizer | None, token_ids: list[int],
@@ -76,9 +79,10 @@ def chat_message(text: str, parsed: ParsedOutput | None) -> dict[str, Any]:
 
 def full_response(req: GenerationRequest, model: str, texts: list[str], reasons: list[str | None],
                   completion_tokens: int, logprobs: list[dict[str, Any] | None] | None = None,
-                  prompt_tokens: int | None = None, parsed: list[ParsedOutput | None] | None = None) -> dict[str, Any]:
+                  prompt_tokens: int | None = None, parsed: list[ParsedOutput | None] | None = None,
+                  cached_tokens: int = 0) -> dict[str, Any]:
     """``prompt_tokens``: of every prompt answered (several prompts in one request); default ``req``'s.
-    ``parsed``: each chat choice's tool calls (`chat_message`); default none."""
+    ``parsed``: each chat choice's tool calls (`chat_message`); default none. ``cached_tokens``: `usage`'s."""
     lps = logprobs or [None] * len(texts)
     if req.kind == "chat":
         calls = parsed or [None] * len(texts)
@@ -90,7 +94,8 @@ def full_response(req: GenerationRequest, model: str, texts: list[str], reasons:
                    for i, (t, r, lp) in enumerate(zip(texts, reasons, lps))]
         obj = "text_completion"
     return {"id": req.request_id, "object": obj, "created": req.created, "model": model, "choices": choices,
-            "usage": usage(len(req.prompt_token_ids) if prompt_tokens is None else prompt_tokens, completion_tokens)}
+            "usage": usage(len(req.prompt_token_ids) if prompt_tokens is None else prompt_tokens, completion_tokens,
+                           cached_tokens)}
 
 
 def stream_chunk(req: GenerationRequest, model: str, index: int, text: str | None, reason: str | None,
@@ -120,7 +125,8 @@ def extension_chunk(req: GenerationRequest, model: str) -> dict[str, Any]:
 
 
 def usage_chunk(req: GenerationRequest, model: str, completion_tokens: int,
-                prompt_tokens: int | None = None) -> dict[str, Any]:
+                prompt_tokens: int | None = None, cached_tokens: int = 0) -> dict[str, Any]:
     obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
     return {"id": req.request_id, "object": obj, "created": req.created, "model": model, "choices": [],
-            "usage": usage(len(req.prompt_token_ids) if prompt_tokens is None else prompt_tokens, completion_tokens)}
+            "usage": usage(len(req.prompt_token_ids) if prompt_tokens is None else prompt_tokens, completion_tokens,
+                           cached_tokens)}

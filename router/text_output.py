@@ -16,6 +16,7 @@ class StopScanner:
         self._fail = [_failure_table(s) for s in stops]
         self._state = [0] * len(stops)  # per stop: the longest prefix of it that the text ends with
         self._fed = 0
+        self.matched_chars = 0  # the length of the stop string `feed` found
 
     def feed(self, text: str) -> int:
         """Scan ``text`` (what follows everything fed so far); the index, counted from the start of all
@@ -33,6 +34,7 @@ class StopScanner:
                 if stop[k] == ch:
                     k += 1
                 if k == len(stop):
+                    self.matched_chars = k
                     return self._fed - k
                 state[i] = k
         return -1
@@ -61,18 +63,22 @@ class SampleText:
 
     Text that could still turn out to be the start of a stop string is held back until it cannot.
     Without a tokenizer every delta is empty (the client sent token ids and reads token counts).
-    Special tokens are left out of the text, except ``keep_special_ids`` (a tool-call parser's markup that
-    the tokenizer makes special tokens, e.g. Mistral's ``[TOOL_CALLS]``).
+    Special tokens are left out of the text (unless ``skip_special_tokens`` is false: vLLM's field), except
+    ``keep_special_ids`` (a tool-call parser's markup that the tokenizer makes special tokens, e.g. Mistral's
+    ``[TOOL_CALLS]``). ``include_stop``: the stop string that ends the text stays in it (vLLM's
+    ``include_stop_str_in_output``).
     """
 
     def __init__(self, tokenizer: Tokenizer | None, stops: tuple[str, ...], *,
-                 keep_special_ids: frozenset[int] = frozenset()) -> None:
+                 keep_special_ids: frozenset[int] = frozenset(), skip_special_tokens: bool = True,
+                 include_stop: bool = False) -> None:
         self._decoder = None
         self._dropped: frozenset[int] = frozenset()  # ids left out before decoding (all specials but the kept)
         if tokenizer is not None:
             keep = bool(keep_special_ids)
-            self._decoder = stream_decoder(tokenizer, skip_special_tokens=not keep)
-            self._dropped = tokenizer.special_ids - keep_special_ids if keep else frozenset()
+            self._decoder = stream_decoder(tokenizer, skip_special_tokens=skip_special_tokens and not keep)
+            self._dropped = tokenizer.special_ids - keep_special_ids if keep and skip_special_tokens else frozenset()
+        self._include_stop = include_stop
         self._scanner = StopScanner(stops)
         self._text = ""
         self._emitted = 0
@@ -103,7 +109,7 @@ class SampleText:
         cut = self._scanner.feed(delta)
         if cut >= 0:
             self.stopped = True
-            return self._take(cut)
+            return self._take(cut + (self._scanner.matched_chars if self._include_stop else 0))
         return self._take(len(self._text) - self._scanner.partial)
 
     def _take(self, end: int) -> str:

@@ -26,7 +26,7 @@ minor sender may add some); a different ``v`` raises `WireVersionError`.
     generation request  {"request_id", "prompt", "params", "salt", "first_token_ids"?, "resume_token_ids"?,
                          "handle"?, "long_context"?}
     prefill reply       {"first_token_ids", "finish_reasons", "handle", "num_cached_tokens"}
-    decode stream       frames {"index", "tokens", "finished", "reason"} | {"error", "status"}
+    decode stream       frames {"index", "tokens", "finished", "reason", "num_cached_tokens"?} | {"error", "status"}
 
 Router ↔ node messages are unversioned (one deployment runs one build) and share the node limits
 (`MAX_BODY_BYTES`, `MAX_PROMPT_TOKENS`, `MAX_SALT_BYTES`, `MAX_TEXT_CHARS`). No torch here: the
@@ -45,7 +45,14 @@ import aiohttp
 import msgpack
 
 from kvstore.block_key import BlockKey
-from model.sampling_params import MAX_LOGPROBS, SamplingParams, TokenLogprobs
+from model.sampling_params import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORD_TOKENS,
+    MAX_BAD_WORDS,
+    MAX_LOGPROBS,
+    SamplingParams,
+    TokenLogprobs,
+)
 from model.structured import StructuredOutput
 from transfer.handle import BINDING_BYTES, KvHandle
 from transfer.lease import TierBlock
@@ -396,6 +403,8 @@ def params_to_wire(params: SamplingParams) -> dict[str, Any]:
     out = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}  # shallow: structured_outputs below
     out["stop_token_ids"] = list(params.stop_token_ids)
     out["logit_bias"] = [[t, b] for t, b in params.logit_bias]
+    out["allowed_token_ids"] = None if params.allowed_token_ids is None else list(params.allowed_token_ids)
+    out["bad_words_token_ids"] = [list(w) for w in params.bad_words_token_ids]
     out["structured_outputs"] = (None if params.structured_outputs is None
                                  else params.structured_outputs.to_wire())
     return out
@@ -420,6 +429,10 @@ _PARAM_FIELDS: dict[str, Callable[[Any], bool]] = {
     "presence_penalty": _is_number, "frequency_penalty": _is_number, "repetition_penalty": _is_number,
     "min_p": _is_number, "min_tokens": lambda v: isinstance(v, int), "logit_bias": _bias_pairs,
     "logprobs": lambda v: v is None or isinstance(v, int),
+    "allowed_token_ids": lambda v: v is None or (isinstance(v, list) and len(v) <= MAX_ALLOWED_TOKEN_IDS
+                                                 and all(isinstance(t, int) for t in v)),
+    "bad_words_token_ids": lambda v: isinstance(v, list) and len(v) <= MAX_BAD_WORDS and all(
+        isinstance(w, list) and 0 < len(w) <= MAX_BAD_WORD_TOKENS and all(isinstance(t, int) for t in w) for w in v),
 }
 
 
@@ -437,6 +450,10 @@ def params_from_wire(value: Any, what: str = "params") -> SamplingParams:
         kwargs["stop_token_ids"] = tuple(kwargs["stop_token_ids"])
     if "logit_bias" in kwargs:
         kwargs["logit_bias"] = tuple((t, float(b)) for t, b in kwargs["logit_bias"])
+    if kwargs.get("allowed_token_ids") is not None:
+        kwargs["allowed_token_ids"] = tuple(kwargs["allowed_token_ids"])
+    if "bad_words_token_ids" in kwargs:
+        kwargs["bad_words_token_ids"] = tuple(tuple(w) for w in kwargs["bad_words_token_ids"])
     for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
         if name in kwargs:
             kwargs[name] = float(kwargs[name])
@@ -614,6 +631,8 @@ class DecodeFrame:
     logprobs: list[TokenLogprobs] | None = None  # one per token, when the request asked
     # the node's stage timings in seconds (`check_timings`), on the stream's first and last frames
     timings: dict[str, float] | None = None
+    # prompt tokens the node took from its prefix cache (pulled KV included), on the stream's first frame
+    num_cached_tokens: int | None = None
 
 
 def encode_frame(frame: DecodeFrame) -> bytes:
@@ -621,6 +640,8 @@ def encode_frame(frame: DecodeFrame) -> bytes:
            "logprobs": _logprobs_to_wire(frame.logprobs)}
     if frame.timings is not None:
         out["timings"] = frame.timings
+    if frame.num_cached_tokens is not None:
+        out["num_cached_tokens"] = frame.num_cached_tokens
     return _pack(out)
 
 
@@ -649,5 +670,7 @@ def decode_frame(obj: Any) -> DecodeFrame:
     tokens = _token_ids(obj, "tokens", what)
     assert tokens is not None
     reason = _opt(obj, "reason", str, what)
+    cached = (None if obj.get("num_cached_tokens") is None
+              else _int(obj, "num_cached_tokens", what, 0, MAX_PROMPT_TOKENS))
     return DecodeFrame(_int(obj, "index", what, 0, 1 << 16), tokens, _field(obj, "finished", bool, what), reason,
-                       _logprobs_from_wire(obj, len(tokens), what), check_timings(obj, what))
+                       _logprobs_from_wire(obj, len(tokens), what), check_timings(obj, what), cached)

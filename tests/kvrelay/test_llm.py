@@ -21,8 +21,8 @@ def llm(tiny_model_dir):
 def test_generate_text_and_ids_in_prompt_order_equal_the_engine(llm, tiny_model_dir):
     tok = load_tokenizer(tiny_model_dir)
     prompts = ["Hello, my name is", "The capital of France is", [5, 6, 7, 8]]
-    params = [SamplingParams(max_tokens=8), SamplingParams(max_tokens=5, temperature=1.0, seed=3, n=2),
-              SamplingParams(max_tokens=4, logprobs=2)]
+    params = [SamplingParams(max_tokens=8, temperature=0), SamplingParams(max_tokens=5, seed=3, n=2),
+              SamplingParams(max_tokens=4, temperature=0, logprobs=2)]
     outs = llm.generate(prompts, params, use_tqdm=False)
     engine = LLMEngine(load_model(tiny_model_dir, dtype="float32"), EngineConfig(num_blocks=64))
     want = engine.generate([tok.encode(prompts[0]), tok.encode(prompts[1]), [5, 6, 7, 8]], params)
@@ -41,10 +41,10 @@ def test_generate_text_and_ids_in_prompt_order_equal_the_engine(llm, tiny_model_
 def test_chat_renders_the_template(llm, tiny_model_dir):
     tok = load_tokenizer(tiny_model_dir)
     messages = [{"role": "user", "content": "hi there"}]
-    [out] = llm.chat(messages, SamplingParams(max_tokens=4), use_tqdm=False)
+    [out] = llm.chat(messages, SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
     ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True), add_special_tokens=False)
     assert out.prompt_token_ids == ids
-    [again] = llm.generate([ids], SamplingParams(max_tokens=4), use_tqdm=False)
+    [again] = llm.generate([ids], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
     assert out.outputs[0].token_ids == again.outputs[0].token_ids
 
 
@@ -58,3 +58,37 @@ def test_bad_input_is_named_and_the_engine_is_left_clean(llm, tiny_model_dir):
         LLM(model=tiny_model_dir, kv_cache_memory="lots")
     with pytest.raises(ConfigError, match="not both"):
         LLM(model=tiny_model_dir, kv_cache_memory="8MiB", gpu_memory_utilization=0.5)
+
+
+def test_sampling_params_take_vllms_defaults_and_the_engine_takes_them_as_they_are():
+    from model.sampling_params import SamplingParams as EngineSamplingParams
+
+    params = SamplingParams()
+    assert (params.temperature, params.max_tokens, params.top_p, params.top_k, params.min_p) == (1.0, 16, 1.0, 0, 0.0)
+    assert not params.greedy and isinstance(params, EngineSamplingParams)
+    assert EngineSamplingParams().temperature == 0.0  # the engine's own class stays greedy for internal callers
+
+
+def test_default_params_come_from_generation_config(tmp_path):
+    import json
+    import shutil
+
+    from model.tiny import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "model", seed=0)
+    cfg = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**cfg, "temperature": 0.6, "top_k": 20,
+                                                              "max_new_tokens": 7}))
+    llm = LLM(model=model, dtype="float32", kv_cache_memory="8MiB", max_num_seqs=2)
+    try:
+        got = llm.get_default_sampling_params()
+        assert (got.temperature, got.top_k, got.top_p, got.max_tokens) == (0.6, 20, 1.0, 7)
+    finally:
+        llm.close()
+    plain = LLM(model=model, dtype="float32", kv_cache_memory="8MiB", max_num_seqs=2, generation_config="vllm")
+    try:
+        got = plain.get_default_sampling_params()
+        assert (got.temperature, got.top_k, got.max_tokens) == (1.0, 0, 16)
+    finally:
+        plain.close()
+    shutil.rmtree(model)
