@@ -20,7 +20,6 @@ returns, on its first call in a process:
 from __future__ import annotations
 
 import fcntl
-import importlib
 import logging
 import os
 import threading
@@ -87,7 +86,7 @@ def prebuilt(variant: IsaVariant, want: str) -> ModuleType | None:
     """The variant's module compiled at install (``kernels._cpu_kernels_<variant>``), or None when there is none or
     it was built from other sources or for another torch (its ``build_id()`` is not ``want``)."""
     try:
-        module = importlib.import_module(f"kernels.{module_name(variant)}")
+        module = _import_prebuilt(variant.name)
     except ImportError:
         return None
     got = module.build_id()
@@ -95,6 +94,25 @@ def prebuilt(variant: IsaVariant, want: str) -> ModuleType | None:
         log.info("the prebuilt %s kernels are from other sources or another torch (%s, not %s); building",
                  variant.name, got, want)
         return None
+    return module
+
+
+def _import_prebuilt(name: str) -> ModuleType:
+    """``kernels._cpu_kernels_<name>`` (`kernels.isa.module_name`), named in full: no import here is computed.
+
+    Raises:
+        ImportError: not built at install (or built for another Python).
+    """
+    if name == "avx512bf16":
+        from kernels import _cpu_kernels_avx512bf16 as module  # type: ignore[attr-defined]
+    elif name == "avx512":
+        from kernels import _cpu_kernels_avx512 as module  # type: ignore[attr-defined]
+    elif name == "avx2":
+        from kernels import _cpu_kernels_avx2 as module  # type: ignore[attr-defined]
+    elif name == "base":
+        from kernels import _cpu_kernels_base as module  # type: ignore[attr-defined]
+    else:
+        raise ImportError(f"no variant {name!r}")
     return module
 
 
