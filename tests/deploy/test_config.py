@@ -118,7 +118,8 @@ def test_free_host_bytes_is_meminfo_within_the_cgroup_limit(tmp_path):
         ("{device: {bytes: -4096}}", "kvstore.device.bytes: -4096 must be positive"),
         ("{device: {bytes: true}}", "kvstore.device.bytes: True is not a size"),
         ("{device: {bytes: 1GiB, fraction_of_free: 0.5}}",
-         "kvstore.device: set one of bytes (e.g. 8GiB) and fraction_of_free (e.g. 0.2), not both"),
+         "kvstore.device: set one of bytes (e.g. 8GiB), fraction_of_free (e.g. 0.2) and gpu_memory_utilization "
+         "(e.g. 0.9), not two"),
         ("{host: {bytes: 1GiB, fraction_of_free: 0.5}}",
          "kvstore.host: set one of bytes (e.g. 16GiB) and fraction_of_free (e.g. 0.1), not both"),
         ("{host: {fraction_of_free: 0}}", "kvstore.host.fraction_of_free: 0 is not a fraction in"),
