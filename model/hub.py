@@ -97,6 +97,7 @@ def _from_hub(repo_id: str, *, revision: str | None, download_dir: str | Path | 
     from huggingface_hub.errors import (
         GatedRepoError,
         HfHubHTTPError,
+        IncompleteSnapshotError,
         LocalEntryNotFoundError,
         OfflineModeIsEnabled,
         RepositoryNotFoundError,
@@ -120,6 +121,10 @@ def _from_hub(repo_id: str, *, revision: str | None, download_dir: str | Path | 
     except RepositoryNotFoundError:
         raise HubError(f"{what} was not found on the Hugging Face Hub ({constants.ENDPOINT}): check the name, or "
                        f"set HF_TOKEN if it is private; a local directory of that name does not exist either") from None
+    except IncompleteSnapshotError:
+        raise HubError(f"{what}: its snapshot in the hub cache {cache} misses files kvrelay reads (an interrupted "
+                       f"download) and the hub could not complete it: run again with the hub reachable (unset "
+                       f"HF_HUB_OFFLINE), or `hf download {repo_id}`") from None
     except LocalEntryNotFoundError as exc:
         if offline or isinstance(exc.__cause__, OfflineModeIsEnabled):
             raise HubError(f"{what} is not in the hub cache {cache} and HF_HUB_OFFLINE is set: download it first "

@@ -127,7 +127,7 @@ def write(tmp_path: Path, text: str) -> Path:
     ("model: {path: m}\ndecode: {long_context: {budget_tokens: 8}}\n",
      "decode.long_context.budget_tokens: unknown key; did you mean decode.long_context.device_budget_tokens?"),
     ("model: {path: m}\nkvstore: {device: {zzz: 1}}\n",
-     "kvstore.device.zzz: unknown key; known keys here: bytes, fraction_of_free, policy"),
+     "kvstore.device.zzz: unknown key; known keys here: bytes, fraction_of_free, gpu_memory_utilization, policy"),
     ("model: {path: m}\nengine: {max_num_seqs: 0}\n", "engine.max_num_seqs: 0 is not a positive integer"),
 ])
 def test_config_check_names_the_key_and_the_closest_known_one(tmp_path, capsys, text, message):

@@ -72,6 +72,18 @@ def test_a_repo_id_missing_from_the_offline_cache_names_the_model_and_what_to_do
         resolve_model("kvtest/tiny", revision="v2", download_dir=hub)  # no refs/v2
 
 
+def test_a_snapshot_missing_a_file_the_loader_reads_is_named_incomplete(tmp_path, tiny_model_dir):
+    hub = tmp_path / "hub"
+    snapshot = write_hub_snapshot(hub, "kvtest/tiny", tiny_model_dir)
+    (snapshot / "tokenizer.json").unlink()  # listed in the cached tree, gone from the snapshot: a cut download
+    with pytest.raises(HubError) as err:
+        resolve_model("kvtest/tiny", download_dir=hub)
+    assert str(err.value) == (
+        f"model 'kvtest/tiny': its snapshot in the hub cache {hub} misses files kvrelay reads (an interrupted "
+        "download) and the hub could not complete it: run again with the hub reachable (unset HF_HUB_OFFLINE), or "
+        "`hf download kvtest/tiny`")
+
+
 def test_a_snapshot_without_config_json_is_not_a_model(tmp_path, tiny_model_dir):
     model = tmp_path / "no-config"
     shutil.copytree(tiny_model_dir, model)
