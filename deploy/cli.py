@@ -4,8 +4,9 @@
     kvrelay tiny-model DIR [--seed S --layers N --hidden N --heads N --kv-heads N --vocab N --intermediate N
                             --weights-dtype float32|bfloat16|float16
                             --arch llama|qwen3|qwen3-moe|mixtral|gpt-oss|deepseek-v3]
-    kvrelay generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3) --max-tokens N
-                     [--min-tokens N --ignore-eos --json]
+    kvrelay generate --model DIR|ORG/NAME (--prompt TEXT | --prompt-ids 1,2,3) --max-tokens N
+                     [--min-tokens N --ignore-eos --json --revision R --download-dir DIR --device auto|cpu|cuda]
+    kvrelay serve DIR|ORG/NAME [vLLM's flags] | kvrelay up [--config FILE] | kvrelay router|prefill|decode ...
     kvrelay store stats|clear|verify --config FILE [--node NAME]
     kvrelay config show [--config FILE] | kvrelay config check FILE | kvrelay config reference [--out PATH]
     kvrelay bench memory|decode|cuda-graphs|hybrid-kv|kernel|kernel-plan|tiers|transfer|serve|goodput|long-context|load|
@@ -58,9 +59,21 @@ def _parse_prompt_ids(text: str) -> list[int]:
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from deploy.serve import use_triton_interpreter
+    from model.device import resolve_device
+    from model.hub import HubError, resolve_model
 
     try:
-        use_triton_interpreter(args.attention_backend, args.device)  # before the engine's imports load Triton
+        model_dir = resolve_model(args.model, revision=args.revision, download_dir=args.download_dir).path
+    except HubError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        device = resolve_device(args.device)
+    except ValueError as exc:
+        print(f"error: --device {args.device!r} {exc}", file=sys.stderr)
+        return 2
+    try:
+        use_triton_interpreter(args.attention_backend, device)  # before the engine's imports load Triton
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -70,8 +83,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from model.tokenizer import load_tokenizer
 
     try:
-        loaded = load_model(args.model, dtype=args.dtype, device=args.device)
-        tokenizer = load_tokenizer(args.model)
+        loaded = load_model(model_dir, dtype=args.dtype, device=device)
+        tokenizer = load_tokenizer(model_dir)
     except (ValueError, OSError) as exc:
         print(f"error: {args.model}: {exc}", file=sys.stderr)
         return 2
@@ -103,17 +116,21 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _load(args: argparse.Namespace):  # noqa: ANN202 - returns deploy.config.Config
+    """The config of ``--config`` with the flags over it, ``model.path`` resolved to a local directory
+    (`deploy.model_source`: a hub repo id is fetched here).
+
+    Raises:
+        ConfigError: a bad value, or a repo id that cannot be resolved.
+    """
     from deploy.config import load_config
+    from deploy.model_source import resolve_config_model
 
-    return load_config(args.config, model_path=args.model, router_port=getattr(args, "port", None))
-
-
-def _overrides(args: argparse.Namespace) -> list[str]:
-    out = ["--model", args.model] if args.model else []
-    return out + (["--port", str(args.port)] if getattr(args, "port", None) else [])
+    return resolve_config_model(load_config(args.config, model_path=args.model, router_port=getattr(args, "port", None),
+                                            model_name=getattr(args, "served_model_name", None)))
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
+    from deploy.model_source import node_overrides
     from deploy.up import up
 
     config = _load(args)
@@ -122,7 +139,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
               "`kvrelay model pull smollm2-135m-instruct --dir DIR` writes the real model there, "
               "`kvrelay tiny-model DIR` a small random one", file=sys.stderr)
         return 2
-    return up(config, args.config, overrides=_overrides(args), lend_cpus=not args.no_cpu_lending)
+    overrides = node_overrides(config) + (["--port", str(args.port)] if args.port else [])
+    return up(config, args.config, overrides=overrides, lend_cpus=not args.no_cpu_lending)
 
 
 def serve_config(args: argparse.Namespace, *, free_port: int) -> dict[str, Any]:
@@ -142,7 +160,8 @@ def serve_config(args: argparse.Namespace, *, free_port: int) -> dict[str, Any]:
 
     model, kv, engine, router = section("model"), section("kvstore"), section("engine"), section("router")
     model["path"] = args.model_dir
-    for key, value in (("dtype", args.dtype), ("device", args.device), ("name", args.served_model_name)):
+    for key, value in (("dtype", args.dtype), ("device", args.device), ("name", args.served_model_name),
+                       ("revision", args.revision), ("download_dir", args.download_dir)):
         if value is not None:
             model[key] = value
     if args.block_size is not None:
@@ -150,7 +169,7 @@ def serve_config(args: argparse.Namespace, *, free_port: int) -> dict[str, Any]:
     if args.gpu_memory_utilization is not None and args.kv_cache_memory is not None:
         raise SystemExit("kvrelay serve: give --gpu-memory-utilization or --kv-cache-memory, not both")
     if args.gpu_memory_utilization is not None:
-        kv["device"] = {"fraction_of_free": args.gpu_memory_utilization}
+        kv["device"] = {"gpu_memory_utilization": args.gpu_memory_utilization}
     if args.kv_cache_memory is not None:
         kv["device"] = {"bytes": args.kv_cache_memory}
     for key in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching",
@@ -186,6 +205,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     import yaml
 
     from deploy.config import load_config
+    from deploy.model_source import node_overrides, resolve_config_model
     from deploy.ports import free_ports
     from deploy.sizes import ConfigError
     from deploy.up import up
@@ -196,7 +216,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     path = Path(tempfile.mkdtemp(prefix="kvrelay-serve-")) / "kvrelay.yaml"
     path.write_text(text)
     try:
-        config = load_config(path)
+        configured = load_config(path)
+        config = resolve_config_model(configured)
     except ConfigError as exc:
         print(f"kvrelay serve: {exc}", file=sys.stderr)
         return 2
@@ -204,7 +225,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print(f"kvrelay serve: {config.model.path} is not a model directory (no config.json)", file=sys.stderr)
         return 2
     print("kvrelay serve: effective config (" + str(path) + "):\n" + text, flush=True)
-    return up(config, path, overrides=[], lend_cpus=False)
+    if config.model.path != configured.model.path:
+        print(f"kvrelay serve: model {configured.model.path} is {config.model.path}", flush=True)
+    return up(config, path, overrides=node_overrides(config), lend_cpus=False)
 
 
 def _cmd_role(args: argparse.Namespace) -> int:
@@ -341,8 +364,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arch", default="llama", choices=TINY_ARCH_CHOICES, help="model family (default: llama)")
     p.set_defaults(func=_cmd_tiny_model)
 
-    p = sub.add_parser("generate", help="generate in one process, no network")
-    p.add_argument("--model", required=True, help="Hugging Face model directory")
+    p = sub.add_parser("generate", help="generate in one process (no network but a hub download of --model)")
+    p.add_argument("--model", required=True, help="a Hugging Face model directory, or a hub repo id ORG/NAME")
+    p.add_argument("--revision", default=None, help="of a hub repo id: the branch, tag or commit (default: main)")
+    p.add_argument("--download-dir", default=None, help="of a hub repo id: the hub cache (default: huggingface_hub's)")
     group = p.add_mutually_exclusive_group(required=True)
     group.add_argument("--prompt", help="prompt text (needs tokenizer.json)")
     group.add_argument("--prompt-ids", help="comma-separated token ids")
@@ -355,7 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-tokens", type=int, default=0, help="no stop token is picked before this many")
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                    help="auto: bfloat16 on CUDA and on CPUs with AMX / AVX512-BF16, else float32")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="auto", help="auto (CUDA when there is a GPU, else the CPU), cpu, cuda, cuda:N")
     p.add_argument("--num-blocks", type=int, default=1024)
     p.add_argument("--attention-backend", default=None, choices=ATTENTION_BACKENDS,
                    help="default: triton on CUDA, torch on CPU (triton on CPU runs under Triton's interpreter)")
@@ -367,24 +392,29 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("up", help="router + prefill + decode nodes from one YAML file, on this machine")
     p.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
-    p.add_argument("--model", default=None, help="override model.path")
+    p.add_argument("--model", default=None, help="override model.path (a directory, or a hub repo id ORG/NAME)")
     p.add_argument("--port", type=int, default=None, help="override router.port")
     p.add_argument("--no-cpu-lending", action="store_true",
                    help="keep each node on its own CPUs even while it has nothing to compute")
     p.set_defaults(func=_cmd_up)
     p = sub.add_parser("serve", help="one engine node and the router on this machine, with vLLM's flag names "
                                      "(flags override --config)")
-    p.add_argument("model_dir", help="a Hugging Face model directory")
+    p.add_argument("model_dir", metavar="MODEL",
+                   help="a Hugging Face model directory, or a hub repo id ORG/NAME (fetched into the hub cache)")
+    p.add_argument("--revision", default=None, help="model.revision: of a hub repo id, the branch, tag or commit")
+    p.add_argument("--download-dir", default=None, help="model.download_dir: the hub cache (default: HF_HOME's)")
     p.add_argument("--config", type=Path, default=None, help="base YAML (default: deploy/configs/local.yaml)")
     p.add_argument("--host", default=None, help="router.host")
     p.add_argument("--port", type=int, default=None, help="router.port")
     p.add_argument("--served-model-name", default=None, help="model.name: what clients pass as model")
     p.add_argument("--api-key", default=None, help="router.api_keys: the one key clients must send")
     p.add_argument("--dtype", default=None, choices=DTYPE_CHOICES, help="model.dtype")
-    p.add_argument("--device", default=None, help="model.device: cpu or cuda")
+    p.add_argument("--device", default=None, help="model.device: auto (the default: CUDA when there is a GPU, else "
+                                                   "the CPU), cpu, cuda or cuda:N")
     p.add_argument("--block-size", type=int, default=None, help="kvstore.block_size_tokens")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
-                   help="kvstore.device.fraction_of_free (CUDA): the share of free GPU memory for KV")
+                   help="kvstore.device.gpu_memory_utilization: as vLLM's, the share of the GPU's total memory for "
+                        "the whole node (weights, activations, KV); ignored on CPU (the node says so)")
     p.add_argument("--kv-cache-memory", default=None, help='kvstore.device.bytes, e.g. "4GiB"')
     p.add_argument("--max-num-seqs", type=int, default=None, help="engine.max_num_seqs")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="engine.max_num_batched_tokens")
@@ -415,7 +445,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--name", default=None,
                        help="this node's identity: its NIXL agent name, disk tier subdirectory and log prefix; "
                             "unique per deployment (default: the host name, so a StatefulSet pod is itself)")
-        p.add_argument("--model", default=None, help="override model.path")
+        p.add_argument("--model", default=None, help="override model.path (a directory, or a hub repo id ORG/NAME)")
+        p.add_argument("--served-model-name", default=None, help="override model.name")
         p.add_argument("--port", type=int, default=None, help="override router.port")
         p.add_argument("--cpus", default=None, help="CPUs this node may use, e.g. 0-3 (default: all it may run on)")
         p.add_argument("--cpu-pool", default=None,

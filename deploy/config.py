@@ -9,8 +9,11 @@ validates a file and ``kvrelay config show`` prints it with the defaults filled 
 Tiers are sized when a node starts (`KvStoreConfig.store_config`): sizes are integers (bytes) or strings with a
 binary unit (``512MiB``, ``8GiB``), and a ``fraction_of_free`` is of the memory free then (`deploy.memory`): host
 memory for the host tier and a CPU device tier (the node's share of it under `kvrelay up`), GPU memory for a CUDA
-one. Relative paths resolve from the working directory. Every bad value or unknown key raises `ConfigError`
-naming its key path, e.g. ``kvstore.disk.bytes: '8GB' is not a size; use e.g. "8GiB"``.
+one. A CUDA device tier may instead be what ``gpu_memory_utilization`` (vLLM's meaning) leaves after the weights
+and activations (`deploy.gpu_memory`). ``model.path`` may name a hub repo (``ORG/NAME``): it stays that name
+here, and `deploy.model_source.resolve_config_model` turns it into a local directory where a process starts.
+Relative paths resolve from the working directory. Every bad value or unknown key raises `ConfigError` naming its
+key path, e.g. ``kvstore.disk.bytes: '8GB' is not a size; use e.g. "8GiB"``.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from deploy.gpu_memory import KEY as UTILIZATION_KEY
+from deploy.gpu_memory import GpuUse, kv_bytes_for_utilization
 from deploy.memory import free_host_bytes, nvml_free_bytes
 from deploy.service_config import (
     DecodeSection,
@@ -60,25 +65,43 @@ def is_cuda(device: str) -> bool:
 # ---------------------------------------------------------------- dataclasses
 @dataclass(frozen=True, slots=True)
 class DeviceTierConfig:
-    """At most one of ``size_bytes`` and ``free_memory_frac`` is set; neither: `DEFAULT_DEVICE_FRACTION`."""
+    """At most one of ``size_bytes``, ``free_memory_frac`` and ``gpu_memory_utilization`` is set; none: the share
+    `DEFAULT_DEVICE_FRACTION` of free memory. ``gpu_memory_utilization`` (vLLM's meaning, `deploy.gpu_memory`)
+    applies on CUDA only; on a CPU device the tier takes the CPU default instead."""
 
     size_bytes: int | None = None
     free_memory_frac: float | None = None
     policy: str = DEFAULT_POLICY
+    gpu_memory_utilization: float | None = None
 
     def fraction(self, device: str) -> float | None:
-        """The share of free memory this tier takes on ``device``; None when sized in bytes."""
+        """The share of free memory this tier takes on ``device``; None when sized in bytes or, on CUDA, by
+        ``gpu_memory_utilization``."""
         if self.size_bytes is not None:
             return None
         if self.free_memory_frac is not None:
             return self.free_memory_frac
+        if self.gpu_memory_utilization is not None and is_cuda(device):
+            return None
         return DEFAULT_DEVICE_FRACTION["cuda" if is_cuda(device) else "cpu"]
 
     def resolve_bytes(self, device: str = "cpu", *, host_free_bytes: Callable[[], int] = free_host_bytes,
-                      gpu_free_bytes: GpuFreeBytes = nvml_free_bytes) -> int:
-        """Bytes for the device pool: ``size_bytes``, or its fraction of the memory free now: GPU memory on
-        CUDA (call it after the weights are loaded, like ``gpu_memory_utilization``), else host memory."""
+                      gpu_free_bytes: GpuFreeBytes = nvml_free_bytes, gpu_use: GpuUse | None = None) -> int:
+        """Bytes for the device pool: ``size_bytes``; on CUDA with ``gpu_memory_utilization``, what it leaves
+        after the weights and activations (``gpu_use``, read after the weights are loaded:
+        `deploy.gpu_memory.kv_bytes_for_utilization`); else its fraction of the memory free now: GPU memory
+        on CUDA (call it after the weights are loaded), else host memory.
+
+        Raises:
+            ConfigError: ``gpu_memory_utilization`` on CUDA without ``gpu_use``, or one it cannot be met with.
+        """
         frac = self.fraction(device)
+        if frac is None and self.size_bytes is None:
+            assert self.gpu_memory_utilization is not None
+            if gpu_use is None:
+                raise ConfigError(f"{UTILIZATION_KEY}: sizing on {device} needs the GPU's memory readings "
+                                  "(taken after the weights load); the node passes them")
+            return kv_bytes_for_utilization(self.gpu_memory_utilization, gpu_use)
         if frac is None:
             assert self.size_bytes is not None
             return self.size_bytes
@@ -119,16 +142,19 @@ class KvStoreConfig:
     integrity_sample_rate: float = DEFAULT_SAMPLE_RATE
 
     def device_num_blocks(self, block_bytes: int, gpu_free_bytes: GpuFreeBytes = nvml_free_bytes, *,
-                          device: str = "cuda", host_free_bytes: Callable[[], int] = free_host_bytes) -> int:
-        """Device blocks of ``block_bytes`` that fit the device tier on ``device``.
+                          device: str = "cuda", host_free_bytes: Callable[[], int] = free_host_bytes,
+                          gpu_use: GpuUse | None = None) -> int:
+        """Device blocks of ``block_bytes`` that fit the device tier on ``device`` (``gpu_use``: see
+        `DeviceTierConfig.resolve_bytes`).
 
         Raises:
             ConfigError: not even one.
         """
         device_bytes = self.device.resolve_bytes(device, host_free_bytes=host_free_bytes,
-                                                 gpu_free_bytes=gpu_free_bytes)
+                                                 gpu_free_bytes=gpu_free_bytes, gpu_use=gpu_use)
         if device_bytes < block_bytes:
-            key = "bytes" if self.device.size_bytes is not None else "fraction_of_free"
+            key = ("bytes" if self.device.size_bytes is not None else "fraction_of_free"
+                   if self.device.fraction(device) is not None else "gpu_memory_utilization")
             raise ConfigError(
                 f"kvstore.device.{key}: {device_bytes} bytes hold no {block_bytes}-byte KV block; raise it"
             )
@@ -136,10 +162,11 @@ class KvStoreConfig:
 
     def store_config(
         self, spec: BlockSpec, *, device: str = "cpu", gpu_free_bytes: GpuFreeBytes = nvml_free_bytes,
-        host_free_bytes: Callable[[], int] = free_host_bytes,
+        host_free_bytes: Callable[[], int] = free_host_bytes, gpu_use: GpuUse | None = None,
     ) -> TieredStoreConfig:
         """Sizes in blocks of ``spec`` for `kvstore.tiered_store.TieredStore`. ``host_free_bytes()``: the host
         memory a ``fraction_of_free`` is of (read once here; `kvrelay up` passes each node its share).
+        ``gpu_use``: the GPU's readings a ``gpu_memory_utilization`` on CUDA is applied to.
 
         Raises:
             ConfigError: the device tier holds no block, or ``spec`` has another block size.
@@ -155,7 +182,7 @@ class KvStoreConfig:
         host_bytes = self.host.resolve_bytes(host_free_bytes=free) if self.host is not None else 0
         return TieredStoreConfig(
             num_device_blocks=self.device_num_blocks(spec.block_bytes, gpu_free_bytes, device=device,
-                                                     host_free_bytes=free),
+                                                     host_free_bytes=free, gpu_use=gpu_use),
             num_host_blocks=host_bytes // spec.block_bytes,
             disk_path=self.disk.path if self.disk is not None else None,
             disk_capacity_bytes=self.disk.size_bytes if self.disk is not None else 0,
@@ -208,10 +235,12 @@ def parse_kvstore(root: Section, *, base_dir: Path) -> KvStoreConfig:
     integrity, sample_rate = k.take("integrity"), k.take("integrity_sample_rate")
     d = k.section("device")
     device = DeviceTierConfig(size_bytes=d.take("bytes"), free_memory_frac=d.take("fraction_of_free"),
-                              policy=d.take("policy"))
+                              policy=d.take("policy"), gpu_memory_utilization=d.take("gpu_memory_utilization"))
     d.done()
-    if device.size_bytes is not None and device.free_memory_frac is not None:
-        raise ConfigError('kvstore.device: set one of bytes (e.g. 8GiB) and fraction_of_free (e.g. 0.2), not both')
+    given = [v for v in (device.size_bytes, device.free_memory_frac, device.gpu_memory_utilization) if v is not None]
+    if len(given) > 1:
+        raise ConfigError("kvstore.device: set one of bytes (e.g. 8GiB), fraction_of_free (e.g. 0.2) and "
+                          "gpu_memory_utilization (e.g. 0.9), not two")
     h = k.section("host")
     host_policy_given = h.given("policy")
     host_bytes, host_frac, host_policy = h.take("bytes"), h.take("fraction_of_free"), h.take("policy")
@@ -278,7 +307,8 @@ def parse_root(
     kvstore = parse_kvstore(root, base_dir=base_dir)
     services = parse_services(root, base_dir=base_dir, env=env)
     root.done()
-    if is_cuda(services["model"].device) and kvstore.device.size_bytes is None:
+    if (is_cuda(services["model"].device) and kvstore.device.size_bytes is None
+            and kvstore.device.gpu_memory_utilization is None):
         try:  # the pool is sized at the node's start; a machine without NVML fails now, naming the key
             gpu_free_bytes()
         except Exception as exc:  # noqa: BLE001 - NVML missing or failing
@@ -298,10 +328,10 @@ def parse_root(
 
 def load_config(
     path: str | Path, *, model_path: str | None = None, router_port: int | None = None,
-    gpu_free_bytes: GpuFreeBytes = nvml_free_bytes,
+    gpu_free_bytes: GpuFreeBytes = nvml_free_bytes, model_name: str | None = None,
 ) -> Config:
-    """Read and validate the YAML file at ``path``; ``model_path``/``router_port`` override
-    ``model.path``/``router.port``. Relative paths resolve from the working directory.
+    """Read and validate the YAML file at ``path``; ``model_path``/``model_name``/``router_port`` override
+    ``model.path``/``model.name``/``router.port``. Relative paths resolve from the working directory.
 
     Raises:
         ConfigError: unreadable file, invalid YAML, or a bad value (the message names the key path).
@@ -320,7 +350,8 @@ def load_config(
     if not isinstance(data, Mapping):
         raise ConfigError(f"{p}: the top level must be a mapping of sections (model, kvstore, ...)")
     data = dict(data)
-    for section, key, value in (("model", "path", model_path), ("router", "port", router_port)):
+    for section, key, value in (("model", "path", model_path), ("model", "name", model_name),
+                                ("router", "port", router_port)):
         if value is not None:
             data[section] = {**(data.get(section) or {}), key: value}
     return parse_config(data, base_dir=Path.cwd(), gpu_free_bytes=gpu_free_bytes)

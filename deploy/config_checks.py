@@ -17,6 +17,7 @@ from deploy.sizes import parse_size
 from kvstore.admission import parse_admission
 from kvstore.digest import INTEGRITY_MODES
 from kvstore.policy import POLICY_NAMES, parse_policy
+from model.device import check_device_name
 from transfer.discovery import parse_dns_name
 
 
@@ -120,6 +121,11 @@ def string(v: Any) -> str:
 @check("size", '> 0; bytes, or a binary unit: "512MiB", "8GiB", "1.5TiB"')
 def size(v: Any) -> int:
     return parse_size(v)
+
+
+@check("string", "auto, cpu, cuda, cuda:N")
+def device_name(v: Any) -> str:
+    return check_device_name(v)
 
 
 @check("integer", "0 – 65535")

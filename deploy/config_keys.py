@@ -23,6 +23,7 @@ from deploy.config_checks import (
     batch_sizes,
     boolean,
     device_list,
+    device_name,
     dns_list,
     finite_non_negative_float,
     fraction,
@@ -138,12 +139,20 @@ def _table(*keys: Key) -> Mapping[str, Key]:
 KEYS: Mapping[str, Key] = _table(
     # ------------------------------------------------------------------ model
     Key("model.path", string, None, "A Hugging Face model directory (config.json, safetensors shards, "
-        "tokenizer.json); relative paths resolve from the working directory.", default_text="required"),
+        "tokenizer.json), or a Hugging Face Hub repo id ORG/NAME that is not a local path: fetched once into the "
+        "hub cache (HF_HOME, HF_TOKEN, HF_HUB_OFFLINE apply) and served from there; relative paths resolve from "
+        "the working directory.", default_text="required"),
     Key("model.name", string, None, "The model name clients pass as `model`.",
-        default_text="the directory's name"),
+        default_text="the directory's name; for a hub repo id, the id"),
+    Key("model.revision", string, None, "For a hub repo id: the branch, tag or commit to serve (vLLM's "
+        "--revision).", default_text="main"),
+    Key("model.download_dir", string, None, "For a hub repo id: the hub cache it is read from and fetched into "
+        "(vLLM's --download-dir); relative paths resolve from the working directory.",
+        default_text="huggingface_hub's: $HF_HUB_CACHE, else $HF_HOME/hub"),
     Key("model.dtype", one_of(DTYPE_CHOICES), AUTO, "The weights dtype; auto: bfloat16 on CUDA and on CPUs with "
         "AMX / AVX512-BF16, float32 elsewhere."),
-    Key("model.device", string, "cpu", "Where the nodes compute: cpu, cuda or cuda:N."),
+    Key("model.device", device_name, "auto", "Where the nodes compute: auto (CUDA when the node sees a GPU, "
+        "else the CPU), cpu, cuda or cuda:N."),
     # ---------------------------------------------------------------- kvstore
     Key("kvstore.block_size_tokens", positive_int, 16, "Tokens per KV block: the unit of allocation, hashing, "
         "tiering and transfer.", unit="tokens"),
@@ -153,11 +162,16 @@ KEYS: Mapping[str, Key] = _table(
     Key("kvstore.integrity_sample_rate", fraction, DEFAULT_SAMPLE_RATE, "With integrity sampled: the share of "
         "landed blocks checked.", unit="fraction"),
     Key("kvstore.device.bytes", size, None, "The device tier's size.", unit="bytes",
-        field="size_bytes", also="not with fraction_of_free"),
+        field="size_bytes", also="not with fraction_of_free or gpu_memory_utilization"),
     Key("kvstore.device.fraction_of_free", fraction, None, "The device tier as a share of the memory free when "
         "the node starts: GPU memory (read through NVML) on CUDA, the node's share of host memory on CPU.",
         unit="fraction", field="free_memory_frac", default_text="0.2 on CPU, 0.85 on CUDA",
-        also="not with bytes"),
+        also="not with bytes or gpu_memory_utilization"),
+    Key("kvstore.device.gpu_memory_utilization", fraction, None, "On CUDA, the share of the GPU's total memory "
+        "the node may use in all, as vLLM's --gpu-memory-utilization: the device tier gets what is left after "
+        "the weights and an activation reserve. Per node: nodes sharing a GPU split it. Ignored on a CPU device "
+        "(the node says so and the tier takes its CPU default).", unit="fraction",
+        also="not with bytes or fraction_of_free; nodes sharing a GPU sum to <= 1"),
     Key("kvstore.device.policy", tier_policy, DEFAULT_POLICY, _POLICY),
     Key("kvstore.host.bytes", size, None, "The host tier's size.", unit="bytes", field="size_bytes",
         also="not with fraction_of_free"),

@@ -13,6 +13,7 @@ from typing import Any
 from deploy.config import Config
 from deploy.config_keys import KEYS, SECTIONS, Key
 from deploy.sizes import UNIT_TO_BYTES
+from model.device import AUTO_DEVICE
 
 REFERENCE_PATH = "docs/reference/configuration.md"
 REGENERATE = f"kvrelay config reference --out {REFERENCE_PATH}"
@@ -85,8 +86,10 @@ def effective_config(config: Config, raw: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key in KEYS.values():
         value = _raw_value(raw, key.path) if key.attr is None else _attr_value(config, key.attr)
-        if key.path == "kvstore.device.fraction_of_free" and config.kvstore.device.size_bytes is None:
-            value = config.kvstore.device.fraction(config.model.device)  # the default depends on the device
+        d = config.kvstore.device
+        if (key.path == "kvstore.device.fraction_of_free" and d.size_bytes is None and d.gpu_memory_utilization is None
+                and config.model.device != AUTO_DEVICE):  # auto: each node decides, so the default stays unshown
+            value = d.fraction(config.model.device)  # the default depends on the device
         if key.secret and value:
             value = [REDACTED] * len(value) if isinstance(value, tuple | list) else REDACTED
         node = out

@@ -61,6 +61,22 @@ def nvml_free_bytes() -> int:
         pynvml.nvmlShutdown()
 
 
+def nvml_device_count() -> int:
+    """GPUs NVML sees on this machine; 0 where there is no NVML (no driver) or it fails."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # noqa: BLE001 - NVMLError_LibraryNotFound, or pynvml missing: no GPU to count
+        return 0
+    try:
+        return int(pynvml.nvmlDeviceGetCount())
+    except Exception:  # noqa: BLE001 - a driver that fails to answer counts no GPU
+        return 0
+    finally:
+        pynvml.nvmlShutdown()
+
+
 def format_bytes(num_bytes: int) -> str:
     """``3.2 GiB``, ``640.0 MiB``: for start-up lines."""
     for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from deploy.config import for_node
 from deploy.cpu_budget import CoreLending, apply_cpus, format_cpus
+from deploy.gpu_memory import GpuUse, activation_reserve_bytes, ignored_on_cpu
 from deploy.memory import format_bytes, free_host_bytes
 
 if TYPE_CHECKING:  # engine nodes import these where they are built: the router process loads no torch
@@ -67,32 +68,46 @@ def use_triton_interpreter(backend: str | None, device: str) -> None:
 
 def build_engine(config: Any, *, node_name: str, registry: CollectorRegistry,
                  memory_budget_bytes: int | None = None) -> LLMEngine:
-    """The engine of one prefill or decode node: model from ``config.model``, tiers from ``config.kvstore``.
+    """The engine of one prefill or decode node: model from ``config.model`` (``model.path`` a local directory:
+    `deploy.model_source.resolve_config_model` ran before), tiers from ``config.kvstore``.
 
-    Each node keeps its disk tier in its own subdirectory (``disk.path/<node name>``): LMDB environments
-    are one per process. A tier sized by ``fraction_of_free`` takes its share of ``memory_budget_bytes``
-    (this node's share of the host memory free when the deployment started; None: what is free now), or
-    of free GPU memory on CUDA. The sizes chosen are logged.
+    ``model.device`` ``auto`` is decided here, in the node (`model.device.resolve_device`). Each node keeps its
+    disk tier in its own subdirectory (``disk.path/<node name>``): LMDB environments are one per process. A tier
+    sized by ``fraction_of_free`` takes its share of ``memory_budget_bytes`` (this node's share of the host memory
+    free when the deployment started; None: what is free now), or of free GPU memory on CUDA; on CUDA a
+    ``gpu_memory_utilization`` is applied to the GPU's total memory once the weights are loaded
+    (`deploy.gpu_memory`). The sizes chosen are logged, and a ``gpu_memory_utilization`` ignored on a CPU device
+    is said so.
+
+    Raises:
+        ConfigError: a device tier that cannot be sized (naming its key); ValueError: a bad device name.
     """
     from engine.engine import EngineConfig, LLMEngine
+    from model.device import resolve_device
     from model.loader import load_model
 
     m = config.model
-    use_triton_interpreter(config.engine.attention_backend, m.device)
-    loaded = load_model(m.path, dtype=m.dtype, device=m.device)
+    device = resolve_device(m.device)
+    use_triton_interpreter(config.engine.attention_backend, device)
+    loaded = load_model(m.path, dtype=m.dtype, device=device)
     spec = LLMEngine.block_spec_for(loaded, config.kvstore.block_size_tokens, kv_dtype=config.kvstore.dtype)
     budget = (lambda: memory_budget_bytes) if memory_budget_bytes is not None else free_host_bytes
     kv = for_node(config.kvstore, node_name)
-    store_config = kv.store_config(spec, device=m.device, host_free_bytes=budget)
-    log.info("%s KV: device tier %s (%d blocks of %d bytes: %d tokens, %s), host tier %s (%d blocks, %s)",
-             node_name, format_bytes(store_config.num_device_blocks * spec.block_bytes),
+    e = config.engine
+    gpu_use = (_gpu_use(loaded, device, max_num_batched_tokens=e.max_num_batched_tokens, max_num_seqs=e.max_num_seqs)
+               if kv.device.gpu_memory_utilization is not None and device.startswith("cuda") else None)
+    note = ignored_on_cpu(kv.device.gpu_memory_utilization, device, kv.device.fraction(device))
+    if note is not None:
+        log.warning("%s: %s", node_name, note)
+    store_config = kv.store_config(spec, device=device, host_free_bytes=budget, gpu_use=gpu_use)
+    log.info("%s KV on %s: device tier %s (%d blocks of %d bytes: %d tokens, %s), host tier %s (%d blocks, %s)",
+             node_name, device, format_bytes(store_config.num_device_blocks * spec.block_bytes),
              store_config.num_device_blocks, spec.block_bytes, store_config.num_device_blocks * spec.block_size_tokens,
-             _sizing(kv.device.fraction(m.device), "GPU memory" if m.device.startswith("cuda") else "host memory",
-                     memory_budget_bytes),
+             _sizing(kv.device.fraction(device), "GPU memory" if device.startswith("cuda") else "host memory",
+                     memory_budget_bytes, gpu_use=gpu_use, utilization=kv.device.gpu_memory_utilization),
              format_bytes(store_config.num_host_blocks * spec.block_bytes), store_config.num_host_blocks,
              _sizing(kv.host.free_memory_frac if kv.host else None, "host memory", memory_budget_bytes)
              if kv.host else "none")
-    e = config.engine
     return LLMEngine(loaded, EngineConfig(  # the layout is ``spec``, built once above
         num_blocks=store_config.num_device_blocks, max_num_seqs=e.max_num_seqs,
         max_num_batched_tokens=e.max_num_batched_tokens, prefill_packing=e.prefill_packing,
@@ -101,6 +116,25 @@ def build_engine(config: Any, *, node_name: str, registry: CollectorRegistry,
         attention_backend=e.attention_backend, cuda_graphs=e.cuda_graphs,
         cuda_graph_batch_sizes=e.cuda_graph_batch_sizes,
     ), spec=spec, store_config=store_config, registry=registry)
+
+
+def _gpu_use(loaded: Any, device: str, *, max_num_batched_tokens: int, max_num_seqs: int) -> GpuUse:
+    """This node's GPU readings after its weights loaded: the device's free and total memory (CUDA's own
+    ``mem_get_info`` for ``device``), the bytes of the parameters and buffers, and the activation reserve."""
+    import torch
+
+    free, total = torch.cuda.mem_get_info(torch.device(device))
+    tensors = {t.data_ptr(): t.numel() * t.element_size()
+               for t in (*loaded.model.parameters(), *loaded.model.buffers()) if t.device.type == "cuda"}
+    c = loaded.config
+    mlp_width = max(c.intermediate_size, c.moe.intermediate_size * c.moe.top_k if c.moe is not None else 0)
+    dtype_bytes = next(loaded.model.parameters()).element_size()
+    activations = activation_reserve_bytes(
+        hidden=c.hidden_size, mlp_width=mlp_width,
+        qkv_width=(c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim, vocab=c.vocab_size,
+        dtype_bytes=dtype_bytes, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
+    return GpuUse(total_bytes=int(total), free_bytes=int(free), weights_bytes=sum(tensors.values()),
+                  activation_bytes=activations)
 
 
 def build_app(config: Any, role: str, index: int, *, name: str | None = None,
@@ -284,8 +318,13 @@ def _exit_stalled(reason: str) -> None:
     os._exit(ENGINE_STALLED_EXIT)
 
 
-def _sizing(frac: float | None, memory: str, budget: int | None) -> str:
+def _sizing(frac: float | None, memory: str, budget: int | None, *, gpu_use: GpuUse | None = None,
+            utilization: float | None = None) -> str:
     """How a tier was sized, for the start-up line."""
+    if gpu_use is not None and utilization is not None:
+        return (f"gpu_memory_utilization {utilization:g} of {format_bytes(gpu_use.total_bytes)} less the weights "
+                f"({format_bytes(gpu_use.weights_bytes)}) and the activation reserve "
+                f"({format_bytes(gpu_use.activation_bytes)})")
     if frac is None:
         return "configured bytes"
     of = f"this node's share ({format_bytes(budget)}) of the {memory} free at start" if budget is not None and \

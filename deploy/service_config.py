@@ -19,14 +19,20 @@ from deploy.config_keys import ATTENTION_BACKENDS as ATTENTION_BACKENDS
 from deploy.config_keys import KEYS, TOKEN_ENV, names_at
 from deploy.sizes import ConfigError
 from engine.long_context import LongContextConfig
+from model.hub import is_hub_id
 
 
 @dataclass(frozen=True, slots=True)
 class ModelSection:
+    """``path``: an absolute local directory, or a hub repo id (``ORG/NAME``, `model.hub.is_hub_id`) that no local
+    path answers to, until `deploy.model_source.resolve_config_model` gives its snapshot directory."""
+
     path: str
     name: str
     dtype: str = "auto"  # weights; "auto": see model.dtype.resolve_dtype
-    device: str = "cpu"
+    device: str = "auto"  # "auto": see model.device.resolve_device (decided in each node)
+    revision: str | None = None  # of a hub repo id; None: main
+    download_dir: str | None = None  # the hub cache of a hub repo id; None: huggingface_hub's
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,10 +211,16 @@ def parse_services(root: Section, *, base_dir: Path, env: Mapping[str, str] | No
     m = root.section("model")
     path = m.take("path")
     if path is None:
-        raise ConfigError("model.path: required (a Hugging Face model directory)")
-    model_path = Path(path) if Path(path).is_absolute() else base_dir / path
-    model = ModelSection(path=str(model_path), name=m.take("name") or model_path.name, dtype=m.take("dtype"),
-                         device=m.take("device"))
+        raise ConfigError("model.path: required (a Hugging Face model directory, or a hub repo id ORG/NAME)")
+    model_path = base_dir / Path(path).expanduser()  # an absolute path stays itself
+    download_dir = m.take("download_dir")
+    if is_hub_id(path) and not model_path.exists():  # a local path of that name wins (`model.hub`)
+        model_path, default_name = Path(path), path
+    else:
+        default_name = model_path.name
+    model = ModelSection(path=str(model_path), name=m.take("name") or default_name, dtype=m.take("dtype"),
+                         device=m.take("device"), revision=m.take("revision"),
+                         download_dir=str(base_dir / Path(download_dir).expanduser()) if download_dir else None)
     m.done()
     e = root.section("engine")  # each engine key (and each router key but the two below) is the field it sets
     engine = EngineSection(**{name: e.take(name) for name in names_at("engine")})

@@ -131,19 +131,21 @@ def node_block_spec(config: Config) -> BlockSpec:
     Raises:
         ConfigError: ``model.path`` is not a readable model directory.
     """
+    from deploy.model_source import resolve_config_model
     from engine.kv_layout import kv_block_spec
     from model.config import read_model_config
+    from model.device import resolve_device
     from model.dtype import resolve_dtype
     from model.loader import model_fingerprint
 
-    m, kv = config.model, config.kvstore
+    m, kv = resolve_config_model(config).model, config.kvstore  # a hub repo id: its snapshot
     try:
         model = read_model_config(m.path)
         fingerprint = model_fingerprint(m.path)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"model.path: {exc}") from None
     return kv_block_spec(model, fingerprint=fingerprint, block_size_tokens=kv.block_size_tokens,
-                         dtype=kv.dtype or resolve_dtype(m.dtype, m.device))
+                         dtype=kv.dtype or resolve_dtype(m.dtype, resolve_device(m.device)))
 
 
 def store_verify(config: Config, node: str, spec: Callable[[], BlockSpec], *, delete: bool = True) -> dict[str, Any]:

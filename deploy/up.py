@@ -23,11 +23,12 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from deploy.cpu_budget import available_cpus, format_cpus, split_cpus
-from deploy.memory import format_bytes, free_host_bytes
+from deploy.memory import format_bytes, free_host_bytes, nvml_device_count
 from deploy.service_config import TOKEN_ENV
 from deploy.sizes import ConfigError
 
@@ -131,6 +132,32 @@ def check_model_fits_config(config: Any) -> None:
                           f"{config.model.path}; use none")
 
 
+def check_gpu_shares(config: Any, *, gpu_count: Callable[[], int] = nvml_device_count) -> None:
+    """Refuse a ``kvstore.device.gpu_memory_utilization`` that the engine nodes sharing one GPU cannot all take:
+    it is each node's share of the GPU's total memory (vLLM's per-instance meaning), so the nodes on one GPU
+    must sum to at most 1. Nodes without ``<role>.devices`` entries share the GPU ``model.device`` names.
+    Nothing to check on a CPU device, or with ``auto`` where ``gpu_count()`` (NVML) sees no GPU.
+
+    Raises:
+        ConfigError: naming the key, the GPU, its nodes and the largest share that fits.
+    """
+    utilization = config.kvstore.device.gpu_memory_utilization
+    device = config.model.device
+    if utilization is None or device == "cpu" or (device == "auto" and gpu_count() == 0):
+        return
+    gpu_to_nodes: dict[str, list[str]] = {}
+    for role, section in (("prefill", config.prefill), ("decode", config.decode)):
+        for i in range(len(section.ports)):
+            gpu = f"CUDA_VISIBLE_DEVICES={section.devices[i]}" if section.devices else device
+            gpu_to_nodes.setdefault(gpu, []).append(f"{role}-{i}")
+    for gpu, nodes in sorted(gpu_to_nodes.items()):
+        if len(nodes) * utilization > 1 + 1e-9:
+            raise ConfigError(
+                f"kvstore.device.gpu_memory_utilization: {utilization:g} is each node's share of its GPU's memory, "
+                f"and {len(nodes)} nodes ({', '.join(nodes)}) share {gpu}: {len(nodes) * utilization:g} of it; use "
+                f"at most {1 / len(nodes):.2f}, or give each node its own GPU (prefill.devices, decode.devices)")
+
+
 def up(config: Any, config_path: Path, *, overrides: list[str], startup_timeout_s: float = 300.0,
        lend_cpus: bool = True) -> int:
     """Run the whole deployment until a signal; returns the exit code.
@@ -143,6 +170,7 @@ def up(config: Any, config_path: Path, *, overrides: list[str], startup_timeout_
     to the others while it has nothing to compute (`deploy.cpu_budget.CoreLending`).
     """
     check_model_fits_config(config)
+    check_gpu_shares(config)
     plan = [("prefill", i) for i in range(len(config.prefill.ports))]
     plan += [("decode", i) for i in range(len(config.decode.ports))]
     cpus = available_cpus()

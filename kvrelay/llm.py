@@ -6,14 +6,17 @@
     for out in llm.generate(["Hello, my name is", "The capital of France is"], SamplingParams(max_tokens=16)):
         print(out.prompt, out.outputs[0].text)
 
-The engine is the one the servers run (`engine.engine.LLMEngine`), sized the same way: KV memory in
-bytes (``kv_cache_memory``) or, on CUDA, a fraction of the free GPU memory (``gpu_memory_utilization``),
-never a block count. Generation with the same seed gives the same tokens as the server.
+``model`` is a local directory or a Hugging Face Hub repo id (``LLM("Qwen/Qwen3-0.6B")``, fetched into the hub
+cache by `model.hub`). The engine is the one the servers run (`engine.engine.LLMEngine`), sized the same way: KV
+memory in bytes (``kv_cache_memory``) or, on CUDA, vLLM's ``gpu_memory_utilization`` (the share of the GPU's total
+memory for weights, activations and KV together; `deploy.gpu_memory`), never a block count. Generation with the
+same seed gives the same tokens as the server.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +27,9 @@ from model.generation_config import load_generation_defaults
 from model.sampling_params import TokenLogprobs
 
 Prompt = str | Sequence[int]
+log = logging.getLogger(__name__)
+CPU_KV_CACHE_MEMORY = "1GiB"  # the device tier on a CPU device when kv_cache_memory is not given
+CUDA_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default, on CUDA when neither is given
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,13 +56,20 @@ class LLM:
     """A model and its engine in this process.
 
     Args:
-        model: a Hugging Face model directory (`kvrelay model pull`, `kvrelay tiny-model`).
+        model: a Hugging Face model directory (`kvrelay model pull`, `kvrelay tiny-model`), or a Hugging Face
+            Hub repo id ``ORG/NAME`` that is not a local path (fetched into the hub cache; ``HF_HOME``,
+            ``HF_TOKEN``, ``HF_HUB_OFFLINE`` apply).
+        revision, download_dir: of a hub repo id: the branch, tag or commit (default ``main``) and the hub
+            cache (default ``huggingface_hub``'s), as vLLM's.
         dtype: ``auto`` (bfloat16 on CUDA and on CPUs with AMX / AVX512-BF16, else float32), ``float32``,
             ``bfloat16``, ``float16``.
-        device: ``cpu`` or ``cuda``.
+        device: ``auto`` (CUDA when this process sees a GPU, else the CPU), ``cpu``, ``cuda`` or ``cuda:N``.
         block_size: tokens per KV block.
-        kv_cache_memory: KV bytes on the device (an int, or a size such as ``"2GiB"``); default 1 GiB on
-            CPU. On CUDA, ``gpu_memory_utilization`` (a fraction of the free memory) instead, default 0.85.
+        kv_cache_memory: KV bytes on the device (an int, or a size such as ``"2GiB"``); default
+            `CPU_KV_CACHE_MEMORY` on a CPU device.
+        gpu_memory_utilization: on CUDA, vLLM's meaning: the share of the GPU's total memory for the weights,
+            activations and KV together; default `CUDA_GPU_MEMORY_UTILIZATION` on CUDA. Ignored on a CPU device
+            (logged; the KV takes ``kv_cache_memory``'s default), as vLLM's CPU build ignores it.
         max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching: as the server's
             ``engine`` section.
         generation_config: ``auto`` (the model's ``generation_config.json`` gives the defaults of
@@ -64,35 +77,48 @@ class LLM:
 
     Raises:
         deploy.sizes.ConfigError: a bad value, naming it (as the server's config does).
+        model.hub.HubError: a repo id that cannot be fetched, naming it and what to do.
     """
 
-    def __init__(self, model: str | Path, *, dtype: str = "auto", device: str = "cpu", block_size: int = 16,
+    def __init__(self, model: str | Path, *, dtype: str = "auto", device: str = "auto", block_size: int = 16,
                  kv_cache_memory: int | str | None = None, gpu_memory_utilization: float | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
-                 enable_prefix_caching: bool = True, generation_config: str = "auto") -> None:
+                 enable_prefix_caching: bool = True, generation_config: str = "auto", revision: str | None = None,
+                 download_dir: str | Path | None = None) -> None:
         from prometheus_client import CollectorRegistry
 
         from deploy.config import parse_config
         from deploy.serve import build_engine
+        from deploy.sizes import ConfigError
+        from model.device import resolve_device
+        from model.hub import resolve_model
         from model.tokenizer import load_tokenizer
 
         if kv_cache_memory is not None and gpu_memory_utilization is not None:
-            from deploy.sizes import ConfigError
-
             raise ConfigError("give kv_cache_memory or gpu_memory_utilization, not both")
+        try:
+            device = resolve_device(device)
+        except ValueError as exc:
+            raise ConfigError(f"device {device!r} {exc}") from None
+        if not device.startswith("cuda") and gpu_memory_utilization is not None:
+            log.warning("gpu_memory_utilization=%g is ignored on %s (it is a share of a GPU's memory, as vLLM's is); "
+                        "the KV takes %s: pass kv_cache_memory to size it", gpu_memory_utilization, device,
+                        CPU_KV_CACHE_MEMORY)
+            gpu_memory_utilization = None
         if kv_cache_memory is None and gpu_memory_utilization is None:
-            if device == "cuda":
-                gpu_memory_utilization = 0.85
+            if device.startswith("cuda"):
+                gpu_memory_utilization = CUDA_GPU_MEMORY_UTILIZATION
             else:
-                kv_cache_memory = "1GiB"
-        kv_device: dict[str, Any] = ({"fraction_of_free": gpu_memory_utilization} if gpu_memory_utilization is not None
-                                     else {"bytes": kv_cache_memory})
+                kv_cache_memory = CPU_KV_CACHE_MEMORY
+        kv_device: dict[str, Any] = ({"gpu_memory_utilization": gpu_memory_utilization}
+                                     if gpu_memory_utilization is not None else {"bytes": kv_cache_memory})
+        source = resolve_model(model, revision=revision, download_dir=download_dir)
         engine = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
                   "enable_prefix_caching": enable_prefix_caching}
         if max_model_len is not None:
             engine["max_model_len"] = max_model_len
         self.config = parse_config({
-            "model": {"path": str(model), "dtype": dtype, "device": device},
+            "model": {"path": str(source.path), "name": source.repo_id, "dtype": dtype, "device": device},
             "kvstore": {"block_size_tokens": block_size, "device": kv_device},
             "engine": engine,
         }, base_dir=Path.cwd())

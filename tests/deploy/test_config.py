@@ -118,7 +118,8 @@ def test_free_host_bytes_is_meminfo_within_the_cgroup_limit(tmp_path):
         ("{device: {bytes: -4096}}", "kvstore.device.bytes: -4096 must be positive"),
         ("{device: {bytes: true}}", "kvstore.device.bytes: True is not a size"),
         ("{device: {bytes: 1GiB, fraction_of_free: 0.5}}",
-         "kvstore.device: set one of bytes (e.g. 8GiB) and fraction_of_free (e.g. 0.2), not both"),
+         "kvstore.device: set one of bytes (e.g. 8GiB), fraction_of_free (e.g. 0.2) and gpu_memory_utilization "
+         "(e.g. 0.9), not two"),
         ("{host: {bytes: 1GiB, fraction_of_free: 0.5}}",
          "kvstore.host: set one of bytes (e.g. 16GiB) and fraction_of_free (e.g. 0.1), not both"),
         ("{host: {fraction_of_free: 0}}", "kvstore.host.fraction_of_free: 0 is not a fraction in"),
@@ -167,7 +168,8 @@ def test_shipped_configs_load(monkeypatch):
     monkeypatch.chdir(DEFAULT_CONFIG.parent.parent.parent)
     for path in sorted(DEFAULT_CONFIG.parent.glob("*.yaml")):
         config = load_config(path, gpu_free_bytes=lambda: 80 << 30)
-        assert config.kvstore.device.size_bytes or config.kvstore.device.fraction(config.model.device), path
+        d = config.kvstore.device  # each is sized one way: bytes, a share of free memory, or vLLM's share of total
+        assert d.size_bytes or d.fraction(config.model.device) or d.gpu_memory_utilization, path
 
 
 def test_decode_long_context_section(tmp_path):

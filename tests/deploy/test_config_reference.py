@@ -21,7 +21,8 @@ from deploy.service_config import Section
 ROOT = Path(__file__).resolve().parents[2]
 # A valid value for every key whose default is unset (the rest are set to their defaults).
 EXAMPLES: dict[str, Any] = {
-    "model.path": "m", "model.name": "served", "kvstore.dtype": "bfloat16",
+    "model.path": "m", "model.name": "served", "model.revision": "v1", "model.download_dir": "hub",
+    "kvstore.dtype": "bfloat16", "kvstore.device.gpu_memory_utilization": 0.9,
     "kvstore.device.bytes": "1GiB", "kvstore.device.fraction_of_free": 0.5,
     "kvstore.host.bytes": "2GiB", "kvstore.host.fraction_of_free": 0.1,
     "kvstore.disk.path": "kv", "kvstore.disk.bytes": "8GiB",
@@ -30,6 +31,7 @@ EXAMPLES: dict[str, Any] = {
     "router.tool_call_parser": "hermes", "observability.otlp_endpoint": "http://collector:4318/v1/traces",
 }
 SIZED_BY = ("bytes", "fraction_of_free")  # kvstore.device and kvstore.host take one or the other
+DEVICE_ONLY = "gpu_memory_utilization"  # ... and kvstore.device a third way
 
 
 def leaf_fields(cls: type, prefix: str) -> dict[str, dataclasses.Field]:
@@ -55,8 +57,11 @@ def nested(flat: dict[str, Any]) -> dict[str, Any]:
 
 
 def full_config(sized_by: str) -> dict[str, Any]:
-    """Every key set (to its example, else to its default as YAML writes it), the tiers sized by ``sized_by``."""
-    other = {f"kvstore.{tier}.{name}" for tier in ("device", "host") for name in SIZED_BY if name != sized_by}
+    """Every key set (to its example, else to its default as YAML writes it), the tiers sized by ``sized_by``
+    (`DEVICE_ONLY`: the device tier by it, the host tier by bytes)."""
+    host_by = "bytes" if sized_by == DEVICE_ONLY else sized_by
+    other = {f"kvstore.device.{name}" for name in (*SIZED_BY, DEVICE_ONLY) if name != sized_by}
+    other |= {f"kvstore.host.{name}" for name in SIZED_BY if name != host_by}
     return nested({path: EXAMPLES.get(path, list(key.default) if isinstance(key.default, tuple) else key.default)
                    for path, key in KEYS.items() if path not in other})
 
@@ -91,7 +96,7 @@ def test_declared_defaults_are_the_dataclasses_defaults():
 def test_the_parser_reads_exactly_the_declared_keys(tmp_path):
     env = {"KVRELAY_TEST_TOKEN": "t", "KVRELAY_TEST_KEYS": "a, b"}
     assert {path for path, key in KEYS.items() if key.default is None} == set(EXAMPLES)
-    for sized_by in SIZED_BY:
+    for sized_by in (*SIZED_BY, DEVICE_ONLY):
         root = Section(full_config(sized_by), "")
         config = parse_root(root, base_dir=tmp_path, gpu_free_bytes=lambda: 1 << 30, env=env)
         assert root.taken == set(KEYS)
@@ -122,7 +127,7 @@ def write(tmp_path: Path, text: str) -> Path:
     ("model: {path: m}\ndecode: {long_context: {budget_tokens: 8}}\n",
      "decode.long_context.budget_tokens: unknown key; did you mean decode.long_context.device_budget_tokens?"),
     ("model: {path: m}\nkvstore: {device: {zzz: 1}}\n",
-     "kvstore.device.zzz: unknown key; known keys here: bytes, fraction_of_free, policy"),
+     "kvstore.device.zzz: unknown key; known keys here: bytes, fraction_of_free, gpu_memory_utilization, policy"),
     ("model: {path: m}\nengine: {max_num_seqs: 0}\n", "engine.max_num_seqs: 0 is not a positive integer"),
 ])
 def test_config_check_names_the_key_and_the_closest_known_one(tmp_path, capsys, text, message):
@@ -161,11 +166,13 @@ def test_config_show_fills_in_defaults_redacts_secrets_and_parses_back(tmp_path,
     assert shown["router"]["max_body_bytes"] == 4 << 20
     assert (shown["internal"]["token"], shown["router"]["api_keys"]) == (REDACTED, [REDACTED, REDACTED])
     assert shown["router"]["api_keys_env"] == "KVRELAY_TEST_KEYS"
-    assert shown["kvstore"]["device"] == {"bytes": 65536, "fraction_of_free": None, "policy": "cold-tail"}
+    assert shown["kvstore"]["device"] == {"bytes": 65536, "fraction_of_free": None, "policy": "cold-tail",
+                                          "gpu_memory_utilization": None}
     assert shown["kvstore"]["host"] == {"bytes": None, "fraction_of_free": 0.1, "policy": "cold-tail"}
     assert shown["kvstore"]["disk"] == {"path": None, "bytes": None, "admit": None, "policy": None}  # no disk tier
     assert shown["decode"]["long_context"]["device_budget_tokens"] == 4096
-    assert shown["model"] == {"path": str(Path.cwd() / "m"), "name": "m", "dtype": "auto", "device": "cpu"}
+    assert shown["model"] == {"path": str(Path.cwd() / "m"), "name": "m", "revision": None, "download_dir": None,
+                              "dtype": "auto", "device": "auto"}
     original = load_config(path)
     again = parse_config(shown, base_dir=tmp_path, env={})
     assert dataclasses.replace(again, internal=original.internal, router=original.router) == original
@@ -177,7 +184,8 @@ def test_config_show_defaults_to_the_local_config(capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     assert main(["config", "show"]) == 0
     shown = yaml.safe_load(capsys.readouterr().out)
-    assert shown["kvstore"]["device"]["fraction_of_free"] == 0.2  # unset on CPU: DEFAULT_DEVICE_FRACTION["cpu"]
+    # device auto: each node decides (0.2 of host memory on CPU, 0.85 of GPU memory on CUDA), so nothing is shown
+    assert shown["model"]["device"] == "auto" and shown["kvstore"]["device"]["fraction_of_free"] is None
     assert shown["prefill"]["ports"] == [8100] and shown["decode"]["ports"] == [8200]
 
 

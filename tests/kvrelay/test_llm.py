@@ -92,3 +92,46 @@ def test_default_params_come_from_generation_config(tmp_path):
     finally:
         plain.close()
     shutil.rmtree(model)
+
+
+def test_a_hub_repo_id_loads_its_cached_snapshot_and_generates_as_the_directory(llm, tiny_model_dir, tmp_path):
+    """Issue 64: ``LLM("ORG/NAME")`` through the hub cache (laid out by the test; offline: tests/conftest.py)."""
+    from tests.hub_cache import write_hub_snapshot
+
+    hub = tmp_path / "hub"
+    snapshot = write_hub_snapshot(hub, "kvtest/tiny", tiny_model_dir)
+    by_name = LLM("kvtest/tiny", download_dir=hub, dtype="float32", kv_cache_memory="8MiB", max_num_seqs=8)
+    try:
+        assert (by_name.config.model.path, by_name.config.model.name) == (str(snapshot), "kvtest/tiny")
+        params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0)
+        [got] = by_name.generate([[5, 6, 7, 8]], params, use_tqdm=False)
+        [want] = llm.generate([[5, 6, 7, 8]], params, use_tqdm=False)
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids and len(want.outputs[0].token_ids) == 6
+    finally:
+        by_name.close()
+
+
+def test_device_auto_and_gpu_memory_utilization_ignored_on_cpu(tiny_model_dir, caplog):
+    """Issue 64: the device defaults to auto (here the CPU); vLLM's gpu_memory_utilization means nothing on a CPU
+    device, so the KV takes kv_cache_memory's CPU default and a warning says so."""
+    import logging
+
+    import torch
+
+    from deploy.sizes import parse_size
+    from kvrelay.llm import CPU_KV_CACHE_MEMORY
+
+    if torch.cuda.is_available():
+        pytest.skip("auto is CUDA on this machine")
+    with caplog.at_level(logging.WARNING, logger="kvrelay.llm"):
+        llm = LLM(model=tiny_model_dir, dtype="float32", gpu_memory_utilization=0.5, max_num_seqs=8)
+    try:
+        assert llm.config.model.device == "cpu" and llm.config.kvstore.device.size_bytes == parse_size("1GiB")
+        assert llm.engine.config.num_blocks == parse_size(CPU_KV_CACHE_MEMORY) // llm.engine.spec.block_bytes
+        assert [r.getMessage() for r in caplog.records if r.name == "kvrelay.llm"] == [
+            "gpu_memory_utilization=0.5 is ignored on cpu (it is a share of a GPU's memory, as vLLM's is); the KV "
+            "takes 1GiB: pass kv_cache_memory to size it"]
+    finally:
+        llm.close()
+    with pytest.raises(ConfigError, match=r"^device 'gpu' is not a device; use auto, cpu, cuda or cuda:N$"):
+        LLM(model=tiny_model_dir, device="gpu")
