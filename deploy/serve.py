@@ -185,7 +185,7 @@ def build_app(config: Any, role: str, index: int, *, name: str | None = None,
     if not 0 <= index < len(ports):
         raise ValueError(f"{role}.ports has {len(ports)} entries; --index {index} is out of range")
     port = ports[index]
-    metrics = NodeMetrics(role, node=name)
+    metrics = NodeMetrics(role, model_name=config.model.name, node=name)
     if cores is not None:
         metrics.watch_cpus(cores)
     engine = build_engine(config, node_name=name, registry=metrics.registry, memory_budget_bytes=memory_budget_bytes)

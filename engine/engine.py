@@ -31,6 +31,7 @@ from engine.model_runner import ModelRunner
 from engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from engine.sequence import Sequence, SequenceStatus
 from engine.step_rates import StepRates
+from engine.token_histogram import TokenHistogram
 from kvstore.block_key import BlockKey, extend_group_keys
 from kvstore.block_spec import BlockSpec
 from kvstore.tiered_store import TieredStore, TieredStoreConfig
@@ -69,9 +70,12 @@ class EngineStats:
 
     computed_prefill_tokens: int = 0
     generated_tokens: int = 0
-    prompt_tokens: int = 0  # of the requests added (once per request, whatever n)
+    # of the requests whose first token this engine computes (once per request, whatever n); a request that
+    # arrives with its first tokens (KV from a prefill node, a migration) was counted where they were computed
+    prompt_tokens: int = 0
     preemptions: int = 0
     steps: int = 0
+    step_tokens: TokenHistogram = field(default_factory=TokenHistogram)  # tokens computed per step
 
 
 @dataclass(slots=True)
@@ -324,7 +328,8 @@ class LLMEngine:
             for seq in req.seqs:
                 seq.block_keys = list(block_keys)  # the prompt's full blocks are the same in prompt + outputs
         self._requests[request_id] = req
-        self.stats.prompt_tokens += len(prompt)
+        if outputs is None:
+            self.stats.prompt_tokens += len(prompt)
         req.seqs[-1].pinned_block_ids = list(pinned_block_ids)
         self._pending_outputs.extend(StepOutput(request_id, i, [], True, "resumed") for i in done_elsewhere)
         for seq in req.seqs:
@@ -391,6 +396,7 @@ class LLMEngine:
         finally:  # no prefetch outlives the forward, even one that raised (its requests' blocks are given back)
             self.policies.speculative.end_step()
         self.stats.steps += 1
+        self.stats.step_tokens.observe(sum(chunk.num_tokens for chunk in sched.prefills) + len(sched.decodes))
         for chunk in sched.prefills:
             self.stats.computed_prefill_tokens += chunk.num_tokens
             self.scheduler.commit(chunk.seq, chunk.num_tokens)

@@ -42,6 +42,7 @@ from kvstore.block_key import BlockKey
 from kvstore.kv_events import KvEventLog
 from node.app_keys import DRAIN, DRAINABLES, ENGINE_STALLED, HEALTH_EXTRAS, Drainable
 from node.tracing import Stage, Tracing
+from node.vllm_metrics import VllmNodeMetrics
 from transfer.config import TOKEN_HEADER
 from transfer.wire import GenerationMessage, WireError, decode_generation, pack
 
@@ -107,9 +108,11 @@ class _CpuCollector(Collector):
 
 
 class NodeMetrics:
-    """Prometheus metrics of one node, in its own registry (no process globals)."""
+    """Prometheus metrics of one node, in its own registry (no process globals). ``model_name``: the served model
+    name, the ``model_name`` label of vLLM's families."""
 
-    def __init__(self, role: str, registry: CollectorRegistry | None = None, *, node: str = "") -> None:
+    def __init__(self, role: str, registry: CollectorRegistry | None = None, *, model_name: str,
+                 node: str = "") -> None:
         self.registry = registry or CollectorRegistry()
         self.role = role
         # Which node this is (its --name) and its role, for dashboards that scrape many nodes: always 1.
@@ -120,21 +123,8 @@ class NodeMetrics:
                              ["role"], registry=self.registry)
         self.waiting = Gauge("kvrelay_waiting_requests", "Samples waiting to be scheduled", ["role"],
                              registry=self.registry)
-        # vLLM's names, beside ours, so that its dashboards work (same meaning; counts are of samples).
-        r = self.registry
-        self.vllm_running = Gauge("vllm:num_requests_running", "Samples in the running batch", registry=r)
-        self.vllm_waiting = Gauge("vllm:num_requests_waiting", "Samples waiting to be scheduled", registry=r)
-        self.vllm_kv_usage = Gauge("vllm:kv_cache_usage_perc", "Share of the device KV blocks in use (0-1)",
-                                   registry=r)
-        self.vllm_counters = {
-            "preemptions": Counter("vllm:num_preemptions", "Preemptions (a sample's KV dropped, to be recomputed)",
-                                   registry=r),
-            "prefix_queries": Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-                                      registry=r),
-            "prefix_hits": Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=r),
-            "prompt_tokens": Counter("vllm:prompt_tokens", "Prompt tokens of the requests received", registry=r),
-            "generation_tokens": Counter("vllm:generation_tokens", "Tokens generated", registry=r),
-        }
+        # vLLM's families (names, labels, buckets), beside ours, so that its dashboards work (`node.vllm_metrics`)
+        self.vllm = VllmNodeMetrics(self.registry, model_name=model_name)
         self.transfer_bytes = Counter("kvrelay_kv_transfer_bytes", "KV bytes pulled from peers",
                                       registry=self.registry)
         self.transfer_seconds = Histogram("kvrelay_kv_transfer_seconds", "Time to pull a request's KV",
@@ -189,7 +179,8 @@ class EngineNode:
         self.worker = worker
         self.tracing = tracing or Tracing.off()
         self.engine = worker.engine
-        self.metrics = metrics or NodeMetrics(config.role, node=config.name)
+        self.metrics = metrics or NodeMetrics(config.role, model_name=config.model_name, node=config.name)
+        self.metrics.vllm.watch_steps(self.engine.stats.step_tokens)
         self.events = KvEventLog()
         self.pull_rates = PullRates()  # this node's KV pulls from peers (decode nodes; reported in `load_report`)
         self.engine.pool.add_listener(self.events)
@@ -402,9 +393,8 @@ class EngineNode:
         m, engine, role = self.metrics, self.engine, self.config.role
         m.running.labels(role).set(self.worker.num_running)
         m.waiting.labels(role).set(self.worker.num_waiting)
-        m.vllm_running.set(self.worker.num_running)
-        m.vllm_waiting.set(self.worker.num_waiting)
-        m.vllm_kv_usage.set(self.worker.num_in_use_blocks / max(1, engine.pool.num_blocks))
+        m.vllm.set_gauges(running=self.worker.num_running, waiting=self.worker.num_waiting,
+                          kv_usage_frac=self.worker.num_in_use_blocks / max(1, engine.pool.num_blocks))
         m.engine_busy_seconds.set(self.worker.busy_for_s())
         stats, sched = engine.stats, engine.scheduler
         now = {  # counters since start, read from the engine thread's plain ints
@@ -413,7 +403,7 @@ class EngineNode:
             "prefix_hits": sched.num_prefix_hit_tokens, "prompt_tokens": stats.prompt_tokens,
             "generation_tokens": stats.generated_tokens,
         }
-        counters = {"hit_tokens": m.prefix_hit_tokens, "computed_tokens": m.computed_tokens, **m.vllm_counters}
+        counters = {"hit_tokens": m.prefix_hit_tokens, "computed_tokens": m.computed_tokens, **m.vllm.counters}
         for name, value in now.items():
             counters[name].inc(value - self._seen.get(name, 0))
             self._seen[name] = value

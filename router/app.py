@@ -54,6 +54,7 @@ from router.queue import QueueConfig, QueueMetrics, Ticket
 from router.request_trace import RequestTrace, RunTrace
 from router.text_output import SampleText
 from router.tool_calls import ParsedOutput, ToolStream, default_parser
+from router.vllm_metrics import SampleClock, VllmRequestMetrics
 from transfer.bounded_write import write_within
 from transfer.discovery import Resolver, getaddrinfo_resolver
 from transfer.wire import TENANT_SALT_BYTES
@@ -77,13 +78,6 @@ class RouterMetrics:
         self.ttft = Histogram("kvrelay_ttft_seconds", "Time to first token", registry=self.registry, buckets=buckets)
         self.tpot = Histogram("kvrelay_tpot_seconds", "Time per output token after the first",
                               registry=self.registry, buckets=buckets)
-        # vLLM's names, beside ours (same observations), so that its dashboards work.
-        self.vllm_ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token",
-                                   registry=self.registry, buckets=buckets)
-        self.vllm_tpot = Histogram("vllm:time_per_output_token_seconds", "Time per output token after the first",
-                                   registry=self.registry, buckets=buckets)
-        self.vllm_e2e = Histogram("vllm:e2e_request_latency_seconds", "Time from arrival to the last token",
-                                  registry=self.registry, buckets=buckets + (120, 300, 600))
         self.queued = Gauge("kvrelay_router_queued_requests", "Generation requests waiting in the router for room",
                             registry=self.registry)
         self.queue_wait = Histogram("kvrelay_router_queue_wait_seconds", "Time a request waited in the router's "
@@ -146,6 +140,7 @@ class Router:
         self.nodes: NodeSet | None = None
         self.dispatcher: Dispatcher | None = None
         self.served: ServedModel | None = None
+        self.vllm: VllmRequestMetrics | None = None  # vLLM's request-level families: made at start (max_model_len)
         self.membership = Membership(config, self.backends, resolver=resolver,
                                      on_slow=lambda node: self.metrics.slow_polls.labels(node.name).inc())
         self._pump_task: asyncio.Task | None = None
@@ -187,6 +182,8 @@ class Router:
         if cfg.enable_auto_tool_choice and parser is None:
             log.warning("router.enable_auto_tool_choice is set but no tool-call parser fits %s; tool_choice auto "
                         "is refused until router.tool_call_parser (--tool-call-parser) names one", cfg.model_dir)
+        self.vllm = VllmRequestMetrics(self.metrics.registry, model_name=cfg.model_name,
+                                       max_model_len=info.max_model_len)
         self.served = ServedModel(cfg.model_name, info.vocab_size, info.max_model_len, cfg.max_n, tokenizer,
                                   tool_call_parser=parser, enable_auto_tool_choice=cfg.enable_auto_tool_choice,
                                   return_tokens_as_token_ids=cfg.return_tokens_as_token_ids, defaults=defaults,
@@ -381,7 +378,7 @@ class Router:
         reasons: list[str | None] = [None] * len(choices)
         token_ids: list[list[int]] = [[] for _ in choices]
         logprobs: list[list[TokenLogprobs]] = [[] for _ in choices]
-        timer = _Timer()
+        timer, clock = _Timer(), self._clock(reqs, trace)
         cached = 0  # prompt tokens from a prefix cache, every prompt's
         gen = self._run_all(reqs, salt, tickets, trace.runs)
         try:
@@ -391,6 +388,7 @@ class Router:
                 cached += delta.num_cached_tokens or 0
                 if reasons[i] is not None:
                     continue
+                clock.tokens(i, len(delta.token_ids))
                 token_ids[i].extend(delta.token_ids)
                 logprobs[i].extend(delta.logprobs or ())
                 t = texts[i]
@@ -403,7 +401,11 @@ class Router:
                 if all(r is not None for r in reasons):
                     break
         except ApiError as exc:
+            clock.failed("error")
             return self._error(exc)
+        except (ConnectionResetError, asyncio.CancelledError):
+            clock.failed("abort")
+            raise
         finally:
             await gen.aclose()
         timer.observe(self.metrics)
@@ -415,6 +417,7 @@ class Router:
             if r.tool_output is not None:
                 parsed[i] = r.tool_output.parse(outputs[i])
                 reasons[i] = r.tool_output.finish_reason(parsed[i], reasons[i] or "stop")
+        clock.finished(reasons)
         body = full_response(
             req, self.served.name, outputs, reasons, sum(t.num_tokens for t in texts),
             [logprobs_body(req, tok, ids, lps) for ids, lps in zip(token_ids, logprobs, strict=True)],
@@ -422,6 +425,13 @@ class Router:
         if req.timings:
             body["kvrelay"] = trace.answer_field()
         return web.json_response(body)
+
+    def _clock(self, reqs: list[GenerationRequest], trace: RequestTrace) -> SampleClock:
+        """The vLLM-metrics clock of one API request's samples (choices: prompt k's follow prompt k-1's)."""
+        assert self.vllm is not None
+        choices = [k for k, r in enumerate(reqs) for _ in range(r.params.n)]
+        return SampleClock(self.vllm, trace, prompt_of_choice=choices,
+                           prompts=[(len(r.prompt_token_ids), r.params.n, r.params.max_tokens) for r in reqs])
 
     def _sample_text(self, req: GenerationRequest) -> SampleText:
         assert self.served is not None
@@ -439,7 +449,7 @@ class Router:
         reasons: list[str | None] = [None] * len(choices)
         offsets = [0] * len(choices)  # completions' text_offset of each choice's next token
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        timer = _Timer()
+        timer, clock = _Timer(), self._clock(reqs, trace)
         cached = 0  # prompt tokens from a prefix cache, every prompt's
         gen = self._run_all(reqs, salt, tickets, trace.runs)
         try:
@@ -451,6 +461,7 @@ class Router:
                 timer.tokens(len(delta.token_ids))
                 if reasons[i] is not None:
                     continue
+                clock.tokens(i, len(delta.token_ids))
                 t = texts[i]
                 text = t.push(delta.token_ids)
                 if t.stopped:
@@ -477,6 +488,7 @@ class Router:
                 if all(r is not None for r in reasons):
                     break
         except ApiError as exc:
+            clock.failed("error")
             if not resp.prepared:
                 return self._error(exc)
             self.metrics.requests.labels("router", str(exc.status)).inc()
@@ -486,9 +498,11 @@ class Router:
                 log.info("request %s: %s", req.request_id, stalled)
             return resp
         except ClientStalled as exc:  # its connection is cut; closing the decode stream aborts the request
+            clock.failed("abort")
             log.info("request %s: %s", req.request_id, exc)
             return resp
         except (ConnectionResetError, asyncio.CancelledError):
+            clock.failed("abort")
             self.metrics.requests.labels("router", "client_closed").inc()
             raise
         finally:
@@ -499,6 +513,7 @@ class Router:
             last = {**(last or extension_chunk(req, name)), "kvrelay": trace.answer_field()}
         tail = _sse(last) if last is not None else b""
         trace.status = "200"  # a client that closes once it has read [DONE] may cancel this handler in the write
+        clock.finished(reasons)  # every sample has ended: counted whether or not the client reads the tail
         try:
             await self._write(request, resp, tail + b"data: [DONE]\n\n", eof=True)
         except ClientStalled as exc:
@@ -570,7 +585,7 @@ class Router:
 
 
 class _Timer:
-    """TTFT, TPOT and end-to-end latency of one request."""
+    """kvrelay's TTFT and TPOT of one request (all its samples together; vLLM's families: `SampleClock`)."""
 
     def __init__(self) -> None:
         self.start = time.perf_counter()
@@ -589,12 +604,8 @@ class _Timer:
         if self.first is None:
             return
         metrics.ttft.observe(self.first - self.start)
-        metrics.vllm_ttft.observe(self.first - self.start)
-        metrics.vllm_e2e.observe(self.last - self.start)
         if self.count > 1:
-            tpot = (self.last - self.first) / (self.count - 1)
-            metrics.tpot.observe(tpot)
-            metrics.vllm_tpot.observe(tpot)
+            metrics.tpot.observe((self.last - self.first) / (self.count - 1))
 
 
 async def _with_deadline(gen: AsyncIterator[T], timeout_s: float) -> AsyncIterator[T]:

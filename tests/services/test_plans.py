@@ -145,7 +145,8 @@ def test_a_prefill_node_that_serves_whole_requests_takes_its_share_under_auto(ti
         assert texts == expected
 
         def generated() -> dict[str, float]:
-            return {url: metrics(url).get("vllm:generation_tokens_total", 0.0) for url in (prefill, decode)}
+            key = 'vllm:generation_tokens_total{engine="0",model_name="tiny"}'  # vLLM's labels (node.vllm_metrics)
+            return {url: metrics(url).get(key, 0.0) for url in (prefill, decode)}
 
         # The tokens of all 9 however they were placed (a disaggregated one: its first token on the prefill node,
         # the rest on the decode node); each node generated more than first tokens: whole requests on both.
