@@ -185,6 +185,8 @@ def serve_config(args: argparse.Namespace, *, free_port: int) -> dict[str, Any]:
         router["api_keys"] = [args.api_key]
     if args.tool_call_parser is not None:
         router["tool_call_parser"] = args.tool_call_parser
+    if args.reasoning_parser is not None:
+        router["reasoning_parser"] = args.reasoning_parser
     for key in ("enable_auto_tool_choice", "return_tokens_as_token_ids"):
         if getattr(args, key):
             router[key] = True
@@ -346,6 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     from deploy.store_cmd import add_store_parser
     from model.dtype_names import DTYPE_CHOICES
     from model.generation_config import GENERATION_CONFIG_MODES
+    from router.reasoning import REASONING_PARSERS
     from router.tool_calls import PARSER_NAMES
 
     parser = argparse.ArgumentParser(prog="kvrelay", description=__doc__.splitlines()[0])
@@ -430,6 +433,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", default=None, choices=PARSER_NAMES,
                    help="router.tool_call_parser: how tool calls are written (default: the one the model's chat "
                         "template or family implies)")
+    p.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                   help="router.reasoning_parser: chat answers carry the model's thinking in reasoning_content, "
+                        "apart from content")
     p.add_argument("--otlp-traces-endpoint", default=None,
                    help="observability.otlp_endpoint: export one trace per request over OTLP/HTTP to this URL")
     p.add_argument("--return-tokens-as-token-ids", action="store_true",

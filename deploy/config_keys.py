@@ -50,6 +50,7 @@ from kvstore.policy import DEFAULT_POLICY
 from model.dtype_names import AUTO, DTYPE_CHOICES, DTYPE_NAMES
 from model.generation_config import GENERATION_CONFIG_MODES
 from router.plan import MODES as DISAGGREGATION_MODES
+from router.reasoning import REASONING_PARSERS
 from router.tool_calls import PARSER_NAMES
 from transfer.config import PUBLISH_FAULTS
 
@@ -330,6 +331,10 @@ KEYS: Mapping[str, Key] = _table(
     Key("router.tool_call_parser", one_of(PARSER_NAMES, message="is not a tool-call parser (--tool-call-parser): "
         f"use one of {', '.join(PARSER_NAMES)}"), None, "How the model writes tool calls (vLLM's "
         "--tool-call-parser).", default_text="the one the chat template or model family implies"),
+    Key("router.reasoning_parser", one_of(REASONING_PARSERS, message="is not a reasoning parser "
+        f"(--reasoning-parser): use one of {', '.join(REASONING_PARSERS)}"), None, "How a reasoning model's "
+        "thinking is told from its answer in chat: message.reasoning_content and delta.reasoning_content carry "
+        "the thinking, content the rest (vLLM's --reasoning-parser).", default_text="none: all of it is content"),
     Key("router.enable_auto_tool_choice", boolean, False, 'tool_choice "auto" (the default with tools) parses '
         "the output for tool calls (vLLM's --enable-auto-tool-choice)."),
     Key("router.return_tokens_as_token_ids", boolean, False, 'Logprobs name tokens "token_id:N" (vLLM\'s '

@@ -51,6 +51,9 @@ from router.openai_responses import (
 )
 from router.plan import PlanChoice
 from router.queue import QueueConfig, QueueMetrics, Ticket
+from router.reasoning import ReasoningStream
+from router.reasoning import Split as ReasoningSplit
+from router.reasoning import split as split_reasoning
 from router.request_trace import RequestTrace, RunTrace
 from router.text_output import SampleText
 from router.tool_calls import ParsedOutput, ToolStream, default_parser
@@ -186,6 +189,7 @@ class Router:
                                        max_model_len=info.max_model_len)
         self.served = ServedModel(cfg.model_name, info.vocab_size, info.max_model_len, cfg.max_n, tokenizer,
                                   tool_call_parser=parser, enable_auto_tool_choice=cfg.enable_auto_tool_choice,
+                                  reasoning_parser=cfg.reasoning_parser,
                                   return_tokens_as_token_ids=cfg.return_tokens_as_token_ids, defaults=defaults,
                                   eos_token_ids=info.eos_token_ids)
         self.membership.start(self.nodes, on_change=self.dispatcher.queue.pump)
@@ -412,6 +416,11 @@ class Router:
         self.metrics.requests.labels("router", "200").inc()
         tok = self.served.tokenizer
         outputs = ["".join(p) for p in parts]
+        thoughts: list[str] | None = None
+        if req.kind == "chat" and self.served.reasoning_parser is not None:  # the thinking apart, before tools
+            splits = [split_reasoning(self.served.reasoning_parser, o) for o in outputs]
+            outputs = [s.content for s in splits]
+            thoughts = [s.reasoning for s in splits] if req.include_reasoning else None
         parsed: list[ParsedOutput | None] = [None] * len(choices)
         for i, r in enumerate(choices):  # with tools: each choice's calls, parsed on its own
             if r.tool_output is not None:
@@ -421,7 +430,8 @@ class Router:
         body = full_response(
             req, self.served.name, outputs, reasons, sum(t.num_tokens for t in texts),
             [logprobs_body(req, tok, ids, lps) for ids, lps in zip(token_ids, logprobs, strict=True)],
-            prompt_tokens=sum(len(r.prompt_token_ids) for r in reqs), parsed=parsed, cached_tokens=cached)
+            prompt_tokens=sum(len(r.prompt_token_ids) for r in reqs), parsed=parsed, cached_tokens=cached,
+            reasoning=thoughts)
         if req.timings:
             body["kvrelay"] = trace.answer_field()
         return web.json_response(body)
@@ -446,6 +456,8 @@ class Router:
         req, choices = reqs[0], [r for r in reqs for _ in range(r.params.n)]
         texts = [self._sample_text(r) for r in choices]
         tools: list[ToolStream | None] = [r.tool_output.stream() if r.tool_output else None for r in choices]
+        parser = self.served.reasoning_parser if req.kind == "chat" else None
+        thinking = [ReasoningStream(parser) if parser is not None else None for _ in choices]
         reasons: list[str | None] = [None] * len(choices)
         offsets = [0] * len(choices)  # completions' text_offset of each choice's next token
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -475,16 +487,25 @@ class Router:
                 lp = logprobs_body(req, self.served.tokenizer, delta.token_ids, delta.logprobs, offsets[i])
                 if lp is not None and req.kind == "completion":
                     offsets[i] = next_text_offset(self.served.tokenizer, delta.token_ids, offsets[i])
+                thought, split_stream = "", thinking[i]
+                if split_stream is not None:  # the thinking apart, before tools
+                    piece = split_stream.push(text)
+                    if reasons[i] is not None:
+                        rest = split_stream.flush()
+                        piece = ReasoningSplit(piece.reasoning + rest.reasoning, piece.content + rest.content)
+                    thought, text = piece.reasoning if req.include_reasoning else "", piece.content
                 calls, tool_stream, tool_output = None, tools[i], choices[i].tool_output
                 if tool_stream is not None and tool_output is not None:
                     calls = tool_stream.feed(text)
                     if reasons[i] is not None:
                         calls = calls.then(tool_stream.finish())
                         reasons[i] = tool_output.finish_reason(tool_stream.result(), reasons[i])
-                    elif not (first or calls.content or calls.calls or lp):
+                    elif not (first or calls.content or calls.calls or lp or thought):
                         continue  # text held back as possible markup: nothing to send yet
+                elif split_stream is not None and not (first or text or thought or lp or reasons[i] is not None):
+                    continue  # text held back as a possible tag: nothing to send yet
                 await self._write(request, resp, _sse(stream_chunk(req, name, i, text, reasons[i], first=first,
-                                                                   logprobs=lp, tools=calls)))
+                                                                   logprobs=lp, tools=calls, reasoning=thought)))
                 if all(r is not None for r in reasons):
                     break
         except ApiError as exc:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from engine.long_context import LongContextConfig
 from kvstore.checks import require_int
 from router.plan import MODES
+from router.reasoning import REASONING_PARSERS
 from router.tool_calls import PARSER_NAMES
 from transfer.discovery import parse_dns_name
 
@@ -62,6 +63,7 @@ class RouterConfig:
     # vLLM's flags. tool_choice "auto" (the default with tools) parses the output for calls only when enabled, with
     # this parser (`router.tool_calls`; None: the one the model's chat template or family implies).
     tool_call_parser: str | None = None
+    reasoning_parser: str | None = None  # router.reasoning.REASONING_PARSERS; None: chat content is all the text
     enable_auto_tool_choice: bool = False
     return_tokens_as_token_ids: bool = False  # the default of the request field (logprobs' tokens as "token_id:N")
     # vLLM's --generation-config: auto (the model's generation_config.json gives the defaults of the sampling
@@ -87,6 +89,9 @@ class RouterConfig:
         require_int("max_queued_bytes", self.max_queued_bytes)
         require_int("decode_reserve_tokens", self.decode_reserve_tokens)
         require_int("migration_limit", self.migration_limit, minimum=0)
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser (--reasoning-parser) must be one of {', '.join(REASONING_PARSERS)}, "
+                             f"got {self.reasoning_parser!r}")
         if self.tool_call_parser is not None and self.tool_call_parser not in PARSER_NAMES:
             raise ValueError(f"tool_call_parser (--tool-call-parser) must be one of {', '.join(PARSER_NAMES)}, got "
                              f"{self.tool_call_parser!r}")

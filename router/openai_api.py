@@ -73,6 +73,7 @@ class ServedModel:
     max_n: int
     tokenizer: Tokenizer | None
     tool_call_parser: str | None = None
+    reasoning_parser: str | None = None  # `router.reasoning`: chat's thinking apart from its content; None: no split
     enable_auto_tool_choice: bool = False
     return_tokens_as_token_ids: bool = False
     defaults: GenerationDefaults = GenerationDefaults()
@@ -100,6 +101,7 @@ class GenerationRequest:
     cache_salt: str | None = None  # vLLM's cache_salt: narrows the tenant's KV salt (`router.cache_salt`)
     skip_special_tokens: bool = True  # special tokens are left out of the text
     include_stop_str_in_output: bool = False  # the stop string that ended a choice stays in its text
+    include_reasoning: bool = True  # chat with a reasoning parser: the thinking is answered (reasoning_content)
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,12 +288,13 @@ def _sampling(body: dict[str, Any], served: ServedModel, prompt_len: int, *,
 
 def _output_fields(body: dict[str, Any]) -> dict[str, Any]:
     """The `GenerationRequest` fields vLLM's output options set: cache_salt, skip_special_tokens,
-    include_stop_str_in_output. Raises ApiError(400) naming the field."""
+    include_stop_str_in_output, include_reasoning. Raises ApiError(400) naming the field."""
     typed = request_fields.typed_field
     try:
         return {"cache_salt": request_fields.cache_salt(body),
                 "skip_special_tokens": typed(body, "skip_special_tokens", bool, True),
-                "include_stop_str_in_output": typed(body, "include_stop_str_in_output", bool, False)}
+                "include_stop_str_in_output": typed(body, "include_stop_str_in_output", bool, False),
+                "include_reasoning": typed(body, "include_reasoning", bool, True)}
     except FieldError as exc:
         raise ApiError(400, str(exc), param=exc.param) from None
 

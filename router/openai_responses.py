@@ -67,12 +67,13 @@ def next_text_offset(tokenizer: Tokenizer | None, token_ids: list[int], text_off
     return text_offset + sum(len(tokenizer.decode([t], skip_special_tokens=False)) for t in token_ids)
 
 
-def chat_message(text: str, parsed: ParsedOutput | None) -> dict[str, Any]:
-    """A chat choice's ``message``: its text, or (with tools) the content outside its calls and the calls."""
-    if parsed is None:
-        return {"role": "assistant", "content": text}
-    message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
-    if parsed.calls:
+def chat_message(text: str, parsed: ParsedOutput | None, reasoning: str | None = None) -> dict[str, Any]:
+    """A chat choice's ``message``: its text, or (with tools) the content outside its calls and the calls; with a
+    reasoning parser, ``reasoning_content`` (None where the model did not think)."""
+    message: dict[str, Any] = {"role": "assistant", "content": text if parsed is None else parsed.content}
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning or None
+    if parsed is not None and parsed.calls:
         message["tool_calls"] = [c.to_openai() for c in parsed.calls]
     return message
 
@@ -80,14 +81,16 @@ def chat_message(text: str, parsed: ParsedOutput | None) -> dict[str, Any]:
 def full_response(req: GenerationRequest, model: str, texts: list[str], reasons: list[str | None],
                   completion_tokens: int, logprobs: list[dict[str, Any] | None] | None = None,
                   prompt_tokens: int | None = None, parsed: list[ParsedOutput | None] | None = None,
-                  cached_tokens: int = 0) -> dict[str, Any]:
+                  cached_tokens: int = 0, reasoning: list[str] | None = None) -> dict[str, Any]:
     """``prompt_tokens``: of every prompt answered (several prompts in one request); default ``req``'s.
-    ``parsed``: each chat choice's tool calls (`chat_message`); default none. ``cached_tokens``: `usage`'s."""
+    ``parsed``: each chat choice's tool calls (`chat_message`); default none. ``cached_tokens``: `usage`'s.
+    ``reasoning``: each chat choice's thinking, with a reasoning parser (`router.reasoning`); default none."""
     lps = logprobs or [None] * len(texts)
     if req.kind == "chat":
         calls = parsed or [None] * len(texts)
-        choices = [{"index": i, "message": chat_message(t, p), "finish_reason": r, "logprobs": lp}
-                   for i, (t, r, lp, p) in enumerate(zip(texts, reasons, lps, calls))]
+        thoughts: list[str | None] = list(reasoning) if reasoning is not None else [None] * len(texts)
+        choices = [{"index": i, "message": chat_message(t, p, th), "finish_reason": r, "logprobs": lp}
+                   for i, (t, r, lp, p, th) in enumerate(zip(texts, reasons, lps, calls, thoughts))]
         obj = "chat.completion"
     else:
         choices = [{"index": i, "text": t, "finish_reason": r, "logprobs": lp}
@@ -100,11 +103,14 @@ def full_response(req: GenerationRequest, model: str, texts: list[str], reasons:
 
 def stream_chunk(req: GenerationRequest, model: str, index: int, text: str | None, reason: str | None,
                  *, first: bool = False, logprobs: dict[str, Any] | None = None,
-                 tools: StreamDelta | None = None) -> dict[str, Any]:
+                 tools: StreamDelta | None = None, reasoning: str = "") -> dict[str, Any]:
     """One SSE chunk of choice ``index``. ``tools``: with tools, what the text became (content and call
-    deltas), sent in place of ``text``."""
+    deltas), sent in place of ``text``. ``reasoning``: chat's thinking in this chunk (``delta.reasoning_content``),
+    with a reasoning parser."""
     if req.kind == "chat":
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        if reasoning:
+            delta["reasoning_content"] = reasoning
         content = text if tools is None else tools.content
         if content:
             delta["content"] = content

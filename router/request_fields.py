@@ -64,7 +64,6 @@ NEUTRAL_ONLY: dict[str, Refusal] = {
 }
 CHAT_NEUTRAL_ONLY: dict[str, Refusal] = {
     "parallel_tool_calls": Refusal((True,), "the tool-call parsers return every call the model writes"),
-    "include_reasoning": Refusal((True,), "no reasoning parser runs: the answer is the model's text as written"),
     "echo": Refusal((False,), "chat answers do not repeat the last message; use /v1/completions with echo"),
     "chat_template": Refusal((), "the model's own chat template renders every chat"),
 }

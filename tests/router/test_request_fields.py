@@ -61,11 +61,11 @@ HONOURED: dict[str, Any] = {
     "structured_outputs": {"regex": "a+"}, "guided_json": {"type": "object"}, "guided_regex": "a+",
     "guided_choice": ["a", "b"], "guided_grammar": 'root ::= "a"', "guided_decoding_backend": "xgrammar",
     "guided_whitespace_pattern": " ", "return_tokens_as_token_ids": True, "cache_salt": "s3cret",
-    "functions": [], "function_call": "none", "suffix": "", "echo": True,
+    "functions": [], "function_call": "none", "suffix": "", "echo": True, "include_reasoning": False,
 }
 # Refused: a value other than the neutral one, which must be a 400 naming the field.
 REFUSED: dict[str, Any] = {
-    "include_reasoning": False, "parallel_tool_calls": False, "use_beam_search": True, "length_penalty": 0.5,
+    "parallel_tool_calls": False, "use_beam_search": True, "length_penalty": 0.5,
     "spaces_between_special_tokens": False, "prompt_logprobs": 1, "chat_template": "{{ messages }}",
     "mm_processor_kwargs": {"a": 1}, "structural_tag": "{}", "priority": 1, "request_id": "abc",
     "logits_processors": ["my.Processor"], "return_token_ids": True, "kv_transfer_params": {"do_remote_decode": True},
