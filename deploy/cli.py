@@ -126,7 +126,8 @@ def _load(args: argparse.Namespace):  # noqa: ANN202 - returns deploy.config.Con
     from deploy.model_source import resolve_config_model
 
     return resolve_config_model(load_config(args.config, model_path=args.model, router_port=getattr(args, "port", None),
-                                            model_name=getattr(args, "served_model_name", None)))
+                                            model_name=getattr(args, "served_model_name", None),
+                                            router_host=getattr(args, "host", None)))
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
@@ -139,7 +140,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
               "`kvrelay model pull smollm2-135m-instruct --dir DIR` writes the real model there, "
               "`kvrelay tiny-model DIR` a small random one", file=sys.stderr)
         return 2
-    overrides = node_overrides(config) + (["--port", str(args.port)] if args.port else [])
+    overrides = (node_overrides(config) + (["--port", str(args.port)] if args.port else [])
+                 + (["--host", args.host] if args.host else []))
     return up(config, args.config, overrides=overrides, lend_cpus=not args.no_cpu_lending)
 
 
@@ -397,6 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
     p.add_argument("--model", default=None, help="override model.path (a directory, or a hub repo id ORG/NAME)")
     p.add_argument("--port", type=int, default=None, help="override router.port")
+    p.add_argument("--host", default=None, help="override router.host: the address the API listens on (0.0.0.0: "
+                                                "every interface, as in a container)")
     p.add_argument("--no-cpu-lending", action="store_true",
                    help="keep each node on its own CPUs even while it has nothing to compute")
     p.set_defaults(func=_cmd_up)
@@ -454,6 +458,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--model", default=None, help="override model.path (a directory, or a hub repo id ORG/NAME)")
         p.add_argument("--served-model-name", default=None, help="override model.name")
         p.add_argument("--port", type=int, default=None, help="override router.port")
+        p.add_argument("--host", default=None, help="override router.host")
         p.add_argument("--cpus", default=None, help="CPUs this node may use, e.g. 0-3 (default: all it may run on)")
         p.add_argument("--cpu-pool", default=None,
                        help="with --cpu-lock-dir: CPUs shared with other nodes of this machine; this node borrows "

@@ -328,10 +328,11 @@ def parse_root(
 
 def load_config(
     path: str | Path, *, model_path: str | None = None, router_port: int | None = None,
-    gpu_free_bytes: GpuFreeBytes = nvml_free_bytes, model_name: str | None = None,
+    gpu_free_bytes: GpuFreeBytes = nvml_free_bytes, model_name: str | None = None, router_host: str | None = None,
 ) -> Config:
-    """Read and validate the YAML file at ``path``; ``model_path``/``model_name``/``router_port`` override
-    ``model.path``/``model.name``/``router.port``. Relative paths resolve from the working directory.
+    """Read and validate the YAML file at ``path``; ``model_path``/``model_name``/``router_port``/``router_host``
+    override ``model.path``/``model.name``/``router.port``/``router.host``. Relative paths resolve from the working
+    directory.
 
     Raises:
         ConfigError: unreadable file, invalid YAML, or a bad value (the message names the key path).
@@ -351,7 +352,7 @@ def load_config(
         raise ConfigError(f"{p}: the top level must be a mapping of sections (model, kvstore, ...)")
     data = dict(data)
     for section, key, value in (("model", "path", model_path), ("model", "name", model_name),
-                                ("router", "port", router_port)):
+                                ("router", "port", router_port), ("router", "host", router_host)):
         if value is not None:
             data[section] = {**(data.get(section) or {}), key: value}
     return parse_config(data, base_dir=Path.cwd(), gpu_free_bytes=gpu_free_bytes)
