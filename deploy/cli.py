@@ -189,6 +189,9 @@ def serve_config(args: argparse.Namespace, *, free_port: int) -> dict[str, Any]:
         router["tool_call_parser"] = args.tool_call_parser
     if args.reasoning_parser is not None:
         router["reasoning_parser"] = args.reasoning_parser
+    if args.chat_template is not None:
+        router["chat_template"] = str(Path(args.chat_template).resolve()) if Path(args.chat_template).is_file() \
+            else args.chat_template
     for key in ("enable_auto_tool_choice", "return_tokens_as_token_ids"):
         if getattr(args, key):
             router[key] = True
@@ -437,6 +440,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", default=None, choices=PARSER_NAMES,
                    help="router.tool_call_parser: how tool calls are written (default: the one the model's chat "
                         "template or family implies)")
+    p.add_argument("--chat-template", default=None,
+                   help="router.chat_template: a Jinja file, or the template itself, in place of the model's")
     p.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                    help="router.reasoning_parser: chat answers carry the model's thinking in reasoning_content, "
                         "apart from content")

@@ -118,6 +118,17 @@ def string(v: Any) -> str:
     return v
 
 
+@check("string", "a Jinja file's path, or a Jinja template")
+def chat_template(v: Any) -> str:
+    """Kept as given; refused unless it names a readable file or is a template, and compiles."""
+    from model.tokenizer import resolve_chat_template
+
+    if not isinstance(v, str) or not v:
+        raise ValueError("is not a non-empty string")
+    resolve_chat_template(v)
+    return v
+
+
 @check("size", '> 0; bytes, or a binary unit: "512MiB", "8GiB", "1.5TiB"')
 def size(v: Any) -> int:
     return parse_size(v)

@@ -22,6 +22,7 @@ from deploy.config_checks import (
     admission,
     batch_sizes,
     boolean,
+    chat_template,
     device_list,
     device_name,
     dns_list,
@@ -335,6 +336,9 @@ KEYS: Mapping[str, Key] = _table(
         f"(--reasoning-parser): use one of {', '.join(REASONING_PARSERS)}"), None, "How a reasoning model's "
         "thinking is told from its answer in chat: message.reasoning_content and delta.reasoning_content carry "
         "the thinking, content the rest (vLLM's --reasoning-parser).", default_text="none: all of it is content"),
+    Key("router.chat_template", chat_template, None, "A chat template in place of the model's: the path of a Jinja "
+        "file, or the template itself (vLLM's --chat-template); checked to compile when the config is read.",
+        default_text="the model's (tokenizer_config.json or chat_template.jinja)"),
     Key("router.enable_auto_tool_choice", boolean, False, 'tool_choice "auto" (the default with tools) parses '
         "the output for tool calls (vLLM's --enable-auto-tool-choice)."),
     Key("router.return_tokens_as_token_ids", boolean, False, 'Logprobs name tokens "token_id:N" (vLLM\'s '

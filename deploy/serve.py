@@ -175,7 +175,7 @@ def build_app(config: Any, role: str, index: int, *, name: str | None = None,
             write_stall_timeout_s=r.write_stall_timeout_s, disaggregation=r.disaggregation,
             tpot_slo_s=r.tpot_slo_s, ttft_slo_s=r.ttft_slo_s,
             tool_call_parser=r.tool_call_parser, enable_auto_tool_choice=r.enable_auto_tool_choice,
-            reasoning_parser=r.reasoning_parser,
+            reasoning_parser=r.reasoning_parser, chat_template=r.chat_template,
             return_tokens_as_token_ids=r.return_tokens_as_token_ids, generation_config=r.generation_config,
         ), tracing=tracing)
         return _flushed(router.make_app(), tracing), r.host, r.port

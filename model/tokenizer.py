@@ -224,3 +224,27 @@ def _read_json(path: Path) -> dict[str, Any]:
         return json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path} is not valid JSON: {exc}") from None
+
+
+def resolve_chat_template(value: str) -> str:
+    """The Jinja source ``value`` names, as vLLM's ``--chat-template`` takes it: the path of a file, else the template
+    itself (it has ``{{`` or ``{%``); compiled here, so a broken one is refused at start, not at the first chat.
+
+    Raises:
+        ValueError: neither a readable file nor a template, or a template that does not compile (naming why).
+    """
+    path = Path(value)
+    if path.is_file():
+        try:
+            source = path.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"chat template {value}: cannot read it ({exc})") from None
+    elif "{{" in value or "{%" in value:
+        source = value
+    else:
+        raise ValueError(f"chat template {value!r} is neither a file nor a Jinja template")
+    try:
+        compile_chat_template(source)
+    except jinja2.TemplateError as exc:
+        raise ValueError(f"chat template {value if path.is_file() else '(inline)'} does not compile: {exc}") from None
+    return source

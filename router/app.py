@@ -25,7 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from model.generation_config import load_generation_defaults
 from model.sampling_params import TokenLogprobs
-from model.tokenizer import load_tokenizer
+from model.tokenizer import load_tokenizer, resolve_chat_template
 from node.tracing import Tracing
 from router.backends import Backends
 from router.config import RouterConfig
@@ -176,6 +176,10 @@ class Router:
             migration_limit=cfg.migration_limit, migrated=lambda outcome: self.metrics.migrations.labels(outcome).inc(),
             planned=self.metrics.planned)
         tokenizer = load_tokenizer(cfg.model_dir)
+        if cfg.chat_template is not None and tokenizer is not None:  # checked at config time: it compiles
+            tokenizer.chat_template = resolve_chat_template(cfg.chat_template)
+            log.info("chat template: %s in place of the model's", cfg.chat_template if len(cfg.chat_template) < 200
+                     else "the inline template")
         defaults = load_generation_defaults(cfg.model_dir, cfg.generation_config)
         log.info("generation config %s: %s", cfg.generation_config,
                  ", ".join(f"{k}={v}" for k, v in defaults.applied) if defaults.applied

@@ -64,6 +64,7 @@ class RouterConfig:
     # this parser (`router.tool_calls`; None: the one the model's chat template or family implies).
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None  # router.reasoning.REASONING_PARSERS; None: chat content is all the text
+    chat_template: str | None = None  # a file or Jinja source in place of the model's (vLLM's --chat-template)
     enable_auto_tool_choice: bool = False
     return_tokens_as_token_ids: bool = False  # the default of the request field (logprobs' tokens as "token_id:N")
     # vLLM's --generation-config: auto (the model's generation_config.json gives the defaults of the sampling

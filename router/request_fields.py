@@ -65,7 +65,8 @@ NEUTRAL_ONLY: dict[str, Refusal] = {
 CHAT_NEUTRAL_ONLY: dict[str, Refusal] = {
     "parallel_tool_calls": Refusal((True,), "the tool-call parsers return every call the model writes"),
     "echo": Refusal((False,), "chat answers do not repeat the last message; use /v1/completions with echo"),
-    "chat_template": Refusal((), "the model's own chat template renders every chat"),
+    "chat_template": Refusal((), "the server's chat template (the model's, or router.chat_template: --chat-template) "
+                                 "renders every chat"),
 }
 COMPLETION_NEUTRAL_ONLY: dict[str, Refusal] = {
     "prompt_embeds": Refusal((), "prompts are text or token ids"),

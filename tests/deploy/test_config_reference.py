@@ -28,7 +28,8 @@ EXAMPLES: dict[str, Any] = {
     "kvstore.disk.path": "kv", "kvstore.disk.bytes": "8GiB",
     "engine.max_model_len": 2048, "engine.attention_backend": "torch", "engine.cuda_graph_batch_sizes": [1, 2],
     "internal.token": "s3cret", "internal.token_env": "KVRELAY_TEST_TOKEN", "router.api_keys_env": "KVRELAY_TEST_KEYS",
-    "router.tool_call_parser": "hermes", "router.reasoning_parser": "qwen3", "observability.otlp_endpoint": "http://collector:4318/v1/traces",
+    "router.tool_call_parser": "hermes", "router.reasoning_parser": "qwen3",
+    "router.chat_template": "{{ messages[0].content }}", "observability.otlp_endpoint": "http://collector:4318/v1/traces",
 }
 SIZED_BY = ("bytes", "fraction_of_free")  # kvstore.device and kvstore.host take one or the other
 DEVICE_ONLY = "gpu_memory_utilization"  # ... and kvstore.device a third way
