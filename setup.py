@@ -18,7 +18,7 @@ import sys
 from setuptools import setup
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kernels.isa import SOURCES, VARIANTS, compile_args, cpu_flags, module_name, variant_for  # noqa: E402
+from kvrelay.kernels.isa import SOURCES, VARIANTS, compile_args, cpu_flags, module_name, variant_for  # noqa: E402
 
 
 def _extensions() -> tuple[list, dict]:
@@ -39,7 +39,8 @@ def _extensions() -> tuple[list, dict]:
         raise SystemExit(f"KVRELAY_BUILD_VARIANTS: unknown variant {unknown[0]!r}; "
                          f"use {', '.join(v.name for v in VARIANTS)}, native or none")
     sources = [f"kernels/csrc/{s}" for s in SOURCES]
-    modules = [CppExtension(f"kernels.{module_name(v)}", sources, extra_compile_args=compile_args(v, torch.__version__),
+    modules = [CppExtension(f"kvrelay.kernels.{module_name(v)}", sources, extra_compile_args=compile_args(v,
+                                                                                                          torch.__version__),
                             extra_link_args=["-fopenmp"]) for v in VARIANTS if v.name in names]
     class PerVariantBuild(BuildExtension.with_options(use_ninja=True)):
         """Each variant's objects in a directory of their own: the variants compile the same sources."""

@@ -46,8 +46,7 @@ import time
 from typing import Any
 
 import torch
-
-from benchmarks.common import emit, machine_label
+from kvrelay.benchmarks.common import emit, machine_label
 
 COPY_BYTES = 1 << 30
 
@@ -71,7 +70,7 @@ def read_bandwidth(nbytes: int = COPY_BYTES, repeats: int = 5) -> float:
     pages where the kernel grants them (`kernels.cpu_small.huge_page_buffer`), as the engine's decode weights do
     (`model.linear_kernel.colocate_blocked`): on 4 KiB pages the same sum reads ~10% less on a Zen 4 VM, which
     would flatter the fraction."""
-    from kernels.cpu_small import huge_page_buffer
+    from kvrelay.kernels.cpu_small import huge_page_buffer
 
     src = huge_page_buffer(nbytes // 4 * 4)[0].view(torch.float32)
     src.fill_(1.0)
@@ -106,7 +105,7 @@ def round_trip_ns(trips: int = 1000, probes: int = 5) -> float | None:
     """The median of ``probes`` runs of `kvrelay_cpu.thread_round_trip_ns` over ``trips`` round trips each (one run
     that met a descheduled vCPU reads µs), or None where it cannot run: no compiled extension, or fewer than two
     CPUs to run on (the two threads would then take turns on one)."""
-    from kernels.cpu_small import load
+    from kvrelay.kernels.cpu_small import load
 
     ext = load()
     if ext is None or len(os.sched_getaffinity(0)) < 2 or torch.get_num_threads() < 2:
@@ -136,9 +135,9 @@ def weight_bytes(model: torch.nn.Module) -> int:
 def _setup(model_dir: str, dtype: str, prompt_tokens: int) -> tuple[Any, Any, list[int], int, torch.Tensor]:
     """The loaded model, an engine over it, a prompt of ``prompt_tokens`` ids, the weights' bytes and a buffer of
     that size on huge pages (float32 ones) to read before each step."""
-    from engine.engine import EngineConfig, LLMEngine
-    from kernels.cpu_small import huge_page_buffer
-    from model.loader import load_model
+    from kvrelay.engine.engine import EngineConfig, LLMEngine
+    from kvrelay.kernels.cpu_small import huge_page_buffer
+    from kvrelay.model.loader import load_model
 
     loaded = load_model(model_dir, dtype=dtype)
     engine = LLMEngine(loaded, EngineConfig(num_blocks=256, enable_prefix_caching=False))
@@ -170,7 +169,7 @@ def compare_rounds(model_dir: str, *, dtype: str, prompt_tokens: int, new_tokens
     Raises:
         ValueError: an unknown ``compare``, ``new_tokens`` below 3, or a model without the one-call decode.
     """
-    from model.sampling import SamplingParams
+    from kvrelay.model.sampling import SamplingParams
 
     if compare not in COMPARISONS:
         raise ValueError(f"compare must be one of {', '.join(COMPARISONS)}, got {compare!r}")
@@ -226,7 +225,7 @@ def decode_rounds(model_dir: str, *, dtype: str, prompt_tokens: int, new_tokens:
     Raises:
         ValueError: ``new_tokens`` is below 2 (no step after the first token).
     """
-    from model.sampling import SamplingParams
+    from kvrelay.model.sampling import SamplingParams
 
     if new_tokens < 2:
         raise ValueError(f"new_tokens must be at least 2 (a step after the first token), got {new_tokens}")

@@ -35,9 +35,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import emit
-from benchmarks.offline_cache import belady_hits
-from kvstore.policy import PolicySim
+from kvrelay.benchmarks.common import emit
+from kvrelay.benchmarks.offline_cache import belady_hits
+from kvrelay.kvstore.policy import PolicySim
 
 TRACE = Path(__file__).resolve().parent / "traces" / "conversation_trace.jsonl"
 BLOCK_TOKENS = 512

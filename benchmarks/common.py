@@ -65,7 +65,7 @@ def ensure_tiny_model(model_dir: str | None, *, seed: int = 0, arch: str = "llam
     ``shape``'s layers/hidden/... overrides) written once under ``.models/bench-tiny-…``."""
     if model_dir:
         return model_dir
-    from model.tiny import write_tiny_model
+    from kvrelay.model.tiny import write_tiny_model
 
     name = f"bench-tiny-{seed}" if arch == "llama" and not shape else f"bench-tiny-{arch}-{seed}"
     name += "".join(f"-{k}{v}" for k, v in sorted(shape.items()))

@@ -20,8 +20,7 @@ import random
 import time
 
 import torch
-
-from benchmarks.common import emit, ensure_tiny_model, machine_label, seeded_prompt
+from kvrelay.benchmarks.common import emit, ensure_tiny_model, machine_label, seeded_prompt
 
 
 def _hf_generate(hf_model: torch.nn.Module, prompts: list[list[int]], max_new: int, pad_id: int) -> float:
@@ -38,11 +37,10 @@ def _hf_generate(hf_model: torch.nn.Module, prompts: list[list[int]], max_new: i
 
 def run(*, model_dir: str | None, prompt_len: int, max_out: int, seed: int, repeats: int = 3,
         arch: str = "llama", shape: dict[str, int] | None = None, dtype: str = "float32") -> dict:
+    from kvrelay.engine.engine import EngineConfig, LLMEngine
+    from kvrelay.model.loader import load_model
+    from kvrelay.model.sampling import SamplingParams
     from transformers import AutoModelForCausalLM
-
-    from engine.engine import EngineConfig, LLMEngine
-    from model.loader import load_model
-    from model.sampling import SamplingParams
 
     path = ensure_tiny_model(model_dir, arch=arch, **(shape or {}))
     loaded = load_model(path, dtype=dtype)

@@ -21,9 +21,8 @@ import json
 import sys
 
 import torch
-
-from benchmarks.kernel_bench import copy_bytes_per_s, decode_bytes, make_decode_inputs
-from kernels import reference
+from kvrelay.benchmarks.kernel_bench import copy_bytes_per_s, decode_bytes, make_decode_inputs
+from kvrelay.kernels import reference
 
 HEADS = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size_tokens=16, dtype="bfloat16")
 TILES = (32, 64, 128)
@@ -35,8 +34,7 @@ SPLIT_FACTORS = (0.5, 1, 2)  # of the default split count (`decode_num_splits`)
 def sweep_shape(batch: int, seq_len: int, copy_bps: float) -> list[dict]:
     import triton
     import triton.testing
-
-    from kernels import triton_attention as ta
+    from kvrelay.kernels import triton_attention as ta
 
     device = torch.device("cuda")
     args = make_decode_inputs(batch, seq_len, HEADS, device, seed=batch * 7 + seq_len)

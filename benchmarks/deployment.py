@@ -25,9 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-
-from deploy.config import DEFAULT_CONFIG
-from deploy.ports import free_ports
+from kvrelay.deploy.config import DEFAULT_CONFIG
+from kvrelay.deploy.ports import free_ports
 
 READY = re.compile(r"kvrelay is serving .* at (http://\S+)/v1")
 
@@ -130,7 +129,7 @@ class Deployment:
         """
         self._log_file = open(self._log_path, "w")  # noqa: SIM115 - closed in stop()
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "deploy.cli", "up", "--config", str(self.path), *self._up_args],
+            [sys.executable, "-m", "kvrelay.deploy.cli", "up", "--config", str(self.path), *self._up_args],
             stdout=self._log_file, stderr=subprocess.STDOUT, start_new_session=True, env=self._env,
         )
         deadline = time.monotonic() + timeout_s

@@ -19,9 +19,8 @@ import statistics
 import time
 
 import torch
-
-from benchmarks.common import emit, ensure_tiny_model, machine_label, seeded_prompt
-from benchmarks.kernel_plan_bench import kernel_weight_bytes
+from kvrelay.benchmarks.common import emit, ensure_tiny_model, machine_label, seeded_prompt
+from kvrelay.benchmarks.kernel_plan_bench import kernel_weight_bytes
 
 BATCHES = (1, 4, 16)
 MODES = ("default", "deterministic")
@@ -29,10 +28,10 @@ MODES = ("default", "deterministic")
 
 def run(*, model_dir: str | None, prompt_len: int, max_out: int, prefill_len: int, rounds: int, dtype: str,
         seed: int = 0) -> dict:
-    from engine.engine import EngineConfig, LLMEngine
-    from model.cpu_identity import this_cpu
-    from model.loader import load_model
-    from model.sampling import SamplingParams
+    from kvrelay.engine.engine import EngineConfig, LLMEngine
+    from kvrelay.model.cpu_identity import this_cpu
+    from kvrelay.model.loader import load_model
+    from kvrelay.model.sampling import SamplingParams
 
     path = ensure_tiny_model(model_dir)
     blocks = max(max(BATCHES) * (-(-(prompt_len + max_out) // 16) + 1), -(-prefill_len // 16) + 2) + 16

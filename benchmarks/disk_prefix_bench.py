@@ -23,12 +23,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import emit, machine_label
+from kvrelay.benchmarks.common import emit, machine_label
 
 
 def ttft_s(engine: Any, request_id: str, prompt: list[int]) -> float:
     """Seconds from adding ``prompt`` (one output token) to the step that returns its token; runs it to the end."""
-    from model.sampling_params import SamplingParams
+    from kvrelay.model.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
     engine.add_request(request_id, prompt, SamplingParams(max_tokens=1, temperature=0.0))
@@ -42,9 +42,9 @@ def ttft_s(engine: Any, request_id: str, prompt: list[int]) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine.engine import EngineConfig, LLMEngine
-    from kvstore.tiered_store import TieredStoreConfig
-    from model.loader import load_model
+    from kvrelay.engine.engine import EngineConfig, LLMEngine
+    from kvrelay.kvstore.tiered_store import TieredStoreConfig
+    from kvrelay.model.loader import load_model
 
     p = argparse.ArgumentParser(prog="kvrelay bench disk-prefix", description=__doc__.split("\n")[0])
     p.add_argument("--model", default=".models/smollm2-135m-instruct", help="model directory")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from benchmarks.common import emit, machine_label
+from kvrelay.benchmarks.common import emit, machine_label
 
 TOPICS = ["the moon", "bread", "volcanoes", "the Roman empire", "photosynthesis", "chess", "rainbows", "bees",
           "the internet", "glaciers", "music", "electricity", "the ocean", "coffee", "trains", "mathematics"]
@@ -32,10 +32,10 @@ def prompts(tokenizer: Any, count: int) -> list[list[int]]:
 
 
 def run(model_dir: str, *, count: int, new_tokens: int) -> dict[str, Any]:
-    from engine.engine import EngineConfig, LLMEngine
-    from model.loader import load_model
-    from model.sampling import SamplingParams
-    from model.tokenizer import load_tokenizer
+    from kvrelay.engine.engine import EngineConfig, LLMEngine
+    from kvrelay.model.loader import load_model
+    from kvrelay.model.sampling import SamplingParams
+    from kvrelay.model.tokenizer import load_tokenizer
 
     ids = prompts(load_tokenizer(model_dir), count)
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)

@@ -55,11 +55,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import emit, machine_label, seeded_prompt
-from benchmarks.goodput_rows import handoff, request_rows
-from benchmarks.serve_client import ClientConfig, LoadConfig, RequestRecord, RequestSpec, run_load
-from benchmarks.serve_metrics import parse_prometheus, request_tpot_s, summarize
-from engine.scheduler import PREFILL_PACKINGS
+from kvrelay.benchmarks.common import emit, machine_label, seeded_prompt
+from kvrelay.benchmarks.goodput_rows import handoff, request_rows
+from kvrelay.benchmarks.serve_client import ClientConfig, LoadConfig, RequestRecord, RequestSpec, run_load
+from kvrelay.benchmarks.serve_metrics import parse_prometheus, request_tpot_s, summarize
+from kvrelay.engine.scheduler import PREFILL_PACKINGS
 
 DEPLOYMENT_TO_OVERRIDES: dict[str, dict[str, dict[str, Any]]] = {
     "2x-aggregated": {"prefill": {"ports": []}, "decode": {"ports": [0, 0]}},
@@ -267,8 +267,8 @@ def run_deployment(name: str, model_dir: str, sweep: Sweep, *, network: str = "l
     over the rates (skipping a workload's higher rates once the share meeting both SLOs is below
     ``stop_below_frac``), read the router's plan samples, stop it. Returns what each rate measured and what
     describes the deployment (overrides, network, CPUs per node, the router's plan samples)."""
-    from benchmarks.deployment import Deployment, get_text
-    from benchmarks.netns_deployment import NetnsDeployment
+    from kvrelay.benchmarks.deployment import Deployment, get_text
+    from kvrelay.benchmarks.netns_deployment import NetnsDeployment
 
     points: list[Measured] = []
     overrides = deployment_overrides(name, sweep.slo, sweep.prefill_packing)

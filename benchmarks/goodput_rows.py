@@ -7,9 +7,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-
-from benchmarks.serve_client import RequestRecord
-from benchmarks.serve_metrics import request_tpot_s
+from kvrelay.benchmarks.serve_client import RequestRecord
+from kvrelay.benchmarks.serve_metrics import request_tpot_s
 
 
 def request_rows(records: Sequence[RequestRecord]) -> list[dict[str, Any]]:

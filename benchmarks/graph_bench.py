@@ -21,8 +21,7 @@ import time
 from typing import Any
 
 import torch
-
-from benchmarks.common import emit, ensure_tiny_model, machine_label, seeded_prompt
+from kvrelay.benchmarks.common import emit, ensure_tiny_model, machine_label, seeded_prompt
 
 
 def _sync(device: torch.device) -> None:
@@ -33,7 +32,7 @@ def _sync(device: torch.device) -> None:
 def _decode_steps(engine: Any, prompts: list[list[int]], steps: int, device: torch.device) -> tuple[list[float],
                                                                                                    list[list[int]]]:
     """Prefill ``prompts`` (not timed), then time ``steps`` decode steps; returns per-step seconds and tokens."""
-    from model.sampling import SamplingParams
+    from kvrelay.model.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
     for i, prompt in enumerate(prompts):
@@ -58,9 +57,9 @@ def _decode_steps(engine: Any, prompts: list[list[int]], steps: int, device: tor
 
 def run(*, model_dir: str | None, device: str, dtype: str, context: int, batches: list[int], steps: int,
         rounds: int, seed: int) -> dict:
-    from engine.cuda_graphs import DecodeGraphs
-    from engine.engine import EngineConfig, LLMEngine
-    from model.loader import load_model
+    from kvrelay.engine.cuda_graphs import DecodeGraphs
+    from kvrelay.engine.engine import EngineConfig, LLMEngine
+    from kvrelay.model.loader import load_model
 
     path = ensure_tiny_model(model_dir)
     loaded = load_model(path, dtype=dtype, device=device)

@@ -40,10 +40,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks import vllm_client
-from benchmarks.common import emit
-from benchmarks.cpu_load import wait_until_quiet
-from benchmarks.guard_record import (
+from kvrelay.benchmarks import vllm_client
+from kvrelay.benchmarks.common import emit
+from kvrelay.benchmarks.cpu_load import wait_until_quiet
+from kvrelay.benchmarks.guard_record import (
     FIGURES,
     RECORDS_HEADING,
     GuardRecord,
@@ -53,11 +53,11 @@ from benchmarks.guard_record import (
     summarize_runs,
     write_record,
 )
-from benchmarks.peer import DEFAULT_PEER_SCRIPT, PeerServer
-from benchmarks.serve_baselines import MakeWorkload, first_model, vllm_args, workload_factory
-from benchmarks.serve_client import ClientConfig, LoadConfig
-from benchmarks.serve_run import ServerNodes, run_workload
-from model.cpu_identity import CpuIdentity, this_cpu
+from kvrelay.benchmarks.peer import DEFAULT_PEER_SCRIPT, PeerServer
+from kvrelay.benchmarks.serve_baselines import MakeWorkload, first_model, vllm_args, workload_factory
+from kvrelay.benchmarks.serve_client import ClientConfig, LoadConfig
+from kvrelay.benchmarks.serve_run import ServerNodes, run_workload
+from kvrelay.model.cpu_identity import CpuIdentity, this_cpu
 
 REPO = Path(__file__).resolve().parents[1]
 LAYOUT_TO_BASELINE = {"aggregated": "aggregated", "1p1d": "disaggregated"}  # `BASELINE_TO_OVERRIDES` names
@@ -112,7 +112,7 @@ def measure(args: argparse.Namespace, model_dir: Path, vllm: Path) -> list[dict[
     Raises:
         RuntimeError: a server did not start, or ``vllm bench serve`` failed (with its output's tail).
     """
-    from benchmarks.deployment import BASELINE_TO_OVERRIDES, Deployment
+    from kvrelay.benchmarks.deployment import BASELINE_TO_OVERRIDES, Deployment
 
     make = workload_factory(args, str(model_dir))
     runs: list[dict[str, Any]] = []

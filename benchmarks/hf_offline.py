@@ -14,8 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-
-from benchmarks.serve_client import RequestSpec
+from kvrelay.benchmarks.serve_client import RequestSpec
 
 
 def run_transformers(model_dir: str, requests: Sequence[RequestSpec], *, batch_size: int = 16,

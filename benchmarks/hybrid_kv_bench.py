@@ -15,14 +15,14 @@ from __future__ import annotations
 import argparse
 import random
 
-from benchmarks.common import emit, ensure_tiny_model, machine_label, seeded_prompt
+from kvrelay.benchmarks.common import emit, ensure_tiny_model, machine_label, seeded_prompt
 
 
 def run(*, model_dir: str | None, multiples: list[int], batch: int) -> dict:
-    from engine.block_tables import held
-    from engine.engine import EngineConfig, LLMEngine
-    from model.loader import load_model
-    from model.sampling import SamplingParams
+    from kvrelay.engine.block_tables import held
+    from kvrelay.engine.engine import EngineConfig, LLMEngine
+    from kvrelay.model.loader import load_model
+    from kvrelay.model.sampling import SamplingParams
 
     loaded = load_model(ensure_tiny_model(model_dir, arch="gpt-oss", layers=4))
     groups = loaded.config.kv_groups

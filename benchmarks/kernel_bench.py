@@ -24,11 +24,10 @@ import time
 from collections.abc import Callable
 
 import torch
-
-from benchmarks.common import emit, machine_label
-from kernels import reference
-from kvstore.block_spec import BlockSpec
-from model.dtype import DTYPE_NAME_TO_TORCH
+from kvrelay.benchmarks.common import emit, machine_label
+from kvrelay.kernels import reference
+from kvrelay.kvstore.block_spec import BlockSpec
+from kvrelay.model.dtype import DTYPE_NAME_TO_TORCH
 
 # (batch, seq_len_tokens); every sequence has the same length so the byte count is exact.
 CUDA_SHAPES = ((8, 8192), (32, 1024), (32, 4096), (64, 2048), (64, 8192), (4, 32768))
@@ -147,7 +146,7 @@ def bench_shape(batch: int, seq_len: int, heads: dict, device: torch.device, *, 
         row.update(reference_ms=round(ref_ms, 4), reference_bytes_per_s=num_bytes / (ref_ms / 1e3))
         return row
 
-    from kernels import triton_attention, triton_unified
+    from kvrelay.kernels import triton_attention, triton_unified
 
     def run_triton() -> torch.Tensor:
         return triton_attention.paged_decode_attention(**args, scale=scale)
@@ -191,7 +190,7 @@ def prefill_flops(num_seqs: int, prefix: int, new: int, heads: dict) -> int:
 
 def bench_prefill(num_seqs: int, prefix: int, new: int, heads: dict, device: torch.device, *, iters: int) -> dict:
     """The unified kernel on ``num_seqs`` chunks of ``new`` tokens after ``prefix`` cached ones."""
-    from kernels import triton_unified
+    from kvrelay.kernels import triton_unified
 
     seq_len = prefix + new
     args = make_decode_inputs(num_seqs, seq_len, heads, device, seed=num_seqs * 7 + seq_len)

@@ -20,9 +20,8 @@ import statistics
 import time
 
 import torch
-
-from benchmarks.common import emit, ensure_tiny_model, machine_label, seeded_prompt
-from model.kernel_paths import apply_kernel_plan, linear_kernels
+from kvrelay.benchmarks.common import emit, ensure_tiny_model, machine_label, seeded_prompt
+from kvrelay.model.kernel_paths import apply_kernel_plan, linear_kernels
 
 BATCHES = (1, 4, 16)
 
@@ -44,11 +43,11 @@ def kernel_weight_bytes(model: torch.nn.Module) -> int:
 
 
 def run(*, model_dir: str | None, prompt_len: int, max_out: int, rounds: int, dtype: str, seed: int = 0) -> dict:
-    from engine.engine import EngineConfig, LLMEngine
-    from model.cpu_identity import this_cpu
-    from model.kernel_plan import FEW_ROW_BUCKETS, LINEAR_KINDS, KernelPlan, builtin_plan
-    from model.loader import load_model
-    from model.sampling import SamplingParams
+    from kvrelay.engine.engine import EngineConfig, LLMEngine
+    from kvrelay.model.cpu_identity import this_cpu
+    from kvrelay.model.kernel_plan import FEW_ROW_BUCKETS, LINEAR_KINDS, KernelPlan, builtin_plan
+    from kvrelay.model.loader import load_model
+    from kvrelay.model.sampling import SamplingParams
 
     path = ensure_tiny_model(model_dir)
     engines: dict[str, LLMEngine] = {}

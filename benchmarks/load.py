@@ -147,8 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     from pathlib import Path
 
-    from benchmarks.common import emit
-    from benchmarks.deployment import Deployment
+    from kvrelay.benchmarks.common import emit
+    from kvrelay.benchmarks.deployment import Deployment
 
     p = argparse.ArgumentParser(prog="kvrelay bench load", description="many clients at once against kvrelay up")
     p.add_argument("--model", default=".models/tiny", help="model directory (`kvrelay tiny-model .models/tiny`)")

@@ -31,10 +31,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from benchmarks import long_context_real as real
-from benchmarks.common import emit, machine_label
-from benchmarks.long_context_real import POLICIES, PolicyFactory, budget_blocks, run_to_end, select_policies
+from kvrelay.benchmarks import long_context_real as real
+from kvrelay.benchmarks.common import emit, machine_label
+from kvrelay.benchmarks.long_context_real import POLICIES, PolicyFactory, budget_blocks, run_to_end, select_policies
 
 BUDGET_FRACS = (0.1, 0.2, 0.5)
 
@@ -52,10 +51,10 @@ class RunResult:
 def _run(loaded: Any, prompts: list[list[int]], answer_tokens: int, policy: Any, *, bs: int,
          record: bool) -> RunResult:
     """All prompts in one batch; times the steps after every prompt has been prefilled."""
-    from engine.engine import EngineConfig, LLMEngine
-    from kvstore.tiered_store import TieredStoreConfig
-    from model.sampling import SamplingParams
-    from transfer.node_agent import make_agent
+    from kvrelay.engine.engine import EngineConfig, LLMEngine
+    from kvrelay.kvstore.tiered_store import TieredStoreConfig
+    from kvrelay.model.sampling import SamplingParams
+    from kvrelay.transfer.node_agent import make_agent
 
     longest = max(len(p) for p in prompts) + answer_tokens
     blocks = len(prompts) * (-(-longest // bs) + 2) + 8
@@ -92,7 +91,7 @@ def _run(loaded: Any, prompts: list[list[int]], answer_tokens: int, policy: Any,
 @torch.inference_mode()
 def _full_attention_probs(loaded: Any, tokens: list[int]) -> list[torch.Tensor]:
     """Per layer ``[Hq, T, T]`` causal softmax of the model over ``tokens`` (plain torch, no cache)."""
-    from model.rope import apply_rotary, rotary_cos_sin
+    from kvrelay.model.rope import apply_rotary, rotary_cos_sin
 
     model = loaded.model
     ids = torch.tensor(tokens, dtype=torch.int64)
@@ -153,7 +152,7 @@ def _sweep(loaded: Any, prompts: list[list[int]], answers: list[list[int]], *, a
            repeats: int, policies: tuple[tuple[str, PolicyFactory], ...]) -> list[dict[str, Any]]:
     """``none``, then each of ``policies`` at every budget, with blocks of ``bs`` tokens (sink and recent: one
     block)."""
-    from engine.long_context import LongContextConfig
+    from kvrelay.engine.long_context import LongContextConfig
 
     cfg = loaded.config
     block_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * bs * cfg.head_dim * next(
@@ -198,8 +197,8 @@ def run(*, model_dir: str | None, context_tokens: int, answer_tokens: int, num_e
         block_sizes: tuple[int, ...], repeats: int, plot: str | None, policies: list[str] | None = None) -> dict:
     """The sweep at every block size (Quest-style key summaries are tighter over fewer tokens); ``policies``:
     labels of `POLICIES` (default all)."""
-    from benchmarks.long_context_task import ensure_model, make_examples
-    from model.loader import load_model
+    from kvrelay.benchmarks.long_context_task import ensure_model, make_examples
+    from kvrelay.model.loader import load_model
 
     path = Path(model_dir) if model_dir else ensure_model(Path(".models"))
     loaded = load_model(path)
@@ -245,8 +244,8 @@ def _fit_skew(loaded: Any, examples: list[Any]) -> None:
     """The task model has no tokenizer, so the engine would fit InfiniGen's skew to random tokens: fit it to
     task prompts of another seed (the training distribution, not the held-out prompts) and write it where the
     engine looks for it (`model.skew.skew_path`)."""
-    from engine.long_context import DEFAULT_PARTIAL_CHANNELS_FRAC
-    from model.skew import compute_skew, save_skew, skew_path
+    from kvrelay.engine.long_context import DEFAULT_PARTIAL_CHANNELS_FRAC
+    from kvrelay.model.skew import compute_skew, save_skew, skew_path
 
     ids = [t for e in examples for t in e.prompt_ids]
     tables = compute_skew(loaded, ids, partial_frac=DEFAULT_PARTIAL_CHANNELS_FRAC)

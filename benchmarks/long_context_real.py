@@ -38,16 +38,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
-
-from engine.long_context import LongContextConfig
+from kvrelay.engine.long_context import LongContextConfig
 
 if TYPE_CHECKING:
-    from engine.engine import LLMEngine
-    from engine.model_runner import ModelRunner, StepLogits
-    from engine.scheduler import ScheduledStep
-    from model.loader import LoadedModel
-    from model.tokenizer import Tokenizer
-    from transfer.nixl_agent import KvAgent
+    from kvrelay.engine.engine import LLMEngine
+    from kvrelay.engine.model_runner import ModelRunner, StepLogits
+    from kvrelay.engine.scheduler import ScheduledStep
+    from kvrelay.model.loader import LoadedModel
+    from kvrelay.model.tokenizer import Tokenizer
+    from kvrelay.transfer.nixl_agent import KvAgent
 
 DEFAULT_MODEL_DIR = Path(".models") / "smollm2-135m-instruct"  # `make model`
 TEXT_PATH = Path(__file__).resolve().parent / "long_context_texts" / "alice_chapters_1_2.txt"
@@ -212,9 +211,9 @@ def _node(loaded: LoadedModel, *, bs: int, num_seqs: int, tokens_per_seq: int, n
     nothing is preempted), with its NIXL agent."""
     gc.collect()  # the previous run's engine: its pools sit in reference cycles, gigabytes the collector may not
     # reach on its own before this one allocates (measured: RSS grew by 2.3 GB per passkey run, 15 GB by the 8th)
-    from engine.engine import EngineConfig, LLMEngine
-    from kvstore.tiered_store import TieredStoreConfig
-    from transfer.node_agent import make_agent
+    from kvrelay.engine.engine import EngineConfig, LLMEngine
+    from kvrelay.kvstore.tiered_store import TieredStoreConfig
+    from kvrelay.transfer.node_agent import make_agent
 
     blocks = num_seqs * (-(-tokens_per_seq // bs) + 2) + 8
     eng = LLMEngine(loaded, EngineConfig(num_blocks=blocks, block_size_tokens=bs, max_num_seqs=num_seqs,
@@ -237,7 +236,7 @@ class Generation:
 def generate(loaded: LoadedModel, prompts: list[list[int]], policies: list[LongContextConfig], *, answer_tokens: int,
              bs: int = BLOCK_SIZE_TOKENS) -> Generation:
     """All prompts in one batch, prompt ``i`` under ``policies[i]``; ``answer_tokens`` tokens each."""
-    from model.sampling import SamplingParams
+    from kvrelay.model.sampling import SamplingParams
 
     node = _node(loaded, bs=bs, num_seqs=len(prompts), tokens_per_seq=max(map(len, prompts)) + answer_tokens,
                  name="bench-long-context-real")
@@ -308,7 +307,7 @@ def teacher_forced(loaded: LoadedModel, token_ids: list[int], *, prefill_tokens:
     Raises:
         ValueError: ``prefill_tokens`` not in ``[1, len(token_ids))``.
     """
-    from model.sampling import SamplingParams
+    from kvrelay.model.sampling import SamplingParams
 
     if not 1 <= prefill_tokens < len(token_ids):
         raise ValueError(f"prefill_tokens must be in [1, {len(token_ids)}), got {prefill_tokens}")
@@ -444,9 +443,9 @@ def run(*, model_dir: str | Path = DEFAULT_MODEL_DIR, tasks: Sequence[str] = ("p
         FileNotFoundError: no model at ``model_dir`` (``make model`` writes the default one).
         ValueError: an unknown task or policy label; a model without a tokenizer or chat template.
     """
-    from benchmarks.common import machine_label
-    from model.loader import load_model
-    from model.tokenizer import load_tokenizer
+    from kvrelay.benchmarks.common import machine_label
+    from kvrelay.model.loader import load_model
+    from kvrelay.model.tokenizer import load_tokenizer
 
     unknown = sorted(set(tasks) - {"passkey", "perplexity"})
     if unknown:

@@ -42,12 +42,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-from benchmarks.long_context_train import LlamaShape, TrainingLlama, export_hf
-from engine.engine import EngineConfig, LLMEngine
-from model.loader import load_model
-from model.sampling import SamplingParams
-from model.tiny import BOS_ID
+from kvrelay.benchmarks.long_context_train import LlamaShape, TrainingLlama, export_hf
+from kvrelay.engine.engine import EngineConfig, LLMEngine
+from kvrelay.model.loader import load_model
+from kvrelay.model.sampling import SamplingParams
+from kvrelay.model.tiny import BOS_ID
 
 TASK_VERSION = 1  # bump when the task, the model code or the training loop changes what gets trained
 SEP_ID = 258

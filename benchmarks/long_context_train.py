@@ -23,13 +23,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from kvrelay.model.config import RopeConfig
+from kvrelay.model.llama import RMSNorm
+from kvrelay.model.rope import apply_rotary, rope_inv_freq, rotary_cos_sin
+from kvrelay.model.tiny import write_tiny_model
 from safetensors.torch import save_file
 from torch import nn
-
-from model.config import RopeConfig
-from model.llama import RMSNorm
-from model.rope import apply_rotary, rope_inv_freq, rotary_cos_sin
-from model.tiny import write_tiny_model
 
 ROPE = RopeConfig(theta=10000.0)
 RMS_NORM_EPS = 1e-5

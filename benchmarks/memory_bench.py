@@ -10,15 +10,15 @@ from __future__ import annotations
 import argparse
 import math
 
-from benchmarks.common import emit, ensure_tiny_model, machine_label, read_trace, seeded_prompt
+from kvrelay.benchmarks.common import emit, ensure_tiny_model, machine_label, read_trace, seeded_prompt
 
 
 def run(*, model_dir: str | None, num_requests: int, scale: int, num_blocks: int, block_size: int) -> dict:
     import random
 
-    from engine.engine import EngineConfig, LLMEngine
-    from model.loader import load_model
-    from model.sampling import SamplingParams
+    from kvrelay.engine.engine import EngineConfig, LLMEngine
+    from kvrelay.model.loader import load_model
+    from kvrelay.model.sampling import SamplingParams
 
     reqs = [r for r in read_trace(limit=num_requests)]
     lens = [(max(1, r.input_length // scale), max(1, r.output_length // scale)) for r in reqs]

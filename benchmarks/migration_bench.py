@@ -92,7 +92,7 @@ async def run_streams(url: str, bodies: list[dict[str, Any]], *, kill_after_s: f
 
 def migrations(url: str) -> dict[str, float]:
     """``kvrelay_router_migrations_total`` by outcome, from the router's ``/metrics``."""
-    from benchmarks.deployment import get_text
+    from kvrelay.benchmarks.deployment import get_text
 
     out: dict[str, float] = {}
     for line in get_text(url + "/metrics").splitlines():
@@ -106,8 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     from pathlib import Path
 
-    from benchmarks.common import emit
-    from benchmarks.deployment import Deployment
+    from kvrelay.benchmarks.common import emit
+    from kvrelay.benchmarks.deployment import Deployment
 
     p = argparse.ArgumentParser(prog="kvrelay bench migration",
                                 description="1P2D, one decode node SIGKILLed mid-stream, with and without migration")

@@ -27,8 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from benchmarks.common import emit, machine_label
+from kvrelay.benchmarks.common import emit, machine_label
 
 V3 = dict(model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
           num_hidden_layers=61, num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
@@ -40,8 +39,8 @@ PROMPT_TOKENS = 90  # 5 full 16-token blocks and a 10-token tail
 
 
 def kv_bytes_per_token() -> dict[str, Any]:
-    from engine.kv_layout import kv_block_spec
-    from model.config import ModelConfig
+    from kvrelay.engine.kv_layout import kv_block_spec
+    from kvrelay.model.config import ModelConfig
 
     def per_token(config: dict) -> int:
         spec = kv_block_spec(ModelConfig.from_hf_dict(config), fingerprint="", block_size_tokens=16, dtype="bfloat16")
@@ -63,9 +62,9 @@ def transfer_bytes_per_request() -> dict[str, Any]:
     import random
     import urllib.request
 
-    from benchmarks.deployment import Deployment, get_text
-    from benchmarks.serve_metrics import parse_prometheus
-    from model.tiny import write_tiny_model
+    from kvrelay.benchmarks.deployment import Deployment, get_text
+    from kvrelay.benchmarks.serve_metrics import parse_prometheus
+    from kvrelay.model.tiny import write_tiny_model
 
     prompt = [random.Random(35).randrange(256) for _ in range(PROMPT_TOKENS)]
     out: dict[str, Any] = {"prompt_tokens": PROMPT_TOKENS}
@@ -86,8 +85,8 @@ def transfer_bytes_per_request() -> dict[str, Any]:
 
 
 def _layer() -> Any:
-    from model.config import ModelConfig
-    from model.deepseek import MlaAttention
+    from kvrelay.model.config import ModelConfig
+    from kvrelay.model.deepseek import MlaAttention
 
     cfg = ModelConfig.from_hf_dict({**V3, "hidden_size": 2048, "num_attention_heads": 16, "q_lora_rank": 512,
                                     "num_hidden_layers": 1, "n_routed_experts": None})
@@ -109,8 +108,8 @@ def _time(fn: Any, args: tuple, repeats: int) -> tuple[float, Any]:
 
 
 def absorbed_vs_unabsorbed(repeats: int) -> list[dict[str, Any]]:
-    from model.attention import AttentionBatch, make_backend
-    from model.rope import rope_inv_freq, rotary_cos_sin
+    from kvrelay.model.attention import AttentionBatch, make_backend
+    from kvrelay.model.rope import rope_inv_freq, rotary_cos_sin
 
     cfg, layer = _layer()
     backend = make_backend("torch")

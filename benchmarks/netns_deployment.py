@@ -25,11 +25,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-
-from benchmarks.deployment import get_text, merge
-from benchmarks.netns import Hosts, netns_problem
-from deploy.config import DEFAULT_CONFIG
-from deploy.cpu_budget import available_cpus, format_cpus, split_cpus
+from kvrelay.benchmarks.deployment import get_text, merge
+from kvrelay.benchmarks.netns import Hosts, netns_problem
+from kvrelay.deploy.config import DEFAULT_CONFIG
+from kvrelay.deploy.cpu_budget import available_cpus, format_cpus, split_cpus
 
 PREFILL_PORT, DECODE_PORT, ROUTER_PORT = 8100, 8200, 8000
 NODE_KV = {"device": {"bytes": "2GiB"}, "host": {"bytes": "1GiB"}}
@@ -98,7 +97,7 @@ class NetnsDeployment:
                 path = self.work / f"{host}.yaml"
                 path.write_text(yaml.safe_dump(self.host_config(host)))
                 role = host.split("-")[0]
-                argv = [sys.executable, "-m", "deploy.cli", role, "--config", str(path)]
+                argv = [sys.executable, "-m", "kvrelay.deploy.cli", role, "--config", str(path)]
                 if role != "router":
                     argv += ["--name", host, "--cpus", format_cpus(shares[self.node_hosts.index(host)])]
                 self._hosts.popen(host, argv, env=env, log_name=f"{host}.log")

@@ -35,7 +35,7 @@ from collections import OrderedDict, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from kvstore.policy import PolicySim
+from kvrelay.kvstore.policy import PolicySim
 
 ROOT_KEY = b"kvrelay.bench.offline"
 

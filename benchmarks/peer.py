@@ -17,7 +17,7 @@ import urllib.error
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from benchmarks.deployment import free_ports, get_text, stop_process_group
+from kvrelay.benchmarks.deployment import free_ports, get_text, stop_process_group
 
 DEFAULT_PEER_SCRIPT = Path(__file__).resolve().parents[2] / "shared" / "peers" / "vllm-cpu.sh"
 STARTUP_TIMEOUT_S = 900.0  # vLLM's CPU build compiles for ~3.5 min on 2 cores

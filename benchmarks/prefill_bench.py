@@ -36,10 +36,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-
-from benchmarks.common import emit, machine_label, seeded_prompt
-from benchmarks.kernel_bench import prefill_flops as kernel_prefill_flops
-from model.config import ModelConfig
+from kvrelay.benchmarks.common import emit, machine_label, seeded_prompt
+from kvrelay.benchmarks.kernel_bench import prefill_flops as kernel_prefill_flops
+from kvrelay.model.config import ModelConfig
 
 DEFAULT_LENGTHS = (512, 2048, 8192)
 
@@ -100,9 +99,9 @@ def _median_time(run: Callable[[list[int]], None], prompts: Sequence[list[int]])
 
 def engine_ttft(model_dir: str, prompts: Sequence[list[int]], *, dtype: str, max_num_batched_tokens: int) -> float:
     """Median seconds from `add_request` to the first token in an in-process engine, prefix caching off."""
-    from engine.engine import EngineConfig, LLMEngine
-    from model.loader import load_model
-    from model.sampling import SamplingParams
+    from kvrelay.engine.engine import EngineConfig, LLMEngine
+    from kvrelay.model.loader import load_model
+    from kvrelay.model.sampling import SamplingParams
 
     loaded = load_model(model_dir, dtype=dtype)
     longest = max(len(p) for p in prompts)
@@ -168,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from model.dtype import resolve_dtype
+    from kvrelay.model.dtype import resolve_dtype
 
     p = build_parser()
     a = p.parse_args(argv)
@@ -197,13 +196,13 @@ def main(argv: list[str] | None = None) -> int:
             rows[n].update(transformers_s=hf, engine_over_transformers=ttft / hf)
     vllm_args: list[str] | None = None
     if a.serve:
-        from benchmarks.deployment import Deployment
+        from kvrelay.benchmarks.deployment import Deployment
 
         with Deployment(a.model, overrides={"model": {"dtype": a.dtype}}) as d:
             for n in lengths:
                 rows[n]["kvrelay_1p1d_s"] = served_ttft(d.url, d.model_name, prompts[n])
         if a.peer_script:
-            from benchmarks.peer import PeerServer
+            from kvrelay.benchmarks.peer import PeerServer
 
             vllm_args = shlex.split(a.vllm_args) if a.vllm_args is not None else ["--dtype", dtype_name]
             with PeerServer(a.peer_script, a.model, extra_args=vllm_args) as peer:

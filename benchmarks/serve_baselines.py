@@ -12,12 +12,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks import serve_report, workloads
-from benchmarks.common import machine_label
-from benchmarks.peer import PeerServer
-from benchmarks.serve_client import ClientConfig, LoadConfig
-from benchmarks.serve_metrics import parse_goodput
-from benchmarks.serve_run import ServerNodes, run_workload
+from kvrelay.benchmarks import serve_report, workloads
+from kvrelay.benchmarks.common import machine_label
+from kvrelay.benchmarks.peer import PeerServer
+from kvrelay.benchmarks.serve_client import ClientConfig, LoadConfig
+from kvrelay.benchmarks.serve_metrics import parse_goodput
+from kvrelay.benchmarks.serve_run import ServerNodes, run_workload
 
 DEFAULT_BASELINES = ("disaggregated", "aggregated", "prefix-cache-off", "transformers")
 # disaggregated-static: 1P1D with each node kept on its own CPUs (`kvrelay up --no-cpu-lending`);
@@ -61,7 +61,7 @@ def _vocab_size(model_dir: str | None) -> int:
 
 def _encoder(model_dir: str | None) -> Callable[[str], list[int]]:
     """The model's tokenizer (no BOS) for re-tokenizing replies; the byte-level fallback is UTF-8 bytes."""
-    from model.tokenizer import load_tokenizer
+    from kvrelay.model.tokenizer import load_tokenizer
 
     tok = load_tokenizer(model_dir) if model_dir else None
     if tok is None:
@@ -130,7 +130,7 @@ def vllm_args(args: argparse.Namespace) -> list[str]:
     CPU without bf16 instructions, emulated, where kvrelay runs float32)."""
     import shlex
 
-    from model.dtype import resolve_dtype
+    from kvrelay.model.dtype import resolve_dtype
 
     given = getattr(args, "vllm_args", None)
     return shlex.split(given) if given is not None else ["--dtype", resolve_dtype("auto", "cpu")]
@@ -143,7 +143,7 @@ def run_baselines(args: argparse.Namespace, baselines: list[str], make: MakeWork
 
     ``on_disaggregated(deployment)`` runs extra measurements while the disaggregated one is up.
     """
-    from benchmarks.deployment import BASELINE_TO_OVERRIDES, BASELINE_TO_UP_ARGS, Deployment, merge
+    from kvrelay.benchmarks.deployment import BASELINE_TO_OVERRIDES, BASELINE_TO_UP_ARGS, Deployment, merge
 
     unknown = [b for b in baselines if b not in ALL_BASELINES]
     if unknown:
@@ -172,7 +172,7 @@ def run_baselines(args: argparse.Namespace, baselines: list[str], make: MakeWork
             runs += run_rates(client, ServerNodes(), make, args, label=label, out_dir=out_dir)
     hf = None
     if "transformers" in baselines:
-        from benchmarks.hf_offline import run_transformers
+        from kvrelay.benchmarks.hf_offline import run_transformers
 
         hf = {**run_transformers(model_dir, make(args.seed).requests, batch_size=args.hf_batch_size),
               "workload": args.workload, **machine_label()}

@@ -23,9 +23,9 @@ import argparse
 import math
 from pathlib import Path
 
-from benchmarks import workloads
-from benchmarks.peer import DEFAULT_PEER_SCRIPT
-from benchmarks.serve_baselines import (
+from kvrelay.benchmarks import workloads
+from kvrelay.benchmarks.peer import DEFAULT_PEER_SCRIPT
+from kvrelay.benchmarks.serve_baselines import (
     ALL_BASELINES,
     DEFAULT_BASELINES,
     first_model,
@@ -34,12 +34,12 @@ from benchmarks.serve_baselines import (
     workload_factory,
     write_report,
 )
-from benchmarks.serve_client import ClientConfig
-from benchmarks.serve_metrics import parse_goodput
-from benchmarks.serve_run import ServerNodes
-from benchmarks.serve_standard import run_standard
-from benchmarks.ttft_prefix import ensure_bench_model
-from kvstore.policy import POLICY_NAMES
+from kvrelay.benchmarks.serve_client import ClientConfig
+from kvrelay.benchmarks.serve_metrics import parse_goodput
+from kvrelay.benchmarks.serve_run import ServerNodes
+from kvrelay.benchmarks.serve_standard import run_standard
+from kvrelay.benchmarks.ttft_prefix import ensure_bench_model
+from kvrelay.kvstore.policy import POLICY_NAMES
 
 
 def build_parser() -> argparse.ArgumentParser:

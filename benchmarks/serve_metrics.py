@@ -19,8 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-
-from benchmarks.serve_client import RequestRecord
+from kvrelay.benchmarks.serve_client import RequestRecord
 
 DEFAULT_PERCENTILES: tuple[float, ...] = (90.0, 99.0)
 SLO_NAMES = ("ttft", "tpot", "e2el")

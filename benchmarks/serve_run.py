@@ -22,10 +22,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from benchmarks.deployment import get_text
-from benchmarks.offline_cache import belady_hit_blocks, ideal_hit_blocks, lru_hit_blocks, policy_hit_blocks
-from benchmarks.serve_client import ClientConfig, LoadConfig, run_load
-from benchmarks.serve_metrics import (
+from kvrelay.benchmarks.deployment import get_text
+from kvrelay.benchmarks.offline_cache import belady_hit_blocks, ideal_hit_blocks, lru_hit_blocks, policy_hit_blocks
+from kvrelay.benchmarks.serve_client import ClientConfig, LoadConfig, run_load
+from kvrelay.benchmarks.serve_metrics import (
     TIERS,
     CacheCounters,
     cache_delta,
@@ -34,7 +34,7 @@ from benchmarks.serve_metrics import (
     summarize,
     transfer_bytes_delta,
 )
-from benchmarks.workloads import Workload
+from kvrelay.benchmarks.workloads import Workload
 
 
 @dataclass(frozen=True, slots=True)

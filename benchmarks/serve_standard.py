@@ -20,10 +20,10 @@ import math
 from pathlib import Path
 from typing import Any
 
-from benchmarks.serve_baselines import run_baselines, run_rates, workload_factory, write_report
-from benchmarks.serve_client import ClientConfig
-from benchmarks.serve_run import ServerNodes
-from benchmarks.ttft_prefix import ensure_bench_model, measure_ttft_prefix
+from kvrelay.benchmarks.serve_baselines import run_baselines, run_rates, workload_factory, write_report
+from kvrelay.benchmarks.serve_client import ClientConfig
+from kvrelay.benchmarks.serve_run import ServerNodes
+from kvrelay.benchmarks.ttft_prefix import ensure_bench_model, measure_ttft_prefix
 
 SHARED_PREFIX = {"workload": "shared-prefix", "groups": 4, "prompts_per_group": 8, "system_tokens": 512,
                  "question_tokens": 32, "output_tokens": 32, "request_rate": [2.0, 8.0, math.inf],
@@ -107,7 +107,7 @@ def headline_markdown(h: dict[str, Any]) -> str:
 
 def run_standard(args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
     """Run the whole standard set; returns the summary written to ``out_dir/summary.json``."""
-    from benchmarks.deployment import Deployment
+    from kvrelay.benchmarks.deployment import Deployment
 
     model_dir = ensure_bench_model(args.model)
     shared = _with(args, SHARED_PREFIX)

@@ -52,11 +52,10 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-
-from benchmarks.common import emit, machine_label
-from benchmarks.peer import DEFAULT_PEER_SCRIPT
-from benchmarks.serve_client import RequestRecord, RequestSpec, feed_sse_line
-from benchmarks.serve_metrics import request_tpot_s
+from kvrelay.benchmarks.common import emit, machine_label
+from kvrelay.benchmarks.peer import DEFAULT_PEER_SCRIPT
+from kvrelay.benchmarks.serve_client import RequestRecord, RequestSpec, feed_sse_line
+from kvrelay.benchmarks.serve_metrics import request_tpot_s
 
 TARGET_TPOT_RATIO = 1.10  # issue 32: constrained / unconstrained mean TPOT on kvrelay
 
@@ -323,10 +322,10 @@ def compile_times(model_dir: str, *, repeats: int) -> CompileTimes:
     Raises:
         engine.grammar.GrammarError: a schema does not compile, or the model has no ``tokenizer.json``.
     """
-    from engine.grammar import Grammars
-    from model.config import read_model_config
-    from model.structured import StructuredOutput
-    from router.structured_api import structured_from_body
+    from kvrelay.engine.grammar import Grammars
+    from kvrelay.model.config import read_model_config
+    from kvrelay.model.structured import StructuredOutput
+    from kvrelay.router.structured_api import structured_from_body
 
     cfg = read_model_config(model_dir)
     outs = {name: structured_from_body({"response_format": response_format(name, schema)})[0]
@@ -494,9 +493,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks.deployment import Deployment, get_text
-    from benchmarks.peer import PeerServer
-    from engine.grammar import GrammarError
+    from kvrelay.benchmarks.deployment import Deployment, get_text
+    from kvrelay.benchmarks.peer import PeerServer
+    from kvrelay.engine.grammar import GrammarError
 
     a = parse_args(argv)
     try:

@@ -30,13 +30,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-from benchmarks.common import emit, machine_label, read_trace
-from kvstore.block_key import BlockKey, block_keys
-from kvstore.block_record import CHECKSUM_ID_TO_ALGO, entry_bytes, record_bytes
-from kvstore.block_spec import BlockSpec
-from kvstore.lmdb_tier import LmdbTier
-from kvstore.tiered_store import TieredStore, TieredStoreConfig
+from kvrelay.benchmarks.common import emit, machine_label, read_trace
+from kvrelay.kvstore.block_key import BlockKey, block_keys
+from kvrelay.kvstore.block_record import CHECKSUM_ID_TO_ALGO, entry_bytes, record_bytes
+from kvrelay.kvstore.block_spec import BlockSpec
+from kvrelay.kvstore.lmdb_tier import LmdbTier
+from kvrelay.kvstore.tiered_store import TieredStore, TieredStoreConfig
 
 BIG_SPEC = BlockSpec(num_layers=32, num_kv_heads=8, head_dim=128, block_size_tokens=16, dtype="float16")  # 2 MiB
 TRACE_SPEC = BlockSpec(num_layers=1, num_kv_heads=1, head_dim=64, block_size_tokens=4)  # 2 KiB

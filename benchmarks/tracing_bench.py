@@ -28,11 +28,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import emit, machine_label, seeded_prompt
-from benchmarks.deployment import Deployment
-from benchmarks.otlp_receiver import OtlpReceiver
-from benchmarks.serve_client import ClientConfig, LoadConfig, RequestSpec, run_load
-from benchmarks.serve_metrics import summarize
+from kvrelay.benchmarks.common import emit, machine_label, seeded_prompt
+from kvrelay.benchmarks.deployment import Deployment
+from kvrelay.benchmarks.otlp_receiver import OtlpReceiver
+from kvrelay.benchmarks.serve_client import ClientConfig, LoadConfig, RequestSpec, run_load
+from kvrelay.benchmarks.serve_metrics import summarize
 
 TARGET_RATIO = 0.97
 MODES = ("off", "on")
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvrelay bench tracing: {args.model} is not a model directory; `kvrelay model pull "
               "smollm2-135m-instruct` writes the default one", file=sys.stderr)
         return 2
-    from model.config import read_model_config  # config parsing only: no torch
+    from kvrelay.model.config import read_model_config  # config parsing only: no torch
 
     vocab = read_model_config(args.model).vocab_size
     if args.rounds < 1:

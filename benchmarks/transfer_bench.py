@@ -30,9 +30,8 @@ import time
 from typing import Any
 
 import torch
-
-from benchmarks.common import emit, machine_label
-from benchmarks.transfer_read import KIB, MIB, owner_loop, read_sweep, spec_for
+from kvrelay.benchmarks.common import emit, machine_label
+from kvrelay.benchmarks.transfer_read import KIB, MIB, owner_loop, read_sweep, spec_for
 
 BLOCK_SIZES = (64 * KIB, 256 * KIB, MIB, 4 * MIB)
 BLOCKS_PER_TRANSFER = (1, 4, 16, 64, 256, 1000)
@@ -43,7 +42,7 @@ INTEGRITY_GOAL = 0.05  # digest time / READ time with kvstore.integrity: all
 def _integrity(rows: list[dict[str, Any]]) -> dict[str, Any]:
     judged = [r for r in rows if r["block_bytes"] >= TARGET["min_block_bytes"]
               and r["blocks_per_transfer"] >= TARGET["min_blocks_per_transfer"]]
-    from kvstore.digest import DEFAULT_SAMPLE_RATE
+    from kvrelay.kvstore.digest import DEFAULT_SAMPLE_RATE
 
     every = max((r["digest_fraction_of_read"] for r in rows), default=None)
     worst = max((r["digest_fraction_of_read"] for r in judged), default=None)
@@ -74,7 +73,7 @@ def _descriptor_scaling(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _loopback_demotion(*, num_blocks: int, repeats: int, seed: int) -> list[dict[str, Any]]:
-    from transfer.nixl_agent import KvAgent
+    from kvrelay.transfer.nixl_agent import KvAgent
 
     rng = random.Random(seed)
     rows = []
@@ -172,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
                         "between them (needs root; see benchmarks.transfer_remote)")
     a = p.parse_args(argv)
     if a.remote:
-        from benchmarks.transfer_remote import run_remote
+        from kvrelay.benchmarks.transfer_remote import run_remote
 
         emit(run_remote(pool_mib=a.pool_mib, target_mib=a.target_mib, seed=a.seed), a.out)
         return 0

@@ -18,7 +18,7 @@ MADV_HUGEPAGE = 14
 
 
 def spec_for(block_bytes: int) -> Any:
-    from kvstore.block_spec import BlockSpec
+    from kvrelay.kvstore.block_spec import BlockSpec
 
     assert block_bytes % (64 * KIB) == 0
     # 8 kv heads × 16 tokens × 128 dims × fp16 × (k|v) = 64 KiB per layer.
@@ -41,8 +41,8 @@ def new_pool(spec: Any, num_blocks: int, *, hugepages: bool, fill: int) -> torch
 
 def owner_loop(conn: Connection) -> None:
     """Owner process: ("setup", block_bytes, num_blocks, hugepages) → encoded AgentMeta; ("exit",)."""
-    from transfer.nixl_agent import KvAgent
-    from transfer.wire import encode_meta
+    from kvrelay.transfer.nixl_agent import KvAgent
+    from kvrelay.transfer.wire import encode_meta
 
     agent = None
     while True:
@@ -65,7 +65,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def timed_read(agent: Any, link: Any, remote: list[Any], local_ids: list[int]) -> float:
-    from transfer.puller import POLL_MAX_S, POLL_MIN_S
+    from kvrelay.transfer.puller import POLL_MAX_S, POLL_MIN_S
 
     t0 = time.perf_counter()
     xfers = await agent.read(link, remote, "device", local_ids)
@@ -93,10 +93,10 @@ async def read_sweep(
     seed: int,
 ) -> list[dict[str, Any]]:
     """One row per (block bytes, blocks per transfer) in ``configs`` that fits the pool."""
-    from kvstore.digest import DEFAULT_SAMPLE_RATE, IntegrityPolicy, digest_blocks
-    from transfer.lease import TierBlock
-    from transfer.nixl_agent import KvAgent
-    from transfer.wire import decode_meta
+    from kvrelay.kvstore.digest import DEFAULT_SAMPLE_RATE, IntegrityPolicy, digest_blocks
+    from kvrelay.transfer.lease import TierBlock
+    from kvrelay.transfer.nixl_agent import KvAgent
+    from kvrelay.transfer.wire import decode_meta
 
     rng = random.Random(seed)
     sampled = IntegrityPolicy("sampled", DEFAULT_SAMPLE_RATE)

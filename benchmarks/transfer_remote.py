@@ -20,7 +20,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import machine_label
+from kvrelay.benchmarks.common import machine_label
 
 MIB = 1024 * 1024
 RAW_PORT = 5201  # iperf3's
@@ -31,7 +31,7 @@ CONFIGS = [(MIB, 16), (MIB, 64), (256 * 1024, 64)]  # (block bytes, blocks per R
 OWNER = """
 import socket, sys, threading
 from multiprocessing.connection import Connection
-from benchmarks.transfer_read import owner_loop
+from kvrelay.benchmarks.transfer_read import owner_loop
 
 def raw(addr, port, chunk):
     srv = socket.create_server((addr, port))
@@ -71,8 +71,8 @@ def _raw_stream_gbps(addr: str, total: int, repeats: int) -> list[float]:
 
 
 def run_remote(*, pool_mib: int, target_mib: int, seed: int) -> dict[str, Any]:
-    from benchmarks.netns import Hosts, netns_problem
-    from benchmarks.transfer_read import read_sweep
+    from kvrelay.benchmarks.netns import Hosts, netns_problem
+    from kvrelay.benchmarks.transfer_read import read_sweep
 
     problem = netns_problem()
     if problem is not None:

@@ -37,10 +37,9 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-
-from benchmarks.common import emit, machine_label
-from benchmarks.goodput_rows import request_rows
-from benchmarks.serve_client import ClientConfig, RequestSpec, send_request
+from kvrelay.benchmarks.common import emit, machine_label
+from kvrelay.benchmarks.goodput_rows import request_rows
+from kvrelay.benchmarks.serve_client import ClientConfig, RequestSpec, send_request
 
 BENCH_MAX_POSITIONS = 4096
 
@@ -49,7 +48,7 @@ def ensure_bench_model(model_dir: str | None, *, max_position_embeddings: int = 
     """``model_dir`` if given, else the tiny model with a longer context under ``.models/`` (written once)."""
     if model_dir:
         return model_dir
-    from model.tiny import write_tiny_model
+    from kvrelay.model.tiny import write_tiny_model
 
     out = Path(".models") / f"bench-tiny-{max_position_embeddings // 1024}k"
     if not (out / "config.json").exists():
@@ -127,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         result = measure_ttft_prefix(ClientConfig(args.url.rstrip("/"), args.model_name), **kwargs)
         result["server"] = args.url
     else:
-        from benchmarks.deployment import Deployment
+        from kvrelay.benchmarks.deployment import Deployment
 
         overrides = {"router": {"disaggregation": args.disaggregation}} if args.disaggregation else None
         up_args = ["--no-cpu-lending"] if args.no_cpu_lending else []

@@ -23,9 +23,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import emit
-from benchmarks.deployment import Deployment
-from benchmarks.peer import DEFAULT_PEER_SCRIPT, PeerServer
+from kvrelay.benchmarks.common import emit
+from kvrelay.benchmarks.deployment import Deployment
+from kvrelay.benchmarks.peer import DEFAULT_PEER_SCRIPT, PeerServer
 
 SIZINGS = ("default", "64MiB")
 SMALL_KV_BYTES = 64 * 1024 * 1024

@@ -25,9 +25,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from benchmarks.common import read_trace
-from benchmarks.offline_cache import CachedRequest
-from benchmarks.serve_client import FollowUp, RequestRecord, RequestSpec
+from kvrelay.benchmarks.common import read_trace
+from kvrelay.benchmarks.offline_cache import CachedRequest
+from kvrelay.benchmarks.serve_client import FollowUp, RequestRecord, RequestSpec
 
 TRACE_BLOCK_TOKENS = 512
 Encode = Callable[[str], list[int]]

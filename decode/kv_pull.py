@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import aiohttp
 from aiohttp import web
-
-from engine.worker import EngineWorker
-from transfer.config import TransferConfig, client_keepalive_s
-from transfer.handle import KvHandle
-from transfer.node_agent import make_agent, worker_pool_calls
-from transfer.peer_cache import PeerCache
-from transfer.puller import Puller, PullResult
+from kvrelay.engine.worker import EngineWorker
+from kvrelay.transfer.config import TransferConfig, client_keepalive_s
+from kvrelay.transfer.handle import KvHandle
+from kvrelay.transfer.node_agent import make_agent, worker_pool_calls
+from kvrelay.transfer.peer_cache import PeerCache
+from kvrelay.transfer.puller import Puller, PullResult
 
 
 class DecodeTransfer:

@@ -23,19 +23,18 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from aiohttp import web
-
-from decode.config import DecodeConfig
-from engine.engine import RequestError
-from engine.worker import EngineFailure, EngineWorker
-from kvstore.block_key import BlockKey
-from node.app import EngineNode, NodeConfig, NodeMetrics, msgpack_response
-from node.tracing import Stage, Tracing
-from transfer.bounded_write import write_within
-from transfer.config import LEASE_HEADER
-from transfer.discovery import NodeAddresses
-from transfer.errors import TransferError
-from transfer.puller import PullResult
-from transfer.wire import DecodeFrame, GenerationMessage, encode_error_frame, encode_frame
+from kvrelay.decode.config import DecodeConfig
+from kvrelay.engine.engine import RequestError
+from kvrelay.engine.worker import EngineFailure, EngineWorker
+from kvrelay.kvstore.block_key import BlockKey
+from kvrelay.node.app import EngineNode, NodeConfig, NodeMetrics, msgpack_response
+from kvrelay.node.tracing import Stage, Tracing
+from kvrelay.transfer.bounded_write import write_within
+from kvrelay.transfer.config import LEASE_HEADER
+from kvrelay.transfer.discovery import NodeAddresses
+from kvrelay.transfer.errors import TransferError
+from kvrelay.transfer.puller import PullResult
+from kvrelay.transfer.wire import DecodeFrame, GenerationMessage, encode_error_frame, encode_frame
 
 log = logging.getLogger(__name__)
 OWNER_DNS_REFRESH_S = 1.0  # least time between two lookups of the prefill DNS names for an unknown owner

@@ -39,7 +39,7 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 
 def _cmd_tiny_model(args: argparse.Namespace) -> int:
-    from model.tiny import write_tiny_model
+    from kvrelay.model.tiny import write_tiny_model
 
     out = write_tiny_model(
         args.dir, seed=args.seed, layers=args.layers, hidden=args.hidden, heads=args.heads,
@@ -58,9 +58,9 @@ def _parse_prompt_ids(text: str) -> list[int]:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from deploy.serve import use_triton_interpreter
-    from model.device import resolve_device
-    from model.hub import HubError, resolve_model
+    from kvrelay.deploy.serve import use_triton_interpreter
+    from kvrelay.model.device import resolve_device
+    from kvrelay.model.hub import HubError, resolve_model
 
     try:
         model_dir = resolve_model(args.model, revision=args.revision, download_dir=args.download_dir).path
@@ -77,10 +77,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from engine.engine import EngineConfig, LLMEngine, RequestError
-    from model.loader import load_model
-    from model.sampling import SamplingParams
-    from model.tokenizer import load_tokenizer
+    from kvrelay.engine.engine import EngineConfig, LLMEngine, RequestError
+    from kvrelay.model.loader import load_model
+    from kvrelay.model.sampling import SamplingParams
+    from kvrelay.model.tokenizer import load_tokenizer
 
     try:
         loaded = load_model(model_dir, dtype=args.dtype, device=device)
@@ -122,8 +122,8 @@ def _load(args: argparse.Namespace):  # noqa: ANN202 - returns deploy.config.Con
     Raises:
         ConfigError: a bad value, or a repo id that cannot be resolved.
     """
-    from deploy.config import load_config
-    from deploy.model_source import resolve_config_model
+    from kvrelay.deploy.config import load_config
+    from kvrelay.deploy.model_source import resolve_config_model
 
     return resolve_config_model(load_config(args.config, model_path=args.model, router_port=getattr(args, "port", None),
                                             model_name=getattr(args, "served_model_name", None),
@@ -131,8 +131,8 @@ def _load(args: argparse.Namespace):  # noqa: ANN202 - returns deploy.config.Con
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
-    from deploy.model_source import node_overrides
-    from deploy.up import up
+    from kvrelay.deploy.model_source import node_overrides
+    from kvrelay.deploy.up import up
 
     config = _load(args)
     if not (Path(config.model.path) / "config.json").is_file():
@@ -150,8 +150,7 @@ def serve_config(args: argparse.Namespace, *, free_port: int) -> dict[str, Any]:
     over it, one decode node on ``free_port`` (loopback; it computes the prompts itself) and no
     prefill node."""
     import yaml
-
-    from deploy.config import DEFAULT_CONFIG
+    from kvrelay.deploy.config import DEFAULT_CONFIG
 
     data: dict[str, Any] = yaml.safe_load(Path(args.config or DEFAULT_CONFIG).read_text()) or {}
 
@@ -210,12 +209,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     import tempfile
 
     import yaml
-
-    from deploy.config import load_config
-    from deploy.model_source import node_overrides, resolve_config_model
-    from deploy.ports import free_ports
-    from deploy.sizes import ConfigError
-    from deploy.up import up
+    from kvrelay.deploy.config import load_config
+    from kvrelay.deploy.model_source import node_overrides, resolve_config_model
+    from kvrelay.deploy.ports import free_ports
+    from kvrelay.deploy.sizes import ConfigError
+    from kvrelay.deploy.up import up
 
     [free_port] = free_ports(1)  # the decode node's internal port: a free one on loopback
     data = serve_config(args, free_port=free_port)
@@ -238,8 +236,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_role(args: argparse.Namespace) -> int:
-    from deploy.cpu_budget import parse_cpus
-    from deploy.serve import run_role
+    from kvrelay.deploy.cpu_budget import parse_cpus
+    from kvrelay.deploy.serve import run_role
 
     try:
         cpus = parse_cpus(args.cpus) if args.cpus else None
@@ -253,7 +251,7 @@ def _cmd_role(args: argparse.Namespace) -> int:
     if pool is not None and cpus is not None and not set(cpus) <= set(pool):
         print(f"kvrelay {args.command}: --cpus {args.cpus} is not inside --cpu-pool {args.cpu_pool}", file=sys.stderr)
         return 2
-    from deploy.service_config import internal_token_problem
+    from kvrelay.deploy.service_config import internal_token_problem
 
     config = _load(args)
     problem = internal_token_problem(config.internal)
@@ -279,62 +277,62 @@ def _bench_main(name: str) -> Callable[[list[str]], int]:
     """The ``main(argv)`` of benchmark ``name``, imported only when asked for (they pull in heavy
     libraries); explicit imports, so the dependency of this command on `benchmarks` is visible."""
     if name == "bandwidth":
-        from benchmarks.bandwidth_bench import main
+        from kvrelay.benchmarks.bandwidth_bench import main
     elif name == "cache-policies":
-        from benchmarks.cache_policies import main
+        from kvrelay.benchmarks.cache_policies import main
     elif name == "cuda-graphs":
-        from benchmarks.graph_bench import main
+        from kvrelay.benchmarks.graph_bench import main
     elif name == "decode":
-        from benchmarks.decode_bench import main
+        from kvrelay.benchmarks.decode_bench import main
     elif name == "disk-prefix":
-        from benchmarks.disk_prefix_bench import main
+        from kvrelay.benchmarks.disk_prefix_bench import main
     elif name == "dtype":
-        from benchmarks.dtype_bench import main
+        from kvrelay.benchmarks.dtype_bench import main
     elif name == "goodput":
-        from benchmarks.goodput_bench import main
+        from kvrelay.benchmarks.goodput_bench import main
     elif name == "guard":
-        from benchmarks.guard_bench import main
+        from kvrelay.benchmarks.guard_bench import main
     elif name == "hybrid-kv":
-        from benchmarks.hybrid_kv_bench import main
+        from kvrelay.benchmarks.hybrid_kv_bench import main
     elif name == "deterministic":
-        from benchmarks.deterministic_bench import main
+        from kvrelay.benchmarks.deterministic_bench import main
     elif name == "kernel":
-        from benchmarks.kernel_bench import main
+        from kvrelay.benchmarks.kernel_bench import main
     elif name == "kernel-plan":
-        from benchmarks.kernel_plan_bench import main
+        from kvrelay.benchmarks.kernel_plan_bench import main
     elif name == "load":
-        from benchmarks.load import main
+        from kvrelay.benchmarks.load import main
     elif name == "long-context":
-        from benchmarks.long_context_bench import main
+        from kvrelay.benchmarks.long_context_bench import main
     elif name == "memory":
-        from benchmarks.memory_bench import main
+        from kvrelay.benchmarks.memory_bench import main
     elif name == "migration":
-        from benchmarks.migration_bench import main
+        from kvrelay.benchmarks.migration_bench import main
     elif name == "mla":
-        from benchmarks.mla_bench import main
+        from kvrelay.benchmarks.mla_bench import main
     elif name == "prefill":
-        from benchmarks.prefill_bench import main
+        from kvrelay.benchmarks.prefill_bench import main
     elif name == "serve":
-        from benchmarks.serve_bench import main
+        from kvrelay.benchmarks.serve_bench import main
     elif name == "structured":
-        from benchmarks.structured_bench import main
+        from kvrelay.benchmarks.structured_bench import main
     elif name == "tiers":
-        from benchmarks.tier_bench import main
+        from kvrelay.benchmarks.tier_bench import main
     elif name == "tracing":
-        from benchmarks.tracing_bench import main
+        from kvrelay.benchmarks.tracing_bench import main
     elif name == "transfer":
-        from benchmarks.transfer_bench import main
+        from kvrelay.benchmarks.transfer_bench import main
     elif name == "ttft-prefix":
-        from benchmarks.ttft_prefix import main
+        from kvrelay.benchmarks.ttft_prefix import main
     elif name == "vllm-client":
-        from benchmarks.vllm_client import main
+        from kvrelay.benchmarks.vllm_client import main
     else:
         raise ValueError(f"unknown benchmark {name!r}; choose from {BENCH_NAMES}")
     return main
 
 
 def _byte_size(text: str) -> int:
-    from deploy.sizes import parse_size
+    from kvrelay.deploy.sizes import parse_size
 
     try:
         return parse_size(int(text) if text.isdigit() else text)
@@ -347,14 +345,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from deploy.config_cmd import add_config_parser
-    from deploy.model_cmd import add_model_parser
-    from deploy.service_config import ATTENTION_BACKENDS
-    from deploy.store_cmd import add_store_parser
-    from model.dtype_names import DTYPE_CHOICES
-    from model.generation_config import GENERATION_CONFIG_MODES
-    from router.reasoning import REASONING_PARSERS
-    from router.tool_calls import PARSER_NAMES
+    from kvrelay.deploy.config_cmd import add_config_parser
+    from kvrelay.deploy.model_cmd import add_model_parser
+    from kvrelay.deploy.service_config import ATTENTION_BACKENDS
+    from kvrelay.deploy.store_cmd import add_store_parser
+    from kvrelay.model.dtype_names import DTYPE_CHOICES
+    from kvrelay.model.generation_config import GENERATION_CONFIG_MODES
+    from kvrelay.router.reasoning import REASONING_PARSERS
+    from kvrelay.router.tool_calls import PARSER_NAMES
 
     parser = argparse.ArgumentParser(prog="kvrelay", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -396,7 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": "..."}')
     p.set_defaults(func=_cmd_generate)
 
-    from deploy.config import DEFAULT_CONFIG
+    from kvrelay.deploy.config import DEFAULT_CONFIG
 
     p = sub.add_parser("up", help="router + prefill + decode nodes from one YAML file, on this machine")
     p.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
@@ -487,7 +485,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from deploy.sizes import ConfigError
+    from kvrelay.deploy.sizes import ConfigError
 
     args = build_parser().parse_args(argv)
     try:

@@ -25,11 +25,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
-
-from deploy.gpu_memory import KEY as UTILIZATION_KEY
-from deploy.gpu_memory import GpuUse, kv_bytes_for_utilization
-from deploy.memory import free_host_bytes, nvml_free_bytes
-from deploy.service_config import (
+from kvrelay.deploy.gpu_memory import KEY as UTILIZATION_KEY
+from kvrelay.deploy.gpu_memory import GpuUse, kv_bytes_for_utilization
+from kvrelay.deploy.memory import free_host_bytes, nvml_free_bytes
+from kvrelay.deploy.service_config import (
     DecodeSection,
     EngineSection,
     InternalSection,
@@ -40,13 +39,13 @@ from deploy.service_config import (
     Section,
     parse_services,
 )
-from deploy.sizes import ConfigError
-from kvstore.digest import DEFAULT_INTEGRITY, DEFAULT_SAMPLE_RATE
-from kvstore.policy import DEFAULT_POLICY
+from kvrelay.deploy.sizes import ConfigError
+from kvrelay.kvstore.digest import DEFAULT_INTEGRITY, DEFAULT_SAMPLE_RATE
+from kvrelay.kvstore.policy import DEFAULT_POLICY
 
 if TYPE_CHECKING:  # the store's types load torch; the router process reads this config without them
-    from kvstore.block_spec import BlockSpec
-    from kvstore.tiered_store import TieredStoreConfig
+    from kvrelay.kvstore.block_spec import BlockSpec
+    from kvrelay.kvstore.tiered_store import TieredStoreConfig
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "local.yaml"
 GpuFreeBytes = Callable[[], int]
@@ -171,7 +170,7 @@ class KvStoreConfig:
         Raises:
             ConfigError: the device tier holds no block, or ``spec`` has another block size.
         """
-        from kvstore.tiered_store import TieredStoreConfig
+        from kvrelay.kvstore.tiered_store import TieredStoreConfig
 
         if spec.block_size_tokens != self.block_size_tokens:
             raise ConfigError(

@@ -13,12 +13,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from deploy.sizes import parse_size
-from kvstore.admission import parse_admission
-from kvstore.digest import INTEGRITY_MODES
-from kvstore.policy import POLICY_NAMES, parse_policy
-from model.device import check_device_name
-from transfer.discovery import parse_dns_name
+from kvrelay.deploy.sizes import parse_size
+from kvrelay.kvstore.admission import parse_admission
+from kvrelay.kvstore.digest import INTEGRITY_MODES
+from kvrelay.kvstore.policy import POLICY_NAMES, parse_policy
+from kvrelay.model.device import check_device_name
+from kvrelay.transfer.discovery import parse_dns_name
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +121,7 @@ def string(v: Any) -> str:
 @check("string", "a Jinja file's path, or a Jinja template")
 def chat_template(v: Any) -> str:
     """Kept as given; refused unless it names a readable file or is a template, and compiles."""
-    from model.tokenizer import resolve_chat_template
+    from kvrelay.model.tokenizer import resolve_chat_template
 
     if not isinstance(v, str) or not v:
         raise ValueError("is not a non-empty string")

@@ -14,10 +14,9 @@ import sys
 from pathlib import Path
 
 import yaml
-
-from deploy.config import DEFAULT_CONFIG, Config, load_config
-from deploy.config_reference import REFERENCE_PATH, effective_config, reference_markdown
-from deploy.sizes import ConfigError
+from kvrelay.deploy.config import DEFAULT_CONFIG, Config, load_config
+from kvrelay.deploy.config_reference import REFERENCE_PATH, effective_config, reference_markdown
+from kvrelay.deploy.sizes import ConfigError
 
 
 def _no_gpu_reading() -> int:

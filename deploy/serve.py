@@ -11,17 +11,16 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
+from kvrelay.deploy.config import for_node
+from kvrelay.deploy.cpu_budget import CoreLending, apply_cpus, format_cpus
+from kvrelay.deploy.gpu_memory import GpuUse, activation_reserve_bytes, ignored_on_cpu
+from kvrelay.deploy.memory import format_bytes, free_host_bytes
 from prometheus_client import CollectorRegistry
 
-from deploy.config import for_node
-from deploy.cpu_budget import CoreLending, apply_cpus, format_cpus
-from deploy.gpu_memory import GpuUse, activation_reserve_bytes, ignored_on_cpu
-from deploy.memory import format_bytes, free_host_bytes
-
 if TYPE_CHECKING:  # engine nodes import these where they are built: the router process loads no torch
-    from engine.engine import LLMEngine
-    from engine.worker import CallerThreadHost
-    from node.tracing import Tracing
+    from kvrelay.engine.engine import LLMEngine
+    from kvrelay.engine.worker import CallerThreadHost
+    from kvrelay.node.tracing import Tracing
 
 log = logging.getLogger(__name__)
 ROLES = ("router", "prefill", "decode")
@@ -82,9 +81,9 @@ def build_engine(config: Any, *, node_name: str, registry: CollectorRegistry,
     Raises:
         ConfigError: a device tier that cannot be sized (naming its key); ValueError: a bad device name.
     """
-    from engine.engine import EngineConfig, LLMEngine
-    from model.device import resolve_device
-    from model.loader import load_model
+    from kvrelay.engine.engine import EngineConfig, LLMEngine
+    from kvrelay.model.device import resolve_device
+    from kvrelay.model.loader import load_model
 
     m = config.model
     device = resolve_device(m.device)
@@ -150,13 +149,13 @@ def build_app(config: Any, role: str, index: int, *, name: str | None = None,
     if role not in ROLES:
         raise ValueError(f"unknown role {role!r}; use one of {ROLES}")
     internal = config.internal
-    from node.tracing import Tracing  # torch-free
+    from kvrelay.node.tracing import Tracing  # torch-free
 
     name = name or f"{role}-{index}"
     # one per process; flushed by the app's cleanup, after a planned stop's drain (`_serve`)
     tracing = Tracing.to_endpoint(config.observability.otlp_endpoint, service=f"kvrelay-{role}", instance=name)
     if role == "router":
-        from router.app import Router, RouterConfig
+        from kvrelay.router.app import Router, RouterConfig
 
         r = config.router
         router = Router(RouterConfig(
@@ -179,8 +178,8 @@ def build_app(config: Any, role: str, index: int, *, name: str | None = None,
             return_tokens_as_token_ids=r.return_tokens_as_token_ids, generation_config=r.generation_config,
         ), tracing=tracing)
         return _flushed(router.make_app(), tracing), r.host, r.port
-    from engine.worker import EngineWorker
-    from node.app import NodeConfig, NodeMetrics
+    from kvrelay.engine.worker import EngineWorker
+    from kvrelay.node.app import NodeConfig, NodeMetrics
 
     ports = config.prefill.ports if role == "prefill" else config.decode.ports
     if not 0 <= index < len(ports):
@@ -198,23 +197,23 @@ def build_app(config: Any, role: str, index: int, *, name: str | None = None,
                       persist_timeout_s=internal.persist_timeout_s)
     worker = EngineWorker(engine, host=worker_host, cores=cores,
                           pool_call_timeout_s=config.engine.pool_call_timeout_s)
-    from transfer.config import TransferConfig
-    from transfer.node_agent import advertised_host, restrict_transfer_to
+    from kvrelay.transfer.config import TransferConfig
+    from kvrelay.transfer.node_agent import advertised_host, restrict_transfer_to
 
     restrict_transfer_to(internal.bind)  # before the NIXL agent exists
 
     transfer_config = TransferConfig(agent_name=name, lease_ttl_s=config.prefill.lease_ttl_s,
                                      internal_token=internal.token, inject_faults=config.prefill.inject_faults,
                                      node_keepalive_s=internal.keepalive_timeout_s)
-    from decode.config import DecodeConfig
+    from kvrelay.decode.config import DecodeConfig
 
     decode_config = DecodeConfig(config.decode.on_transfer_failure, config.decode.transfer_timeout_s,
                                  allowed_owners=frozenset(node_urls(config, "prefill")),
                                  owner_dns=config.router.prefill_dns,
                                  write_stall_timeout_s=config.decode.write_stall_timeout_s)
     if role == "prefill":
-        from prefill.kv_publish import PrefillTransfer
-        from prefill.service import PrefillService, WholeRequestPrefillService
+        from kvrelay.prefill.kv_publish import PrefillTransfer
+        from kvrelay.prefill.service import PrefillService, WholeRequestPrefillService
 
         owner = PrefillTransfer(worker, transfer_config, owner_url=node_url(advertised_host(internal.bind), port))
         if config.prefill.serve_whole_requests:
@@ -225,8 +224,8 @@ def build_app(config: Any, role: str, index: int, *, name: str | None = None,
                                  tracing=tracing).make_app()
         owner.install(app)
         return _flushed(app, tracing), internal.bind, port
-    from decode.kv_pull import DecodeTransfer
-    from decode.service import DecodeService
+    from kvrelay.decode.kv_pull import DecodeTransfer
+    from kvrelay.decode.service import DecodeService
 
     reader = DecodeTransfer(worker, transfer_config)
     service = DecodeService(node, decode_config, worker, pull=reader.pull, metrics=metrics, tracing=tracing)
@@ -268,12 +267,12 @@ def run_role(config: Any, role: str, index: int = 0, *, name: str | None = None,
                  format_cpus(cpu_pool))
     else:
         log.info("%s runs on CPUs %s", name, format_cpus(apply_cpus(cpus)))
-    from engine.worker import CallerThreadHost
+    from kvrelay.engine.worker import CallerThreadHost
 
     worker_host = CallerThreadHost()
     app, host, port = build_app(config, role, index, name=name, worker_host=worker_host, cores=cores,
                                 memory_budget_bytes=memory_budget_bytes)
-    from node.app_keys import ENGINE_STALLED
+    from kvrelay.node.app_keys import ENGINE_STALLED
 
     app[ENGINE_STALLED] = _exit_stalled
     stop = _Stop()
@@ -374,7 +373,7 @@ async def _serve(app: web.Application, host: str, port: int, *, name: str, acces
                 loop.add_signal_handler(sig, stop.set)
         await stop.wait()
         log.info("%s stopping", name)
-        from node.app_keys import DRAIN  # torch-free
+        from kvrelay.node.app_keys import DRAIN  # torch-free
 
         drain = app.get(DRAIN)
         if drain is not None:

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from deploy.config_keys import ATTENTION_BACKENDS as ATTENTION_BACKENDS
-from deploy.config_keys import KEYS, TOKEN_ENV, names_at
-from deploy.sizes import ConfigError
-from engine.long_context import LongContextConfig
-from model.hub import is_hub_id
+from kvrelay.deploy.config_keys import ATTENTION_BACKENDS as ATTENTION_BACKENDS
+from kvrelay.deploy.config_keys import KEYS, TOKEN_ENV, names_at
+from kvrelay.deploy.sizes import ConfigError
+from kvrelay.engine.long_context import LongContextConfig
+from kvrelay.model.hub import is_hub_id
 
 
 @dataclass(frozen=True, slots=True)

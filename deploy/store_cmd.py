@@ -24,13 +24,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import lmdb
-
-from deploy.config import Config, KvStoreConfig, for_node, load_config, node_names
-from deploy.sizes import ConfigError
-from kvstore.lmdb_env import CORRUPTION_ERRORS, DiskTierInUseError, OwnerLock, is_owned, read_snapshot
+from kvrelay.deploy.config import Config, KvStoreConfig, for_node, load_config, node_names
+from kvrelay.deploy.sizes import ConfigError
+from kvrelay.kvstore.lmdb_env import CORRUPTION_ERRORS, DiskTierInUseError, OwnerLock, is_owned, read_snapshot
 
 if TYPE_CHECKING:  # they load torch, which `stats` and `clear` (and the router process) do without
-    from kvstore.block_spec import BlockSpec
+    from kvrelay.kvstore.block_spec import BlockSpec
 
 TIERS_TO_CLEAR = ("all", "disk")
 
@@ -131,12 +130,12 @@ def node_block_spec(config: Config) -> BlockSpec:
     Raises:
         ConfigError: ``model.path`` is not a readable model directory.
     """
-    from deploy.model_source import resolve_config_model
-    from engine.kv_layout import kv_block_spec
-    from model.config import read_model_config
-    from model.device import resolve_device
-    from model.dtype import resolve_dtype
-    from model.loader import model_fingerprint
+    from kvrelay.deploy.model_source import resolve_config_model
+    from kvrelay.engine.kv_layout import kv_block_spec
+    from kvrelay.model.config import read_model_config
+    from kvrelay.model.device import resolve_device
+    from kvrelay.model.dtype import resolve_dtype
+    from kvrelay.model.loader import model_fingerprint
 
     m, kv = resolve_config_model(config).model, config.kvstore  # a hub repo id: its snapshot
     try:
@@ -161,7 +160,7 @@ def store_verify(config: Config, node: str, spec: Callable[[], BlockSpec], *, de
         StoreBusyError: a running process owns the tier.
         one of CORRUPTION_ERRORS / lmdb.Error / OSError: see `LmdbTier.verify`.
     """
-    from kvstore.lmdb_tier import LmdbTier
+    from kvrelay.kvstore.lmdb_tier import LmdbTier
 
     kv = for_node(config.kvstore, node)
     if kv.disk is None:
@@ -195,7 +194,7 @@ def store_verify(config: Config, node: str, spec: Callable[[], BlockSpec], *, de
     try:
         # Look first: records of another model or KV layout mean this config is not the node's, not that
         # the store is corrupt; deleting them would empty a good cache.
-        from kvstore.block_record import FOREIGN_PROBLEM
+        from kvrelay.kvstore.block_record import FOREIGN_PROBLEM
 
         report = tier.verify(delete=False)
         foreign = sum(b.problem == FOREIGN_PROBLEM for b in report.bad)

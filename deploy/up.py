@@ -27,10 +27,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from deploy.cpu_budget import available_cpus, format_cpus, split_cpus
-from deploy.memory import format_bytes, free_host_bytes, nvml_device_count
-from deploy.service_config import TOKEN_ENV
-from deploy.sizes import ConfigError
+from kvrelay.deploy.cpu_budget import available_cpus, format_cpus, split_cpus
+from kvrelay.deploy.memory import format_bytes, free_host_bytes, nvml_device_count
+from kvrelay.deploy.service_config import TOKEN_ENV
+from kvrelay.deploy.sizes import ConfigError
 
 GRACE_S = 10.0  # beyond internal.drain_timeout_s + internal.persist_timeout_s, before SIGKILL
 RESTART_BACKOFF_S = 2.0
@@ -39,7 +39,7 @@ REPORT_EVERY_S = 30.0
 
 def _role_cmd(role: str, config_path: Path, index: int, overrides: list[str], cpus: list[int] | None,
               lending: tuple[list[int], str] | None = None, memory_budget_bytes: int | None = None) -> list[str]:
-    cmd = [sys.executable, "-m", "deploy.cli", role, "--config", str(config_path), "--index", str(index),
+    cmd = [sys.executable, "-m", "kvrelay.deploy.cli", role, "--config", str(config_path), "--index", str(index),
            "--name", f"{role}-{index}", *overrides]
     if memory_budget_bytes is not None and role != "router":
         cmd += ["--memory-budget", str(memory_budget_bytes)]
@@ -118,7 +118,7 @@ def check_model_fits_config(config: Any) -> None:
     Raises:
         ConfigError: naming ``decode.long_context.policy`` and the model's family.
     """
-    from model.config import read_model_config  # no torch: config parsing only
+    from kvrelay.model.config import read_model_config  # no torch: config parsing only
 
     policy = config.decode.long_context.policy
     if policy == "none" or not (Path(config.model.path) / "config.json").is_file():

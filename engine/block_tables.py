@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
-from engine.sequence import Sequence
-from kvstore.block_pool import BlockPool
+from kvrelay.engine.sequence import Sequence
+from kvrelay.kvstore.block_pool import BlockPool
 
 NULL_BLOCK = -1  # a table entry whose block was given back (see module doc)
 

@@ -32,8 +32,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import torch
-
-from model.attention import AttentionBackend, AttentionBatch
+from kvrelay.model.attention import AttentionBackend, AttentionBatch
 
 log = logging.getLogger(__name__)
 INPUT_COLUMNS = 4  # token id, position, slot, KV length; the block table follows

@@ -17,31 +17,30 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 import torch
+from kvrelay.engine.block_tables import BlockTables, held
+from kvrelay.engine.cuda_graphs import try_capture
+from kvrelay.engine.engine_config import EngineConfig
+from kvrelay.engine.grammar import GrammarError, Grammars, apply_masks, lift_min_tokens
+from kvrelay.engine.kernel_tuning import deterministic_plan_for, plan_for
+from kvrelay.engine.kv_layout import kv_block_spec
+from kvrelay.engine.kv_policy import KvPolicies
+from kvrelay.engine.long_context import LongContextConfig
+from kvrelay.engine.model_runner import ModelRunner
+from kvrelay.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
+from kvrelay.engine.sequence import Sequence, SequenceStatus
+from kvrelay.engine.step_rates import StepRates
+from kvrelay.engine.token_histogram import TokenHistogram
+from kvrelay.kvstore.block_key import BlockKey, extend_group_keys
+from kvrelay.kvstore.block_spec import BlockSpec
+from kvrelay.kvstore.tiered_store import TieredStore, TieredStoreConfig
+from kvrelay.model.attention import AttentionBackend, TorchBackend, default_backend_name, make_backend
+from kvrelay.model.kernel_paths import apply_kernel_plan
+from kvrelay.model.kernel_plan import KernelPlan
+from kvrelay.model.llama import LlamaForCausalLM
+from kvrelay.model.loader import LoadedModel
+from kvrelay.model.sampling import SamplingParams, TokenLogprobs, sample, token_generator
+from kvrelay.model.skew import SkewTables, load_or_compute_skew
 from prometheus_client import CollectorRegistry
-
-from engine.block_tables import BlockTables, held
-from engine.cuda_graphs import try_capture
-from engine.engine_config import EngineConfig
-from engine.grammar import GrammarError, Grammars, apply_masks, lift_min_tokens
-from engine.kernel_tuning import deterministic_plan_for, plan_for
-from engine.kv_layout import kv_block_spec
-from engine.kv_policy import KvPolicies
-from engine.long_context import LongContextConfig
-from engine.model_runner import ModelRunner
-from engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
-from engine.sequence import Sequence, SequenceStatus
-from engine.step_rates import StepRates
-from engine.token_histogram import TokenHistogram
-from kvstore.block_key import BlockKey, extend_group_keys
-from kvstore.block_spec import BlockSpec
-from kvstore.tiered_store import TieredStore, TieredStoreConfig
-from model.attention import AttentionBackend, TorchBackend, default_backend_name, make_backend
-from model.kernel_paths import apply_kernel_plan
-from model.kernel_plan import KernelPlan
-from model.llama import LlamaForCausalLM
-from model.loader import LoadedModel
-from model.sampling import SamplingParams, TokenLogprobs, sample, token_generator
-from model.skew import SkewTables, load_or_compute_skew
 
 log = logging.getLogger(__name__)
 MAX_KV_RECOMPUTES = 2  # recomputes after failed integrity checks before a sequence stops offloading

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.cuda_graphs import check_batch_sizes, default_batch_sizes
-from engine.kernel_tuning import PLAN_MODES
-from engine.long_context import LongContextConfig
-from engine.scheduler import PREFILL_PACKINGS
-from kvstore.checks import require_int
-from model.attention import BACKEND_NAME_TO_CLASS
+from kvrelay.engine.cuda_graphs import check_batch_sizes, default_batch_sizes
+from kvrelay.engine.kernel_tuning import PLAN_MODES
+from kvrelay.engine.long_context import LongContextConfig
+from kvrelay.engine.scheduler import PREFILL_PACKINGS
+from kvrelay.kvstore.checks import require_int
+from kvrelay.model.attention import BACKEND_NAME_TO_CLASS
 
 
 @dataclass(frozen=True, slots=True)

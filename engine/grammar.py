@@ -27,13 +27,12 @@ from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from model.structured import GRAMMAR_ERROR_PREFIX, StructuredOutput
+from kvrelay.model.structured import GRAMMAR_ERROR_PREFIX, StructuredOutput
 
 if TYPE_CHECKING:
     import torch
     import xgrammar as xgr
-
-    from model.sampling_params import SamplingParams
+    from kvrelay.model.sampling_params import SamplingParams
 
 _XGRAMMAR_LOG_PREFIX = re.compile(r"^\[[0-9:]+\] [^ ]+:[0-9]+: ")
 MAX_COMPILED = 128  # compiled grammars kept per engine (a JSON schema's is ~100 KB–MBs with a 50k vocabulary)

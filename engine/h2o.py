@@ -20,9 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from engine.policy_api import PolicyHost, Row
-from engine.sequence import Sequence
+from kvrelay.engine.policy_api import PolicyHost, Row
+from kvrelay.engine.sequence import Sequence
 
 
 @dataclass(slots=True, eq=False)

@@ -29,11 +29,10 @@ import random
 from dataclasses import dataclass, field
 
 import torch
-
-from engine.policy_api import PolicyHost, Row
-from engine.sequence import Sequence
-from kvstore.block_key import BlockKey
-from kvstore.digest import digest_slices
+from kvrelay.engine.policy_api import PolicyHost, Row
+from kvrelay.engine.sequence import Sequence
+from kvrelay.kvstore.block_key import BlockKey
+from kvrelay.kvstore.digest import digest_slices
 
 PRIVATE_BLOCK = BlockKey(bytes(32))  # offloaded blocks are private (no key): integrity failures name this one
 

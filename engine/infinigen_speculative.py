@@ -36,14 +36,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
+from kvrelay.engine.infinigen import PRIVATE_BLOCK, InfiniGen, InfiniGenState
+from kvrelay.engine.policy_api import PolicyHost, Row
+from kvrelay.engine.sequence import Sequence
+from kvrelay.kvstore.digest import digest_slices
+from kvrelay.model.llama import LlamaForCausalLM
+from kvrelay.model.skew import SkewTables, partial_keys, partial_query, speculation_query
 from torch.nn.utils.rnn import pad_sequence
-
-from engine.infinigen import PRIVATE_BLOCK, InfiniGen, InfiniGenState
-from engine.policy_api import PolicyHost, Row
-from engine.sequence import Sequence
-from kvstore.digest import digest_slices
-from model.llama import LlamaForCausalLM
-from model.skew import SkewTables, partial_keys, partial_query, speculation_query
 
 log = logging.getLogger(__name__)
 SPECULATE_FROM = 2  # layers before it select with their own query (InfiniGen keeps layers 0 and 1 dense)

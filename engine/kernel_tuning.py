@@ -40,12 +40,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-
-from kernels.cpu_build import CSRC
-from model.attention import AttentionBackend, AttentionBatch, TorchBackend
-from model.cpu_identity import this_cpu
-from model.kernel_paths import linear_kernels
-from model.kernel_plan import (
+from kvrelay.kernels.cpu_build import CSRC
+from kvrelay.model.attention import AttentionBackend, AttentionBatch, TorchBackend
+from kvrelay.model.cpu_identity import this_cpu
+from kvrelay.model.kernel_paths import linear_kernels
+from kvrelay.model.kernel_plan import (
     FEW_ROW_BUCKETS,
     LINEAR_KINDS,
     ROW_BUCKETS,
@@ -53,8 +52,8 @@ from model.kernel_plan import (
     builtin_plan,
     deterministic_plan,
 )
-from model.linear_kernel import LinearKernel
-from model.llama import MLP, Attention, LlamaForCausalLM, RMSNorm
+from kvrelay.model.linear_kernel import LinearKernel
+from kvrelay.model.llama import MLP, Attention, LlamaForCausalLM, RMSNorm
 
 log = logging.getLogger(__name__)
 

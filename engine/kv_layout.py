@@ -3,8 +3,8 @@ call it; ``kvrelay store`` without loading the weights)."""
 
 from __future__ import annotations
 
-from kvstore.block_spec import BlockSpec
-from model.config import ModelConfig
+from kvrelay.kvstore.block_spec import BlockSpec
+from kvrelay.model.config import ModelConfig
 
 
 def kv_block_spec(cfg: ModelConfig, *, fingerprint: str, block_size_tokens: int, dtype: str) -> BlockSpec:

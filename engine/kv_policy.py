@@ -24,17 +24,16 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 import torch
-
-from engine.block_tables import BlockTables
-from engine.h2o import H2O
-from engine.infinigen import InfiniGen
-from engine.infinigen_speculative import SpeculativeInfiniGen
-from engine.policy_api import LongContextStats, Policy, Row
-from engine.scheduler import ScheduledStep
-from engine.sequence import Sequence, SequenceStatus
-from kvstore.block_spec import BlockSpec
-from kvstore.tiered_store import TieredStore
-from model.attention import AttentionBackend
+from kvrelay.engine.block_tables import BlockTables
+from kvrelay.engine.h2o import H2O
+from kvrelay.engine.infinigen import InfiniGen
+from kvrelay.engine.infinigen_speculative import SpeculativeInfiniGen
+from kvrelay.engine.policy_api import LongContextStats, Policy, Row
+from kvrelay.engine.scheduler import ScheduledStep
+from kvrelay.engine.sequence import Sequence, SequenceStatus
+from kvrelay.kvstore.block_spec import BlockSpec
+from kvrelay.kvstore.tiered_store import TieredStore
+from kvrelay.model.attention import AttentionBackend
 
 log = logging.getLogger(__name__)
 

@@ -6,12 +6,11 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-
-from engine.block_tables import NULL_BLOCK
-from engine.cuda_graphs import DecodeGraphs, DecodeRow
-from engine.scheduler import ScheduledStep
-from engine.sequence import Sequence
-from model.attention import AttentionBackend, AttentionBatch, KvHook
+from kvrelay.engine.block_tables import NULL_BLOCK
+from kvrelay.engine.cuda_graphs import DecodeGraphs, DecodeRow
+from kvrelay.engine.scheduler import ScheduledStep
+from kvrelay.engine.sequence import Sequence
+from kvrelay.model.attention import AttentionBackend, AttentionBatch, KvHook
 
 
 @dataclass(frozen=True, slots=True)

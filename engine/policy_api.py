@@ -11,13 +11,12 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-
-from engine.block_tables import BlockTables
-from engine.sequence import Sequence
-from kvstore.block_pool import BlockPool
-from kvstore.block_spec import BlockSpec
-from kvstore.tiered_store import TieredStore
-from model.attention import AttentionBackend
+from kvrelay.engine.block_tables import BlockTables
+from kvrelay.engine.sequence import Sequence
+from kvrelay.kvstore.block_pool import BlockPool
+from kvrelay.kvstore.block_spec import BlockSpec
+from kvrelay.kvstore.tiered_store import TieredStore
+from kvrelay.model.attention import AttentionBackend
 
 
 @dataclass(slots=True)

@@ -27,11 +27,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.block_tables import BlockTables, held
-from engine.sequence import Sequence, SequenceStatus
-from kvstore.block_key import BlockKey, extend_group_keys
-from kvstore.block_spec import BlockSpec
-from kvstore.tiered_store import TieredStore
+from kvrelay.engine.block_tables import BlockTables, held
+from kvrelay.engine.sequence import Sequence, SequenceStatus
+from kvrelay.kvstore.block_key import BlockKey, extend_group_keys
+from kvrelay.kvstore.block_spec import BlockSpec
+from kvrelay.kvstore.tiered_store import TieredStore
 
 CopyBlock = Callable[[int, int], None]
 FreeHook = Callable[[Sequence], None]

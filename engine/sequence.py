@@ -5,10 +5,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from engine.grammar import Matcher
-from engine.long_context import LongContextConfig
-from kvstore.block_key import BlockKey
-from model.sampling import SamplingParams
+from kvrelay.engine.grammar import Matcher
+from kvrelay.engine.long_context import LongContextConfig
+from kvrelay.kvstore.block_key import BlockKey
+from kvrelay.model.sampling import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

@@ -22,10 +22,10 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-from engine.engine import LLMEngine, RequestError, StepOutput
-from engine.long_context import LongContextConfig
-from kvstore.block_key import BlockKey
-from model.sampling import SamplingParams
+from kvrelay.engine.engine import LLMEngine, RequestError, StepOutput
+from kvrelay.engine.long_context import LongContextConfig
+from kvrelay.kvstore.block_key import BlockKey
+from kvrelay.model.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

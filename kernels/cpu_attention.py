@@ -27,9 +27,8 @@ from __future__ import annotations
 from types import ModuleType
 
 import torch
-
-from kernels import reference
-from kernels.cpu_build import CPU_KERNELS
+from kvrelay.kernels import reference
+from kvrelay.kernels.cpu_build import CPU_KERNELS
 
 
 def load() -> ModuleType | None:

@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 from types import ModuleType
 
-from kernels.isa import CSRC, SOURCES, IsaVariant, compile_args, cpu_flags, module_name, variant_for
-from kernels.isa import build_id as isa_build_id
+from kvrelay.kernels.isa import CSRC, SOURCES, IsaVariant, compile_args, cpu_flags, module_name, variant_for
+from kvrelay.kernels.isa import build_id as isa_build_id
 
 log = logging.getLogger(__name__)
 DISABLE_ENV = "KVRELAY_CPU_KERNELS"
@@ -104,13 +104,13 @@ def _import_prebuilt(name: str) -> ModuleType:
         ImportError: not built at install (or built for another Python).
     """
     if name == "avx512bf16":
-        from kernels import _cpu_kernels_avx512bf16 as module  # type: ignore[attr-defined]
+        from kvrelay.kernels import _cpu_kernels_avx512bf16 as module  # type: ignore[attr-defined]
     elif name == "avx512":
-        from kernels import _cpu_kernels_avx512 as module  # type: ignore[attr-defined]
+        from kvrelay.kernels import _cpu_kernels_avx512 as module  # type: ignore[attr-defined]
     elif name == "avx2":
-        from kernels import _cpu_kernels_avx2 as module  # type: ignore[attr-defined]
+        from kvrelay.kernels import _cpu_kernels_avx2 as module  # type: ignore[attr-defined]
     elif name == "base":
-        from kernels import _cpu_kernels_base as module  # type: ignore[attr-defined]
+        from kvrelay.kernels import _cpu_kernels_base as module  # type: ignore[attr-defined]
     else:
         raise ImportError(f"no variant {name!r}")
     return module

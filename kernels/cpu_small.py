@@ -35,8 +35,7 @@ import mmap
 from types import ModuleType
 
 import torch
-
-from kernels.cpu_build import CPU_KERNELS
+from kvrelay.kernels.cpu_build import CPU_KERNELS
 
 BLOCKED_MAX_ROWS = 16  # the most rows `model.kernel_plan` may give blocked_linear and the fused decode layer (on a
 # Zen 4 VM: equal to oneDNN's packed matmul at 12 rows, 1.13x its time at 16; a fused batch-16 SmolLM2 step 0.91x)

@@ -34,8 +34,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-from kernels import reference
+from kvrelay.kernels import reference
 
 
 @dataclass(frozen=True, slots=True)

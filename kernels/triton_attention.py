@@ -16,9 +16,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from kvrelay.kernels import reference
 from triton.runtime.interpreter import InterpretedFunction
-
-from kernels import reference
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)

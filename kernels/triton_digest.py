@@ -26,8 +26,7 @@ import torch
 import triton
 import triton.language as tl
 import xxhash
-
-from kernels.triton_attention import _check_same_device, _require
+from kvrelay.kernels.triton_attention import _check_same_device, _require
 
 U64_MASK = (1 << 64) - 1
 STRIPE_BYTES = 64

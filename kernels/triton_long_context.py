@@ -14,8 +14,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from kernels.triton_attention import FLOAT_DTYPES, INDEX_DTYPES, _check_same_device, _check_tensor, _require
+from kvrelay.kernels.triton_attention import FLOAT_DTYPES, INDEX_DTYPES, _check_same_device, _check_tensor, _require
 
 
 def block_key_summaries(kv_pool: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:

@@ -23,9 +23,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
-
-from kernels.triton_attention import (
+from kvrelay.kernels.triton_attention import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     LOG2E,
@@ -35,6 +33,7 @@ from kernels.triton_attention import (
     _require,
     decode_num_splits,
 )
+from triton.runtime.interpreter import InterpretedFunction
 
 BLOCK_HEADS = 16  # query heads per program (tl.dot needs >= 16 rows)
 TILE_TOKENS = 32  # latent rows per loop iteration; may span several blocks

@@ -31,9 +31,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
-
-from kernels.triton_attention import (
+from kvrelay.kernels.triton_attention import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     MIN_DOT_DIM,
@@ -42,6 +40,7 @@ from kernels.triton_attention import (
     _check_tensor,
     _require,
 )
+from triton.runtime.interpreter import InterpretedFunction
 
 # Activation name -> the kernel's ACTIVATION constexpr; the keys of `kernels.moe_reference.ACTIVATIONS` (tested).
 ACTIVATION_CODES = {"silu": 0, "swiglu_oai": 1}

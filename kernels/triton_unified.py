@@ -45,10 +45,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
-
-from kernels import reference
-from kernels.triton_attention import (
+from kvrelay.kernels import reference
+from kvrelay.kernels.triton_attention import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     LOG2E,
@@ -61,6 +59,7 @@ from kernels.triton_attention import (
     _load_kv_tile,
     _require,
 )
+from triton.runtime.interpreter import InterpretedFunction
 
 # Score rows per program (query positions x padded group); trades wasted rows on decode tokens against
 # K/V reuse on prefill chunks. At least 16 (tl.dot), a power of two.

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvrelay.model.generation_config import load_generation_defaults
+from kvrelay.model.sampling_params import TokenLogprobs
 from kvrelay.sampling_params import SamplingParams
-from model.generation_config import load_generation_defaults
-from model.sampling_params import TokenLogprobs
 
 Prompt = str | Sequence[int]
 log = logging.getLogger(__name__)
@@ -87,12 +87,12 @@ class LLM:
                  download_dir: str | Path | None = None) -> None:
         from prometheus_client import CollectorRegistry
 
-        from deploy.config import parse_config
-        from deploy.serve import build_engine
-        from deploy.sizes import ConfigError
-        from model.device import resolve_device
-        from model.hub import resolve_model
-        from model.tokenizer import load_tokenizer
+        from kvrelay.deploy.config import parse_config
+        from kvrelay.deploy.serve import build_engine
+        from kvrelay.deploy.sizes import ConfigError
+        from kvrelay.model.device import resolve_device
+        from kvrelay.model.hub import resolve_model
+        from kvrelay.model.tokenizer import load_tokenizer
 
         if kv_cache_memory is not None and gpu_memory_utilization is not None:
             raise ConfigError("give kv_cache_memory or gpu_memory_utilization, not both")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from model.sampling_params import SamplingParams as EngineSamplingParams
+from kvrelay.model.sampling_params import SamplingParams as EngineSamplingParams
 
 
 @dataclass(frozen=True, slots=True)

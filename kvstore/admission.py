@@ -12,7 +12,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from kvstore.block_key import BlockKey
+from kvrelay.kvstore.block_key import BlockKey
 
 
 class AdmissionPolicy(Protocol):

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvstore.block_key import BlockKey
+from kvrelay.kvstore.block_key import BlockKey
 
 EvictHook = Callable[[int, BlockKey], None]
 # ``digester(block_ids, keys) -> digests``: the digest of each block's bytes under its key, in one batch.

@@ -45,8 +45,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import xxhash
-
-from kvstore.block_spec import BlockSpec
+from kvrelay.kvstore.block_spec import BlockSpec
 
 MAGIC = b"KVRLYBK\x00"
 FORMAT_VERSION = 1

@@ -23,9 +23,8 @@ import hashlib
 from dataclasses import dataclass
 
 import torch
-
-from kvstore.checks import require_int
-from model.dtype import DTYPE_NAME_TO_TORCH
+from kvrelay.kvstore.checks import require_int
+from kvrelay.model.dtype import DTYPE_NAME_TO_TORCH
 
 
 @dataclass(frozen=True, slots=True)

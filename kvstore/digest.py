@@ -35,8 +35,7 @@ import xxhash
 if TYPE_CHECKING:  # deploy.config reads the modes below in the router, which does not load torch
     import numpy as np
     import torch
-
-    from kvstore.block_key import BlockKey
+    from kvrelay.kvstore.block_key import BlockKey
 
 INTEGRITY_MODES = ("off", "sampled", "all")
 # `kvrelay bench transfer` measured the digest of every block a READ landed at 0.35-0.47 of the READ's own
@@ -93,7 +92,7 @@ def digest_blocks(pool: torch.Tensor, block_ids: Sequence[int], seeds: Sequence[
 
     if pool.device.type == "cuda":
         if _triton_agrees(pool, block_ids[0], seeds[0]):
-            from kernels.triton_digest import digest_blocks as triton_digest_blocks
+            from kvrelay.kernels.triton_digest import digest_blocks as triton_digest_blocks
 
             out = triton_digest_blocks(pool, _ids(block_ids, pool.device), _signed(seeds, pool.device))
             return [int(d) & DIGEST_MASK for d in out.tolist()]
@@ -128,7 +127,7 @@ def _triton_agrees(pool: torch.Tensor, block_id: int, seed: int) -> bool:
     if _TRITON_OK is None:
         import logging
 
-        from kernels.triton_digest import digest_blocks as triton_digest_blocks
+        from kvrelay.kernels.triton_digest import digest_blocks as triton_digest_blocks
 
         got = int(triton_digest_blocks(pool, _ids([block_id], pool.device), _signed([seed], pool.device))[0])
         _TRITON_OK = got & DIGEST_MASK == digest_blocks(pool[[block_id]].cpu(), [0], [seed])[0]

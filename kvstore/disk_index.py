@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from kvstore.block_key import BlockKey
+from kvrelay.kvstore.block_key import BlockKey
 
 
 @dataclass(slots=True)

@@ -22,11 +22,10 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
-
-from kvstore.block_key import BlockKey
-from kvstore.block_mover import Block, copy_block, pool_rows
-from kvstore.block_spec import BlockSpec
-from kvstore.tier import TierStats
+from kvrelay.kvstore.block_key import BlockKey
+from kvrelay.kvstore.block_mover import Block, copy_block, pool_rows
+from kvrelay.kvstore.block_spec import BlockSpec
+from kvrelay.kvstore.tier import TierStats
 
 HostEvictHook = Callable[[int, BlockKey], None]
 

@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvstore.block_key import BlockKey
+from kvrelay.kvstore.block_key import BlockKey
 
 STORED = "stored"
 REMOVED = "removed"

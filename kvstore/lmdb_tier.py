@@ -37,14 +37,13 @@ from pathlib import Path
 import lmdb
 import numpy as np
 import torch
-
-from kvstore.block_key import BlockKey
-from kvstore.block_mover import Block, copy_block
-from kvstore.block_record import HEADER_BYTES, RecordCodec, entry_bytes
-from kvstore.block_spec import BlockSpec
-from kvstore.digest import block_digest
-from kvstore.disk_index import DiskIndex, Entry
-from kvstore.lmdb_env import (
+from kvrelay.kvstore.block_key import BlockKey
+from kvrelay.kvstore.block_mover import Block, copy_block
+from kvrelay.kvstore.block_record import HEADER_BYTES, RecordCodec, entry_bytes
+from kvrelay.kvstore.block_spec import BlockSpec
+from kvrelay.kvstore.digest import block_digest
+from kvrelay.kvstore.disk_index import DiskIndex, Entry
+from kvrelay.kvstore.lmdb_env import (
     CORRUPTION_ERRORS,
     DiskTierUnavailableError,
     LmdbOptions,
@@ -58,9 +57,9 @@ from kvstore.lmdb_env import (
     read_u64,
     unpack_access,
 )
-from kvstore.lmdb_writer import Delete, LmdbWriter, Put
-from kvstore.metrics import StoreMetrics
-from kvstore.tier import TierStats
+from kvrelay.kvstore.lmdb_writer import Delete, LmdbWriter, Put
+from kvrelay.kvstore.metrics import StoreMetrics
+from kvrelay.kvstore.tier import TierStats
 
 # LmdbOptions lives in lmdb_env (the writer uses it too)
 __all__ = ["BadRecord", "DiskStats", "LmdbOptions", "LmdbTier", "VerifyReport"]

@@ -31,11 +31,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import lmdb
-
-from kvstore.block_key import BlockKey
-from kvstore.block_record import RecordCodec
-from kvstore.disk_index import DiskIndex, Entry
-from kvstore.lmdb_env import CORRUPTION_ERRORS, LmdbOptions, OpenedEnv, pack_access, read_u64, u64
+from kvrelay.kvstore.block_key import BlockKey
+from kvrelay.kvstore.block_record import RecordCodec
+from kvrelay.kvstore.disk_index import DiskIndex, Entry
+from kvrelay.kvstore.lmdb_env import CORRUPTION_ERRORS, LmdbOptions, OpenedEnv, pack_access, read_u64, u64
 
 log = logging.getLogger(__name__)
 _MAX_BATCH_OPS = 4096

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvstore.block_key import BlockKey
-from kvstore.block_mover import Block
+from kvrelay.kvstore.block_key import BlockKey
+from kvrelay.kvstore.block_mover import Block
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,22 +39,21 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from kvrelay.kvstore.admission import parse_admission
+from kvrelay.kvstore.block_key import BlockKey
+from kvrelay.kvstore.block_mover import Block, BlockMover, pool_rows
+from kvrelay.kvstore.block_pool import BlockPool, PoolStats
+from kvrelay.kvstore.block_spec import BlockSpec
+from kvrelay.kvstore.checks import require_int
+from kvrelay.kvstore.digest import DEFAULT_INTEGRITY, DEFAULT_SAMPLE_RATE, IntegrityPolicy, digest_keyed
+from kvrelay.kvstore.fetch_cost import FetchCosts
+from kvrelay.kvstore.host_tier import HostTier
+from kvrelay.kvstore.lmdb_env import DiskTierUnavailableError
+from kvrelay.kvstore.lmdb_tier import DiskStats, LmdbOptions, LmdbTier
+from kvrelay.kvstore.metrics import StoreMetrics
+from kvrelay.kvstore.policy import DEFAULT_POLICY, TailCap, parse_policy
+from kvrelay.kvstore.tier import Tier, TierStats
 from prometheus_client import CollectorRegistry
-
-from kvstore.admission import parse_admission
-from kvstore.block_key import BlockKey
-from kvstore.block_mover import Block, BlockMover, pool_rows
-from kvstore.block_pool import BlockPool, PoolStats
-from kvstore.block_spec import BlockSpec
-from kvstore.checks import require_int
-from kvstore.digest import DEFAULT_INTEGRITY, DEFAULT_SAMPLE_RATE, IntegrityPolicy, digest_keyed
-from kvstore.fetch_cost import FetchCosts
-from kvstore.host_tier import HostTier
-from kvstore.lmdb_env import DiskTierUnavailableError
-from kvstore.lmdb_tier import DiskStats, LmdbOptions, LmdbTier
-from kvstore.metrics import StoreMetrics
-from kvstore.policy import DEFAULT_POLICY, TailCap, parse_policy
-from kvstore.tier import Tier, TierStats
 
 log = logging.getLogger(__name__)
 TIER_NAMES = ("device", "host", "disk")

@@ -19,9 +19,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-
-from kernels import cpu_attention, reference, torch_attention
-from model.kernel_plan import KernelPlan
+from kvrelay.kernels import cpu_attention, reference, torch_attention
+from kvrelay.model.kernel_plan import KernelPlan
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,7 +245,7 @@ class TritonBackend:
     supports_cuda_graphs = True
 
     def __init__(self) -> None:
-        from kernels import (  # lazily: Triton needs a GPU or TRITON_INTERPRET
+        from kvrelay.kernels import (  # lazily: Triton needs a GPU or TRITON_INTERPRET
             triton_attention,
             triton_long_context,
             triton_mla,

@@ -18,7 +18,7 @@ import platform
 from dataclasses import dataclass
 from pathlib import Path
 
-from model.dtype import BF16_CPU_FLAGS
+from kvrelay.model.dtype import BF16_CPU_FLAGS
 
 # the extensions the kernels (ours, oneDNN's) choose code paths by, in the order `CpuIdentity.kernel_label` names them
 KERNEL_CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")

@@ -31,14 +31,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from kvrelay.kernels import reference
+from kvrelay.model.attention import AttentionBackend, AttentionBatch
+from kvrelay.model.config import ModelConfig, MoeConfig
+from kvrelay.model.linear_kernel import LinearKernel
+from kvrelay.model.moe import SparseMoe, experts_grouped
+from kvrelay.model.rope import apply_rotary
 from torch import nn
-
-from kernels import reference
-from model.attention import AttentionBackend, AttentionBatch
-from model.config import ModelConfig, MoeConfig
-from model.linear_kernel import LinearKernel
-from model.moe import SparseMoe, experts_grouped
-from model.rope import apply_rotary
 
 
 class MlaAttention(nn.Module):
@@ -203,7 +202,7 @@ class DeepseekMoe(SparseMoe):
         if self.w_gate_up is None:
             self.prepare()
         if self.use_triton:
-            from kernels.triton_moe import fused_experts  # lazily: Triton needs a GPU or TRITON_INTERPRET
+            from kvrelay.kernels.triton_moe import fused_experts  # lazily: Triton needs a GPU or TRITON_INTERPRET
 
             out = fused_experts(x, self.w_gate_up, self.w_down, weights, ids, activation=self.moe.activation)
         else:

@@ -9,8 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-
-from model.dtype_names import AUTO, DTYPE_CHOICES, DTYPE_NAMES
+from kvrelay.model.dtype_names import AUTO, DTYPE_CHOICES, DTYPE_NAMES
 
 DTYPE_NAME_TO_TORCH: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_NAMES}
 __all__ = ["AUTO", "DTYPE_CHOICES", "DTYPE_NAME_TO_TORCH", "cpu_flags", "resolve_dtype"]

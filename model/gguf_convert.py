@@ -24,12 +24,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from kvrelay.model.dtype import DTYPE_NAME_TO_TORCH
+from kvrelay.model.dtype_names import PULL_DTYPES
+from kvrelay.model.gguf_tokenizer import GgufError, build_tokenizer, read_field, tokenizer_config
 from safetensors.torch import save_file
 from tqdm import tqdm
-
-from model.dtype import DTYPE_NAME_TO_TORCH
-from model.dtype_names import PULL_DTYPES
-from model.gguf_tokenizer import GgufError, build_tokenizer, read_field, tokenizer_config
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama",)
 GGUF_LAYER_TO_HF: dict[str, str] = {

@@ -4,9 +4,9 @@ path reads freed. Kept out of the model: the plan is how a CPU runs the model, n
 
 from __future__ import annotations
 
-from model.kernel_plan import KernelPlan
-from model.linear_kernel import LinearKernel, colocate_blocked
-from model.llama import MLP, Attention, LlamaForCausalLM
+from kvrelay.model.kernel_plan import KernelPlan
+from kvrelay.model.linear_kernel import LinearKernel, colocate_blocked
+from kvrelay.model.llama import MLP, Attention, LlamaForCausalLM
 
 
 def linear_kernels(model: LlamaForCausalLM) -> dict[str, list[LinearKernel]]:

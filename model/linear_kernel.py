@@ -36,9 +36,8 @@ import logging
 
 import torch
 import torch.nn.functional as F
-
-from kernels import cpu_small
-from model.kernel_plan import bucket_of, builtin_linear_paths
+from kvrelay.kernels import cpu_small
+from kvrelay.model.kernel_plan import bucket_of, builtin_linear_paths
 
 log = logging.getLogger(__name__)
 PACKED_DTYPES = (torch.bfloat16,)

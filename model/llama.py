@@ -22,16 +22,15 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from kvrelay.kernels import cpu_small
+from kvrelay.model.attention import AttentionBackend, AttentionBatch, TorchBackend, paged_attention
+from kvrelay.model.config import ModelConfig
+from kvrelay.model.deepseek import DeepseekMoe, MlaAttention
+from kvrelay.model.kernel_plan import FEW_ROW_BUCKETS, FEW_ROWS, KernelPlan, bucket_of
+from kvrelay.model.linear_kernel import LinearKernel, colocate_blocked
+from kvrelay.model.moe import SparseMoe
+from kvrelay.model.rope import RotaryRows, apply_rotary, rope_inv_freq, rotary_cos_sin
 from torch import nn
-
-from kernels import cpu_small
-from model.attention import AttentionBackend, AttentionBatch, TorchBackend, paged_attention
-from model.config import ModelConfig
-from model.deepseek import DeepseekMoe, MlaAttention
-from model.kernel_plan import FEW_ROW_BUCKETS, FEW_ROWS, KernelPlan, bucket_of
-from model.linear_kernel import LinearKernel, colocate_blocked
-from model.moe import SparseMoe
-from model.rope import RotaryRows, apply_rotary, rope_inv_freq, rotary_cos_sin
 
 
 class RMSNorm(nn.Module):

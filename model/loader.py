@@ -18,13 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from kvrelay.model.config import ModelConfig, read_model_config
+from kvrelay.model.dtype import DTYPE_NAME_TO_TORCH, resolve_dtype
+from kvrelay.model.llama import LlamaForCausalLM
 from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
-
-from model.config import ModelConfig, read_model_config
-from model.dtype import DTYPE_NAME_TO_TORCH, resolve_dtype
-from model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 

@@ -24,11 +24,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from kvrelay.kernels.moe_reference import ACTIVATIONS
+from kvrelay.model.config import ModelConfig, MoeConfig
+from kvrelay.model.linear_kernel import LinearKernel
 from torch import nn
-
-from kernels.moe_reference import ACTIVATIONS
-from model.config import ModelConfig, MoeConfig
-from model.linear_kernel import LinearKernel
 
 
 def route(logits: torch.Tensor, moe: MoeConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,7 +161,7 @@ class SparseMoe(nn.Module):
         if self.w_gate_up is None:
             self.prepare()
         if self.use_triton:
-            from kernels.triton_moe import fused_experts  # lazily: Triton needs a GPU or TRITON_INTERPRET
+            from kvrelay.kernels.triton_moe import fused_experts  # lazily: Triton needs a GPU or TRITON_INTERPRET
 
             return fused_experts(x, self.w_gate_up, self.w_down, weights, ids, b_gate_up=self.b_gate_up,
                                  b_down=self.b_down, activation=self.moe.activation,

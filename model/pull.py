@@ -26,12 +26,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from kvrelay.model.dtype_names import PULL_DTYPES
+from kvrelay.model.gguf_convert import convert_gguf
+from kvrelay.model.gguf_tokenizer import GgufError
+from kvrelay.model.registry import ModelSource, model_source
 from tqdm import tqdm
-
-from model.dtype_names import PULL_DTYPES
-from model.gguf_convert import convert_gguf
-from model.gguf_tokenizer import GgufError
-from model.registry import ModelSource, model_source
 
 MARKER = "kvrelay-pull.json"
 DEFAULT_MODELS_DIR = Path(".models")

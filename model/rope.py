@@ -13,8 +13,7 @@ from __future__ import annotations
 import math
 
 import torch
-
-from model.config import RopeConfig
+from kvrelay.model.config import RopeConfig
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:

@@ -6,8 +6,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 
 import torch
-
-from model.sampling_params import SamplingParams, TokenLogprobs
+from kvrelay.model.sampling_params import SamplingParams, TokenLogprobs
 
 __all__ = ["History", "SamplingParams", "TokenLogprobs", "adjust_logits", "sample", "sample_one", "sampling_scores",
            "token_generator", "token_logprobs"]

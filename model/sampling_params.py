@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from model.structured import StructuredOutput, StructuredOutputsParams
+from kvrelay.model.structured import StructuredOutput, StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # top alternatives per token (as OpenAI's top_logprobs and vLLM's default)
 MAX_ALLOWED_TOKEN_IDS = 1 << 18  # allowed_token_ids entries (a whole vocabulary of today's models)

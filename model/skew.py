@@ -36,14 +36,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+from kvrelay.model.attention import AttentionBatch, make_backend
+from kvrelay.model.llama import LlamaForCausalLM
+from kvrelay.model.loader import LoadedModel
+from kvrelay.model.rope import apply_rotary
+from kvrelay.model.tokenizer import load_tokenizer
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
-
-from model.attention import AttentionBatch, make_backend
-from model.llama import LlamaForCausalLM
-from model.loader import LoadedModel
-from model.rope import apply_rotary
-from model.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 CALIBRATION_TEXT = Path(__file__).parent / "texts" / "alice_chapter_3.txt"  # provenance: texts/README.md

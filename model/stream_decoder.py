@@ -31,7 +31,7 @@ import codecs
 from collections.abc import Sequence
 from typing import Protocol
 
-from model.tokenizer import Tokenizer
+from kvrelay.model.tokenizer import Tokenizer
 
 REPLACEMENT = "\ufffd"
 MAX_HELD_IDS = 3  # a UTF-8 character is at most 4 bytes: at most 3 byte tokens wait for the one that ends it

@@ -33,10 +33,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from kvrelay.model.tokenizer import byte_level_alphabet
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
-
-from model.tokenizer import byte_level_alphabet
 
 BOS_TOKEN, EOS_TOKEN = "<s>", "</s>"
 BOS_ID, EOS_ID = 256, 257

@@ -30,21 +30,20 @@ from typing import Any, Protocol
 
 import torch
 from aiohttp import web
+from kvrelay.engine.grammar import GrammarError
+from kvrelay.engine.step_rates import PullRates
+from kvrelay.engine.worker import EngineWorker
+from kvrelay.kvstore.block_key import BlockKey
+from kvrelay.kvstore.kv_events import KvEventLog
+from kvrelay.node.app_keys import DRAIN, DRAINABLES, ENGINE_STALLED, HEALTH_EXTRAS, Drainable
+from kvrelay.node.tracing import Stage, Tracing
+from kvrelay.node.vllm_metrics import VllmNodeMetrics
+from kvrelay.transfer.config import TOKEN_HEADER
+from kvrelay.transfer.wire import GenerationMessage, WireError, decode_generation, pack
 from opentelemetry.trace import SpanKind
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-
-from engine.grammar import GrammarError
-from engine.step_rates import PullRates
-from engine.worker import EngineWorker
-from kvstore.block_key import BlockKey
-from kvstore.kv_events import KvEventLog
-from node.app_keys import DRAIN, DRAINABLES, ENGINE_STALLED, HEALTH_EXTRAS, Drainable
-from node.tracing import Stage, Tracing
-from node.vllm_metrics import VllmNodeMetrics
-from transfer.config import TOKEN_HEADER
-from transfer.wire import GenerationMessage, WireError, decode_generation, pack
 
 log = logging.getLogger(__name__)
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})

@@ -27,12 +27,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 
+from kvrelay.engine.token_histogram import TokenHistogram
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
-
-from engine.token_histogram import TokenHistogram
 
 LABELS = ("model_name", "engine")
 ENGINE = "0"  # one engine per kvrelay process

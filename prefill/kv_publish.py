@@ -12,17 +12,16 @@ import hashlib
 
 import torch
 from aiohttp import web
-
-from engine.engine import LLMEngine
-from engine.worker import EngineWorker
-from kvstore.block_key import BlockKey
-from node.app_keys import DRAINABLES, HEALTH_EXTRAS
-from transfer.config import TransferConfig
-from transfer.handle import KvHandle
-from transfer.lease import LeaseTable, TierBlock
-from transfer.node_agent import make_agent, worker_pool_calls
-from transfer.owner import KvOwner
-from transfer.server import add_transfer_routes
+from kvrelay.engine.engine import LLMEngine
+from kvrelay.engine.worker import EngineWorker
+from kvrelay.kvstore.block_key import BlockKey
+from kvrelay.node.app_keys import DRAINABLES, HEALTH_EXTRAS
+from kvrelay.transfer.config import TransferConfig
+from kvrelay.transfer.handle import KvHandle
+from kvrelay.transfer.lease import LeaseTable, TierBlock
+from kvrelay.transfer.node_agent import make_agent, worker_pool_calls
+from kvrelay.transfer.owner import KvOwner
+from kvrelay.transfer.server import add_transfer_routes
 
 
 class PrefillTransfer:

@@ -25,17 +25,16 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
-
-from decode.config import DecodeConfig
-from decode.service import DecodeService
-from engine.engine import LLMEngine, RequestError
-from engine.worker import EngineFailure, EngineWorker
-from kvstore.block_key import BlockKey
-from model.sampling_params import TokenLogprobs
-from node.app import EngineNode, NodeConfig, NodeMetrics, msgpack_response
-from node.tracing import Stage, Tracing
-from transfer.handle import KvHandle
-from transfer.wire import PrefillReply, encode_prefill_reply
+from kvrelay.decode.config import DecodeConfig
+from kvrelay.decode.service import DecodeService
+from kvrelay.engine.engine import LLMEngine, RequestError
+from kvrelay.engine.worker import EngineFailure, EngineWorker
+from kvrelay.kvstore.block_key import BlockKey
+from kvrelay.model.sampling_params import TokenLogprobs
+from kvrelay.node.app import EngineNode, NodeConfig, NodeMetrics, msgpack_response
+from kvrelay.node.tracing import Stage, Tracing
+from kvrelay.transfer.handle import KvHandle
+from kvrelay.transfer.wire import PrefillReply, encode_prefill_reply
 
 log = logging.getLogger(__name__)
 

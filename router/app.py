@@ -21,18 +21,16 @@ from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-
-from model.generation_config import load_generation_defaults
-from model.sampling_params import TokenLogprobs
-from model.tokenizer import load_tokenizer, resolve_chat_template
-from node.tracing import Tracing
-from router.backends import Backends
-from router.config import RouterConfig
-from router.dispatch import Dispatcher, SampleDelta
-from router.membership import Membership
-from router.nodes import NodeSet
-from router.openai_api import (
+from kvrelay.model.generation_config import load_generation_defaults
+from kvrelay.model.sampling_params import TokenLogprobs
+from kvrelay.model.tokenizer import load_tokenizer, resolve_chat_template
+from kvrelay.node.tracing import Tracing
+from kvrelay.router.backends import Backends
+from kvrelay.router.config import RouterConfig
+from kvrelay.router.dispatch import Dispatcher, SampleDelta
+from kvrelay.router.membership import Membership
+from kvrelay.router.nodes import NodeSet
+from kvrelay.router.openai_api import (
     ApiError,
     GenerationRequest,
     ServedModel,
@@ -41,7 +39,7 @@ from router.openai_api import (
     parse_detokenize,
     parse_tokenize,
 )
-from router.openai_responses import (
+from kvrelay.router.openai_responses import (
     extension_chunk,
     full_response,
     logprobs_body,
@@ -49,18 +47,19 @@ from router.openai_responses import (
     stream_chunk,
     usage_chunk,
 )
-from router.plan import PlanChoice
-from router.queue import QueueConfig, QueueMetrics, Ticket
-from router.reasoning import ReasoningStream
-from router.reasoning import Split as ReasoningSplit
-from router.reasoning import split as split_reasoning
-from router.request_trace import RequestTrace, RunTrace
-from router.text_output import SampleText
-from router.tool_calls import ParsedOutput, ToolStream, default_parser
-from router.vllm_metrics import SampleClock, VllmRequestMetrics
-from transfer.bounded_write import write_within
-from transfer.discovery import Resolver, getaddrinfo_resolver
-from transfer.wire import TENANT_SALT_BYTES
+from kvrelay.router.plan import PlanChoice
+from kvrelay.router.queue import QueueConfig, QueueMetrics, Ticket
+from kvrelay.router.reasoning import ReasoningStream
+from kvrelay.router.reasoning import Split as ReasoningSplit
+from kvrelay.router.reasoning import split as split_reasoning
+from kvrelay.router.request_trace import RequestTrace, RunTrace
+from kvrelay.router.text_output import SampleText
+from kvrelay.router.tool_calls import ParsedOutput, ToolStream, default_parser
+from kvrelay.router.vllm_metrics import SampleClock, VllmRequestMetrics
+from kvrelay.transfer.bounded_write import write_within
+from kvrelay.transfer.discovery import Resolver, getaddrinfo_resolver
+from kvrelay.transfer.wire import TENANT_SALT_BYTES
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

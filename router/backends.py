@@ -8,11 +8,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 import aiohttp
-
-from router.node_state import Node
-from router.nodes import NodeLost
-from transfer.config import TOKEN_HEADER, client_keepalive_s
-from transfer.wire import WireError, decode_release_reply, encode_lease_request, new_unpacker, unpack
+from kvrelay.router.node_state import Node
+from kvrelay.router.nodes import NodeLost
+from kvrelay.transfer.config import TOKEN_HEADER, client_keepalive_s
+from kvrelay.transfer.wire import WireError, decode_release_reply, encode_lease_request, new_unpacker, unpack
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

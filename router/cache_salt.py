@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 
-from transfer.wire import TENANT_SALT_BYTES
+from kvrelay.transfer.wire import TENANT_SALT_BYTES
 
 MAX_CACHE_SALT_CHARS = 1024
 

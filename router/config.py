@@ -5,12 +5,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from engine.long_context import LongContextConfig
-from kvstore.checks import require_int
-from router.plan import MODES
-from router.reasoning import REASONING_PARSERS
-from router.tool_calls import PARSER_NAMES
-from transfer.discovery import parse_dns_name
+from kvrelay.engine.long_context import LongContextConfig
+from kvrelay.kvstore.checks import require_int
+from kvrelay.router.plan import MODES
+from kvrelay.router.reasoning import REASONING_PARSERS
+from kvrelay.router.tool_calls import PARSER_NAMES
+from kvrelay.transfer.discovery import parse_dns_name
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,20 +35,20 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from kvstore.block_key import block_keys
-from model.sampling_params import TokenLogprobs
-from model.structured import GRAMMAR_ERROR_PREFIX
-from router.backends import Backends, NodeRefused, NodeUnavailable
-from router.cache_salt import request_salt
-from router.node_state import Node
-from router.nodes import NodeSet, Reservation
-from router.openai_api import ApiError, GenerationRequest
-from router.plan import PlanChoice
-from router.queue import QueueConfig, QueueMetrics, RouterQueue, Ticket
-from router.request_trace import RunTrace
-from transfer.config import LEASE_HEADER
-from transfer.handle import KvHandle
-from transfer.wire import (
+from kvrelay.kvstore.block_key import block_keys
+from kvrelay.model.sampling_params import TokenLogprobs
+from kvrelay.model.structured import GRAMMAR_ERROR_PREFIX
+from kvrelay.router.backends import Backends, NodeRefused, NodeUnavailable
+from kvrelay.router.cache_salt import request_salt
+from kvrelay.router.node_state import Node
+from kvrelay.router.nodes import NodeSet, Reservation
+from kvrelay.router.openai_api import ApiError, GenerationRequest
+from kvrelay.router.plan import PlanChoice
+from kvrelay.router.queue import QueueConfig, QueueMetrics, RouterQueue, Ticket
+from kvrelay.router.request_trace import RunTrace
+from kvrelay.transfer.config import LEASE_HEADER
+from kvrelay.transfer.handle import KvHandle
+from kvrelay.transfer.wire import (
     GenerationMessage,
     PrefillReply,
     StreamError,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from kvstore.block_key import BlockKey
+from kvrelay.kvstore.block_key import BlockKey
 
 
 class KvIndex:

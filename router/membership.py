@@ -20,12 +20,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from router.backends import Backends, NodeSlow, NodeUnavailable, NodeUnreachable
-from router.config import RouterConfig
-from router.dispatch import ClusterInfo
-from router.node_state import Node, NodeCapacity
-from router.nodes import NodeSet
-from transfer.discovery import NodeAddresses, Resolver
+from kvrelay.router.backends import Backends, NodeSlow, NodeUnavailable, NodeUnreachable
+from kvrelay.router.config import RouterConfig
+from kvrelay.router.dispatch import ClusterInfo
+from kvrelay.router.node_state import Node, NodeCapacity
+from kvrelay.router.nodes import NodeSet
+from kvrelay.transfer.discovery import NodeAddresses, Resolver
 
 log = logging.getLogger(__name__)
 # A node that has never answered is polled every round; say so at these failure counts (not at every try).

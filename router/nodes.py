@@ -39,10 +39,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvstore.block_key import BlockKey
-from router.kv_index import KvIndex
-from router.node_state import Node
-from router.plan import LOCAL, MODES, PlanChoice, StepModel, TtftCalibration, choose_plan, running, whole_plan
+from kvrelay.kvstore.block_key import BlockKey
+from kvrelay.router.kv_index import KvIndex
+from kvrelay.router.node_state import Node
+from kvrelay.router.plan import LOCAL, MODES, PlanChoice, StepModel, TtftCalibration, choose_plan, running, whole_plan
 
 PREFILL_QUEUE_STEPS = 4  # prompt tokens placed on a prefill node, in steps of its token budget
 # Samples placed on a decode node, in multiples of its batch (max_num_seqs): those beyond the batch are being

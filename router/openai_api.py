@@ -19,15 +19,15 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from model.generation_config import GenerationDefaults
-from model.sampling_params import MAX_LOGPROBS, SamplingParams
-from model.structured import StructuredOutput
-from model.tokenizer import Tokenizer
-from router import request_fields
-from router.request_fields import FieldError
-from router.structured_api import StructuredError, check_compiles, structured_from_body
-from router.tool_api import ToolError, ToolPlan, template_message, tool_plan
-from router.tool_calls import ToolOutput
+from kvrelay.model.generation_config import GenerationDefaults
+from kvrelay.model.sampling_params import MAX_LOGPROBS, SamplingParams
+from kvrelay.model.structured import StructuredOutput
+from kvrelay.model.tokenizer import Tokenizer
+from kvrelay.router import request_fields
+from kvrelay.router.request_fields import FieldError
+from kvrelay.router.structured_api import StructuredError, check_compiles, structured_from_body
+from kvrelay.router.tool_api import ToolError, ToolPlan, template_message, tool_plan
+from kvrelay.router.tool_calls import ToolOutput
 
 MAX_STOP_STRING_CHARS = 1024  # each; matched against the text at every token
 MAX_STOP_TOKEN_IDS = 64

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from model.sampling_params import TokenLogprobs
-from model.tokenizer import Tokenizer
-from router.openai_api import GenerationRequest
-from router.tool_calls import ParsedOutput, StreamDelta
+from kvrelay.model.sampling_params import TokenLogprobs
+from kvrelay.model.tokenizer import Tokenizer
+from kvrelay.router.openai_api import GenerationRequest
+from kvrelay.router.tool_calls import ParsedOutput, StreamDelta
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:

@@ -60,7 +60,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from router.node_state import Node, NodeCapacity
+from kvrelay.router.node_state import Node, NodeCapacity
 
 TPOT_BREACHES = "local_tpot_breaches"  # `PlanChoice.costs`: streams a local prefill would push past the SLO
 # ... and those the prefill node's prefill would (its own streams, when it also serves whole requests)

@@ -42,9 +42,9 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvstore.block_key import BlockKey
-from router.nodes import Need, NodeSet, Reservation
-from router.openai_api import ApiError, GenerationRequest
+from kvrelay.kvstore.block_key import BlockKey
+from kvrelay.router.nodes import Need, NodeSet, Reservation
+from kvrelay.router.openai_api import ApiError, GenerationRequest
 
 OUTPUT_SHARE_DECAY = 0.05  # weight of each finished request in the expected share of max_tokens
 MAX_RETRY_AFTER_S = 60

@@ -18,9 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from model.sampling_params import MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS
-from model.tokenizer import Tokenizer
-from router.cache_salt import MAX_CACHE_SALT_CHARS
+from kvrelay.model.sampling_params import MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS
+from kvrelay.model.tokenizer import Tokenizer
+from kvrelay.router.cache_salt import MAX_CACHE_SALT_CHARS
 
 
 class FieldError(ValueError):

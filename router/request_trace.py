@@ -35,10 +35,9 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 
+from kvrelay.node.tracing import Stage, Tracing
+from kvrelay.router.plan import PlanChoice
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
-
-from node.tracing import Stage, Tracing
-from router.plan import PlanChoice
 
 ROUTER_STAGES = ("parse_s", "router_queue_s", "dispatch_s")
 

@@ -15,7 +15,7 @@ import json
 import re
 from typing import Any
 
-from model.structured import MAX_SPEC_CHARS, StructuredOutput
+from kvrelay.model.structured import MAX_SPEC_CHARS, StructuredOutput
 
 GUIDED_FIELD_TO_KIND = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                         "guided_grammar": "grammar"}

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from model.stream_decoder import stream_decoder
-from model.tokenizer import Tokenizer
+from kvrelay.model.stream_decoder import stream_decoder
+from kvrelay.model.tokenizer import Tokenizer
 
 
 class StopScanner:

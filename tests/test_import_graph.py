@@ -33,6 +33,8 @@ def _graph(mods: dict[str, Path]) -> tuple[dict[str, set[str]], set[str]]:
                 targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
             elif isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "import_module":
                 dynamic.add(name)
+            # `kvrelay.engine.x` is the module of engine/x.py (the folders install under kvrelay: pyproject.toml)
+            targets = [t.removeprefix("kvrelay.") if t.removeprefix("kvrelay.") in mods else t for t in targets]
             edges[name].update(t for t in targets if t in mods and t != name)
     return edges, dynamic
 

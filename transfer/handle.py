@@ -30,8 +30,8 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvstore.block_key import BlockKey
-from transfer.lease import TierBlock
+from kvrelay.kvstore.block_key import BlockKey
+from kvrelay.transfer.lease import TierBlock
 
 BINDING_BYTES = 32
 _BINDING_DOMAIN = b"kvrelay.lease-binding.v1"

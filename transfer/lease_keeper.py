@@ -22,9 +22,9 @@ from __future__ import annotations
 import asyncio
 import math
 
-from transfer.errors import TransferError
-from transfer.handle import KvHandle
-from transfer.peer_cache import PeerCache
+from kvrelay.transfer.errors import TransferError
+from kvrelay.transfer.handle import KvHandle
+from kvrelay.transfer.peer_cache import PeerCache
 
 
 class LeaseKeeper:

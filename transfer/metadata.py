@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from transfer.errors import PeerMismatchError
+from kvrelay.transfer.errors import PeerMismatchError
 
 PROTOCOL_VERSION = 2  # 2: a lease renewal names the binding of the handle (transfer.handle)
 

@@ -36,13 +36,12 @@ from typing import Any, TypeVar
 
 import numpy as np
 import torch
+from kvrelay.kvstore.block_spec import BlockSpec
+from kvrelay.transfer.errors import TransferError
+from kvrelay.transfer.lease import TierBlock
+from kvrelay.transfer.metadata import PROTOCOL_VERSION, AgentMeta, TierRegion
+from kvrelay.transfer.nixl_progress import new_nixl_agent
 from nixl import _bindings as nixl_bindings
-
-from kvstore.block_spec import BlockSpec
-from transfer.errors import TransferError
-from transfer.lease import TierBlock
-from transfer.metadata import PROTOCOL_VERSION, AgentMeta, TierRegion
-from transfer.nixl_progress import new_nixl_agent
 
 log = logging.getLogger(__name__)
 # UCX's TCP transport (hosts without RDMA) moves data in 8 KiB segments by default. With 512 KiB a READ

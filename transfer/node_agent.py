@@ -9,12 +9,12 @@ import socket
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from transfer.nixl_agent import KvAgent
-from transfer.pool_call import PoolCalls
+from kvrelay.transfer.nixl_agent import KvAgent
+from kvrelay.transfer.pool_call import PoolCalls
 
 if TYPE_CHECKING:  # types only: transfer/ does not need engine/ at run time
-    from engine.engine import LLMEngine
-    from engine.worker import EngineWorker
+    from kvrelay.engine.engine import LLMEngine
+    from kvrelay.engine.worker import EngineWorker
 
 
 def advertised_host(bind: str) -> str:

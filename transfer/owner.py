@@ -20,13 +20,13 @@ import asyncio
 import logging
 from collections.abc import Sequence
 
-from kvstore.block_key import BlockKey
-from transfer.config import TransferConfig
-from transfer.handle import KvHandle, binding_of
-from transfer.lease import LeaseTable, TierBlock
-from transfer.nixl_agent import KvAgent
-from transfer.pool_call import INLINE, PoolCalls
-from transfer.wire import WireError, decode_notif
+from kvrelay.kvstore.block_key import BlockKey
+from kvrelay.transfer.config import TransferConfig
+from kvrelay.transfer.handle import KvHandle, binding_of
+from kvrelay.transfer.lease import LeaseTable, TierBlock
+from kvrelay.transfer.nixl_agent import KvAgent
+from kvrelay.transfer.pool_call import INLINE, PoolCalls
+from kvrelay.transfer.wire import WireError, decode_notif
 
 # A renewal of a lease with more than this left is answered on the event loop (`LeaseTable.renew_live`), not on the
 # engine thread: there it waited for the step under way, up to a long prefill's (~1 s on one core), and a decode

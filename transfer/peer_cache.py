@@ -23,13 +23,12 @@ import asyncio
 import logging
 
 import aiohttp
-
-from transfer.config import TOKEN_HEADER, TransferConfig
-from transfer.errors import PeerMismatchError, TransferError
-from transfer.handle import KvHandle
-from transfer.metadata import PROTOCOL_VERSION, AgentMeta, check_compatible
-from transfer.nixl_agent import KvAgent, PeerLink
-from transfer.wire import (
+from kvrelay.transfer.config import TOKEN_HEADER, TransferConfig
+from kvrelay.transfer.errors import PeerMismatchError, TransferError
+from kvrelay.transfer.handle import KvHandle
+from kvrelay.transfer.metadata import PROTOCOL_VERSION, AgentMeta, check_compatible
+from kvrelay.transfer.nixl_agent import KvAgent, PeerLink
+from kvrelay.transfer.wire import (
     MAX_META_BYTES,
     MAX_SMALL_MESSAGE_BYTES,
     WireError,

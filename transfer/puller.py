@@ -64,17 +64,17 @@ import random
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvstore.block_key import BlockKey
-from kvstore.block_pool import BlockPool
-from kvstore.digest import IntegrityPolicy
-from transfer.config import TransferConfig
-from transfer.errors import TransferError
-from transfer.handle import KvHandle
-from transfer.lease_keeper import LeaseKeeper
-from transfer.nixl_agent import KvAgent, PeerLink, XferRequest
-from transfer.peer_cache import PeerCache
-from transfer.pool_call import INLINE, PoolCalls
-from transfer.wire import encode_notif
+from kvrelay.kvstore.block_key import BlockKey
+from kvrelay.kvstore.block_pool import BlockPool
+from kvrelay.kvstore.digest import IntegrityPolicy
+from kvrelay.transfer.config import TransferConfig
+from kvrelay.transfer.errors import TransferError
+from kvrelay.transfer.handle import KvHandle
+from kvrelay.transfer.lease_keeper import LeaseKeeper
+from kvrelay.transfer.nixl_agent import KvAgent, PeerLink, XferRequest
+from kvrelay.transfer.peer_cache import PeerCache
+from kvrelay.transfer.pool_call import INLINE, PoolCalls
+from kvrelay.transfer.wire import encode_notif
 
 log = logging.getLogger(__name__)
 POLL_MIN_S = 0.0002

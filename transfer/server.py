@@ -26,11 +26,10 @@ import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
-
-from transfer.config import TOKEN_HEADER
-from transfer.lease import BindingMismatch
-from transfer.owner import KvOwner
-from transfer.wire import (
+from kvrelay.transfer.config import TOKEN_HEADER
+from kvrelay.transfer.lease import BindingMismatch
+from kvrelay.transfer.owner import KvOwner
+from kvrelay.transfer.wire import (
     MAX_SMALL_MESSAGE_BYTES,
     WireError,
     decode_lease_request,

@@ -43,9 +43,8 @@ from typing import Any
 
 import aiohttp
 import msgpack
-
-from kvstore.block_key import BlockKey
-from model.sampling_params import (
+from kvrelay.kvstore.block_key import BlockKey
+from kvrelay.model.sampling_params import (
     MAX_ALLOWED_TOKEN_IDS,
     MAX_BAD_WORD_TOKENS,
     MAX_BAD_WORDS,
@@ -53,10 +52,10 @@ from model.sampling_params import (
     SamplingParams,
     TokenLogprobs,
 )
-from model.structured import StructuredOutput
-from transfer.handle import BINDING_BYTES, KvHandle
-from transfer.lease import TierBlock
-from transfer.metadata import PROTOCOL_VERSION, AgentMeta, TierRegion
+from kvrelay.model.structured import StructuredOutput
+from kvrelay.transfer.handle import BINDING_BYTES, KvHandle
+from kvrelay.transfer.lease import TierBlock
+from kvrelay.transfer.metadata import PROTOCOL_VERSION, AgentMeta, TierRegion
 
 MAX_META_BYTES = 4 << 20
 MAX_NIXL_METADATA_BYTES = 2 << 20

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from benchmarks.bandwidth_bench import (
+from kvrelay.benchmarks.bandwidth_bench import (
     NEAR_ROUND_TRIP_NS,
     compare_rounds,
     decode_rounds,
@@ -16,10 +15,10 @@ from benchmarks.bandwidth_bench import (
     round_trip_ns,
     weight_bytes,
 )
-from benchmarks.dtype_bench import run as dtype_run
-from benchmarks.peer import PeerServer
-from kernels.cpu_small import load as load_kernels
-from model.loader import load_model
+from kvrelay.benchmarks.dtype_bench import run as dtype_run
+from kvrelay.benchmarks.peer import PeerServer
+from kvrelay.kernels.cpu_small import load as load_kernels
+from kvrelay.model.loader import load_model
 
 
 def test_weight_bytes_counts_a_tied_embedding_once(tiny_model_dir: Path) -> None:

@@ -6,8 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
-
-from benchmarks.cache_policies import (
+from kvrelay.benchmarks.cache_policies import (
     POLICIES,
     Arc,
     LeafLru,
@@ -81,7 +80,7 @@ def test_the_trace_numbers_the_issue_quotes():
 
 
 def test_capacities_in_blocks_or_as_a_share_of_the_footprint():
-    from benchmarks.cache_policies import footprint, parse_capacities
+    from kvrelay.benchmarks.cache_policies import footprint, parse_capacities
 
     reqs = requests_of([[0, 1, 2], [0, 1, 3], [5]])
     assert footprint(reqs) == 5  # 0, 1, 2, 3, 5
@@ -91,7 +90,7 @@ def test_capacities_in_blocks_or_as_a_share_of_the_footprint():
 
 
 def test_admission_oracle_admits_only_blocks_that_come_back():
-    from benchmarks.cache_policies import AdmitOracleLru, reused_keys
+    from kvrelay.benchmarks.cache_policies import AdmitOracleLru, reused_keys
 
     reqs = requests_of([[0, 1, 2], [0, 1, 3], [0, 7], [0, 1, 9]])
     assert reused_keys(reqs) == {0, 1}

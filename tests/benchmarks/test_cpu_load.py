@@ -5,8 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from benchmarks.cpu_load import CpuTicks, busy_cpus, measure_busy_cpus, parse_proc_stat, wait_until_quiet
+from kvrelay.benchmarks.cpu_load import CpuTicks, busy_cpus, measure_busy_cpus, parse_proc_stat, wait_until_quiet
 
 STAT = "cpu  100 5 50 1000 20 3 2 10 7 0\ncpu0 50 5 25 500 10 2 1 5 7 0\nintr 12345\n"
 

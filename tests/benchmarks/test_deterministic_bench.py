@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from benchmarks.deterministic_bench import BATCHES, run
-from model.cpu_identity import this_cpu
+from kvrelay.benchmarks.deterministic_bench import BATCHES, run
+from kvrelay.model.cpu_identity import this_cpu
 
 
 def test_the_bench_compares_deterministic_mode_with_the_default(tiny_model_dir) -> None:

@@ -4,8 +4,7 @@ the router's plan samples and the request rows, on hand-made records and values.
 from __future__ import annotations
 
 import pytest
-
-from benchmarks.goodput_bench import (
+from kvrelay.benchmarks.goodput_bench import (
     DEPLOYMENT_TO_OVERRIDES,
     Attainment,
     Measured,
@@ -21,8 +20,8 @@ from benchmarks.goodput_bench import (
     summarize_goodput,
     ttft_error_median,
 )
-from benchmarks.goodput_rows import handoff, request_rows
-from benchmarks.serve_client import RequestRecord, RequestSpec
+from kvrelay.benchmarks.goodput_rows import handoff, request_rows
+from kvrelay.benchmarks.serve_client import RequestRecord, RequestSpec
 
 SLO = Slo(ttft_s=1.0, tpot_s=0.05)
 
@@ -206,8 +205,8 @@ def test_every_deployment_is_told_the_slos_and_keeps_its_own_plan():
 
 def test_a_multihost_deployment_binds_each_host_to_its_own_address_and_names_every_node(tmp_path):
     """`--network netns`: what each host's process reads (no namespace is made here)."""
-    from benchmarks.netns import Hosts
-    from benchmarks.netns_deployment import NetnsDeployment
+    from kvrelay.benchmarks.netns import Hosts
+    from kvrelay.benchmarks.netns_deployment import NetnsDeployment
 
     d = NetnsDeployment(tmp_path, overrides=deployment_overrides("auto", Slo(3.0, 0.2)))
     try:

@@ -3,7 +3,7 @@ eager one time the same decode steps and give the same tokens."""
 
 from __future__ import annotations
 
-from benchmarks.graph_bench import run
+from kvrelay.benchmarks.graph_bench import run
 
 
 def test_graph_bench_times_both_engines_over_the_same_tokens(tiny_model_dir) -> None:

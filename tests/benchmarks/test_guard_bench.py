@@ -7,9 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
-
-from benchmarks.guard_bench import main
-from benchmarks.guard_record import GuardRecord, read_records
+from kvrelay.benchmarks.guard_bench import main
+from kvrelay.benchmarks.guard_record import GuardRecord, read_records
 
 CPU = {"model_name": "AMD EPYC", "family": "25", "model": "17", "bf16_flags": ["avx512_bf16"]}
 KEY = "AMD EPYC (family 25, model 17; avx512_bf16)"

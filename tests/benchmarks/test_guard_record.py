@@ -6,8 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from benchmarks.guard_record import (
+from kvrelay.benchmarks.guard_record import (
     FIGURES,
     GuardRecord,
     RatioSummary,

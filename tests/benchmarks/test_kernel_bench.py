@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchmarks import kernel_bench
+from kvrelay.benchmarks import kernel_bench
 
 HEADS = {"num_q_heads": 2, "num_kv_heads": 1, "head_dim": 8}
 

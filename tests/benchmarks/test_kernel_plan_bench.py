@@ -3,8 +3,8 @@ measured."""
 
 from __future__ import annotations
 
-from benchmarks.kernel_plan_bench import BATCHES, run
-from model.cpu_identity import this_cpu
+from kvrelay.benchmarks.kernel_plan_bench import BATCHES, run
+from kvrelay.model.cpu_identity import this_cpu
 
 
 def test_the_bench_compares_the_measured_plan_with_both_fixed_rules(tiny_model_dir) -> None:

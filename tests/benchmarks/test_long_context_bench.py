@@ -6,10 +6,9 @@ from __future__ import annotations
 import json
 
 import torch
-
-from benchmarks.long_context_bench import BUDGET_FRACS, run
-from benchmarks.long_context_task import VOCAB_SIZE
-from benchmarks.long_context_train import LlamaShape, TrainingLlama, export_hf
+from kvrelay.benchmarks.long_context_bench import BUDGET_FRACS, run
+from kvrelay.benchmarks.long_context_task import VOCAB_SIZE
+from kvrelay.benchmarks.long_context_train import LlamaShape, TrainingLlama, export_hf
 
 POLICY_LABELS = ("h2o", "infinigen", "infinigen-speculative")
 

@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from benchmarks.long_context_bench import main
-from benchmarks.long_context_real import (
+from kvrelay.benchmarks.long_context_bench import main
+from kvrelay.benchmarks.long_context_real import (
     ANSWER_PREFIX,
     FILLER_SENTENCES,
     INTRO,
@@ -30,10 +29,11 @@ from benchmarks.long_context_real import (
     teacher_forced,
     text_token_ids,
 )
-from engine.long_context import LongContextConfig
-from model.loader import load_model
-from model.tiny import BOS_ID
-from model.tokenizer import Tokenizer, load_tokenizer
+from kvrelay.engine.long_context import LongContextConfig
+from kvrelay.model.loader import load_model
+from kvrelay.model.tiny import BOS_ID
+from kvrelay.model.tokenizer import Tokenizer, load_tokenizer
+
 from tests.real_model import RealModel
 
 HEAD = f"<|user|>\n{INTRO}"  # the tiny model's chat template around the user's message, after BOS

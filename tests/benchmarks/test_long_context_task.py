@@ -6,8 +6,7 @@ import json
 
 import pytest
 import torch
-
-from benchmarks.long_context_task import (
+from kvrelay.benchmarks.long_context_task import (
     BOS_ID,
     CONTENT_BASE_ID,
     CONTENT_VOCAB,
@@ -19,10 +18,10 @@ from benchmarks.long_context_task import (
     make_examples,
     training_batch,
 )
-from benchmarks.long_context_train import LlamaShape, TrainingLlama, export_hf
-from engine.engine import EngineConfig, LLMEngine
-from model.loader import load_model
-from model.sampling import SamplingParams
+from kvrelay.benchmarks.long_context_train import LlamaShape, TrainingLlama, export_hf
+from kvrelay.engine.engine import EngineConfig, LLMEngine
+from kvrelay.model.loader import load_model
+from kvrelay.model.sampling import SamplingParams
 
 
 def test_examples_are_deterministic_per_seed():

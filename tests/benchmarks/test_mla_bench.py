@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchmarks import mla_bench
+from kvrelay.benchmarks import mla_bench
 
 
 def test_kv_bytes_per_token_of_deepseek_v3_and_gqa_models_of_its_hidden_size():

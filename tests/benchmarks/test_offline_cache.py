@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import pytest
-
-from benchmarks.offline_cache import CachedRequest, HitCount, chained_block_keys, ideal_hit_blocks, lru_hit_blocks
+from kvrelay.benchmarks.offline_cache import (
+    CachedRequest,
+    HitCount,
+    chained_block_keys,
+    ideal_hit_blocks,
+    lru_hit_blocks,
+)
 
 
 def reqs(*prompts: tuple[int, ...]) -> list[CachedRequest]:
@@ -68,7 +73,7 @@ def test_capacity_zero_never_hits_and_negative_raises():
 
 
 def test_belady_keeps_what_is_used_next():
-    from benchmarks.offline_cache import belady_hit_blocks
+    from kvrelay.benchmarks.offline_cache import belady_hit_blocks
 
     seq = reqs((1, 2, 3, 4, 5), (1, 2, 3, 4, 9), (7, 7, 7), (1, 2, 3, 4, 5))
     # At the third request k77 (never used again) is evicted, not k12 / k1234: all 4 later hits kept.
@@ -77,7 +82,7 @@ def test_belady_keeps_what_is_used_next():
 
 
 def test_store_policy_replay_counts_the_partial_block_and_evicts_before_inserting():
-    from benchmarks.offline_cache import policy_hit_blocks
+    from kvrelay.benchmarks.offline_cache import policy_hit_blocks
 
     seq = reqs((1, 2, 3, 4, 5), (1, 2, 3, 4, 9), (7, 7, 7), (1, 2, 3, 4, 5))
     # Capacity 3 = 2 keyed blocks + the running request's partial one. The third request needs 2 blocks
@@ -88,7 +93,7 @@ def test_store_policy_replay_counts_the_partial_block_and_evicts_before_insertin
 
 
 def test_tier_split_adds_up_to_the_total():
-    from benchmarks.offline_cache import tier_hit_blocks
+    from kvrelay.benchmarks.offline_cache import tier_hit_blocks
 
     seq = reqs((1, 2, 3, 4, 5), (1, 2, 3, 4, 9), (7, 7, 7), (1, 2, 3, 4, 5), (7, 7, 7, 7, 1))
     split = tier_hit_blocks(seq, block_size_tokens=2, tier_capacities=[("device", 1), ("host", 1), ("disk", 2)])

@@ -5,9 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from benchmarks.prefill_bench import layer_shapes, main, prefill_flops
-from model.config import ModelConfig
+from kvrelay.benchmarks.prefill_bench import layer_shapes, main, prefill_flops
+from kvrelay.model.config import ModelConfig
 
 
 def smollm2_like() -> ModelConfig:

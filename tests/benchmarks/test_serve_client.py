@@ -9,8 +9,7 @@ import math
 
 import pytest
 from aiohttp import web
-
-from benchmarks.serve_client import (
+from kvrelay.benchmarks.serve_client import (
     ClientConfig,
     LoadConfig,
     RequestRecord,

@@ -8,12 +8,11 @@ import json
 import math
 
 import pytest
-
-from benchmarks import workloads
-from benchmarks.common import DEFAULT_TRACE, find_trace
-from benchmarks.deployment import Deployment
-from benchmarks.serve_client import ClientConfig, LoadConfig
-from benchmarks.serve_run import ServerNodes, run_workload
+from kvrelay.benchmarks import workloads
+from kvrelay.benchmarks.common import DEFAULT_TRACE, find_trace
+from kvrelay.benchmarks.deployment import Deployment
+from kvrelay.benchmarks.serve_client import ClientConfig, LoadConfig
+from kvrelay.benchmarks.serve_run import ServerNodes, run_workload
 
 VLLM_FIELDS = [
     "duration", "completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",
@@ -25,7 +24,7 @@ CACHE_FIELDS = ["source", "role", "query_blocks", "hit_blocks", "hit_rate", "ide
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from model.tiny import write_tiny_model
+    from kvrelay.model.tiny import write_tiny_model
 
     return str(write_tiny_model(tmp_path_factory.mktemp("bench-model"), max_position_embeddings=1024))
 
@@ -88,7 +87,7 @@ def test_workload_end_to_end(server: Deployment, name: str):
 
 
 def test_cli_against_url_writes_json_plots_and_table(server: Deployment, tmp_path):
-    from benchmarks.serve_bench import main
+    from kvrelay.benchmarks.serve_bench import main
 
     out = tmp_path / "out"
     rc = main(["--url", server.url, "--workload", "random", "--num-prompts", "4", "--input-tokens", "32",
@@ -104,7 +103,7 @@ def test_cli_against_url_writes_json_plots_and_table(server: Deployment, tmp_pat
 
 
 def test_ttft_prefix_probe(server: Deployment):
-    from benchmarks.ttft_prefix import measure_ttft_prefix
+    from kvrelay.benchmarks.ttft_prefix import measure_ttft_prefix
 
     res = measure_ttft_prefix(ClientConfig(server.url, server.model_name), prefix_tokens=256, question_tokens=16,
                               repeats=1, seed=5)
@@ -117,7 +116,7 @@ def test_ttft_prefix_probe(server: Deployment):
 
 
 def test_transformers_baseline_counts_requested_tokens(model_dir: str):
-    from benchmarks.hf_offline import run_transformers
+    from kvrelay.benchmarks.hf_offline import run_transformers
 
     specs = workloads.random_prompts(num_requests=3, input_tokens=20, output_tokens=3, range_ratio=0.5, seed=2).requests
     res = run_transformers(model_dir, specs, batch_size=2)

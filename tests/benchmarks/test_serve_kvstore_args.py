@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from benchmarks.deployment import merge
-from benchmarks.serve_baselines import kvstore_overrides
-from benchmarks.serve_bench import build_parser
+from kvrelay.benchmarks.deployment import merge
+from kvrelay.benchmarks.serve_baselines import kvstore_overrides
+from kvrelay.benchmarks.serve_bench import build_parser
 
 
 def test_device_only_with_one_policy():
@@ -29,8 +29,8 @@ def test_policy_alone_applies_to_every_tier_and_nothing_given_changes_nothing():
 
 
 def test_vllm_is_started_with_the_dtype_kvrelay_resolves_unless_its_flags_are_given():
-    from benchmarks.serve_baselines import vllm_args
-    from model.dtype import resolve_dtype
+    from kvrelay.benchmarks.serve_baselines import vllm_args
+    from kvrelay.model.dtype import resolve_dtype
 
     parser = build_parser()
     assert vllm_args(parser.parse_args(["--baselines", "vllm"])) == ["--dtype", resolve_dtype("auto", "cpu")]

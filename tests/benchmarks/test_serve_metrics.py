@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
-from benchmarks.serve_client import RequestRecord, RequestSpec
-from benchmarks.serve_metrics import (
+from kvrelay.benchmarks.serve_client import RequestRecord, RequestSpec
+from kvrelay.benchmarks.serve_metrics import (
     CacheCounters,
     cache_delta,
     capacity_blocks,

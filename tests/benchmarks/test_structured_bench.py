@@ -10,9 +10,8 @@ from typing import Any
 
 import jsonschema
 import pytest
-
-from benchmarks.serve_client import RequestRecord, RequestSpec
-from benchmarks.structured_bench import (
+from kvrelay.benchmarks.serve_client import RequestRecord, RequestSpec
+from kvrelay.benchmarks.structured_bench import (
     NAME_TO_SCHEMA,
     NAME_TO_SUBJECTS,
     CompileTimes,
@@ -28,7 +27,7 @@ from benchmarks.structured_bench import (
     probe_schema,
     tpot_ratios,
 )
-from router.structured_api import check_compiles, structured_from_body
+from kvrelay.router.structured_api import check_compiles, structured_from_body
 
 
 def _walk(schema: dict[str, Any], path: str = "$"):
@@ -69,7 +68,7 @@ def test_the_schema_set_covers_nesting_enums_arrays_required_and_bounded_strings
 
 
 def test_every_schema_converts_to_an_xgrammar_grammar():
-    from engine.grammar import grammar_of
+    from kvrelay.engine.grammar import grammar_of
 
     for name, schema in NAME_TO_SCHEMA.items():
         out, _ = structured_from_body({"response_format": {"type": "json_schema",

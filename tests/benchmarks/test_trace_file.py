@@ -7,8 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-
-from benchmarks.common import DEFAULT_TRACE, find_trace, read_trace
+from kvrelay.benchmarks.common import DEFAULT_TRACE, find_trace, read_trace
 
 SHA256 = "b8cbb061a85206d729d91cdc2981f43c9e0d99209dce588d3af5f7934408b9df"
 

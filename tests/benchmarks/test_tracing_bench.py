@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
+from kvrelay.benchmarks.otlp_receiver import parse_export
+from kvrelay.benchmarks.tracing_bench import TARGET_RATIO, combined, round_order, tracing_report
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
-from benchmarks.otlp_receiver import parse_export
-from benchmarks.tracing_bench import TARGET_RATIO, combined, round_order, tracing_report
 
 
 def test_the_ratio_is_traced_over_untraced_output_throughput():

@@ -5,10 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from benchmarks import workloads
-from benchmarks.offline_cache import ideal_hit_blocks
-from benchmarks.serve_client import RequestRecord, RequestSpec
+from kvrelay.benchmarks import workloads
+from kvrelay.benchmarks.offline_cache import ideal_hit_blocks
+from kvrelay.benchmarks.serve_client import RequestRecord, RequestSpec
 
 
 def test_shared_prefix_shape_and_ideal_hit_rate():

@@ -9,19 +9,19 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from engine.engine import EngineConfig, LLMEngine
-from model.loader import load_model
-from model.sampling import SamplingParams
+from kvrelay.engine.engine import EngineConfig, LLMEngine
+from kvrelay.model.loader import load_model
+from kvrelay.model.sampling import SamplingParams
 
 
 def kvrelay(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "deploy.cli", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "kvrelay.deploy.cli", *args], capture_output=True, text=True,
+                          timeout=120)
 
 
 def kvrelay_all(*commands: tuple[str, ...]) -> list[subprocess.CompletedProcess]:
     """``kvrelay(*args)`` for each of ``commands``, all running at once (each spends most of its time importing)."""
-    procs = [subprocess.Popen([sys.executable, "-m", "deploy.cli", *args], stdout=subprocess.PIPE,
+    procs = [subprocess.Popen([sys.executable, "-m", "kvrelay.deploy.cli", *args], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for args in commands]
     try:
         outs = [p.communicate(timeout=120) for p in procs]
@@ -72,10 +72,9 @@ def test_prompt_ids_need_no_tokenizer_and_bad_input_is_named(tmp_path: Path, tin
 
 def test_store_stats_and_clear_per_node(tmp_path: Path, tiny_model_dir: Path):
     import yaml
-
-    from deploy.config import for_node, load_config
-    from kvstore.block_key import BlockKey
-    from kvstore.tiered_store import TieredStore
+    from kvrelay.deploy.config import for_node, load_config
+    from kvrelay.kvstore.block_key import BlockKey
+    from kvrelay.kvstore.tiered_store import TieredStore
 
     cfg = tmp_path / "kv.yaml"
     cfg.write_text(yaml.safe_dump({
@@ -101,23 +100,20 @@ def test_store_stats_and_clear_per_node(tmp_path: Path, tiny_model_dir: Path):
 
 
 def test_every_bench_name_resolves_to_its_main() -> None:
-    from deploy.cli import BENCH_NAMES, _bench_main
+    from kvrelay.deploy.cli import BENCH_NAMES, _bench_main
 
     mains = {name: _bench_main(name) for name in BENCH_NAMES}
+    modules = {"bandwidth": "bandwidth_bench", "cache-policies": "cache_policies", "cuda-graphs": "graph_bench",
+               "decode": "decode_bench", "deterministic": "deterministic_bench", "disk-prefix": "disk_prefix_bench",
+               "dtype": "dtype_bench", "goodput": "goodput_bench", "guard": "guard_bench",
+               "hybrid-kv": "hybrid_kv_bench",
+               "kernel": "kernel_bench", "kernel-plan": "kernel_plan_bench", "load": "load",
+               "long-context": "long_context_bench", "memory": "memory_bench", "migration": "migration_bench",
+               "mla": "mla_bench", "prefill": "prefill_bench", "serve": "serve_bench", "structured": "structured_bench",
+               "tiers": "tier_bench", "tracing": "tracing_bench", "transfer": "transfer_bench",
+               "ttft-prefix": "ttft_prefix", "vllm-client": "vllm_client"}
     assert {name: f.__module__ for name, f in mains.items()} == {
-        "bandwidth": "benchmarks.bandwidth_bench", "cache-policies": "benchmarks.cache_policies",
-        "cuda-graphs": "benchmarks.graph_bench",
-        "decode": "benchmarks.decode_bench", "deterministic": "benchmarks.deterministic_bench",
-        "disk-prefix": "benchmarks.disk_prefix_bench",
-        "dtype": "benchmarks.dtype_bench", "goodput": "benchmarks.goodput_bench", "guard": "benchmarks.guard_bench",
-        "hybrid-kv": "benchmarks.hybrid_kv_bench",
-        "kernel": "benchmarks.kernel_bench", "kernel-plan": "benchmarks.kernel_plan_bench", "load": "benchmarks.load",
-        "long-context": "benchmarks.long_context_bench", "memory": "benchmarks.memory_bench",
-        "migration": "benchmarks.migration_bench", "mla": "benchmarks.mla_bench", "prefill": "benchmarks.prefill_bench",
-        "serve": "benchmarks.serve_bench", "structured": "benchmarks.structured_bench",
-        "tiers": "benchmarks.tier_bench", "tracing": "benchmarks.tracing_bench",
-        "transfer": "benchmarks.transfer_bench", "ttft-prefix": "benchmarks.ttft_prefix",
-            "vllm-client": "benchmarks.vllm_client"}
+        name: f"kvrelay.benchmarks.{module}" for name, module in modules.items()}
     with pytest.raises(ValueError, match="unknown benchmark 'nope'"):
         _bench_main("nope")
 
@@ -126,7 +122,8 @@ def test_a_node_name_that_cannot_be_an_agent_name_or_a_directory_is_refused(tmp_
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"model: {{path: {tiny_model_dir}}}\nkvstore: {{device: {{bytes: 8MiB}}}}\n")
     for bad in ("../etc", "a b", ".hidden", "x" * 64):
-        done = subprocess.run([sys.executable, "-m", "deploy.cli", "decode", "--config", str(cfg), f"--name={bad}"],
+        done = subprocess.run([sys.executable, "-m", "kvrelay.deploy.cli", "decode", "--config", str(cfg),
+                               f"--name={bad}"],
                               capture_output=True, text=True, timeout=120)
         assert done.returncode == 2
         assert f"kvrelay decode: --name {bad!r} is not a node name" in done.stderr
@@ -142,8 +139,7 @@ def test_serve_takes_vllm_flags_over_the_yaml_and_says_what_it_runs(tmp_path: Pa
     import urllib.request
 
     import yaml
-
-    from benchmarks.deployment import free_ports
+    from kvrelay.benchmarks.deployment import free_ports
 
     base = tmp_path / "base.yaml"
     base.write_text("kvstore: {block_size_tokens: 16, device: {bytes: 64MiB}}\nengine: {max_num_seqs: 64}\n")
@@ -151,9 +147,9 @@ def test_serve_takes_vllm_flags_over_the_yaml_and_says_what_it_runs(tmp_path: Pa
     bad = kvrelay("serve", str(tiny_model_dir), "--config", str(base), "--kv-cache-memory", "lots")
     assert bad.returncode == 2 and "kvstore.device.bytes: 'lots' is not a size" in bad.stderr
     proc = subprocess.Popen(
-        [sys.executable, "-m", "deploy.cli", "serve", str(tiny_model_dir), "--config", str(base), "--port", str(port),
-         "--served-model-name", "foo", "--block-size", "32", "--max-num-seqs", "4", "--no-enable-prefix-caching",
-         "--kv-cache-memory", "16MiB", "--dtype", "float32"],
+        [sys.executable, "-m", "kvrelay.deploy.cli", "serve", str(tiny_model_dir), "--config", str(base),
+         "--port", str(port), "--served-model-name", "foo", "--block-size", "32", "--max-num-seqs", "4",
+         "--no-enable-prefix-caching", "--kv-cache-memory", "16MiB", "--dtype", "float32"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     out: list[str] = []
     try:
@@ -204,8 +200,7 @@ def test_tiny_model_with_real_shapes_in_bf16_loads_and_generates(tmp_path: Path)
 
 def test_up_refuses_a_long_context_policy_for_a_windowed_model_before_any_node_starts(tmp_path: Path):
     import yaml
-
-    from model.tiny import write_tiny_model
+    from kvrelay.model.tiny import write_tiny_model
 
     model = write_tiny_model(tmp_path / "gpt-oss", arch="gpt-oss")
     cfg = tmp_path / "kv.yaml"
@@ -222,7 +217,7 @@ def test_up_refuses_a_long_context_policy_for_a_windowed_model_before_any_node_s
 
 
 def test_tiny_model_arch_choices_are_the_families_model_tiny_writes():
-    from deploy.cli import TINY_ARCH_CHOICES
-    from model.tiny import TINY_ARCHS
+    from kvrelay.deploy.cli import TINY_ARCH_CHOICES
+    from kvrelay.model.tiny import TINY_ARCHS
 
     assert TINY_ARCH_CHOICES == TINY_ARCHS

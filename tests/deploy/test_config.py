@@ -3,9 +3,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
-from deploy.config import DEFAULT_CONFIG, ConfigError, load_config, nvml_free_bytes
-from kvstore.block_spec import BlockSpec
+from kvrelay.deploy.config import DEFAULT_CONFIG, ConfigError, load_config, nvml_free_bytes
+from kvrelay.kvstore.block_spec import BlockSpec
 
 GOOD = """
 model: {path: models/tiny}
@@ -92,7 +91,7 @@ def test_cpu_tiers_default_to_shares_of_free_host_memory_and_bytes_win(tmp_path)
 
 
 def test_free_host_bytes_is_meminfo_within_the_cgroup_limit(tmp_path):
-    from deploy.memory import free_host_bytes
+    from kvrelay.deploy.memory import free_host_bytes
 
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal: 24000000 kB\nMemFree: 1000 kB\nMemAvailable: 20000000 kB\n")
@@ -173,7 +172,7 @@ def test_shipped_configs_load(monkeypatch):
 
 
 def test_decode_long_context_section(tmp_path):
-    from engine.long_context import LongContextConfig
+    from kvrelay.engine.long_context import LongContextConfig
 
     base = "model: {path: m}\nkvstore: {device: {bytes: 1GiB}, host: {bytes: 1GiB}}\n"
     config = load_config(write(tmp_path, base + "decode:\n  long_context: {policy: infinigen, device_budget_tokens: "
@@ -216,7 +215,7 @@ def test_dtypes_default_to_auto_weights_and_kv_following_them(tmp_path):
 
 def test_devices_per_node_become_each_node_s_cuda_visible_devices(tmp_path):
     """Issue 14: `kvrelay up` gives each node the CUDA devices its role's ``devices`` assigns it."""
-    from deploy.up import node_env
+    from kvrelay.deploy.up import node_env
 
     path = write(tmp_path, "model: {path: m}\nkvstore: {device: {bytes: 1GiB}}\n"
                            "prefill: {ports: [8100, 8101], devices: [0, 1]}\n"
@@ -258,8 +257,8 @@ def test_integrity_modes_and_a_bare_yaml_off(tmp_path):
 
 def test_the_config_knows_every_attention_backend_the_engine_has():
     """deploy reads the names without importing torch; they must stay the engine's."""
-    from deploy.service_config import ATTENTION_BACKENDS
-    from model.attention import BACKEND_NAME_TO_CLASS
+    from kvrelay.deploy.service_config import ATTENTION_BACKENDS
+    from kvrelay.model.attention import BACKEND_NAME_TO_CLASS
 
     assert sorted(ATTENTION_BACKENDS) == sorted(BACKEND_NAME_TO_CLASS)
 
@@ -292,7 +291,7 @@ def test_engine_stall_timeout_defaults_to_a_minute_and_must_be_positive(tmp_path
 
 def test_the_tpot_slo_defaults_to_50_ms_and_must_be_a_number_at_least_0(tmp_path):
     """Issue 31: ``router.tpot_slo_s`` bounds the local prefills `auto` takes (`router.plan.tpot_breaches`)."""
-    from router.config import RouterConfig
+    from kvrelay.router.config import RouterConfig
 
     base = "model: {path: m}\nkvstore: {device: {bytes: 1GiB}}\n"
     assert load_config(write(tmp_path, base)).router.tpot_slo_s == 0.05

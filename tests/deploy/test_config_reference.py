@@ -11,12 +11,11 @@ from typing import Any
 
 import pytest
 import yaml
-
-from deploy.cli import main
-from deploy.config import DEFAULT_CONFIG, Config, load_config, parse_config, parse_root
-from deploy.config_keys import KEYS, SECTIONS
-from deploy.config_reference import REDACTED, REFERENCE_PATH, REGENERATE, reference_markdown
-from deploy.service_config import Section
+from kvrelay.deploy.cli import main
+from kvrelay.deploy.config import DEFAULT_CONFIG, Config, load_config, parse_config, parse_root
+from kvrelay.deploy.config_keys import KEYS, SECTIONS
+from kvrelay.deploy.config_reference import REDACTED, REFERENCE_PATH, REGENERATE, reference_markdown
+from kvrelay.deploy.service_config import Section
 
 ROOT = Path(__file__).resolve().parents[2]
 # A valid value for every key whose default is unset (the rest are set to their defaults).

@@ -8,8 +8,7 @@ import sys
 import threading
 
 import pytest
-
-from deploy.cpu_budget import CoreLending, parse_cpus, split_cpus
+from kvrelay.deploy.cpu_budget import CoreLending, parse_cpus, split_cpus
 
 
 @pytest.mark.parametrize(("cpus", "nodes", "want"), [
@@ -37,7 +36,7 @@ def test_parse_cpus() -> None:
 
 def test_a_node_pins_itself_and_sizes_torch_threads_to_its_share() -> None:
     cpu = min(os.sched_getaffinity(0))
-    code = ("import os, torch; from deploy.cpu_budget import apply_cpus; "
+    code = ("import os, torch; from kvrelay.deploy.cpu_budget import apply_cpus; "
             f"got = apply_cpus([{cpu}]); print(got, sorted(os.sched_getaffinity(0)), torch.get_num_threads(), "
             "torch.get_num_interop_threads())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("]")
@@ -89,7 +88,7 @@ def test_an_owner_waits_for_the_borrowers_step_then_gets_its_cpu_back(tmp_path) 
 
 
 def test_a_node_that_dies_mid_step_frees_its_own_and_its_borrowed_cpus(tmp_path) -> None:
-    code = ("import sys, time; from deploy.cpu_budget import CoreLending; "
+    code = ("import sys, time; from kvrelay.deploy.cpu_budget import CoreLending; "
             f"c = CoreLending({str(tmp_path)!r}, [1], [0, 1], set_threads=lambda n: None); "
             "print(c.before_step(), flush=True); time.sleep(60)")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
@@ -151,7 +150,7 @@ def test_kvrelay_processes_back_large_tensors_with_huge_pages() -> None:
 def test_up_hands_each_node_its_share_the_pool_and_the_lock_dir() -> None:
     from pathlib import Path
 
-    from deploy.up import _role_cmd
+    from kvrelay.deploy.up import _role_cmd
 
     cmd = _role_cmd("decode", Path("c.yaml"), 0, [], [1], ([0, 1], "/tmp/locks"))
     assert cmd[-6:] == ["--cpus", "1", "--cpu-pool", "0,1", "--cpu-lock-dir", "/tmp/locks"]
@@ -164,5 +163,5 @@ def test_up_hands_each_node_its_share_the_pool_and_the_lock_dir() -> None:
     (["--cpus", "2", "--cpu-pool", "0-1", "--cpu-lock-dir", "/tmp/x"], "--cpus 2 is not inside --cpu-pool 0-1"),
 ])
 def test_a_node_refuses_an_inconsistent_cpu_pool(args: list[str], message: str) -> None:
-    proc = subprocess.run([sys.executable, "-m", "deploy.cli", "decode", *args], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "kvrelay.deploy.cli", "decode", *args], capture_output=True, text=True)
     assert proc.returncode == 2 and f"kvrelay decode: {message}" in proc.stderr

@@ -9,20 +9,19 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from deploy.cli import build_parser, serve_config
-from deploy.config import load_config
-from deploy.gpu_memory import (
+from kvrelay.deploy.cli import build_parser, serve_config
+from kvrelay.deploy.config import load_config
+from kvrelay.deploy.gpu_memory import (
     NON_TORCH_BYTES,
     GpuUse,
     activation_reserve_bytes,
     ignored_on_cpu,
     kv_bytes_for_utilization,
 )
-from deploy.sizes import ConfigError
-from deploy.up import check_gpu_shares
-from kvstore.block_spec import BlockSpec
-from model.device import resolve_device
+from kvrelay.deploy.sizes import ConfigError
+from kvrelay.deploy.up import check_gpu_shares
+from kvrelay.kvstore.block_spec import BlockSpec
+from kvrelay.model.device import resolve_device
 
 GIB = 1 << 30
 

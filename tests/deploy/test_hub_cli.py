@@ -39,7 +39,7 @@ def hub_env(hf_home: Path, *, offline: bool) -> dict[str, str]:
 
 def run_all(*runs: tuple[dict[str, str], tuple[str, ...]]) -> list[subprocess.CompletedProcess]:
     """``kvrelay ARGS`` under ``ENV`` for each ``(ENV, ARGS)``, all at once (each spends most of its time importing)."""
-    procs = [subprocess.Popen([sys.executable, "-m", "deploy.cli", *args], stdout=subprocess.PIPE,
+    procs = [subprocess.Popen([sys.executable, "-m", "kvrelay.deploy.cli", *args], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env) for env, args in runs]
     try:
         outs = [p.communicate(timeout=180) for p in procs]
@@ -107,12 +107,13 @@ def test_up_and_serve_refuse_a_name_they_cannot_resolve_before_starting_anything
 
 
 def test_serve_by_name_runs_every_node_on_the_one_snapshot_under_the_repo_id(hf_home, tmp_path):
-    from benchmarks.deployment import free_ports
+    from kvrelay.benchmarks.deployment import free_ports
 
     [port] = free_ports(1)
     snapshot = hf_home / "hub" / "models--kvtest--tiny" / "snapshots" / "0123456789abcdef0123456789abcdef01234567"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "deploy.cli", "serve", "kvtest/tiny", "--port", str(port), "--kv-cache-memory", "16MiB",
+        [sys.executable, "-m", "kvrelay.deploy.cli", "serve", "kvtest/tiny", "--port", str(port),
+         "--kv-cache-memory", "16MiB",
          "--dtype", "float32", "--max-num-seqs", "4"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
         env=hub_env(hf_home, offline=True))

@@ -10,8 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-
-from deploy.config import load_config
+from kvrelay.deploy.config import load_config
 
 K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 

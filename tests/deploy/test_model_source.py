@@ -8,11 +8,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from kvrelay.deploy.config import load_config
+from kvrelay.deploy.model_source import node_overrides, resolve_config_model
+from kvrelay.deploy.service_config import ModelSection
+from kvrelay.deploy.sizes import ConfigError
 
-from deploy.config import load_config
-from deploy.model_source import node_overrides, resolve_config_model
-from deploy.service_config import ModelSection
-from deploy.sizes import ConfigError
 from tests.hub_cache import COMMIT, write_hub_snapshot
 
 

@@ -5,18 +5,17 @@ import textwrap
 import lmdb
 import pytest
 import torch
-
-from deploy.cli import main
-from deploy.config import for_node, load_config
-from deploy.store_cmd import StoreBusyError, node_block_spec, store_clear, store_stats
-from engine.engine import LLMEngine
-from kvstore.block_key import block_keys
-from kvstore.block_record import HEADER_BYTES, record_bytes
-from kvstore.block_spec import BlockSpec
-from kvstore.digest import block_digest
-from kvstore.lmdb_tier import LmdbOptions, LmdbTier
-from kvstore.tiered_store import TieredStore
-from model.loader import load_model
+from kvrelay.deploy.cli import main
+from kvrelay.deploy.config import for_node, load_config
+from kvrelay.deploy.store_cmd import StoreBusyError, node_block_spec, store_clear, store_stats
+from kvrelay.engine.engine import LLMEngine
+from kvrelay.kvstore.block_key import block_keys
+from kvrelay.kvstore.block_record import HEADER_BYTES, record_bytes
+from kvrelay.kvstore.block_spec import BlockSpec
+from kvrelay.kvstore.digest import block_digest
+from kvrelay.kvstore.lmdb_tier import LmdbOptions, LmdbTier
+from kvrelay.kvstore.tiered_store import TieredStore
+from kvrelay.model.loader import load_model
 
 SPEC = BlockSpec(num_layers=2, num_kv_heads=2, head_dim=16, block_size_tokens=4)  # 2 KiB blocks
 
@@ -241,7 +240,7 @@ def test_verify_refuses_records_of_another_model_and_deletes_nothing(verify_conf
 def test_verify_finds_a_bad_latent_block_of_a_deepseek_model_as_of_a_gqa_one(tmp_path, monkeypatch, capsys):
     """DeepSeek-V3's blocks hold one latent row per token and layer (`BlockSpec.num_planes` 1): the spec ``kvrelay
     store`` builds from config.json is the served one, and a flipped byte in a record is found and deleted."""
-    from model.tiny import write_tiny_model
+    from kvrelay.model.tiny import write_tiny_model
 
     model_dir = write_tiny_model(tmp_path / "ds", arch="deepseek-v3", layers=4)
     monkeypatch.chdir(tmp_path)

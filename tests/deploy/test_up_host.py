@@ -10,9 +10,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from kvrelay.benchmarks.deployment import Deployment
+from kvrelay.deploy.config import DEFAULT_CONFIG
 
-from benchmarks.deployment import Deployment
-from deploy.config import DEFAULT_CONFIG
 from tests.services.cluster import Cluster
 
 SMALL = {"model": {"name": "tiny", "dtype": "float32"},

@@ -7,11 +7,10 @@ import ast
 from pathlib import Path
 
 import pytest
-
-from engine.block_tables import BlockTables
-from engine.sequence import Sequence
-from kvstore.block_pool import BlockPool, NoFreeBlocksError
-from model.sampling_params import SamplingParams
+from kvrelay.engine.block_tables import BlockTables
+from kvrelay.engine.sequence import Sequence
+from kvrelay.kvstore.block_pool import BlockPool, NoFreeBlocksError
+from kvrelay.model.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("decode", "deploy", "engine", "kernels", "kvstore", "model", "node", "prefill", "router", "transfer")

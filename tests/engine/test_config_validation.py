@@ -4,10 +4,9 @@
 from __future__ import annotations
 
 import pytest
-
-from engine.engine import EngineConfig
-from kvstore.tiered_store import TieredStoreConfig
-from router.app import RouterConfig
+from kvrelay.engine.engine import EngineConfig
+from kvrelay.kvstore.tiered_store import TieredStoreConfig
+from kvrelay.router.app import RouterConfig
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [

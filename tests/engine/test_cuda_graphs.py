@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from deploy.config import load_config
-from deploy.sizes import ConfigError
-from engine.cuda_graphs import DecodeGraphs, check_batch_sizes, default_batch_sizes
-from engine.engine import EngineConfig, LLMEngine
-from engine.long_context import LongContextConfig
-from model.loader import load_model
-from model.sampling import SamplingParams
+from kvrelay.deploy.config import load_config
+from kvrelay.deploy.sizes import ConfigError
+from kvrelay.engine.cuda_graphs import DecodeGraphs, check_batch_sizes, default_batch_sizes
+from kvrelay.engine.engine import EngineConfig, LLMEngine
+from kvrelay.engine.long_context import LongContextConfig
+from kvrelay.model.loader import load_model
+from kvrelay.model.sampling import SamplingParams
 
 # Five prompts whose requests stop after 2, 4, 6, 8 and 10 tokens: decode steps hold 5, 4, 4, 3, 3, 2, 2, 1, 1
 # sequences, so with sizes (1, 2, 4) the first runs eagerly and the others replay sizes 4, 4, 4, 4, 2, 2, 1, 1.

@@ -12,14 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from engine.engine import EngineConfig, LLMEngine, RequestError
-from engine.long_context import LongContextConfig
-from kernels import cpu_small
-from model.kernel_paths import linear_kernels
-from model.loader import load_model
-from model.sampling import SamplingParams
-from model.tiny import write_tiny_model
+from kvrelay.engine.engine import EngineConfig, LLMEngine, RequestError
+from kvrelay.engine.long_context import LongContextConfig
+from kvrelay.kernels import cpu_small
+from kvrelay.model.kernel_paths import linear_kernels
+from kvrelay.model.loader import load_model
+from kvrelay.model.sampling import SamplingParams
+from kvrelay.model.tiny import write_tiny_model
 
 MAX_TOKENS = 24
 RESUME_AT = 10  # tokens generated before a request is recomputed from its prompt and them

@@ -6,10 +6,10 @@ import random
 
 import pytest
 import torch
+from kvrelay.engine.engine import EngineConfig, LLMEngine, RequestError
+from kvrelay.model.loader import load_model
+from kvrelay.model.sampling import SamplingParams
 
-from engine.engine import EngineConfig, LLMEngine, RequestError
-from model.loader import load_model
-from model.sampling import SamplingParams
 from tests.hf_models import HF_CONFIGS
 
 GREEDY64 = SamplingParams(max_tokens=64)
@@ -122,7 +122,7 @@ def test_prompts_sharing_an_inflight_prefix_wait_for_it(tiny_model_dir):
 
 
 def _keys(engine: LLMEngine, tokens: list[int]) -> list[bytes]:
-    from kvstore.block_key import block_keys
+    from kvrelay.kvstore.block_key import block_keys
 
     return block_keys(tokens, block_size_tokens=engine.spec.block_size_tokens, spec_fingerprint=engine.spec.fingerprint)
 

@@ -5,13 +5,12 @@ from __future__ import annotations
 import random
 
 import pytest
-
-from engine.engine import EngineConfig, LLMEngine
-from kvstore.block_key import block_keys
-from kvstore.block_record import HEADER_BYTES
-from kvstore.tiered_store import TieredStoreConfig
-from model.loader import load_model
-from model.sampling import SamplingParams
+from kvrelay.engine.engine import EngineConfig, LLMEngine
+from kvrelay.kvstore.block_key import block_keys
+from kvrelay.kvstore.block_record import HEADER_BYTES
+from kvrelay.kvstore.tiered_store import TieredStoreConfig
+from kvrelay.model.loader import load_model
+from kvrelay.model.sampling import SamplingParams
 
 
 def test_prefix_split_across_device_host_disk_matches_cold_run(tiny_model_dir, tmp_path):

@@ -12,13 +12,12 @@ import re
 import jsonschema
 import pytest
 import torch
-
-from engine.engine import EngineConfig, LLMEngine, RequestError
-from engine.grammar import GrammarError, Grammars, Matcher, apply_masks, lift_min_tokens
-from model.loader import load_model
-from model.sampling_params import SamplingParams
-from model.structured import StructuredOutput
-from model.tokenizer import load_tokenizer
+from kvrelay.engine.engine import EngineConfig, LLMEngine, RequestError
+from kvrelay.engine.grammar import GrammarError, Grammars, Matcher, apply_masks, lift_min_tokens
+from kvrelay.model.loader import load_model
+from kvrelay.model.sampling_params import SamplingParams
+from kvrelay.model.structured import StructuredOutput
+from kvrelay.model.tokenizer import load_tokenizer
 
 TINY_VOCAB, TINY_EOS = 258, 257  # the tiny model's tokenizer: one token per byte (ids 0-255), <s>, </s>
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},

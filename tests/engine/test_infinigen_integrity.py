@@ -6,12 +6,11 @@ from __future__ import annotations
 import random
 
 import pytest
-
-from engine.engine import EngineConfig, LLMEngine
-from engine.long_context import LongContextConfig
-from kvstore.tiered_store import TieredStoreConfig
-from model.loader import load_model
-from model.sampling import SamplingParams
+from kvrelay.engine.engine import EngineConfig, LLMEngine
+from kvrelay.engine.long_context import LongContextConfig
+from kvrelay.kvstore.tiered_store import TieredStoreConfig
+from kvrelay.model.loader import load_model
+from kvrelay.model.sampling import SamplingParams
 
 # 8 blocks of 16: 1 sink + 4 staging + 2 recent + 1. Offloading starts past 4 blocks of KV, and below 128
 # tokens a sequence has at most 4 offloaded blocks, so every one is recalled: exact full attention.

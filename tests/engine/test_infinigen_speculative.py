@@ -9,16 +9,15 @@ import threading
 
 import pytest
 import torch
-
-from engine.engine import EngineConfig, LLMEngine
-from engine.infinigen_speculative import SPECULATE_FROM, select_rows
-from engine.long_context import LongContextConfig
-from kvstore.tiered_store import TieredStoreConfig
-from model.loader import load_model
-from model.sampling import SamplingParams
-from model.skew import compute_skew, partial_keys
-from model.tiny import write_tiny_model
-from transfer.node_agent import make_agent
+from kvrelay.engine.engine import EngineConfig, LLMEngine
+from kvrelay.engine.infinigen_speculative import SPECULATE_FROM, select_rows
+from kvrelay.engine.long_context import LongContextConfig
+from kvrelay.kvstore.tiered_store import TieredStoreConfig
+from kvrelay.model.loader import load_model
+from kvrelay.model.sampling import SamplingParams
+from kvrelay.model.skew import compute_skew, partial_keys
+from kvrelay.model.tiny import write_tiny_model
+from kvrelay.transfer.node_agent import make_agent
 
 BS = 16
 SPEC_SMALL = LongContextConfig("infinigen", device_budget_tokens=96, sink_tokens=16, recent_tokens=32,

@@ -9,15 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from engine import kernel_tuning
-from engine.engine import EngineConfig, LLMEngine
-from engine.kernel_tuning import best_us, fastest, plan_for
-from model.attention import TorchBackend
-from model.cpu_identity import this_cpu
-from model.kernel_paths import linear_kernels
-from model.kernel_plan import LINEAR_KINDS, ROW_BUCKETS, KernelPlan, builtin_plan
-from model.loader import load_model
+from kvrelay.engine import kernel_tuning
+from kvrelay.engine.engine import EngineConfig, LLMEngine
+from kvrelay.engine.kernel_tuning import best_us, fastest, plan_for
+from kvrelay.model.attention import TorchBackend
+from kvrelay.model.cpu_identity import this_cpu
+from kvrelay.model.kernel_paths import linear_kernels
+from kvrelay.model.kernel_plan import LINEAR_KINDS, ROW_BUCKETS, KernelPlan, builtin_plan
+from kvrelay.model.loader import load_model
 
 
 def test_best_and_fastest() -> None:
@@ -101,11 +100,11 @@ def test_engine_config_refuses_an_unknown_mode() -> None:
 
 RACER = """
 import sys
-from engine.engine import EngineConfig, LLMEngine
-from engine import kernel_tuning
-from engine.kernel_tuning import plan_for
-from model.kernel_paths import linear_kernels
-from model.loader import load_model
+from kvrelay.engine.engine import EngineConfig, LLMEngine
+from kvrelay.engine import kernel_tuning
+from kvrelay.engine.kernel_tuning import plan_for
+from kvrelay.model.kernel_paths import linear_kernels
+from kvrelay.model.loader import load_model
 from pathlib import Path
 kernel_tuning.MIN_CPU_SHARE = 0.0  # kept however busy the machine is
 loaded = load_model(sys.argv[1], dtype="bfloat16")
@@ -129,7 +128,7 @@ def test_processes_starting_at_once_measure_once(tiny_model_dir, tmp_path) -> No
 
 def test_the_config_key_offers_exactly_the_engine_s_modes() -> None:
     """`deploy.config_keys` spells the modes itself (the router loads it without torch): the same ones."""
-    from deploy.config_keys import KEYS
+    from kvrelay.deploy.config_keys import KEYS
 
     key = KEYS["engine.kernel_plan"]
     assert key.check.allowed == ", ".join(kernel_tuning.PLAN_MODES) and key.default == EngineConfig().kernel_plan

@@ -6,14 +6,13 @@ import random
 
 import pytest
 import torch
-
-from engine.engine import EngineConfig, LLMEngine, RequestError
-from engine.long_context import LongContextConfig
-from kernels import reference
-from kvstore.tiered_store import TieredStoreConfig
-from model.loader import load_model
-from model.sampling import SamplingParams
-from transfer.node_agent import make_agent
+from kvrelay.engine.engine import EngineConfig, LLMEngine, RequestError
+from kvrelay.engine.long_context import LongContextConfig
+from kvrelay.kernels import reference
+from kvrelay.kvstore.tiered_store import TieredStoreConfig
+from kvrelay.model.loader import load_model
+from kvrelay.model.sampling import SamplingParams
+from kvrelay.transfer.node_agent import make_agent
 
 BS = 16
 H2O_SMALL = LongContextConfig("h2o", device_budget_tokens=64, sink_tokens=16, recent_tokens=16)

@@ -6,10 +6,9 @@ from __future__ import annotations
 import random
 
 import pytest
-
-from engine.engine import EngineConfig, LLMEngine
-from model.loader import load_model
-from model.sampling import SamplingParams
+from kvrelay.engine.engine import EngineConfig, LLMEngine
+from kvrelay.model.loader import load_model
+from kvrelay.model.sampling import SamplingParams
 
 COST = (0.01, 0.001, 0.002)  # a step: 10 ms, plus 1 ms a prompt token and 2 ms a decode row
 

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from engine.step_rates import DECAY, STEP_COST_DECAY, StepCost, StepRates
+from kvrelay.engine.step_rates import DECAY, STEP_COST_DECAY, StepCost, StepRates
 
 
 def test_rates_start_at_the_first_step_of_their_kind_the_second_replaces_the_cold_first_then_they_average():

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from engine.token_histogram import ITERATION_TOKEN_BUCKETS, TokenCounts, TokenHistogram
+from kvrelay.engine.token_histogram import ITERATION_TOKEN_BUCKETS, TokenCounts, TokenHistogram
 
 
 def test_each_step_falls_in_the_first_bucket_whose_bound_holds_it() -> None:

@@ -14,16 +14,16 @@ import urllib.request
 import msgpack
 import pytest
 import torch
+from kvrelay.engine.engine import EngineConfig, LLMEngine
+from kvrelay.engine.long_context import LongContextConfig
+from kvrelay.kvstore.tiered_store import TieredStoreConfig
+from kvrelay.model.loader import load_model
+from kvrelay.model.sampling import SamplingParams
+from kvrelay.model.tokenizer import load_tokenizer
+from kvrelay.transfer.config import TOKEN_HEADER
 
-from engine.engine import EngineConfig, LLMEngine
-from engine.long_context import LongContextConfig
-from kvstore.tiered_store import TieredStoreConfig
-from model.loader import load_model
-from model.sampling import SamplingParams
-from model.tokenizer import load_tokenizer
 from tests.services.cluster import Cluster
 from tests.services.test_faults import post
-from transfer.config import TOKEN_HEADER
 
 PROMPTS = [[random.Random(s).randrange(256) for _ in range(n)] for s, n in ((1, 37), (2, 70), (3, 5))]
 PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -39,7 +39,7 @@ def test_generate_with_the_triton_backend_gives_the_reference_tokens(tiny_model_
     # One command per prompt, all started at once (each spends most of its time importing); the reference is
     # computed here meanwhile.
     runs = [subprocess.Popen(
-        [sys.executable, "-m", "deploy.cli", "generate", "--model", str(tiny_model_dir), "--prompt-ids",
+        [sys.executable, "-m", "kvrelay.deploy.cli", "generate", "--model", str(tiny_model_dir), "--prompt-ids",
          ",".join(map(str, prompt)), "--max-tokens", "8", "--dtype", "float32", "--attention-backend", "triton",
          "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for prompt in PROMPTS]
     try:

@@ -6,11 +6,10 @@ import asyncio
 import threading
 
 import pytest
-
-from engine.engine import EngineConfig, LLMEngine, RequestError
-from engine.worker import CallerThreadHost, EngineFailure, EngineWorker
-from model.loader import load_model
-from model.sampling import SamplingParams
+from kvrelay.engine.engine import EngineConfig, LLMEngine, RequestError
+from kvrelay.engine.worker import CallerThreadHost, EngineFailure, EngineWorker
+from kvrelay.model.loader import load_model
+from kvrelay.model.sampling import SamplingParams
 
 
 async def _collect(stream) -> dict[int, list[int]]:

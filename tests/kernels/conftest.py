@@ -48,8 +48,8 @@ def base_kernels(tmp_path_factory: pytest.TempPathFactory):
     """The plain C++ variant (`kernels.isa`: no AVX2, AVX-512 or AVX512-BF16 instructions) built by
     `kernels.cpu_build.build` into a fresh cache in which a killed build's lock file was left behind: ``(module,
     cache directory)``. The build must remove the stale lock, not wait on it (pytest's timeout fails a hang)."""
-    from kernels import cpu_build
-    from kernels.isa import VARIANT_BY_NAME
+    from kvrelay.kernels import cpu_build
+    from kvrelay.kernels.isa import VARIANT_BY_NAME
 
     cache = tmp_path_factory.mktemp("kernel-cache")
     (cache / "base").mkdir()

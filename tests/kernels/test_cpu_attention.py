@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kvrelay.kernels import cpu_attention, reference
+from kvrelay.kvstore.block_spec import BlockSpec
 
-from kernels import cpu_attention, reference
-from kvstore.block_spec import BlockSpec
 from tests.kernels.test_torch_attention import DECODE_LENS, PREFILL_BATCHES
 from tests.kernels.test_triton_attention import make_block_tables, make_layer
 
@@ -88,8 +88,8 @@ def test_bad_input_is_refused_with_a_named_reason(ext, change: str, message: str
 
 
 def test_the_torch_backend_decodes_through_the_kernel(ext, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kernels import torch_attention
-    from model.attention import TorchBackend
+    from kvrelay.kernels import torch_attention
+    from kvrelay.model.attention import TorchBackend
 
     monkeypatch.setattr(torch_attention, "paged_decode_attention",
                         lambda *a, **k: pytest.fail("the torch-op path ran"))
@@ -185,8 +185,8 @@ def test_bad_prefill_input_is_refused_with_a_named_reason(ext, change: str, mess
 
 def test_the_torch_backend_prefills_bf16_through_the_kernel_only(ext, monkeypatch: pytest.MonkeyPatch) -> None:
     """bf16 without window, sinks or token weights goes to the kernel; float32 and windows keep SDPA."""
-    from kernels import torch_attention
-    from model.attention import TorchBackend
+    from kvrelay.kernels import torch_attention
+    from kvrelay.model.attention import TorchBackend
 
     sdpa_calls: list[torch.dtype] = []
     real = torch_attention.prefill_attention

@@ -8,9 +8,8 @@ import sys
 
 import pytest
 import torch
-
-from kernels import cpu_build
-from kernels.isa import ISA_ENV, VARIANT_BY_NAME, build_id, cpu_flags, module_name, variant_for
+from kvrelay.kernels import cpu_build
+from kvrelay.kernels.isa import ISA_ENV, VARIANT_BY_NAME, build_id, cpu_flags, module_name, variant_for
 
 ZEN4 = frozenset("fpu sse2 avx f16c fma bmi1 bmi2 popcnt avx2 avx512f avx512dq avx512cd avx512bw avx512vl avx512_bf16 "
                  "avx512_vnni".split())
@@ -41,8 +40,9 @@ def test_a_build_held_too_long_by_another_process_is_given_up(tmp_path) -> None:
         fcntl.flock(held, fcntl.LOCK_EX)
         import subprocess
 
-        code = ("import sys; from pathlib import Path; from kernels import cpu_build; from kernels.isa import "
-                "VARIANT_BY_NAME as V\ntry:\n cpu_build.build(V['avx2'], cpu_build.CPU_KERNELS.sources, "
+        code = ("import sys; from pathlib import Path; from kvrelay.kernels import cpu_build; "
+                "from kvrelay.kernels.isa import VARIANT_BY_NAME as V\n"
+                "try:\n cpu_build.build(V['avx2'], cpu_build.CPU_KERNELS.sources, "
                 f"Path({str(tmp_path)!r}), wait_s=1.0)\nexcept TimeoutError as e:\n print(e); sys.exit(3)")
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 3, out.stderr
@@ -54,7 +54,7 @@ def test_a_prebuilt_module_is_taken_only_when_it_matches(base_kernels, monkeypat
     """The module the fixture built, standing where ``pip install`` puts the base variant's."""
     module, _ = base_kernels
     base = VARIANT_BY_NAME["base"]
-    monkeypatch.setitem(sys.modules, f"kernels.{module_name(base)}", module)
+    monkeypatch.setitem(sys.modules, f"kvrelay.kernels.{module_name(base)}", module)
     assert cpu_build.prebuilt(base, build_id(base, torch.__version__)) is module
     assert cpu_build.prebuilt(base, build_id(base, "9.9.9")) is None  # built for another torch
 

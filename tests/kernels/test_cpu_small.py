@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
-from kernels import cpu_small
-from model.linear_kernel import LinearKernel
+from kvrelay.kernels import cpu_small
+from kvrelay.model.linear_kernel import LinearKernel
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +110,7 @@ def test_rms_norm_in_bf16_equals_llama_s_cast_then_scale(ext) -> None:
 
 
 def test_the_model_s_rms_norm_takes_it_for_float32_and_bf16(ext) -> None:
-    from model.llama import RMSNorm
+    from kvrelay.model.llama import RMSNorm
 
     norm = RMSNorm(64, 1e-6)
     norm.weight.data.normal_()
@@ -212,7 +211,8 @@ def test_blocked_linear_without_vector_instructions_gives_the_same_results(base_
         got = cpu_small.blocked_linear(plain, x, cpu_small.block_weight(w), b, out)
         torch.testing.assert_close(got.double(), _bf16_product(x, w, b), rtol=1e-5, atol=1e-5)
     # the flash-style prefill attention runs on the same cores
-    from kernels import cpu_attention, reference
+    from kvrelay.kernels import cpu_attention, reference
+
     from tests.kernels.test_cpu_attention import PREFILL_LONG, _assert_prefill_close, _prefill_inputs
 
     args = _prefill_inputs(PREFILL_LONG, 3, seed=5)
@@ -227,7 +227,7 @@ def test_blocked_linear_without_vector_instructions_gives_the_same_results(base_
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_equals_apply_rotary_bit_for_bit(ext, dtype: torch.dtype) -> None:
-    from model.rope import apply_rotary
+    from kvrelay.model.rope import apply_rotary
 
     g = torch.Generator().manual_seed(11)
     qkv = torch.randn(19, 960, generator=g).to(dtype)
@@ -272,8 +272,8 @@ def test_silu_mul_equals_torch_s_ops(ext, dtype: torch.dtype) -> None:
 
 def test_the_model_rotates_and_activates_through_them(ext) -> None:
     """`Attention` and `MLP` take the C++ rotary and silu_mul once prepared on the CPU, with the same results."""
-    from model.config import ModelConfig
-    from model.llama import MLP, Attention
+    from kvrelay.model.config import ModelConfig
+    from kvrelay.model.llama import MLP, Attention
 
     config = ModelConfig.from_hf_dict({"model_type": "llama", "hidden_size": 64, "intermediate_size": 96,
                                   "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kvrelay.kernels import reference
+from kvrelay.kernels import triton_attention as ta
+from kvrelay.kernels import triton_long_context as tlc
+from kvrelay.kvstore.block_spec import BlockSpec
 
-from kernels import reference
-from kernels import triton_attention as ta
-from kernels import triton_long_context as tlc
-from kvstore.block_spec import BlockSpec
 from tests.kernels.test_triton_attention import GPU_CASES, NUM_LAYERS, Case, make_block_tables, make_layer
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kvrelay.kernels import reference, torch_attention
+from kvrelay.kvstore.block_spec import BlockSpec
 
-from kernels import reference, torch_attention
-from kvstore.block_spec import BlockSpec
 from tests.kernels.test_triton_attention import PAD_BLOCK_ID, make_block_tables, make_layer
 
 # (num_queries, seq_len) per sequence: ctx = seq_len - num_queries tokens are already cached.
@@ -114,7 +114,7 @@ def test_write_kv_equals_reference(slots: list[int]) -> None:
 def test_the_backend_plans_once_per_step_and_anew_for_the_next_step(monkeypatch: pytest.MonkeyPatch) -> None:
     """`TorchBackend` reuses a step's derived metadata across layers (same tensor objects) and never
     carries it into the next step (new tensors, other lengths)."""
-    from model.attention import TorchBackend
+    from kvrelay.model.attention import TorchBackend
 
     plans: list[tuple[int, ...]] = []
     real = torch_attention.decode_plan
@@ -135,7 +135,7 @@ def test_the_backend_plans_once_per_step_and_anew_for_the_next_step(monkeypatch:
 
 
 def test_the_backend_write_plan_follows_the_slot_mapping() -> None:
-    from model.attention import TorchBackend
+    from kvrelay.model.attention import TorchBackend
 
     backend = TorchBackend()
     spec, k_cache, v_cache, _ = _caches((40,), dtype="float32", seed=9)

@@ -11,10 +11,9 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-
-from kernels import reference
-from kernels import triton_attention as ta
-from kvstore.block_spec import BlockSpec
+from kvrelay.kernels import reference
+from kvrelay.kernels import triton_attention as ta
+from kvrelay.kvstore.block_spec import BlockSpec
 
 NUM_LAYERS = 3
 LAYER = 1

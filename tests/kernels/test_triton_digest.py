@@ -12,9 +12,8 @@ import random
 import pytest
 import torch
 import xxhash
-
-from kernels import triton_digest as td
-from kvstore.block_spec import BlockSpec
+from kvrelay.kernels import triton_digest as td
+from kvrelay.kvstore.block_spec import BlockSpec
 
 U64_MASK = (1 << 64) - 1
 SEEDS_U64 = (0, 1, 2**63 + 5, 0xFFFFFFFFFFFFFFFF)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kvrelay.kernels import reference
+from kvrelay.kvstore.block_spec import BlockSpec
 
-from kernels import reference
-from kvstore.block_spec import BlockSpec
 from tests.kernels.test_triton_attention import PAD_BLOCK_ID, make_block_tables, max_err, requires_cuda
 
 RANK, ROPE = 32, 8
@@ -40,7 +40,7 @@ CASES = [  # (sequence lengths, heads, block size, table width)
 
 @pytest.mark.parametrize("lens,heads,block_size,width", CASES, ids=str)
 def test_triton_mla_decode_equals_the_reference(lens, heads, block_size, width, kernel_device):
-    from kernels import triton_mla
+    from kvrelay.kernels import triton_mla
 
     num_blocks = sum(-(-n // block_size) for n in lens) + 3
     _, rows = latent_plane(num_blocks, block_size, kernel_device, seed=len(lens))
@@ -55,7 +55,7 @@ def test_triton_mla_decode_equals_the_reference(lens, heads, block_size, width, 
 
 
 def test_triton_mla_decode_bf16(kernel_device):
-    from kernels import triton_mla
+    from kvrelay.kernels import triton_mla
 
     lens, block_size = (40, 3, 100), 16
     _, rows = latent_plane(12, block_size, kernel_device, seed=3, dtype="bfloat16")
@@ -68,7 +68,7 @@ def test_triton_mla_decode_bf16(kernel_device):
 
 
 def test_triton_mla_decode_names_bad_input(kernel_device):
-    from kernels import triton_mla
+    from kvrelay.kernels import triton_mla
 
     _, rows = latent_plane(4, 16, kernel_device, seed=1)
     q = torch.zeros(1, 4, RANK + ROPE, device=kernel_device)
@@ -121,7 +121,7 @@ def test_absorbed_decode_equals_the_unabsorbed_attention():
 @pytest.mark.parametrize(("dtype", "tolerance"), [("float32", 1e-5), ("bfloat16", 2e-2)])
 def test_gpu_mla_decode_at_deepseek_v3_shapes(dtype, tolerance, no_tf32):
     """DeepSeek-V3's shapes: 128 heads, a latent of 512 + 64, 64-token blocks; ragged lengths to 5k tokens."""
-    from kernels import triton_mla
+    from kvrelay.kernels import triton_mla
 
     lens, block_size, device = (1, 700, 5000, 64), 64, torch.device("cuda")
     num_blocks = sum(-(-n // block_size) for n in lens) + 2

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from kernels import moe_reference as mr
-from kernels import triton_moe as tm
+from kvrelay.kernels import moe_reference as mr
+from kvrelay.kernels import triton_moe as tm
 
 HIDDEN = 32
 INTER = 48

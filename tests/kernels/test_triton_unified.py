@@ -13,10 +13,9 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-
-from kernels import reference
-from kernels import triton_unified as tu
-from kvstore.block_spec import BlockSpec
+from kvrelay.kernels import reference
+from kvrelay.kernels import triton_unified as tu
+from kvrelay.kvstore.block_spec import BlockSpec
 
 NUM_LAYERS = 2
 LAYER = 1

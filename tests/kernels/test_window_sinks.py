@@ -16,10 +16,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from kvrelay.kernels import cpu_attention, reference, torch_attention
+from kvrelay.kvstore.block_spec import BlockSpec
+from kvrelay.model.attention import AttentionBatch, ReferenceBackend, TorchBackend, TritonBackend, paged_attention
 
-from kernels import cpu_attention, reference, torch_attention
-from kvstore.block_spec import BlockSpec
-from model.attention import AttentionBatch, ReferenceBackend, TorchBackend, TritonBackend, paged_attention
 from tests.kernels.test_triton_attention import LAYER, NUM_LAYERS, PAD_BLOCK_ID
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 32, 16
@@ -215,7 +215,7 @@ def _decode(backend: str, ext, inputs: Inputs, **kwargs) -> torch.Tensor:
         return torch_attention.paged_decode_attention(*inputs.decode_args(), scale=SCALE, **kwargs)
     if backend == "cpp":
         return cpu_attention.paged_decode_attention(ext, *inputs.decode_args(), scale=SCALE, **kwargs)
-    from kernels import triton_attention, triton_unified
+    from kvrelay.kernels import triton_attention, triton_unified
 
     if backend == "triton":
         return triton_attention.paged_decode_attention(*inputs.decode_args(), scale=SCALE, **kwargs)
@@ -225,7 +225,7 @@ def _decode(backend: str, ext, inputs: Inputs, **kwargs) -> torch.Tensor:
 def _prefill(backend: str, inputs: Inputs, **kwargs) -> torch.Tensor:
     if backend == "torch":
         return torch_attention.prefill_attention(*inputs.prefill_args(), scale=SCALE, **kwargs)
-    from kernels import triton_unified
+    from kvrelay.kernels import triton_unified
 
     return triton_unified.unified_attention(*inputs.prefill_args(), scale=SCALE, **kwargs)
 
@@ -318,7 +318,7 @@ def test_triton_decode_matches_reference(window, sinks_on, kernel_device):
 @pytest.mark.parametrize("window", [17, 64, 200, 299])
 def test_triton_decode_splits_only_the_window(window, kernel_device):
     """A window wider than a tile over 3 splits: the window's range is what gets split."""
-    from kernels import triton_attention
+    from kvrelay.kernels import triton_attention
 
     inputs = decode_inputs((300, 257, 17, 1), kernel_device, seed=10, table_blocks=40)
     assert triton_attention.decode_num_splits(40 * BLOCK) == 3
@@ -445,7 +445,7 @@ def test_paged_attention_passes_window_and_sinks_to_every_kernel(backend_class, 
 
 def _kernels(device: torch.device, ext) -> dict:
     """name -> (function taking the decode-shaped `Inputs` and keyword arguments)."""
-    from kernels import triton_attention, triton_unified
+    from kvrelay.kernels import triton_attention, triton_unified
 
     cpu_only = {
         "reference-decode": lambda i, **kw: reference.paged_decode_attention(*i.decode_args(), scale=SCALE, **kw),

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from kvrelay.deploy.sizes import ConfigError
+from kvrelay.engine.engine import EngineConfig, LLMEngine, RequestError
+from kvrelay.model.loader import load_model
+from kvrelay.model.tokenizer import load_tokenizer
 
-from deploy.sizes import ConfigError
-from engine.engine import EngineConfig, LLMEngine, RequestError
 from kvrelay import LLM, SamplingParams
-from model.loader import load_model
-from model.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +61,7 @@ def test_bad_input_is_named_and_the_engine_is_left_clean(llm, tiny_model_dir):
 
 
 def test_sampling_params_take_vllms_defaults_and_the_engine_takes_them_as_they_are():
-    from model.sampling_params import SamplingParams as EngineSamplingParams
+    from kvrelay.model.sampling_params import SamplingParams as EngineSamplingParams
 
     params = SamplingParams()
     assert (params.temperature, params.max_tokens, params.top_p, params.top_k, params.min_p) == (1.0, 16, 1.0, 0, 0.0)
@@ -73,7 +73,7 @@ def test_default_params_come_from_generation_config(tmp_path):
     import json
     import shutil
 
-    from model.tiny import write_tiny_model
+    from kvrelay.model.tiny import write_tiny_model
 
     model = write_tiny_model(tmp_path / "model", seed=0)
     cfg = json.loads((model / "generation_config.json").read_text())
@@ -117,8 +117,8 @@ def test_device_auto_and_gpu_memory_utilization_ignored_on_cpu(tiny_model_dir, c
     import logging
 
     import torch
+    from kvrelay.deploy.sizes import parse_size
 
-    from deploy.sizes import parse_size
     from kvrelay.llm import CPU_KV_CACHE_MEMORY
 
     if torch.cuda.is_available():

@@ -7,10 +7,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from kvrelay.kvstore.block_spec import BlockSpec
+from kvrelay.kvstore.lmdb_tier import LmdbOptions, LmdbTier
+from kvrelay.kvstore.tiered_store import TieredStore, TieredStoreConfig
 
-from kvstore.block_spec import BlockSpec
-from kvstore.lmdb_tier import LmdbOptions, LmdbTier
-from kvstore.tiered_store import TieredStore, TieredStoreConfig
 from tests.kvstore.store_helpers import SPEC
 
 

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import torch
-
-from kvstore.block_key import BlockKey, block_keys
-from kvstore.block_spec import BlockSpec
-from kvstore.tiered_store import TieredStore
+from kvrelay.kvstore.block_key import BlockKey, block_keys
+from kvrelay.kvstore.block_spec import BlockSpec
+from kvrelay.kvstore.tiered_store import TieredStore
 
 SPEC = BlockSpec(num_layers=2, num_kv_heads=2, head_dim=16, block_size_tokens=4, model_fingerprint="test")
 

@@ -4,9 +4,8 @@ import subprocess
 import sys
 
 import pytest
-
-from kvstore.block_key import block_keys, extend_block_keys
-from kvstore.block_spec import BlockSpec
+from kvrelay.kvstore.block_key import block_keys, extend_block_keys
+from kvrelay.kvstore.block_spec import BlockSpec
 
 SPEC = BlockSpec(num_layers=2, num_kv_heads=2, head_dim=16, block_size_tokens=4, model_fingerprint="m")
 
@@ -72,7 +71,7 @@ def test_out_of_range_token_is_named():
 
 def test_same_tokens_same_keys_in_separate_processes():
     code = (
-        "from kvstore.block_key import block_keys; from kvstore.block_spec import BlockSpec;"
+        "from kvrelay.kvstore.block_key import block_keys; from kvrelay.kvstore.block_spec import BlockSpec;"
         "s = BlockSpec(num_layers=2, num_kv_heads=2, head_dim=16, block_size_tokens=4, model_fingerprint='m');"
         "print(','.join(k.hex() for k in block_keys(list(range(40)), block_size_tokens=4,"
         " spec_fingerprint=s.fingerprint, salt=b'x')))"

@@ -1,9 +1,8 @@
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from kvstore.block_key import BlockKey
-from kvstore.block_pool import BlockPool, NoFreeBlocksError
+from kvrelay.kvstore.block_key import BlockKey
+from kvrelay.kvstore.block_pool import BlockPool, NoFreeBlocksError
 
 
 def key(i: int) -> BlockKey:

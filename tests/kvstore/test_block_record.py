@@ -1,14 +1,14 @@
 import pytest
 import torch
-
-from kvstore.block_record import (
+from kvrelay.kvstore.block_record import (
     CHECKSUM_NAME_TO_ID,
     HEADER_BYTES,
     RecordCodec,
     disk_bytes_of,
     record_bytes,
 )
-from kvstore.block_spec import BlockSpec
+from kvrelay.kvstore.block_spec import BlockSpec
+
 from tests.kvstore.store_helpers import SPEC, block_value, chain
 
 

@@ -11,11 +11,10 @@ import numpy as np
 import pytest
 import torch
 import xxhash
-
-from kvstore.block_pool import BlockPool
-from kvstore.block_record import HEADER_BYTES
-from kvstore.block_spec import BlockSpec
-from kvstore.digest import (
+from kvrelay.kvstore.block_pool import BlockPool
+from kvrelay.kvstore.block_record import HEADER_BYTES
+from kvrelay.kvstore.block_spec import BlockSpec
+from kvrelay.kvstore.digest import (
     IntegrityPolicy,
     block_digest,
     digest_keyed,
@@ -23,8 +22,9 @@ from kvstore.digest import (
     seed_of,
     slice_seed,
 )
-from kvstore.kv_events import KvEventLog
-from kvstore.tiered_store import TieredStore, TieredStoreConfig
+from kvrelay.kvstore.kv_events import KvEventLog
+from kvrelay.kvstore.tiered_store import TieredStore, TieredStoreConfig
+
 from tests.kvstore.store_helpers import SPEC, block_value, chain, write_blocks
 
 KEYS = chain(6)

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from kvrelay.kvstore.lmdb_tier import LmdbOptions, LmdbTier
+from kvrelay.kvstore.tiered_store import TieredStore, TieredStoreConfig
 
-from kvstore.lmdb_tier import LmdbOptions, LmdbTier
-from kvstore.tiered_store import TieredStore, TieredStoreConfig
 from tests.kvstore.store_helpers import SPEC, block_value, chain
 
 REPO = Path(__file__).resolve().parents[2]
@@ -83,7 +83,7 @@ def run_child(code: str, timeout_s: float = 120.0) -> tuple[int, dict]:
 
 STORE_CHILD = """
     import json, sys, torch
-    from kvstore.tiered_store import TieredStore, TieredStoreConfig
+    from kvrelay.kvstore.tiered_store import TieredStore, TieredStoreConfig
     from tests.kvstore.store_helpers import SPEC, block_value, chain, write_blocks
     store = TieredStore(SPEC, TieredStoreConfig(num_device_blocks=8, num_host_blocks=8, disk_path={path!r},
                                                 disk_capacity_bytes=64 << 20))
@@ -151,7 +151,7 @@ def test_a_truncated_data_mdb_is_moved_aside_at_open_without_a_signal(tmp_path, 
     os.truncate(path / "data.mdb", keep_bytes)
     code, out = run_child(f"""
         import json, torch
-        from kvstore.lmdb_tier import LmdbTier
+        from kvrelay.kvstore.lmdb_tier import LmdbTier
         from tests.kvstore.store_helpers import SPEC, block_value, chain
         tier = LmdbTier(SPEC, {str(path)!r}, capacity_bytes=4 << 20)
         keys = chain(40)
@@ -246,7 +246,7 @@ def test_a_failed_reset_leaves_the_store_serving_without_its_disk_tier(tmpfs):
     mount = tmpfs(512)
     code, out = run_child(f"""
         import json, os
-        from kvstore.tiered_store import TieredStore, TieredStoreConfig
+        from kvrelay.kvstore.tiered_store import TieredStore, TieredStoreConfig
         from tests.kvstore.store_helpers import SPEC, block_value, chain, write_blocks
         from tests.kvstore.test_disk_faults import fill
         from pathlib import Path

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from kvrelay.kvstore.fetch_cost import DECAY, FetchCosts
 
-from kvstore.fetch_cost import DECAY, FetchCosts
 from tests.kvstore.store_helpers import block_value, chain, write_blocks
 
 

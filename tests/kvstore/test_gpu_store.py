@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kvrelay.deploy.config import DeviceTierConfig, nvml_free_bytes
+from kvrelay.kvstore.digest import block_digest
+from kvrelay.kvstore.tiered_store import TieredStore, TieredStoreConfig
 
-from deploy.config import DeviceTierConfig, nvml_free_bytes
-from kvstore.digest import block_digest
-from kvstore.tiered_store import TieredStore, TieredStoreConfig
 from tests.kvstore.store_helpers import SPEC, block_value, chain
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

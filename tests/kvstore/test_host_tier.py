@@ -1,8 +1,8 @@
 import pytest
 import torch
+from kvrelay.kvstore.block_key import BlockKey
+from kvrelay.kvstore.host_tier import HostTier
 
-from kvstore.block_key import BlockKey
-from kvstore.host_tier import HostTier
 from tests.kvstore.store_helpers import SPEC, block_value, chain
 
 

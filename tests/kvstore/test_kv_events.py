@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from kvstore.block_key import BlockKey
-from kvstore.block_pool import BlockPool
-from kvstore.kv_events import REMOVED, STORED, KvEventLog
-from router.kv_index import KvIndex
+from kvrelay.kvstore.block_key import BlockKey
+from kvrelay.kvstore.block_pool import BlockPool
+from kvrelay.kvstore.kv_events import REMOVED, STORED, KvEventLog
+from kvrelay.router.kv_index import KvIndex
 
 
 def key(i: int) -> BlockKey:

@@ -13,9 +13,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
+from kvrelay.kvstore.lmdb_env import read_snapshot
+from kvrelay.kvstore.lmdb_tier import LmdbOptions
 
-from kvstore.lmdb_env import read_snapshot
-from kvstore.lmdb_tier import LmdbOptions
 from tests.kvstore.store_helpers import SPEC, block_value, chain, write_blocks
 
 REPO = Path(__file__).resolve().parents[2]
@@ -53,7 +53,7 @@ def test_a_second_process_serves_the_prefix_from_disk(make_store, tmp_path):
     child = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(f"""
             import json, torch
-            from kvstore.tiered_store import TieredStore, TieredStoreConfig
+            from kvrelay.kvstore.tiered_store import TieredStore, TieredStoreConfig
             from tests.kvstore.store_helpers import SPEC, block_value, chain
             store = TieredStore(SPEC, TieredStoreConfig(
                 num_device_blocks=4, disk_path={str(tmp_path / "kv")!r}, disk_capacity_bytes=1 << 20))
@@ -151,7 +151,7 @@ def snapshot_in_new_process(path: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(f"""
             from pathlib import Path
-            from kvstore.lmdb_env import read_snapshot
+            from kvrelay.kvstore.lmdb_env import read_snapshot
             print(read_snapshot(Path({str(path)!r})).num_blocks)
         """)],
         cwd=REPO, capture_output=True, text=True, timeout=120,

@@ -2,16 +2,16 @@ import errno
 import os
 import stat
 
+import kvrelay.kvstore.lmdb_tier as lmdb_tier_module
 import lmdb
 import pytest
 import torch
+from kvrelay.kvstore.block_record import HEADER_BYTES, record_bytes
+from kvrelay.kvstore.block_spec import BlockSpec
+from kvrelay.kvstore.digest import block_digest
+from kvrelay.kvstore.lmdb_env import DiskTierInUseError
+from kvrelay.kvstore.lmdb_tier import LmdbOptions
 
-import kvstore.lmdb_tier as lmdb_tier_module
-from kvstore.block_record import HEADER_BYTES, record_bytes
-from kvstore.block_spec import BlockSpec
-from kvstore.digest import block_digest
-from kvstore.lmdb_env import DiskTierInUseError
-from kvstore.lmdb_tier import LmdbOptions
 from tests.kvstore.store_helpers import SPEC, block_value, chain
 
 PAGE = 4096  # SPEC blocks (2 KiB) take one page each

@@ -9,13 +9,12 @@ import pytest
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from deploy.config import parse_config
-from deploy.sizes import ConfigError
-from kvstore.block_pool import BlockPool, NoFreeBlocksError
-from kvstore.host_tier import HostTier
-from kvstore.policy import PolicySim, ShadowLru, TailCap, parse_policy
-from kvstore.tiered_store import TieredStore, TieredStoreConfig
+from kvrelay.deploy.config import parse_config
+from kvrelay.deploy.sizes import ConfigError
+from kvrelay.kvstore.block_pool import BlockPool, NoFreeBlocksError
+from kvrelay.kvstore.host_tier import HostTier
+from kvrelay.kvstore.policy import PolicySim, ShadowLru, TailCap, parse_policy
+from kvrelay.kvstore.tiered_store import TieredStore, TieredStoreConfig
 
 from .store_helpers import SPEC, block_value, chain
 
@@ -186,7 +185,7 @@ def _script(seed: int, n: int) -> list[list[bytes]]:
 
 
 def chain_of(tokens: list[int]) -> list[bytes]:
-    from kvstore.block_key import block_keys
+    from kvrelay.kvstore.block_key import block_keys
 
     return block_keys(tokens, block_size_tokens=SPEC.block_size_tokens, spec_fingerprint=SPEC.fingerprint)
 
@@ -324,9 +323,9 @@ def test_watermark_precopies_cold_blocks_only_into_free_host_slots():
 
 
 def test_preempted_sequences_release_their_tail_warm(tiny_model_dir):
-    from engine.engine import EngineConfig, LLMEngine
-    from model.loader import load_model
-    from model.sampling import SamplingParams
+    from kvrelay.engine.engine import EngineConfig, LLMEngine
+    from kvrelay.model.loader import load_model
+    from kvrelay.model.sampling import SamplingParams
 
     eng = LLMEngine(load_model(tiny_model_dir), EngineConfig(num_blocks=16),
                     store_config=TieredStoreConfig(num_device_blocks=16))

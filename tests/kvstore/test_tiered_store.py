@@ -1,11 +1,11 @@
 import errno
 
+import kvrelay.kvstore.lmdb_tier as lmdb_tier_module
 import lmdb
 import pytest
 import torch
+from kvrelay.kvstore.tiered_store import TierMove
 
-import kvstore.lmdb_tier as lmdb_tier_module
-from kvstore.tiered_store import TierMove
 from tests.kvstore.store_helpers import SPEC, block_value, chain, write_blocks
 
 KEYS = chain(8)
@@ -201,7 +201,7 @@ def test_persist_writes_device_and_host_blocks_for_a_restart(make_store):
 
 
 def test_bad_config_is_refused():
-    from kvstore.tiered_store import TieredStore, TieredStoreConfig
+    from kvrelay.kvstore.tiered_store import TieredStore, TieredStoreConfig
 
     with pytest.raises(ValueError, match="not an admission policy"):
         TieredStore(SPEC, TieredStoreConfig(num_device_blocks=2, admit="twice"))

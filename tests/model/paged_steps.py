@@ -5,11 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from kvstore.block_spec import BlockSpec
-from model.attention import AttentionBatch, make_backend
-from model.config import ModelConfig
-from model.llama import LlamaForCausalLM
+from kvrelay.kvstore.block_spec import BlockSpec
+from kvrelay.model.attention import AttentionBatch, make_backend
+from kvrelay.model.config import ModelConfig
+from kvrelay.model.llama import LlamaForCausalLM
 
 BLOCK_SIZE = 16
 

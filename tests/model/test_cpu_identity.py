@@ -5,7 +5,7 @@ from __future__ import annotations
 import platform
 from pathlib import Path
 
-from model.cpu_identity import CpuIdentity, parse_cpuinfo, this_cpu
+from kvrelay.model.cpu_identity import CpuIdentity, parse_cpuinfo, this_cpu
 
 ZEN4_KVM = """processor\t: 0
 vendor_id\t: AuthenticAMD

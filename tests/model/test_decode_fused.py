@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from engine.engine import EngineConfig, LLMEngine
-from kernels import cpu_small
-from model.llama import DecoderLayer, LlamaForCausalLM
-from model.loader import load_model
-from model.sampling import SamplingParams
+from kvrelay.engine.engine import EngineConfig, LLMEngine
+from kvrelay.kernels import cpu_small
+from kvrelay.model.llama import DecoderLayer, LlamaForCausalLM
+from kvrelay.model.loader import load_model
+from kvrelay.model.sampling import SamplingParams
 
 # Twenty sequences of ragged prompts (one block of 16 tokens to five) and ragged outputs: the first decode steps
 # hold twenty tokens (past BLOCKED_MAX_ROWS: the Python path), later ones sixteen, then fewer as sequences finish.

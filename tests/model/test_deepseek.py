@@ -11,14 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from engine.engine import EngineConfig, LLMEngine, RequestError
-from engine.long_context import LongContextConfig
-from model.config import ModelConfig
-from model.deepseek import DeepseekMoe, MlaAttention, route_grouped
-from model.loader import load_model
-from model.sampling import SamplingParams
-from model.tiny import write_tiny_model
+from kvrelay.engine.engine import EngineConfig, LLMEngine, RequestError
+from kvrelay.engine.long_context import LongContextConfig
+from kvrelay.model.config import ModelConfig
+from kvrelay.model.deepseek import DeepseekMoe, MlaAttention, route_grouped
+from kvrelay.model.loader import load_model
+from kvrelay.model.sampling import SamplingParams
+from kvrelay.model.tiny import write_tiny_model
 
 PROMPTS = [[random.Random(s).randrange(256) for _ in range(n)] for s, n in ((1, 300), (2, 37), (3, 16), (4, 1))]
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -67,7 +66,7 @@ def test_one_layer_absorbed_equals_unabsorbed_within_1e_5(ds_dir):
     """One decoder layer's attention output over a step with prefill chunks (one after a cached prefix) and
     decode tokens: absorbed decode and expanded prefill (the default), the other way of each, and both unabsorbed
     through the oracle (`kernels.reference.mla_unabsorbed_attention`)."""
-    from model.attention import AttentionBatch, make_backend
+    from kvrelay.model.attention import AttentionBatch, make_backend
 
     loaded = load_model(ds_dir)
     attn = loaded.model.model.layers[2].self_attn
@@ -203,7 +202,8 @@ def test_greedy_tokens_equal_transformers_through_kvrelay_generate_and_a_1p1d_re
 
     prompts = _prompts(ISSUE_LENGTHS, seed=4)
     runs = [subprocess.Popen(
-        [sys.executable, "-m", "deploy.cli", "generate", "--model", str(ds_dir), "--prompt-ids", ",".join(map(str, p)),
+        [sys.executable, "-m", "kvrelay.deploy.cli", "generate", "--model", str(ds_dir), "--prompt-ids",
+         ",".join(map(str, p)),
          "--max-tokens", str(OUT_TOKENS), "--min-tokens", str(OUT_TOKENS), "--dtype", "float32", "--json"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()},
     ) for p in prompts]

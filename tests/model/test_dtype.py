@@ -6,11 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from engine.engine import EngineConfig, LLMEngine
-from model.dtype import cpu_flags, resolve_dtype
-from model.loader import load_model
-from model.sampling import SamplingParams
+from kvrelay.engine.engine import EngineConfig, LLMEngine
+from kvrelay.model.dtype import cpu_flags, resolve_dtype
+from kvrelay.model.loader import load_model
+from kvrelay.model.sampling import SamplingParams
 
 
 @pytest.mark.parametrize(("flags", "want"), [

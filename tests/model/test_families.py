@@ -14,14 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from engine.engine import EngineConfig, LLMEngine, RequestError
-from model.config import ModelConfig, MoeConfig
-from model.llama import MLP
-from model.loader import load_model
-from model.moe import SparseMoe, activate, experts_grouped, route
-from model.sampling import SamplingParams
-from model.tiny import TINY_ARCHS, TINY_WINDOW, write_tiny_model
+from kvrelay.engine.engine import EngineConfig, LLMEngine, RequestError
+from kvrelay.model.config import ModelConfig, MoeConfig
+from kvrelay.model.llama import MLP
+from kvrelay.model.loader import load_model
+from kvrelay.model.moe import SparseMoe, activate, experts_grouped, route
+from kvrelay.model.sampling import SamplingParams
+from kvrelay.model.tiny import TINY_ARCHS, TINY_WINDOW, write_tiny_model
 
 OUT_TOKENS = 40
 LENGTHS = (1, 15, 16, 17, 100, 2 * TINY_WINDOW + 7)  # the last two reach past gpt-oss's window of 32
@@ -75,7 +74,7 @@ def test_kvrelay_generate_serves_every_family(family_dirs):
     # One `kvrelay generate` process per family, all started at once (each spends most of its time importing);
     # transformers' tokens are computed here meanwhile.
     runs = {arch: subprocess.Popen(
-        [sys.executable, "-m", "deploy.cli", "generate", "--model", str(family_dirs[arch]), "--prompt-ids",
+        [sys.executable, "-m", "kvrelay.deploy.cli", "generate", "--model", str(family_dirs[arch]), "--prompt-ids",
          ",".join(map(str, prompt)), "--max-tokens", str(OUT_TOKENS), "--min-tokens", str(OUT_TOKENS),
          "--dtype", "float32", "--json"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()},
@@ -130,7 +129,7 @@ def test_gpt_oss_expert_tensors_are_held_once_as_views_of_the_restacked_weights(
 
 
 def test_windowed_and_sink_models_refuse_long_context_policies(family_dirs):
-    from engine.long_context import LongContextConfig
+    from kvrelay.engine.long_context import LongContextConfig
 
     engine = LLMEngine(load_model(family_dirs["gpt-oss"]), EngineConfig(num_blocks=64))
     with pytest.raises(ValueError, match="policy h2o is not supported for a model with sliding-window layers"):
@@ -235,8 +234,8 @@ def test_swiglu_oai_clamps_as_gpt_oss():
 
 
 def test_grouped_experts_equal_the_plain_reference():
-    from kernels.moe_reference import fused_experts_reference
-    from model.linear_kernel import LinearKernel
+    from kvrelay.kernels.moe_reference import fused_experts_reference
+    from kvrelay.model.linear_kernel import LinearKernel
 
     gen = torch.Generator().manual_seed(1)
     for activation, bias in (("silu", False), ("swiglu_oai", True)):
@@ -300,7 +299,7 @@ def test_gpt_oss_sliding_blocks_out_of_the_window_go_back_to_the_pool_while_full
     """gpt-oss (tiny: 2 full + 2 sliding layers, window 32) pages its KV in two groups: 16-token block i
     of a sequence is table entries 2i (full layers) and 2i + 1 (sliding layers). Before the decode step of
     row p, the sliding blocks wholly before p − 31 are given back; the full ones never are."""
-    from engine.block_tables import NULL_BLOCK, held
+    from kvrelay.engine.block_tables import NULL_BLOCK, held
 
     loaded = load_model(family_dirs["gpt-oss"])
     assert [g.window for g in loaded.config.kv_groups] == [None, TINY_WINDOW]

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from huggingface_hub import constants, snapshot_download
 from huggingface_hub.errors import IncompleteSnapshotError
+from kvrelay.model.hub import ALLOW_PATTERNS, HubError, ModelSource, is_hub_id, resolve_model
+from kvrelay.model.loader import model_fingerprint
 
-from model.hub import ALLOW_PATTERNS, HubError, ModelSource, is_hub_id, resolve_model
-from model.loader import model_fingerprint
 from tests.hub_cache import COMMIT, NOT_FETCHED, write_hub_snapshot
 
 

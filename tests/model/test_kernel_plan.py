@@ -8,12 +8,11 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
-
-from engine.engine import EngineConfig, LLMEngine
-from kernels import cpu_small
-from model import linear_kernel
-from model.kernel_paths import apply_kernel_plan, linear_kernels
-from model.kernel_plan import (
+from kvrelay.engine.engine import EngineConfig, LLMEngine
+from kvrelay.kernels import cpu_small
+from kvrelay.model import linear_kernel
+from kvrelay.model.kernel_paths import apply_kernel_plan, linear_kernels
+from kvrelay.model.kernel_plan import (
     FEW_ROW_BUCKETS,
     LINEAR_KINDS,
     KernelPlan,
@@ -22,10 +21,10 @@ from model.kernel_plan import (
     builtin_plan,
     deterministic_plan,
 )
-from model.linear_kernel import LinearKernel, packing_supported
-from model.llama import LlamaForCausalLM
-from model.loader import load_model
-from model.sampling import SamplingParams
+from kvrelay.model.linear_kernel import LinearKernel, packing_supported
+from kvrelay.model.llama import LlamaForCausalLM
+from kvrelay.model.loader import load_model
+from kvrelay.model.sampling import SamplingParams
 
 
 def test_bucket_of_each_row_count() -> None:

@@ -6,9 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
-from kernels import cpu_small
-from model.linear_kernel import LinearKernel, packing_supported
+from kvrelay.kernels import cpu_small
+from kvrelay.model.linear_kernel import LinearKernel, packing_supported
 
 
 @pytest.mark.parametrize("rows", [cpu_small.BLOCKED_MAX_ROWS + 1, 64, 300])

@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from kvrelay.model.loader import load_model, model_fingerprint
+from kvrelay.model.tiny import write_tiny_model
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, Qwen2Config
-
-from model.loader import load_model, model_fingerprint
-from model.tiny import write_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +156,7 @@ def test_fingerprint_covers_every_weight_byte_and_caches_by_size_and_mtime(tiny_
     fingerprint; the digest is cached next to the files and redone when the file's mtime moves."""
     import os
 
-    from model.loader import FINGERPRINT_CACHE
+    from kvrelay.model.loader import FINGERPRINT_CACHE
 
     model = _copy(tiny_dir, tmp_path / "m")
     (model / FINGERPRINT_CACHE).unlink(missing_ok=True)
@@ -182,7 +181,7 @@ def test_fingerprint_covers_every_weight_byte_and_caches_by_size_and_mtime(tiny_
 
 
 def test_mxfp4_experts_are_refused_by_name(tmp_path: Path) -> None:
-    from model.tiny import write_tiny_model
+    from kvrelay.model.tiny import write_tiny_model
 
     model_dir = write_tiny_model(tmp_path / "gpt-oss", arch="gpt-oss")
     blocks = torch.zeros(4, 128, 2, 16, dtype=torch.uint8)

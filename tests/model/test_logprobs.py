@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from engine.engine import EngineConfig, LLMEngine
-from model.loader import load_model
-from model.sampling import SamplingParams
+from kvrelay.engine.engine import EngineConfig, LLMEngine
+from kvrelay.model.loader import load_model
+from kvrelay.model.sampling import SamplingParams
 
 
 def run_with_logprobs(engine: LLMEngine, prompt: list[int], params: SamplingParams):

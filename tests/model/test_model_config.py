@@ -6,9 +6,8 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+from kvrelay.model.config import ModelConfig, RopeConfig, read_model_config
 from transformers import LlamaConfig, MistralConfig, Qwen2Config
-
-from model.config import ModelConfig, RopeConfig, read_model_config
 
 LLAMA31_CLASSIC = {  # the shape of meta-llama/Llama-3.1-8B-Instruct's config.json, shrunk
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False, "mlp_bias": False,

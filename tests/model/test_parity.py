@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from kvrelay.model.attention import make_backend
+from kvrelay.model.loader import LoadedModel, load_model
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config
 
-from model.attention import make_backend
-from model.loader import LoadedModel, load_model
 from tests.model.paged_steps import DecodePart, PrefillPart, make_batch, new_pool, shuffled_block_table
 
 TOLERANCE = 1e-4

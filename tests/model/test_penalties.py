@@ -8,10 +8,9 @@ import random
 
 import pytest
 import torch
-
-from engine.engine import EngineConfig, LLMEngine
-from model.loader import load_model
-from model.sampling import SamplingParams, adjust_logits, sample, token_generator
+from kvrelay.engine.engine import EngineConfig, LLMEngine
+from kvrelay.model.loader import load_model
+from kvrelay.model.sampling import SamplingParams, adjust_logits, sample, token_generator
 
 
 def reference_adjust(logits: list[float], p: SamplingParams, prompt: list[int], output: list[int],

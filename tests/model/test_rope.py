@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kvrelay.model.config import ModelConfig
+from kvrelay.model.rope import RotaryRows, apply_rotary, rope_inv_freq, rotary_cos_sin
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
-
-from model.config import ModelConfig
-from model.rope import RotaryRows, apply_rotary, rope_inv_freq, rotary_cos_sin
 
 ROPE_PARAMETERS = {
     "default": {"rope_type": "default", "rope_theta": 10000.0},

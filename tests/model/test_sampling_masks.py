@@ -4,9 +4,8 @@ leaves a row with nothing to draw."""
 from __future__ import annotations
 
 import torch
-
-from model.sampling import adjust_logits, sample
-from model.sampling_params import SamplingParams
+from kvrelay.model.sampling import adjust_logits, sample
+from kvrelay.model.sampling_params import SamplingParams
 
 INF = float("-inf")
 

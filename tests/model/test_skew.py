@@ -9,13 +9,11 @@ from typing import NamedTuple
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
-from model.attention import make_backend
-from model.llama import LlamaForCausalLM
-from model.loader import LoadedModel, load_model
-from model.rope import rotary_cos_sin
-from model.skew import (
+from kvrelay.model.attention import make_backend
+from kvrelay.model.llama import LlamaForCausalLM
+from kvrelay.model.loader import LoadedModel, load_model
+from kvrelay.model.rope import rotary_cos_sin
+from kvrelay.model.skew import (
     SkewTables,
     compute_skew,
     layer_inputs,
@@ -28,8 +26,10 @@ from model.skew import (
     skew_path,
     speculation_query,
 )
-from model.tiny import write_tiny_model
-from model.tokenizer import load_tokenizer
+from kvrelay.model.tiny import write_tiny_model
+from kvrelay.model.tokenizer import load_tokenizer
+from safetensors.torch import load_file, save_file
+
 from tests.model.paged_steps import PrefillPart, make_batch, new_pool
 
 SMOLLM2_DIR = Path(__file__).resolve().parents[2] / ".models" / "smollm2-135m-instruct"

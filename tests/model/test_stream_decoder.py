@@ -18,11 +18,11 @@ import pytest
 import tokenizers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kvrelay.model.stream_decoder import MAX_HELD_IDS, stream_decoder
+from kvrelay.model.tokenizer import Tokenizer, load_tokenizer
+from kvrelay.router.text_output import SampleText
 from tokenizers import AddedToken, decoders, models, normalizers, trainers
 
-from model.stream_decoder import MAX_HELD_IDS, stream_decoder
-from model.tokenizer import Tokenizer, load_tokenizer
-from router.text_output import SampleText
 from tests.real_model import RealModel
 
 CONTINUATION = 0x80  # the tiny tokenizer's id 128: UTF-8 byte 0x80, which never starts a character

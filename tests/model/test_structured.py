@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import pytest
-
-from model.sampling_params import SamplingParams
-from model.structured import MAX_CHOICES, MAX_SPEC_CHARS, StructuredOutput
-from transfer.wire import (
+from kvrelay.model.sampling_params import SamplingParams
+from kvrelay.model.structured import MAX_CHOICES, MAX_SPEC_CHARS, StructuredOutput
+from kvrelay.transfer.wire import (
     GenerationMessage,
     WireError,
     decode_generation,

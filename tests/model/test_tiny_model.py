@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from kvrelay.model.attention import make_backend
+from kvrelay.model.loader import load_model, model_fingerprint
+from kvrelay.model.tiny import BOS_ID, EOS_ID, write_tiny_model
+from kvrelay.model.tokenizer import load_tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from model.attention import make_backend
-from model.loader import load_model, model_fingerprint
-from model.tiny import BOS_ID, EOS_ID, write_tiny_model
-from model.tokenizer import load_tokenizer
 from tests.model.paged_steps import PrefillPart, greedy_generate, make_batch, new_pool
 
 FILES = ["config.json", "generation_config.json", "model.safetensors", "special_tokens_map.json",

@@ -8,11 +8,10 @@ from pathlib import Path
 
 import jinja2
 import pytest
+from kvrelay.model.stream_decoder import stream_decoder
+from kvrelay.model.tiny import BOS_ID, EOS_ID, write_tiny_model
+from kvrelay.model.tokenizer import load_tokenizer
 from transformers import AutoTokenizer
-
-from model.stream_decoder import stream_decoder
-from model.tiny import BOS_ID, EOS_ID, write_tiny_model
-from model.tokenizer import load_tokenizer
 
 LLAMA3_STYLE_TEMPLATE = """{{- bos_token }}
 {%- if messages[0]['role'] == 'system' %}

@@ -21,12 +21,11 @@ from typing import Any
 
 import pytest
 import yaml
-
-from benchmarks.netns import Hosts, netns_problem
-from engine.engine import EngineConfig, LLMEngine
-from model.loader import load_model
-from model.sampling import SamplingParams
-from model.tokenizer import load_tokenizer
+from kvrelay.benchmarks.netns import Hosts, netns_problem
+from kvrelay.engine.engine import EngineConfig, LLMEngine
+from kvrelay.model.loader import load_model
+from kvrelay.model.sampling import SamplingParams
+from kvrelay.model.tokenizer import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "multihost-test-token"
@@ -114,7 +113,7 @@ class MultiHost:
         role = host.split("-")[0]
         env = {**os.environ, "KVRELAY_INTERNAL_TOKEN": TOKEN, "UCX_TLS": "tcp", "PYTHONPATH": str(REPO)}
         self.starts[host] = self.starts.get(host, 0) + 1
-        argv = [sys.executable, "-m", "deploy.cli", role, "--config", str(self.config(host)), "--name", host]
+        argv = [sys.executable, "-m", "kvrelay.deploy.cli", role, "--config", str(self.config(host)), "--name", host]
         self.procs[host] = self.hosts.popen(host, argv, env=env, log_name=f"{host}.{self.starts[host]}.log")
 
     def log(self, host: str) -> str:
@@ -135,7 +134,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MultiHost]:
     problem = netns_problem()
     if problem is not None:
         pytest.skip(f"multi-host test needs network namespaces: {problem}")
-    from model.tiny import write_tiny_model
+    from kvrelay.model.tiny import write_tiny_model
 
     work = tmp_path_factory.mktemp("multihost")
     model_dir = write_tiny_model(work / "model", seed=0)

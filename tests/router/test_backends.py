@@ -9,10 +9,9 @@ import time
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
-
-from router.backends import Backends, NodeUnavailable
-from router.nodes import NodeSet
-from transfer.wire import pack
+from kvrelay.router.backends import Backends, NodeUnavailable
+from kvrelay.router.nodes import NodeSet
+from kvrelay.transfer.wire import pack
 
 
 async def _silent_node() -> tuple[TestServer, asyncio.Event]:

@@ -10,10 +10,9 @@ import socket
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
-
-from router.backends import CONTROL_CONNECTIONS_PER_NODE, Backends, NodeSlow, NodeUnreachable
-from router.nodes import NodeSet
-from transfer.wire import pack
+from kvrelay.router.backends import CONTROL_CONNECTIONS_PER_NODE, Backends, NodeSlow, NodeUnreachable
+from kvrelay.router.nodes import NodeSet
+from kvrelay.transfer.wire import pack
 
 
 async def _slow_node() -> tuple[TestServer, list[int]]:

@@ -21,10 +21,10 @@ def test_importing_the_router_loads_no_torch() -> None:
 def test_the_router_process_loads_no_torch(tiny_model_dir) -> None:
     """What `kvrelay router` runs: the command, the config, and the router's app, built for real."""
     code = ("import sys\n"
-            "from deploy.cli import build_parser\n"
+            "from kvrelay.deploy.cli import build_parser\n"
             f"args = build_parser().parse_args(['router', '--config', {str(CONFIG)!r}])\n"
-            "from deploy.config import load_config\n"
-            "from deploy.serve import build_app\n"
+            "from kvrelay.deploy.config import load_config\n"
+            "from kvrelay.deploy.serve import build_app\n"
             f"config = load_config({str(CONFIG)!r}, model_path={str(tiny_model_dir)!r})\n"
             "app, host, port = build_app(config, 'router', 0)\n"
             "print(port, sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'triton')))")

@@ -5,12 +5,11 @@ from __future__ import annotations
 import math
 
 import pytest
-
-from engine.step_rates import PullRates
-from kvstore.block_key import BlockKey
-from router.node_state import Node, NodeCapacity
-from router.nodes import Need, NodeSet
-from router.plan import (
+from kvrelay.engine.step_rates import PullRates
+from kvrelay.kvstore.block_key import BlockKey
+from kvrelay.router.node_state import Node, NodeCapacity
+from kvrelay.router.nodes import Need, NodeSet
+from kvrelay.router.plan import (
     CALIBRATION_DECAY,
     COLD_REQUESTS,
     DECODE_TPOT_MISS,

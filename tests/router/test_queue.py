@@ -5,12 +5,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
-from model.sampling_params import SamplingParams
-from router.node_state import NodeCapacity
-from router.nodes import Need, NodeSet
-from router.openai_api import GenerationRequest
-from router.queue import Overloaded, QueueConfig, RouterQueue, need_of
+from kvrelay.model.sampling_params import SamplingParams
+from kvrelay.router.node_state import NodeCapacity
+from kvrelay.router.nodes import Need, NodeSet
+from kvrelay.router.openai_api import GenerationRequest
+from kvrelay.router.queue import Overloaded, QueueConfig, RouterQueue, need_of
 
 B = 16
 

@@ -4,8 +4,7 @@ streamed piece by piece, with the tags split across pieces anywhere."""
 from __future__ import annotations
 
 import pytest
-
-from router.reasoning import ReasoningStream, Split, split
+from kvrelay.router.reasoning import ReasoningStream, Split, split
 
 CASES = [  # (parser, output, reasoning, content)
     ("qwen3", "<think>Paris is in France.</think>\n\nParis.", "Paris is in France.", "\n\nParis."),

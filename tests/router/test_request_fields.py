@@ -7,14 +7,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from model.generation_config import GenerationConfigError, GenerationDefaults, load_generation_defaults
-from model.tiny import CHAT_TEMPLATE, write_tiny_model
-from model.tokenizer import load_tokenizer
-from router.cache_salt import request_salt
-from router.openai_api import ApiError, ServedModel, parse_chat, parse_completion, parse_completions
-from router.openai_responses import usage
-from router.text_output import SampleText
+from kvrelay.model.generation_config import GenerationConfigError, GenerationDefaults, load_generation_defaults
+from kvrelay.model.tiny import CHAT_TEMPLATE, write_tiny_model
+from kvrelay.model.tokenizer import load_tokenizer
+from kvrelay.router.cache_salt import request_salt
+from kvrelay.router.openai_api import ApiError, ServedModel, parse_chat, parse_completion, parse_completions
+from kvrelay.router.openai_responses import usage
+from kvrelay.router.text_output import SampleText
 
 MAX_MODEL_LEN = 128
 USER = [{"role": "user", "content": "hi"}]

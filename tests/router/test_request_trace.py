@@ -11,15 +11,14 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 from aiohttp.test_utils import TestServer
+from kvrelay.node.tracing import Stage, Tracing
+from kvrelay.router.app import Router
+from kvrelay.router.config import RouterConfig
+from kvrelay.router.request_trace import RequestTrace
+from kvrelay.transfer.wire import DecodeFrame, PrefillReply, encode_frame, encode_prefill_reply, pack
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
-from node.tracing import Stage, Tracing
-from router.app import Router
-from router.config import RouterConfig
-from router.request_trace import RequestTrace
-from transfer.wire import DecodeFrame, PrefillReply, encode_frame, encode_prefill_reply, pack
 
 PREFILL_TIMINGS = {"prefill_queue_s": 0.001, "prefill_compute_s": 0.02, "publish_s": 0.0005}
 DECODE_FIRST = {"kv_pull_s": 0.0, "decode_queue_s": 0.002, "first_step_s": 0.003}
@@ -172,8 +171,8 @@ def test_timings_come_back_when_asked_and_only_then(tiny_model_dir):
 
 
 def test_timings_field_is_validated(tiny_model_dir):
-    from model.tokenizer import load_tokenizer
-    from router.openai_api import ApiError, ServedModel, parse_completion
+    from kvrelay.model.tokenizer import load_tokenizer
+    from kvrelay.router.openai_api import ApiError, ServedModel, parse_completion
 
     served = ServedModel("tiny", 258, 2048, 4, load_tokenizer(tiny_model_dir))
     assert parse_completion({**BODY, "kvrelay": {"timings": True}}, served).timings is True

@@ -5,12 +5,11 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as hs
-
-from model.tokenizer import load_tokenizer
-from router.kv_index import KvIndex
-from router.nodes import NodeSet
-from router.openai_api import ApiError, ServedModel, parse_chat, parse_completion
-from router.text_output import SampleText, StopScanner
+from kvrelay.model.tokenizer import load_tokenizer
+from kvrelay.router.kv_index import KvIndex
+from kvrelay.router.nodes import NodeSet
+from kvrelay.router.openai_api import ApiError, ServedModel, parse_chat, parse_completion
+from kvrelay.router.text_output import SampleText, StopScanner
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +141,7 @@ def test_prefill_choice_weighs_prefix_against_queue():
 
 
 def test_up_says_which_nodes_it_waits_for():
-    from deploy.up import _waiting_for
+    from kvrelay.deploy.up import _waiting_for
 
     assert _waiting_for(None) == "the router does not answer /health"
     assert _waiting_for({"status": "starting"}) == "router status 'starting'"
@@ -208,7 +207,7 @@ def test_chat_logprobs_take_a_flag_and_a_count(served):
 
 
 def test_several_prompts_make_one_request_each_and_echo_keeps_the_prompt_text(served):
-    from router.openai_api import parse_completions, parse_detokenize, parse_tokenize
+    from kvrelay.router.openai_api import parse_completions, parse_detokenize, parse_tokenize
 
     tok = served.tokenizer
     reqs = parse_completions({"model": "tiny", "prompt": ["ab", "cd", "ef"], "n": 2, "max_tokens": 3}, served)
@@ -236,8 +235,8 @@ def test_pooled_connections_to_nodes_close_before_the_nodes_close_them(node_keep
     keep-alive and assert that no node was ever taken out."""
     import asyncio
 
-    from router.backends import Backends
-    from transfer.config import client_keepalive_s
+    from kvrelay.router.backends import Backends
+    from kvrelay.transfer.config import client_keepalive_s
 
     assert client_keepalive_s(node_keepalive_s) == client_s
 

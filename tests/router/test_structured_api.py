@@ -6,13 +6,12 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from model.structured import StructuredOutput
-from model.tokenizer import load_tokenizer
-from router.backends import NodeRefused
-from router.dispatch import _param_of
-from router.openai_api import ApiError, ServedModel, parse_chat, parse_completion, parse_completions
-from router.structured_api import StructuredError, check_compiles, structured_from_body
+from kvrelay.model.structured import StructuredOutput
+from kvrelay.model.tokenizer import load_tokenizer
+from kvrelay.router.backends import NodeRefused
+from kvrelay.router.dispatch import _param_of
+from kvrelay.router.openai_api import ApiError, ServedModel, parse_chat, parse_completion, parse_completions
+from kvrelay.router.structured_api import StructuredError, check_compiles, structured_from_body
 
 SCHEMA = {"type": "object", "properties": {"b": {"type": "boolean"}, "a": {"type": "integer"}}, "required": ["a"]}
 # compact, keys in the client's order (properties are generated in it)

@@ -12,18 +12,17 @@ import pytest
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as hs
-
-from deploy.cli import build_parser, serve_config
-from deploy.config import load_config
-from deploy.sizes import ConfigError
-from model.sampling_params import TokenLogprobs
-from model.tokenizer import load_tokenizer
-from router.config import RouterConfig
-from router.openai_api import ApiError, ServedModel, parse_chat, parse_completion, parse_tokenize
-from router.openai_responses import logprobs_body
-from router.text_output import SampleText
-from router.tool_api import required_schema
-from router.tool_calls import PARSER_NAMES, CallDelta, ParsedOutput, StreamDelta, ToolOutput, default_parser
+from kvrelay.deploy.cli import build_parser, serve_config
+from kvrelay.deploy.config import load_config
+from kvrelay.deploy.sizes import ConfigError
+from kvrelay.model.sampling_params import TokenLogprobs
+from kvrelay.model.tokenizer import load_tokenizer
+from kvrelay.router.config import RouterConfig
+from kvrelay.router.openai_api import ApiError, ServedModel, parse_chat, parse_completion, parse_tokenize
+from kvrelay.router.openai_responses import logprobs_body
+from kvrelay.router.text_output import SampleText
+from kvrelay.router.tool_api import required_schema
+from kvrelay.router.tool_calls import PARSER_NAMES, CallDelta, ParsedOutput, StreamDelta, ToolOutput, default_parser
 
 CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "configs" / "local.yaml"
 WEATHER = {"type": "function", "function": {

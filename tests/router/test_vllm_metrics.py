@@ -5,12 +5,11 @@ from __future__ import annotations
 import time
 
 import pytest
+from kvrelay.node.tracing import Tracing
+from kvrelay.node.vllm_metrics import buckets_1_2_5
+from kvrelay.router.request_trace import RequestTrace
+from kvrelay.router.vllm_metrics import SampleClock, VllmRequestMetrics, vllm_finish_reason
 from prometheus_client import CollectorRegistry
-
-from node.tracing import Tracing
-from node.vllm_metrics import buckets_1_2_5
-from router.request_trace import RequestTrace
-from router.vllm_metrics import SampleClock, VllmRequestMetrics, vllm_finish_reason
 
 LABELS = {"model_name": "tiny", "engine": "0"}
 

@@ -9,7 +9,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from benchmarks.deployment import Deployment, merge
+from kvrelay.benchmarks.deployment import Deployment, merge
 
 TEST_TOKEN_ENV = "KVRELAY_INTERNAL_TOKEN"
 

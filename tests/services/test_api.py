@@ -10,11 +10,11 @@ import urllib.request
 
 import openai
 import pytest
+from kvrelay.engine.engine import EngineConfig, LLMEngine
+from kvrelay.model.loader import load_model
+from kvrelay.model.sampling import SamplingParams
+from kvrelay.model.tokenizer import load_tokenizer
 
-from engine.engine import EngineConfig, LLMEngine
-from model.loader import load_model
-from model.sampling import SamplingParams
-from model.tokenizer import load_tokenizer
 from tests.services.cluster import Cluster, get_json
 
 API_KEY = "sk-test-1"
@@ -126,12 +126,12 @@ def test_malformed_bodies_and_auth(cluster):
 def test_bad_yaml_fails_at_start_naming_the_key(tmp_path, tiny_model_dir):
     bad = tmp_path / "bad.yaml"
     bad.write_text(f"model: {{path: {tiny_model_dir}}}\nkvstore: {{device: {{bytes: 8GB}}}}\n")
-    run = subprocess.run([sys.executable, "-m", "deploy.cli", "up", "--config", str(bad)], capture_output=True,
+    run = subprocess.run([sys.executable, "-m", "kvrelay.deploy.cli", "up", "--config", str(bad)], capture_output=True,
                          text=True, timeout=60)
     assert run.returncode == 2
     assert "kvstore.device.bytes: '8GB' is not a size" in run.stderr and "Traceback" not in run.stderr
     bad.write_text(f"model: {{path: {tiny_model_dir}}}\nkvstore: {{device: {{bytes: 8MiB}}}}\nrouter: {{prot: 9}}\n")
-    run = subprocess.run([sys.executable, "-m", "deploy.cli", "up", "--config", str(bad)], capture_output=True,
+    run = subprocess.run([sys.executable, "-m", "kvrelay.deploy.cli", "up", "--config", str(bad)], capture_output=True,
                          text=True, timeout=60)
     assert run.returncode == 2 and "router.prot: unknown key" in run.stderr
 

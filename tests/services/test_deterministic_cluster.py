@@ -14,12 +14,12 @@ from pathlib import Path
 
 import openai
 import pytest
+from kvrelay.engine.engine import EngineConfig, LLMEngine
+from kvrelay.model.loader import load_model
+from kvrelay.model.sampling import SamplingParams
+from kvrelay.model.tiny import write_tiny_model
+from kvrelay.model.tokenizer import load_tokenizer
 
-from engine.engine import EngineConfig, LLMEngine
-from model.loader import load_model
-from model.sampling import SamplingParams
-from model.tiny import write_tiny_model
-from model.tokenizer import load_tokenizer
 from tests.services.cluster import Cluster, get_json, metrics
 from tests.services.test_faults import post, wait_for
 from tests.services.test_migration import Stream, idle

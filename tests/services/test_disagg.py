@@ -8,11 +8,11 @@ import signal
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from kvrelay.engine.engine import EngineConfig, LLMEngine
+from kvrelay.model.loader import load_model
+from kvrelay.model.sampling import SamplingParams
+from kvrelay.model.tokenizer import load_tokenizer
 
-from engine.engine import EngineConfig, LLMEngine
-from model.loader import load_model
-from model.sampling import SamplingParams
-from model.tokenizer import load_tokenizer
 from tests.services.cluster import Cluster, get_json, metrics
 from tests.services.test_faults import post, wait_for
 
@@ -107,8 +107,8 @@ def _internal_post(url: str, path: str, body: dict, token: str = "kvrelay-test-t
     import urllib.error
     import urllib.request
 
-    from transfer.config import TOKEN_HEADER
-    from transfer.wire import new_unpacker, pack
+    from kvrelay.transfer.config import TOKEN_HEADER
+    from kvrelay.transfer.wire import new_unpacker, pack
 
     req = urllib.request.Request(url + path, data=pack(body), method="POST",
                                  headers={"Content-Type": "application/msgpack", TOKEN_HEADER: token})
@@ -124,7 +124,7 @@ def _internal_post(url: str, path: str, body: dict, token: str = "kvrelay-test-t
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 def test_prefill_killed_after_handing_out_kv(tiny_model_dir, tmp_path, policy):
-    from transfer.wire import params_to_wire
+    from kvrelay.transfer.wire import params_to_wire
 
     loaded = load_model(tiny_model_dir)
     rng = random.Random(2)
@@ -151,7 +151,7 @@ def test_prefill_killed_after_handing_out_kv(tiny_model_dir, tmp_path, policy):
 
 
 def test_a_malformed_handle_is_counted_as_bad_handle_and_recomputed(tiny_model_dir):
-    from transfer.wire import params_to_wire
+    from kvrelay.transfer.wire import params_to_wire
 
     loaded = load_model(tiny_model_dir)
     prompt = list(range(3, 40))
@@ -170,7 +170,7 @@ def test_forged_handles_are_refused_and_nothing_is_stored(tiny_model_dir, defaul
     """Issue 13, test 3: a handle whose keys are not the request's own prompt and salt (another prompt,
     another tenant's salt) or whose owner is not a prefill node of this deployment is refused before
     any contact; the request is recomputed with the right tokens, and later requests too."""
-    from transfer.wire import params_to_wire
+    from kvrelay.transfer.wire import params_to_wire
 
     loaded = load_model(tiny_model_dir)
     rng = random.Random(5)
@@ -208,8 +208,8 @@ def test_decode_accepts_the_prefill_node_by_the_url_the_router_reaches_it_at(tin
     the router's URL for it (a Service name; here ``localhost``). The router writes the URL it reached
     the node at into the handle, so the decode node, which trusts exactly the router's prefill URLs,
     pulls the KV instead of refusing it as foreign; the node's own name is still refused."""
-    from benchmarks.deployment import free_ports
-    from transfer.wire import params_to_wire
+    from kvrelay.benchmarks.deployment import free_ports
+    from kvrelay.transfer.wire import params_to_wire
 
     loaded = load_model(tiny_model_dir)
     prompt = list(range(5, 75))

@@ -8,13 +8,13 @@ import json
 import random
 
 from aiohttp.test_utils import TestClient, TestServer
+from kvrelay.benchmarks.deployment import free_ports
+from kvrelay.engine.engine import EngineConfig, LLMEngine
+from kvrelay.model.loader import load_model
+from kvrelay.model.sampling import SamplingParams
+from kvrelay.model.tokenizer import load_tokenizer
+from kvrelay.router.app import Router, RouterConfig
 
-from benchmarks.deployment import free_ports
-from engine.engine import EngineConfig, LLMEngine
-from model.loader import load_model
-from model.sampling import SamplingParams
-from model.tokenizer import load_tokenizer
-from router.app import Router, RouterConfig
 from tests.services.cluster import Cluster, get_json, metrics
 from tests.services.test_disagg import transfer
 from tests.services.test_faults import post, wait_for

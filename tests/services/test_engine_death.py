@@ -14,17 +14,16 @@ import urllib.request
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
-
-from deploy.ports import free_ports
-from deploy.serve import ENGINE_DIED_EXIT
-from engine.engine import EngineConfig, LLMEngine
-from engine.worker import EngineWorker, _Command
-from model.loader import load_model
-from model.sampling_params import SamplingParams
-from node.app import NodeConfig
-from prefill.service import PrefillService
-from transfer.config import TOKEN_HEADER
-from transfer.wire import GenerationMessage, encode_generation, unpack
+from kvrelay.deploy.ports import free_ports
+from kvrelay.deploy.serve import ENGINE_DIED_EXIT
+from kvrelay.engine.engine import EngineConfig, LLMEngine
+from kvrelay.engine.worker import EngineWorker, _Command
+from kvrelay.model.loader import load_model
+from kvrelay.model.sampling_params import SamplingParams
+from kvrelay.node.app import NodeConfig
+from kvrelay.prefill.service import PrefillService
+from kvrelay.transfer.config import TOKEN_HEADER
+from kvrelay.transfer.wire import GenerationMessage, encode_generation, unpack
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the crash, on purpose
@@ -63,13 +62,13 @@ def test_a_dead_engine_loop_makes_health_503_and_refuses_requests(tiny_model_dir
 # test's process, not built into the server).
 CRASHING_NODE = """
 import sys
-import engine.engine
+import kvrelay.engine.engine
 
 def step(self):
     raise SystemExit("simulated crash")
 
-engine.engine.LLMEngine.step = step
-from deploy.cli import main
+kvrelay.engine.engine.LLMEngine.step = step
+from kvrelay.deploy.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 

@@ -20,17 +20,17 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from aiohttp.test_utils import TestClient, TestServer
+from kvrelay.engine.engine import EngineConfig, LLMEngine
+from kvrelay.engine.worker import EngineWorker
+from kvrelay.model.loader import load_model
+from kvrelay.model.sampling_params import SamplingParams
+from kvrelay.node.app import NodeConfig
+from kvrelay.node.app_keys import ENGINE_STALLED
+from kvrelay.prefill.service import PrefillService
+from kvrelay.transfer.wire import GenerationMessage, encode_generation, unpack
 
-from engine.engine import EngineConfig, LLMEngine
-from engine.worker import EngineWorker
-from model.loader import load_model
-from model.sampling_params import SamplingParams
-from node.app import NodeConfig
-from node.app_keys import ENGINE_STALLED
-from prefill.service import PrefillService
 from tests.services.cluster import Cluster, get_json
 from tests.services.test_faults import post, wait_for
-from transfer.wire import GenerationMessage, encode_generation, unpack
 
 HANG_SITE = str(Path(__file__).parent / "hang_site")
 STALLED = ("decode-0's engine stalled: no step finished in 5 s (engine.stall_timeout_s) while it had work; "

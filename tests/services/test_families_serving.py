@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
+from kvrelay.engine.engine import LLMEngine
+from kvrelay.model.loader import load_model
+from kvrelay.model.tiny import TINY_ARCHS, TINY_WINDOW, write_tiny_model
 
-from engine.engine import LLMEngine
-from model.loader import load_model
-from model.tiny import TINY_ARCHS, TINY_WINDOW, write_tiny_model
 from tests.model.test_families import LENGTHS, OUT_TOKENS, _hf_greedy, _prompts
 from tests.services.cluster import Cluster, get_json, metrics
 from tests.services.test_disagg import prefix_hits, transfer
@@ -180,8 +180,7 @@ def node_info(c: Cluster, url: str) -> dict:
     import urllib.request
 
     import msgpack
-
-    from transfer.config import TOKEN_HEADER
+    from kvrelay.transfer.config import TOKEN_HEADER
 
     req = urllib.request.Request(url + "/info", headers={TOKEN_HEADER: c.token})
     with urllib.request.urlopen(req, timeout=5) as resp:

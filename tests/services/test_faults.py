@@ -128,7 +128,7 @@ def test_the_internal_plane_fails_closed(tiny_model_dir, tmp_path):
                    "internal: {bind: 0.0.0.0}\nprefill: {ports: [0]}\n")
     env = {k: v for k, v in os.environ.items() if k != "KVRELAY_INTERNAL_TOKEN"}
     for role in ("prefill", "decode"):
-        done = subprocess.run([sys.executable, "-m", "deploy.cli", role, "--config", str(cfg)], env=env,
+        done = subprocess.run([sys.executable, "-m", "kvrelay.deploy.cli", role, "--config", str(cfg)], env=env,
                               capture_output=True, text=True, timeout=120)
         assert done.returncode == 2, done.stderr
         assert f"kvrelay {role}: refusing to start: internal.bind is '0.0.0.0' (reachable from other machines) " \
@@ -193,9 +193,9 @@ def test_a_drain_that_runs_out_of_time_cuts_streams_off_with_an_error_and_releas
     """Issue 13, test 4, the other half: what is still running when ``drain_timeout_s`` is up ends with
     an error event and ``[DONE]`` (not a broken connection), and a stopping prefill node releases the
     leases nobody read before it writes its blocks to disk."""
-    from model.sampling_params import SamplingParams
-    from transfer.config import TOKEN_HEADER
-    from transfer.wire import GenerationMessage, decode_prefill_reply, encode_generation
+    from kvrelay.model.sampling_params import SamplingParams
+    from kvrelay.transfer.config import TOKEN_HEADER
+    from kvrelay.transfer.wire import GenerationMessage, decode_prefill_reply, encode_generation
 
     # A short drain: the 2,000-token stream cannot finish within it (a decode step here takes ~1-2 ms).
     with Cluster(tiny_model_dir, overrides={"internal": {"drain_timeout_s": 0.2}}) as c:
@@ -236,11 +236,11 @@ def test_weights_replaced_in_place_never_get_the_old_weights_disk_kv(tmp_path):
     """Issue 13, test 4: KV on disk belongs to the weights that computed it. A node restarted on
     weights replaced at the same path (same file names and sizes) finds none of the old blocks and
     answers with the new weights' tokens."""
-    from engine.engine import EngineConfig, LLMEngine
-    from model.loader import load_model
-    from model.sampling import SamplingParams
-    from model.tiny import write_tiny_model
-    from model.tokenizer import load_tokenizer
+    from kvrelay.engine.engine import EngineConfig, LLMEngine
+    from kvrelay.model.loader import load_model
+    from kvrelay.model.sampling import SamplingParams
+    from kvrelay.model.tiny import write_tiny_model
+    from kvrelay.model.tokenizer import load_tokenizer
 
     model = write_tiny_model(tmp_path / "model", seed=0)
     prompt = list(range(7, 77))  # 4 full blocks

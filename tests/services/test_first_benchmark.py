@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kvrelay.benchmarks.serve_client import ClientConfig, LoadConfig, RequestSpec, run_load
+from kvrelay.model.dtype import DTYPE_NAME_TO_TORCH, resolve_dtype
 
-from benchmarks.serve_client import ClientConfig, LoadConfig, RequestSpec, run_load
-from model.dtype import DTYPE_NAME_TO_TORCH, resolve_dtype
 from tests.services.cluster import Cluster, get_json
 from tests.services.test_faults import wait_for
 

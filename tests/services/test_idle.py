@@ -13,11 +13,11 @@ from typing import Any
 import msgpack
 import openai
 import pytest
+from kvrelay.deploy.cpu_budget import available_cpus, split_cpus
+from kvrelay.model.cpu_identity import this_cpu
+from kvrelay.transfer.config import TOKEN_HEADER
 
-from deploy.cpu_budget import available_cpus, split_cpus
-from model.cpu_identity import this_cpu
 from tests.services.cluster import Cluster, get_json
-from transfer.config import TOKEN_HEADER
 
 IDLE_WINDOW_S = 5.0
 MAX_IDLE_CPU_S = 0.25  # 5% of one CPU, all four processes together: 25 clock ticks of 10 ms

@@ -9,11 +9,11 @@ from __future__ import annotations
 import random
 
 import pytest
+from kvrelay.engine.engine import EngineConfig, LLMEngine
+from kvrelay.model.loader import load_model
+from kvrelay.model.sampling import SamplingParams
+from kvrelay.model.tokenizer import load_tokenizer
 
-from engine.engine import EngineConfig, LLMEngine
-from model.loader import load_model
-from model.sampling import SamplingParams
-from model.tokenizer import load_tokenizer
 from tests.services.cluster import Cluster, get_json, metrics
 from tests.services.test_faults import pools_idle, post, wait_for
 
@@ -54,8 +54,8 @@ def held_keys(c: Cluster, url: str) -> set[bytes]:
     """The keys ``url``'s device pool holds now, from its KV events (stored, less removed)."""
     import urllib.request
 
-    from transfer.config import TOKEN_HEADER
-    from transfer.wire import unpack
+    from kvrelay.transfer.config import TOKEN_HEADER
+    from kvrelay.transfer.wire import unpack
 
     req = urllib.request.Request(url + "/kv/events?after=0", headers={TOKEN_HEADER: c.token})
     with urllib.request.urlopen(req, timeout=10) as resp:
@@ -74,8 +74,9 @@ def test_a_handle_naming_another_prompt_s_blocks_is_refused_and_nothing_is_store
     digests, or with A's own digests — is refused (``bad_handle``) before a byte is read: under ``fail`` the
     request ends with 502 and the decode node holds no block under A's keys; under ``recompute`` it serves
     A's reference tokens. A later honest request for A then reads A's blocks (``fail``: all of them)."""
+    from kvrelay.transfer.wire import params_to_wire
+
     from tests.services.test_disagg import _internal_post, failure_reasons, transfer
-    from transfer.wire import params_to_wire
 
     loaded = load_model(tiny_model_dir)
     block_bytes = LLMEngine.block_spec_for(loaded, 16).block_bytes
@@ -140,7 +141,7 @@ def test_sampled_integrity_catches_a_damaged_block_it_samples(tiny_model_dir, re
 def test_a_damaged_latent_block_of_a_deepseek_model_is_recomputed_not_served(tmp_path):
     """DeepSeek-V3's blocks (one latent row per token and layer) under the same damage as above: the flipped
     bit is caught by the handle's digest over the latent bytes, counted, and the prompt recomputed."""
-    from model.tiny import write_tiny_model
+    from kvrelay.model.tiny import write_tiny_model
 
     model_dir = write_tiny_model(tmp_path / "ds", arch="deepseek-v3", layers=4)
     engine = LLMEngine(load_model(model_dir), EngineConfig(num_blocks=64))

@@ -13,15 +13,15 @@ import time
 import urllib.request
 
 import pytest
+from kvrelay.engine.engine import EngineConfig, LLMEngine
+from kvrelay.model.loader import load_model
+from kvrelay.model.sampling import SamplingParams
+from kvrelay.model.tokenizer import load_tokenizer
+from kvrelay.transfer.config import LEASE_HEADER, TOKEN_HEADER
 
-from engine.engine import EngineConfig, LLMEngine
-from model.loader import load_model
-from model.sampling import SamplingParams
-from model.tokenizer import load_tokenizer
 from tests.services.cluster import Cluster, get_json
 from tests.services.test_disagg import failure_reasons
 from tests.services.test_faults import post, wait_for
-from transfer.config import LEASE_HEADER, TOKEN_HEADER
 
 PROMPT = list(range(7, 77))  # 4 full blocks and a tail
 LONG_LEASES = {"prefill": {"lease_ttl_s": 60}}  # a lease gone within 1 s was released, not reaped
@@ -55,7 +55,7 @@ def test_a_refused_handle_leaves_no_lease_behind(tiny_model_dir, fault, decode_f
 
 
 def _generate(url: str, body: dict, token: str) -> tuple[int, dict[str, str]]:
-    from transfer.wire import pack
+    from kvrelay.transfer.wire import pack
 
     req = urllib.request.Request(url + "/generate", data=pack(body), method="POST",
                                  headers={"Content-Type": "application/msgpack", TOKEN_HEADER: token})
@@ -67,8 +67,9 @@ def _generate(url: str, body: dict, token: str) -> tuple[int, dict[str, str]]:
 def test_the_decode_node_says_whether_it_ended_the_lease(tiny_model_dir):
     """A pulled handle: "ended" (the puller sent "done"). A foreign owner: "open", and the lease untouched
     (the node never contacts an owner it does not trust): the router releases it, as for key_mismatch."""
+    from kvrelay.transfer.wire import params_to_wire
+
     from tests.services.test_disagg import _internal_post
-    from transfer.wire import params_to_wire
 
     params = params_to_wire(SamplingParams(max_tokens=3))
     with Cluster(tiny_model_dir, overrides=LONG_LEASES) as c:
@@ -92,7 +93,7 @@ def test_the_decode_node_says_whether_it_ended_the_lease(tiny_model_dir):
         assert failure_reasons(decode) == {"foreign_owner": 1.0}
         assert leases(prefill) == 1  # the decode node did not touch it
         # what the router does with an open lease
-        from transfer.wire import decode_release_reply, encode_lease_request
+        from kvrelay.transfer.wire import decode_release_reply, encode_lease_request
 
         req = urllib.request.Request(prefill + "/kv/lease/release", data=encode_lease_request(b["handle"]["lease_id"]),
                                      method="POST", headers={TOKEN_HEADER: c.token})

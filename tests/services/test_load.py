@@ -13,8 +13,8 @@ import time
 from typing import Any
 
 import pytest
+from kvrelay.benchmarks.load import LoadReport, hammer
 
-from benchmarks.load import LoadReport, hammer
 from tests.services.cluster import Cluster, get_json, metrics
 
 # Every request's own deadline, well past the burst's length: the claim is that the router queues what does

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import random
 
-from engine.engine import EngineConfig, LLMEngine
-from engine.long_context import LongContextConfig
-from kvstore.tiered_store import TieredStoreConfig
-from model.loader import load_model
-from model.sampling import SamplingParams
-from model.tokenizer import load_tokenizer
+from kvrelay.engine.engine import EngineConfig, LLMEngine
+from kvrelay.engine.long_context import LongContextConfig
+from kvrelay.kvstore.tiered_store import TieredStoreConfig
+from kvrelay.model.loader import load_model
+from kvrelay.model.sampling import SamplingParams
+from kvrelay.model.tokenizer import load_tokenizer
+
 from tests.services.cluster import Cluster, get_json, metrics
 from tests.services.test_faults import post, wait_for
 

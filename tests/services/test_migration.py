@@ -13,11 +13,11 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
+from kvrelay.engine.engine import EngineConfig, LLMEngine
+from kvrelay.model.loader import load_model
+from kvrelay.model.sampling import SamplingParams
+from kvrelay.model.tokenizer import load_tokenizer
 
-from engine.engine import EngineConfig, LLMEngine
-from model.loader import load_model
-from model.sampling import SamplingParams
-from model.tokenizer import load_tokenizer
 from tests.services.cluster import Cluster, get_json, metrics
 from tests.services.test_faults import post, wait_for
 

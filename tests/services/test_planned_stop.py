@@ -12,13 +12,13 @@ from pathlib import Path
 
 import lmdb
 import msgpack
+from kvrelay.engine.engine import EngineConfig, LLMEngine
+from kvrelay.model.loader import load_model
+from kvrelay.router.app import salt_for_key
+from kvrelay.transfer.config import TOKEN_HEADER
 
-from engine.engine import EngineConfig, LLMEngine
-from model.loader import load_model
-from router.app import salt_for_key
 from tests.services.cluster import Cluster, metrics
 from tests.services.test_faults import post
-from transfer.config import TOKEN_HEADER
 
 SLOW_DISK = Path(__file__).resolve().parent / "slow_disk"
 PROMPTS = [[random.Random(seed).randrange(256) for _ in range(70)] for seed in range(12)]  # 4 full blocks each

@@ -12,8 +12,9 @@ import os
 import random
 from concurrent.futures import ThreadPoolExecutor
 
-from model.sampling import SamplingParams
-from model.tokenizer import load_tokenizer
+from kvrelay.model.sampling import SamplingParams
+from kvrelay.model.tokenizer import load_tokenizer
+
 from tests.services.cluster import Cluster, get_json, metrics
 from tests.services.test_faults import post, wait_for
 from tests.services.test_migration import reference

@@ -14,9 +14,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from kvrelay.deploy.config import DEFAULT_CONFIG, ConfigError, load_config
+from kvrelay.model.tokenizer import load_tokenizer
 
-from deploy.config import DEFAULT_CONFIG, ConfigError, load_config
-from model.tokenizer import load_tokenizer
 from tests.services.cluster import Cluster
 from tests.services.test_faults import post
 

@@ -20,9 +20,9 @@ from typing import Any
 import jsonschema
 import openai
 import pytest
+from kvrelay.model.sampling_params import SamplingParams
+from kvrelay.model.structured import StructuredOutput
 
-from model.sampling_params import SamplingParams
-from model.structured import StructuredOutput
 from tests.real_model import RealModel
 from tests.services.cluster import Cluster, get_json, metrics
 from tests.services.test_faults import pools_idle, wait_for

@@ -13,11 +13,11 @@ from urllib.parse import urlparse
 
 import openai
 import pytest
+from kvrelay.benchmarks.otlp_receiver import OtlpReceiver, ReceivedSpan
+from kvrelay.engine.engine import LLMEngine
+from kvrelay.model.loader import load_model
+from kvrelay.model.tiny import write_tiny_model
 
-from benchmarks.otlp_receiver import OtlpReceiver, ReceivedSpan
-from engine.engine import LLMEngine
-from model.loader import load_model
-from model.tiny import write_tiny_model
 from tests.services.cluster import Cluster
 
 PROMPT_TOKENS = 1200  # 75 full blocks, of a model wide enough that prefill compute dominates the TTFT

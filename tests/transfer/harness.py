@@ -24,17 +24,17 @@ from typing import Any
 import aiohttp
 import msgpack
 import torch
+from kvrelay.kvstore.block_key import BlockKey, block_keys
+from kvrelay.kvstore.block_pool import BlockPool
+from kvrelay.kvstore.block_spec import BlockSpec
+from kvrelay.transfer.config import TOKEN_HEADER, TransferConfig
+from kvrelay.transfer.handle import KvHandle
+from kvrelay.transfer.nixl_agent import KvAgent
+from kvrelay.transfer.peer_cache import PeerCache
+from kvrelay.transfer.puller import Puller
+from kvrelay.transfer.wire import decode_handle
 
-from kvstore.block_key import BlockKey, block_keys
-from kvstore.block_pool import BlockPool
-from kvstore.block_spec import BlockSpec
 from tests.transfer.owner_proc import expected_block, make_spec, words_of
-from transfer.config import TOKEN_HEADER, TransferConfig
-from transfer.handle import KvHandle
-from transfer.nixl_agent import KvAgent
-from transfer.peer_cache import PeerCache
-from transfer.puller import Puller
-from transfer.wire import decode_handle
 
 REPO = Path(__file__).resolve().parents[2]
 SPEC = make_spec()

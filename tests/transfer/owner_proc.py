@@ -26,17 +26,16 @@ import sys
 import msgpack
 import torch
 from aiohttp import web
-
-from kvstore.block_key import BlockKey, block_keys
-from kvstore.block_pool import BlockPool
-from kvstore.block_spec import BlockSpec
-from kvstore.digest import block_digest
-from transfer.config import TransferConfig
-from transfer.lease import LeaseTable, TierBlock
-from transfer.nixl_agent import KvAgent
-from transfer.owner import KvOwner
-from transfer.server import add_transfer_routes, bind_socket, start_server
-from transfer.wire import encode_handle
+from kvrelay.kvstore.block_key import BlockKey, block_keys
+from kvrelay.kvstore.block_pool import BlockPool
+from kvrelay.kvstore.block_spec import BlockSpec
+from kvrelay.kvstore.digest import block_digest
+from kvrelay.transfer.config import TransferConfig
+from kvrelay.transfer.lease import LeaseTable, TierBlock
+from kvrelay.transfer.nixl_agent import KvAgent
+from kvrelay.transfer.owner import KvOwner
+from kvrelay.transfer.server import add_transfer_routes, bind_socket, start_server
+from kvrelay.transfer.wire import encode_handle
 
 OWNER_BLOCKS = 640  # 80 MiB of 128 KiB blocks
 

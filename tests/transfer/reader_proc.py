@@ -14,13 +14,13 @@ import json
 import sys
 
 import aiohttp
+from kvrelay.kvstore.block_pool import BlockPool
+from kvrelay.transfer.config import TransferConfig
+from kvrelay.transfer.nixl_agent import KvAgent
+from kvrelay.transfer.peer_cache import PeerCache
+from kvrelay.transfer.wire import decode_handle
 
-from kvstore.block_pool import BlockPool
 from tests.transfer.owner_proc import die_with_parent, make_spec
-from transfer.config import TransferConfig
-from transfer.nixl_agent import KvAgent
-from transfer.peer_cache import PeerCache
-from transfer.wire import decode_handle
 
 
 async def main(token: str) -> None:

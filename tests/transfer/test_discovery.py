@@ -5,8 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
-from transfer.discovery import NodeAddresses, parse_dns_name
+from kvrelay.transfer.discovery import NodeAddresses, parse_dns_name
 
 
 def test_addresses_join_and_leave_and_a_failed_lookup_keeps_the_last_ones():

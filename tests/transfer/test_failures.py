@@ -13,6 +13,8 @@ import sys
 import time
 
 import pytest
+from kvrelay.transfer.errors import PeerMismatchError, TransferError
+from kvrelay.transfer.wire import encode_handle
 
 from tests.transfer.harness import (
     REPO,
@@ -29,8 +31,6 @@ from tests.transfer.harness import (
     wait_until,
 )
 from tests.transfer.owner_proc import make_spec
-from transfer.errors import PeerMismatchError, TransferError
-from transfer.wire import encode_handle
 
 
 def test_reader_killed_before_reading_owner_unpins_at_lease_expiry(start_owner):

@@ -6,14 +6,13 @@ import asyncio
 from typing import cast
 
 import pytest
-
-from kvstore.block_key import BlockKey
-from kvstore.block_pool import BlockPool
-from transfer.config import TransferConfig
-from transfer.lease import BindingMismatch, LeaseTable, TierBlock
-from transfer.nixl_agent import KvAgent
-from transfer.owner import KvOwner
-from transfer.pool_call import PoolCalls
+from kvrelay.kvstore.block_key import BlockKey
+from kvrelay.kvstore.block_pool import BlockPool
+from kvrelay.transfer.config import TransferConfig
+from kvrelay.transfer.lease import BindingMismatch, LeaseTable, TierBlock
+from kvrelay.transfer.nixl_agent import KvAgent
+from kvrelay.transfer.owner import KvOwner
+from kvrelay.transfer.pool_call import PoolCalls
 
 B = b"\x01" * 32  # a lease's binding (transfer.handle.binding_of); these tests grant and renew with one
 

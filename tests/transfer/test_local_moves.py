@@ -6,13 +6,12 @@ import random
 
 import pytest
 import torch
-
-from engine.engine import EngineConfig, LLMEngine
-from kvstore.block_key import block_keys
-from kvstore.tiered_store import TieredStoreConfig
-from model.loader import load_model
-from model.sampling import SamplingParams
-from transfer.node_agent import make_agent
+from kvrelay.engine.engine import EngineConfig, LLMEngine
+from kvrelay.kvstore.block_key import block_keys
+from kvrelay.kvstore.tiered_store import TieredStoreConfig
+from kvrelay.model.loader import load_model
+from kvrelay.model.sampling import SamplingParams
+from kvrelay.transfer.node_agent import make_agent
 
 
 def test_demotion_and_promotion_move_through_nixl(tiny_model_dir):

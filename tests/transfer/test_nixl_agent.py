@@ -6,10 +6,10 @@ import logging
 
 import pytest
 import torch
+from kvrelay.transfer.nixl_agent import KvAgent
 
 from tests.transfer.harness import SPEC
 from tests.transfer.owner_proc import words_of
-from transfer.nixl_agent import KvAgent
 
 
 def pools(num_device: int = 16, num_host: int = 8) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,6 +7,7 @@ import asyncio
 import signal
 
 import pytest
+from kvrelay.transfer.errors import TransferError
 
 from tests.transfer.harness import (
     SPEC,
@@ -18,7 +19,6 @@ from tests.transfer.harness import (
     run,
     tokens,
 )
-from transfer.errors import TransferError
 
 
 def test_pulled_blocks_are_byte_identical_and_owner_unpins_after_notification(owner):
@@ -150,7 +150,7 @@ class _Checker:
     """What `Puller` checks read blocks with (`puller.IntegrityChecker`; the tiered store in a node)."""
 
     def __init__(self, pool_tensor, mode: str = "all", sample_rate: float = 0.05) -> None:
-        from kvstore.digest import IntegrityPolicy
+        from kvrelay.kvstore.digest import IntegrityPolicy
 
         self.integrity = IntegrityPolicy(mode, sample_rate)
         self.pool_tensor = pool_tensor
@@ -158,7 +158,7 @@ class _Checker:
         self.failures: list[tuple[str, bytes, int]] = []
 
     def digest_device_blocks(self, block_ids, keys):
-        from kvstore.digest import digest_keyed
+        from kvrelay.kvstore.digest import digest_keyed
 
         return digest_keyed(self.pool_tensor, block_ids, keys)
 
@@ -172,9 +172,10 @@ class _Checker:
 def test_a_read_block_failing_its_digest_keeps_only_the_verified_prefix(owner):
     """Issue 16: blocks 2 and 6 of 8 do not match the handle's digests and block 5 is held already: the pull
     returns blocks 0-1, keys nothing past them, gives the read blocks back unkeyed and the held one its ref."""
-    from kvstore.digest import block_digest
+    from kvrelay.kvstore.digest import block_digest
+    from kvrelay.transfer.puller import Puller
+
     from tests.transfer.harness import expected_block
-    from transfer.puller import Puller
 
     async def body():
         async with open_reader() as r:
@@ -254,8 +255,9 @@ def test_a_handle_without_digests_is_refused_while_integrity_is_on(owner):
     the handle; with integrity off the same blocks are pulled."""
     import dataclasses
 
+    from kvrelay.transfer.puller import Puller
+
     from tests.transfer.test_server import release_lease
-    from transfer.puller import Puller
 
     async def body():
         async with open_reader() as r:

@@ -12,13 +12,13 @@ import time
 import msgpack
 import pytest
 from aiohttp import web
+from kvrelay.transfer.config import TOKEN_HEADER
+from kvrelay.transfer.errors import PeerMismatchError, TransferError
+from kvrelay.transfer.metadata import PROTOCOL_VERSION
+from kvrelay.transfer.wire import decode_meta, encode_lease_request, encode_meta, encode_notif, encode_renew_request
 
 from tests.transfer.harness import TOKEN, in_thread, open_reader, run, tokens
 from tests.transfer.test_wire import META, malformed
-from transfer.config import TOKEN_HEADER
-from transfer.errors import PeerMismatchError, TransferError
-from transfer.metadata import PROTOCOL_VERSION
-from transfer.wire import decode_meta, encode_lease_request, encode_meta, encode_notif, encode_renew_request
 
 
 def test_endpoints_require_the_shared_token(owner):
@@ -139,7 +139,7 @@ def test_reader_refuses_malformed_metadata_and_stalled_owners_within_bounds(tmp_
 
 def release_lease(owner, lease_id: str) -> bool:
     """What the router does with a handle's open lease: POST /kv/lease/release; whether it was held."""
-    from transfer.wire import decode_release_reply
+    from kvrelay.transfer.wire import decode_release_reply
 
     status, body = owner.post("/kv/lease/release", encode_lease_request(lease_id))
     assert status == 200, (status, body)
@@ -153,7 +153,7 @@ def _with_version(version: int) -> bytes:
 
 
 def test_release_drops_a_lease_once_and_checks_its_body(owner, tmp_path):
-    from transfer.wire import decode_release_reply
+    from kvrelay.transfer.wire import decode_release_reply
 
     handle = owner.offer(tokens(20, 3))
     before = owner.state()

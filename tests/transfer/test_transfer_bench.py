@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from benchmarks import transfer_bench
+from kvrelay.benchmarks import transfer_bench
 
 
 @pytest.mark.slow
@@ -32,14 +31,15 @@ def test_remote_transfer_bench_reads_between_two_hosts_and_measures_raw_tcp(tmp_
     import subprocess
     import sys
 
-    from benchmarks.netns import netns_problem
-    from benchmarks.transfer_remote import CONFIGS
+    from kvrelay.benchmarks.netns import netns_problem
+    from kvrelay.benchmarks.transfer_remote import CONFIGS
 
     problem = netns_problem()
     if problem is not None:
         pytest.skip(f"--remote needs network namespaces: {problem}")
     # Its own process, as a user runs it: the bench points UCX at its hosts' interfaces (environment).
-    done = subprocess.run([sys.executable, "-m", "deploy.cli", "bench", "transfer", "--remote", "--pool-mib", "64",
+    done = subprocess.run([sys.executable, "-m", "kvrelay.deploy.cli", "bench", "transfer", "--remote",
+                           "--pool-mib", "64",
                            "--target-mib", "8", "--out", str(tmp_path / "r.json")],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

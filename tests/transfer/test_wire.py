@@ -10,13 +10,12 @@ from pathlib import Path
 
 import msgpack
 import pytest
-
-from kvstore.block_key import BlockKey
-from model.sampling_params import SamplingParams
-from transfer.handle import KvHandle
-from transfer.lease import TierBlock
-from transfer.metadata import PROTOCOL_VERSION, AgentMeta, TierRegion
-from transfer.wire import (
+from kvrelay.kvstore.block_key import BlockKey
+from kvrelay.model.sampling_params import SamplingParams
+from kvrelay.transfer.handle import KvHandle
+from kvrelay.transfer.lease import TierBlock
+from kvrelay.transfer.metadata import PROTOCOL_VERSION, AgentMeta, TierRegion
+from kvrelay.transfer.wire import (
     MAX_SALT_BYTES,
     DecodeFrame,
     GenerationMessage,

@@ -15,7 +15,7 @@ _hold = os.environ.get("KVRELAY_TEST_HOLD_PULLS")
 if _hold and sys.argv[1:2] == ["decode"]:
     import asyncio
 
-    import decode.service as _service
+    import kvrelay.decode.service as _service
 
     _pinned_blocks = _service.DecodeService._pinned_blocks
 
@@ -32,7 +32,7 @@ _slow = float(os.environ.get("KVRELAY_TEST_SLOW_PULL_S", "0"))
 if _slow > 0 and sys.argv[1:2] == ["decode"]:
     import asyncio
 
-    import decode.kv_pull as _kv_pull
+    import kvrelay.decode.kv_pull as _kv_pull
 
     _pull = _kv_pull.DecodeTransfer.pull
 
