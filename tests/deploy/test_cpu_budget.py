@@ -112,7 +112,7 @@ def test_a_node_that_dies_mid_step_frees_its_own_and_its_borrowed_cpus(tmp_path)
 
 def test_borrowed_cpu_seconds_count_borrowed_cpus_times_step_time(tmp_path, monkeypatch) -> None:
     clock = iter([10.0, 10.5, 20.0, 20.25])  # two steps: 0.5 s, then 0.25 s
-    monkeypatch.setattr("deploy.cpu_budget.time.monotonic", lambda: next(clock))
+    monkeypatch.setattr("kvrelay.deploy.cpu_budget.time.monotonic", lambda: next(clock))
     a = CoreLending(str(tmp_path), [0], [0, 1, 2], set_threads=lambda n: None)
     b = CoreLending(str(tmp_path), [1], [0, 1, 2], set_threads=lambda n: None)
     assert a.before_step() == 3  # b and CPU 2's owner idle: a borrows CPUs 1 and 2

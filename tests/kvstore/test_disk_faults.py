@@ -201,7 +201,7 @@ def test_enospc_in_the_writer_backs_off_drops_and_recovers(tmpfs, caplog):
     tier = LmdbTier(SPEC, mount / "kv", capacity_bytes=64 << 20, options=options)  # map far above the tmpfs
     try:
         keys = chain(400)
-        with caplog.at_level(logging.ERROR, logger="kvstore.lmdb_writer"):
+        with caplog.at_level(logging.ERROR, logger="kvrelay.kvstore.lmdb_writer"):
             start = time.monotonic()
             for i, key in enumerate(keys[:300]):
                 tier.put(key, block_value(i))

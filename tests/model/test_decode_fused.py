@@ -357,6 +357,6 @@ def test_decode_weights_are_moved_onto_huge_pages_in_the_order_a_step_reads_them
                                            layer.ffn.down)]
     # the same tokens and logprobs, bit for bit, as with the copies where block_weight left them
     got, _ = _generate(tiny_model_dir, monkeypatch, path="stack")
-    monkeypatch.setattr("model.llama.colocate_blocked", lambda kernels: False)
+    monkeypatch.setattr("kvrelay.model.llama.colocate_blocked", lambda kernels: False)
     want, _ = _generate(tiny_model_dir, monkeypatch, path="stack")
     assert got == want

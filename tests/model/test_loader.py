@@ -113,7 +113,7 @@ def test_unknown_architecture_lists_supported(tiny_dir: Path, tmp_path: Path) ->
 def test_extra_tensors_are_ignored_and_counted(tiny_dir: Path, tmp_path: Path, caplog) -> None:
     model_dir = _copy(tiny_dir, tmp_path / "m")
     _rewrite_weights(model_dir, {f"model.layers.{i}.self_attn.rotary_emb.inv_freq": torch.ones(8) for i in range(2)})
-    with caplog.at_level(logging.WARNING, logger="model.loader"):
+    with caplog.at_level(logging.WARNING, logger="kvrelay.model.loader"):
         loaded = load_model(model_dir)
     assert "ignored 2 checkpoint tensors" in caplog.text
     reference = load_model(tiny_dir)

@@ -42,7 +42,7 @@ def test_local_copy_goes_through_nixl_loopback_both_ways():
 
 def test_tiers_nixl_cannot_register_fall_back_to_torch_and_are_not_published(caplog):
     device, host = pools()
-    with caplog.at_level(logging.WARNING, logger="transfer.nixl_agent"):
+    with caplog.at_level(logging.WARNING, logger="kvrelay.transfer.nixl_agent"):
         agent = KvAgent("loop-b", SPEC, [("device", device), ("host", host)], backends=())
     try:
         assert "NIXL cannot register tier 'device'" in caplog.text

@@ -55,7 +55,7 @@ def _patch_puller(module) -> None:
     module.Puller._reserve = arming_reserve
 
 
-PATCHES = {"engine.engine": _patch_engine, "transfer.puller": _patch_puller}
+PATCHES = {"kvrelay.engine.engine": _patch_engine, "kvrelay.transfer.puller": _patch_puller}
 
 
 class _PatchAfterImport(importlib.abc.MetaPathFinder):

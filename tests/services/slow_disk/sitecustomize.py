@@ -12,7 +12,7 @@ import sys
 import time
 
 _DELAY_S = float(os.environ.get("KVRELAY_TEST_SLOW_DISK_S_PER_BLOCK", "0") or 0)
-_TARGET = "kvstore.lmdb_writer"
+_TARGET = "kvrelay.kvstore.lmdb_writer"
 
 
 def _patch(module) -> None:

@@ -37,7 +37,7 @@ class _Finder(importlib.abc.MetaPathFinder):
         self.delay_s, self.log_path = delay_s, log_path
 
     def find_spec(self, name, path, target=None):  # noqa: ANN001, ANN201 - the finder protocol
-        if name != "engine.engine":
+        if name != "kvrelay.engine.engine":
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None:
