@@ -21,10 +21,15 @@ def kvrelay(*args: str) -> subprocess.CompletedProcess:
 
 def kvrelay_all(*commands: tuple[str, ...]) -> list[subprocess.CompletedProcess]:
     """``kvrelay(*args)`` for each of ``commands``, all running at once (each spends most of its time importing)."""
+    return run_all(*((None, args) for args in commands))
+
+
+def run_all(*runs: tuple[dict[str, str] | None, tuple[str, ...]]) -> list[subprocess.CompletedProcess]:
+    """``kvrelay ARGS`` under ``ENV`` (None: this process's) for each ``(ENV, ARGS)``, all at once."""
     procs = [subprocess.Popen([sys.executable, "-m", "kvrelay.deploy.cli", *args], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for args in commands]
+                              stderr=subprocess.PIPE, text=True, env=env) for env, args in runs]
     try:
-        outs = [p.communicate(timeout=120) for p in procs]
+        outs = [p.communicate(timeout=180) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:

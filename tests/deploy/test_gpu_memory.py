@@ -4,8 +4,6 @@ whole node). No GPU here: the GPU's readings are injected (`deploy.gpu_memory.Gp
 from __future__ import annotations
 
 import argparse
-import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,17 +21,11 @@ from kvrelay.deploy.up import check_gpu_shares
 from kvrelay.kvstore.block_spec import BlockSpec
 from kvrelay.model.device import resolve_device
 
+from tests.deploy.test_config import no_nvml, write
+
 GIB = 1 << 30
 
 
-def write(tmp_path: Path, text: str) -> Path:
-    path = tmp_path / "kvrelay.yaml"
-    path.write_text(textwrap.dedent(text))
-    return path
-
-
-def no_nvml() -> int:
-    raise RuntimeError("NVML Shared Library Not Found")
 
 
 def test_auto_is_cuda_where_a_gpu_is_visible_else_cpu_and_other_names_are_kept_or_refused():

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.deploy.test_cli import run_all
 from tests.hub_cache import write_hub_snapshot
 
 UNREACHABLE = "http://127.0.0.1:9"  # the discard port: nothing listens, the connection is refused at once
@@ -35,21 +36,6 @@ def hub_env(hf_home: Path, *, offline: bool) -> dict[str, str]:
     if not offline:
         env["HF_ENDPOINT"] = UNREACHABLE
     return env
-
-
-def run_all(*runs: tuple[dict[str, str], tuple[str, ...]]) -> list[subprocess.CompletedProcess]:
-    """``kvrelay ARGS`` under ``ENV`` for each ``(ENV, ARGS)``, all at once (each spends most of its time importing)."""
-    procs = [subprocess.Popen([sys.executable, "-m", "kvrelay.deploy.cli", *args], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env) for env, args in runs]
-    try:
-        outs = [p.communicate(timeout=180) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return [subprocess.CompletedProcess(p.args, p.returncode, out, err)
-            for p, (out, err) in zip(procs, outs, strict=True)]
 
 
 GENERATE = ("--prompt-ids", "5,6,7,8", "--max-tokens", "6", "--json", "--dtype", "float32")

@@ -22,7 +22,7 @@ from kvrelay.model.tokenizer import load_tokenizer
 
 from tests.services.cluster import Cluster, get_json, metrics
 from tests.services.test_faults import post, wait_for
-from tests.services.test_migration import Stream, idle
+from tests.services.test_migration import Stream, idle, stream_requests
 
 STREAMS = 8
 MAX_TOKENS = 1200  # long enough that none ends before the node dies: 8 streams of a tiny model step fast
@@ -53,12 +53,7 @@ def test_bf16_streams_moved_mid_stream_end_as_one_engine_runs_them(bf16_dir: Pat
     rng = random.Random(11)
     prefix = [rng.randrange(3, 256) for _ in range(PREFIX_TOKENS)]
     prompts = [prefix + [rng.randrange(3, 256) for _ in range(8 + 5 * i)] for i in range(STREAMS)]
-    bodies = [{"max_tokens": MAX_TOKENS, "extra_body": {"ignore_eos": True}, "temperature": 0}
-              if i % 2 == 0 else
-              {"max_tokens": MAX_TOKENS, "extra_body": {"ignore_eos": True}, "temperature": 1.0, "top_p": 0.95,
-               "seed": 500 + i} for i in range(STREAMS)]
-    params = [SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=b["temperature"],
-                             top_p=b.get("top_p", 1.0), seed=b.get("seed")) for b in bodies]
+    bodies, params = stream_requests(STREAMS, MAX_TOKENS, seed_base=500)
     expected = reference(bf16_dir, prompts, params)
     tok = load_tokenizer(bf16_dir)
     assert tok is not None

@@ -71,18 +71,25 @@ class Stream:
         return self
 
 
+def stream_requests(streams: int, max_tokens: int, *, seed_base: int) -> tuple[list[dict], list[SamplingParams]]:
+    """The API bodies and the engine's params of ``streams`` requests of ``max_tokens`` each: greedy for even
+    indices, seeded top-p samples (seed ``seed_base + i``) for odd ones."""
+    bodies = [{"max_tokens": max_tokens, "extra_body": {"ignore_eos": True}, "temperature": 0}
+              if i % 2 == 0 else
+              {"max_tokens": max_tokens, "extra_body": {"ignore_eos": True}, "temperature": 1.0, "top_p": 0.95,
+               "seed": seed_base + i} for i in range(streams)]
+    params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=b["temperature"],
+                             top_p=b.get("top_p", 1.0), seed=b.get("seed")) for b in bodies]
+    return bodies, params
+
+
 def test_killing_a_decode_node_under_50_streams_moves_them_all(tiny_model_dir):
     """Half the streams greedy, half seeded samples (top-p), in one deployment: both kinds must resume exactly
     (one run for both: each such run costs ~35 s of CI)."""
     rng = random.Random(7)
     prefix = [rng.randrange(3, 256) for _ in range(PREFIX_TOKENS)]
     prompts = [prefix + [rng.randrange(3, 256) for _ in range(8)] for _ in range(STREAMS)]
-    bodies = [{"max_tokens": MAX_TOKENS, "extra_body": {"ignore_eos": True}, "temperature": 0}
-              if i % 2 == 0 else
-              {"max_tokens": MAX_TOKENS, "extra_body": {"ignore_eos": True}, "temperature": 1.0, "top_p": 0.95,
-               "seed": 1000 + i} for i in range(STREAMS)]
-    params = [SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=b["temperature"],
-                             top_p=b.get("top_p", 1.0), seed=b.get("seed")) for b in bodies]
+    bodies, params = stream_requests(STREAMS, MAX_TOKENS, seed_base=1000)
     expected = reference(tiny_model_dir, prompts, params)
     tok = load_tokenizer(tiny_model_dir)
     assert tok is not None
