@@ -93,3 +93,18 @@ def test_no_import_cycles_and_no_importlib() -> None:
 def test_the_cycle_finder_finds_a_cycle() -> None:
     edges: dict[str, set[str]] = defaultdict(set, {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}})
     assert _cycles(edges, ["a", "b", "c", "d"]) == [["a", "b", "c"]]
+
+
+def test_every_import_of_a_package_goes_through_kvrelay() -> None:
+    """``from engine.engine import ...`` would load a second copy of the module beside ``kvrelay.engine.engine`` (in a
+    source tree both resolve): its classes, patches and loggers would not be the ones the rest of the code uses."""
+    bare = []
+    files = [p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")] + list((ROOT / "tests").rglob("*.py"))
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0
+                     else [])
+            bare += [f"{path.relative_to(ROOT)}: {n}" for n in names
+                     if n.split(".")[0] in PACKAGES and n.split(".")[0] != "kvrelay"]
+    assert bare == []
