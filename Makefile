@@ -20,7 +20,7 @@ $(BIN)/kvrelay: pyproject.toml
 	command -v nvidia-smi >/dev/null || test -z '$(CPU_TORCH)' || $(BIN)/pip install -q '$(CPU_TORCH)'
 	# The C++ CPU kernels compile at install against the torch installed (setup.py), so no start compiles: torch and
 	# setuptools first, then no build isolation; only this machine's variant (a wheel carries all four).
-	$(BIN)/pip install -q 'setuptools>=77' "$$(grep -o '"torch[^"]*"' pyproject.toml | tr -d '"')"
+	$(BIN)/pip install -q 'setuptools>=77' ninja "$$(grep -o '"torch[^"]*"' pyproject.toml | tr -d '"')"
 	KVRELAY_BUILD_VARIANTS=native $(BIN)/pip install -q --no-build-isolation -e '.[test,dev]'
 	# Hugging Face's `kernels` distribution (pulled in by transformers 5.25+) is imported as this project's kernels/
 	$(BIN)/pip uninstall -q -y kernels 2>/dev/null || true
