@@ -6,6 +6,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,16 @@ from kvrelay.model.sampling import SamplingParams
 def kvrelay(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "kvrelay.deploy.cli", *args], capture_output=True, text=True,
                           timeout=120)
+
+
+def wait_serving(proc: subprocess.Popen, out: list[str], timeout_s: float = 180.0) -> str:
+    """Read ``kvrelay serve``'s output into ``out`` until it says it is serving; all of it so far. Fails (with the
+    last lines) when the process exits first or ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    while not any("kvrelay is serving" in line for line in out):
+        assert proc.poll() is None and time.monotonic() < deadline, "".join(out[-40:])
+        out.append(proc.stdout.readline())
+    return "".join(out)
 
 
 def kvrelay_all(*commands: tuple[str, ...]) -> list[subprocess.CompletedProcess]:
@@ -140,7 +151,6 @@ def test_serve_takes_vllm_flags_over_the_yaml_and_says_what_it_runs(tmp_path: Pa
     import json
     import os
     import signal
-    import time
     import urllib.request
 
     import yaml
@@ -158,11 +168,7 @@ def test_serve_takes_vllm_flags_over_the_yaml_and_says_what_it_runs(tmp_path: Pa
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     out: list[str] = []
     try:
-        deadline = time.monotonic() + 180
-        while not any("kvrelay is serving" in line for line in out):
-            assert proc.poll() is None and time.monotonic() < deadline, "".join(out[-40:])
-            out.append(proc.stdout.readline())
-        text = "".join(out)
+        text = wait_serving(proc, out)
         effective = yaml.safe_load(text.split("effective config (", 1)[1].split("):\n", 1)[1].split("\n\n")[0])
         assert effective["kvstore"]["block_size_tokens"] == 32 and effective["kvstore"]["device"] == {"bytes": "16MiB"}
         assert effective["engine"] == {"max_num_seqs": 4, "enable_prefix_caching": False}

@@ -9,14 +9,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.deploy.test_cli import run_all
+from tests.deploy.test_cli import run_all, wait_serving
 from tests.hub_cache import write_hub_snapshot
 
 UNREACHABLE = "http://127.0.0.1:9"  # the discard port: nothing listens, the connection is refused at once
@@ -105,11 +104,7 @@ def test_serve_by_name_runs_every_node_on_the_one_snapshot_under_the_repo_id(hf_
         env=hub_env(hf_home, offline=True))
     out: list[str] = []
     try:
-        deadline = time.monotonic() + 180
-        while not any("kvrelay is serving" in line for line in out):
-            assert proc.poll() is None and time.monotonic() < deadline, "".join(out[-40:])
-            out.append(proc.stdout.readline())
-        text = "".join(out)
+        text = wait_serving(proc, out)
         assert f"kvrelay serve: model kvtest/tiny is {snapshot}\n" in text
         assert "kvrelay is serving 'kvtest/tiny'" in text
         device = "cuda" if torch.cuda.is_available() else "cpu"

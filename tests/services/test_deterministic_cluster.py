@@ -14,18 +14,16 @@ from pathlib import Path
 
 import openai
 import pytest
-from kvrelay.engine.engine import EngineConfig, LLMEngine
-from kvrelay.model.loader import load_model
-from kvrelay.model.sampling import SamplingParams
 from kvrelay.model.tiny import write_tiny_model
 from kvrelay.model.tokenizer import load_tokenizer
 
 from tests.services.cluster import Cluster, get_json, metrics
 from tests.services.test_faults import post, wait_for
-from tests.services.test_migration import Stream, idle, stream_requests
+from tests.services.test_migration import Stream, idle, reference, stream_requests
 
 STREAMS = 8
-MAX_TOKENS = 1200  # long enough that none ends before the node dies: 8 streams of a tiny model step fast
+MAX_TOKENS = 1800  # long enough that none ends before the node dies: 8 streams of a tiny model step fast (1200
+# streamed for ~4 s; a run beside a build once failed there, cause not seen); prompts of 136-171 tokens: 2,048 fit
 PREFIX_TOKENS = 128
 
 
@@ -36,25 +34,12 @@ def bf16_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
                             kv_heads=2, dtype="bfloat16")
 
 
-def reference(model_dir: Path, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
-    engine = LLMEngine(load_model(model_dir, dtype="bfloat16"),
-                       EngineConfig(num_blocks=2048, max_model_len=2048, deterministic=True))
-    out: dict[str, list[int]] = {}
-    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-        engine.add_request(f"r{i}", prompt, p)
-        out[f"r{i}"] = []
-    while engine.has_unfinished():
-        for step in engine.step():
-            out[step.request_id].extend(step.new_token_ids)
-    return [out[f"r{i}"] for i in range(len(prompts))]
-
-
 def test_bf16_streams_moved_mid_stream_end_as_one_engine_runs_them(bf16_dir: Path) -> None:
     rng = random.Random(11)
     prefix = [rng.randrange(3, 256) for _ in range(PREFIX_TOKENS)]
     prompts = [prefix + [rng.randrange(3, 256) for _ in range(8 + 5 * i)] for i in range(STREAMS)]
     bodies, params = stream_requests(STREAMS, MAX_TOKENS, seed_base=500)
-    expected = reference(bf16_dir, prompts, params)
+    expected = reference(bf16_dir, prompts, params, dtype="bfloat16", max_model_len=2048, deterministic=True)
     tok = load_tokenizer(bf16_dir)
     assert tok is not None
     overrides = {"model": {"dtype": "bfloat16"},

@@ -27,10 +27,12 @@ MAX_TOKENS = 850  # long enough that no stream ends before the last has begun, o
 PREFIX_TOKENS = 128  # 8 blocks, cached on the first decode node before the streams start
 
 
-def reference(model_dir, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
-    """The requests in one in-process engine (float32, like the cluster; a sample's tokens do not depend on
-    its batch: `tests/engine/test_engine.py`)."""
-    eng = LLMEngine(load_model(model_dir), EngineConfig(num_blocks=2048, max_model_len=1024, max_num_seqs=64))
+def reference(model_dir, prompts: list[list[int]], params: list[SamplingParams], *, dtype: str = "float32",
+              **config: object) -> list[list[int]]:
+    """The requests in one in-process engine of ``dtype`` (float32, like the cluster; a sample's tokens do not depend
+    on its batch there: `tests/engine/test_engine.py`), ``config`` over the engine's sizes here."""
+    sizes: dict[str, object] = {"num_blocks": 2048, "max_model_len": 1024, "max_num_seqs": 64, **config}
+    eng = LLMEngine(load_model(model_dir, dtype=dtype), EngineConfig(**sizes))
     out: dict[str, list[int]] = {}
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         eng.add_request(f"r{i}", prompt, p)
