@@ -6,20 +6,16 @@ one run): the recomputed KV and the decode node's took paths that round differen
 
 from __future__ import annotations
 
-import os
 import random
-import signal
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import openai
 import pytest
 from kvrelay.model.tiny import write_tiny_model
 from kvrelay.model.tokenizer import load_tokenizer
 
 from tests.services.cluster import Cluster, get_json, metrics
 from tests.services.test_faults import post, wait_for
-from tests.services.test_migration import Stream, idle, reference, stream_requests
+from tests.services.test_migration import idle, reference, stream_requests, streams_moved_by_a_kill
 
 STREAMS = 8
 MAX_TOKENS = 1800  # long enough that none ends before the node dies: 8 streams of a tiny model step fast (1200
@@ -51,21 +47,7 @@ def test_bf16_streams_moved_mid_stream_end_as_one_engine_runs_them(bf16_dir: Pat
         assert post(c.url, {"model": "tiny", "prompt": prefix, "max_tokens": 2, "temperature": 0})[0] == 200
         wait_for(lambda: get_json(c.url + "/health")["nodes"]["decode-0"]["kv_keys"] >= PREFIX_TOKENS // 16,
                  what="the victim's prefix blocks indexed")
-        client = openai.OpenAI(base_url=c.url + "/v1", api_key="none", max_retries=0, timeout=300)
-        streams = [Stream(client, p, b) for p, b in zip(prompts, bodies, strict=True)]
-        with ThreadPoolExecutor(STREAMS) as pool:
-            futures = [pool.submit(s) for s in streams]
-            for s in streams:
-                assert s.started.wait(120), "a stream sent no text"
-            wait_for(lambda: [get_json(u + "/health")["running"] for u in (victim, survivor)] == [STREAMS, 0],
-                     timeout_s=30, what=f"all {STREAMS} streams running on the victim")
-            assert not any(s.finish for s in streams)
-            os.kill(c.node_pid(victim), signal.SIGKILL)
-            done = [f.result(timeout=600) for f in futures]
-        for i, s in enumerate(done):
-            assert s.error is None, f"stream {i}: {s.error!r}"
-            assert s.finish == "length" and s.usage.completion_tokens == MAX_TOKENS
-            assert "".join(s.pieces) == tok.decode(expected[i]), f"stream {i} differs from the one-engine run"
+        streams_moved_by_a_kill(c, prompts, bodies, [tok.decode(e) for e in expected], MAX_TOKENS)
         assert metrics(c.url)['kvrelay_router_migrations_total{outcome="moved"}'] == STREAMS
         # a long-context policy selects KV through kernels the mode does not cover: refused, nothing held
         code, body = post(c.url, {"model": "tiny", "prompt": prompts[0], "max_tokens": 4,

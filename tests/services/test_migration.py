@@ -101,7 +101,7 @@ def test_killing_a_decode_node_under_50_streams_moves_them_all(tiny_model_dir):
                  # Load weighs little against a cached prefix: every stream goes to the decode node holding it.
                  "router": {"load_weight_tokens": 1}}
     with Cluster(tiny_model_dir, prefill=1, decode=2, overrides=overrides) as c:
-        victim, survivor = c.decode_urls
+        survivor = c.decode_urls[1]
         warm = {"model": "tiny", "prompt": prefix, "max_tokens": 2, "temperature": 0}
         assert post(c.url, warm)[0] == 200
 
@@ -110,37 +110,45 @@ def test_killing_a_decode_node_under_50_streams_moves_them_all(tiny_model_dir):
             return nodes["decode-0"]["kv_keys"] >= PREFIX_TOKENS // 16
 
         wait_for(indexed, what="the victim's prefix blocks indexed")
-        client = openai.OpenAI(base_url=c.url + "/v1", api_key="none", max_retries=0, timeout=300)
-        streams = [Stream(client, p, b) for p, b in zip(prompts, bodies, strict=True)]
-        with ThreadPoolExecutor(STREAMS) as pool:
-            futures = [pool.submit(s) for s in streams]
-            for s in streams:
-                assert s.started.wait(120), "a stream sent no text"
-            # All on the victim: a stream's text may reach the client a moment before its request is counted
-            # running (a sample's first token comes from the prefill node).
-            running: list[int] = []
-
-            def all_on_the_victim() -> bool:
-                running[:] = [get_json(u + "/health")["running"] for u in (victim, survivor)]
-                return running == [STREAMS, 0]
-
-            # 30 s: the full suite on a busy machine once timed out here at 10 s (its counts were not shown then)
-            try:
-                wait_for(all_on_the_victim, timeout_s=30, what=f"all {STREAMS} streams running on the victim")
-            except AssertionError as exc:
-                raise AssertionError(f"{exc}; running on victim, survivor: {running}") from None
-            assert not any(s.finish for s in streams)
-            os.kill(c.node_pid(victim), signal.SIGKILL)
-            done = [f.result(timeout=600) for f in futures]
-        for i, s in enumerate(done):
-            assert s.error is None, f"stream {i}: {s.error!r}"
-            assert s.finish == "length" and s.usage.completion_tokens == MAX_TOKENS
-            assert "".join(s.pieces) == tok.decode(expected[i]), f"stream {i} differs from an undisturbed run"
+        streams_moved_by_a_kill(c, prompts, bodies, [tok.decode(e) for e in expected], MAX_TOKENS)
         m = metrics(c.url)
         assert m['kvrelay_router_migrations_total{outcome="moved"}'] == STREAMS
         assert m.get('kvrelay_router_migrations_total{outcome="limit"}', 0.0) == 0
         assert get_json(survivor + "/health")["running"] == 0
         wait_for(lambda: idle([*c.prefill_urls, survivor]), what="every block given back")
+
+
+def streams_moved_by_a_kill(c: Cluster, prompts: list[list[int]], bodies: list[dict], texts: list[str],
+                            max_tokens: int) -> None:
+    """Stream every prompt (with ``bodies[i]``) through ``c``, wait until all run on its first decode node, SIGKILL
+    that node, and check each stream ends with ``max_tokens`` tokens whose text is ``texts[i]``."""
+    victim, survivor = c.decode_urls
+    client = openai.OpenAI(base_url=c.url + "/v1", api_key="none", max_retries=0, timeout=300)
+    streams = [Stream(client, p, b) for p, b in zip(prompts, bodies, strict=True)]
+    with ThreadPoolExecutor(len(streams)) as pool:
+        futures = [pool.submit(s) for s in streams]
+        for s in streams:
+            assert s.started.wait(120), "a stream sent no text"
+        # All on the victim: a stream's text may reach the client a moment before its request is counted
+        # running (a sample's first token comes from the prefill node).
+        running: list[int] = []
+
+        def all_on_the_victim() -> bool:
+            running[:] = [get_json(u + "/health")["running"] for u in (victim, survivor)]
+            return running == [len(streams), 0]
+
+        # 30 s: the full suite on a busy machine once timed out here at 10 s (its counts were not shown then)
+        try:
+            wait_for(all_on_the_victim, timeout_s=30, what=f"all {len(streams)} streams running on the victim")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; running on victim, survivor: {running}") from None
+        assert not any(s.finish for s in streams)
+        os.kill(c.node_pid(victim), signal.SIGKILL)
+        done = [f.result(timeout=600) for f in futures]
+    for i, s in enumerate(done):
+        assert s.error is None, f"stream {i}: {s.error!r}"
+        assert s.finish == "length" and s.usage.completion_tokens == max_tokens
+        assert "".join(s.pieces) == texts[i], f"stream {i} differs from an undisturbed run"
 
 
 def idle(urls: list[str]) -> bool:
