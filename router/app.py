@@ -50,7 +50,6 @@ from kvrelay.router.openai_responses import (
 from kvrelay.router.plan import PlanChoice
 from kvrelay.router.queue import QueueConfig, QueueMetrics, Ticket
 from kvrelay.router.reasoning import ReasoningStream
-from kvrelay.router.reasoning import Split as ReasoningSplit
 from kvrelay.router.reasoning import split as split_reasoning
 from kvrelay.router.request_trace import RequestTrace, RunTrace
 from kvrelay.router.text_output import SampleText
@@ -492,10 +491,7 @@ class Router:
                     offsets[i] = next_text_offset(self.served.tokenizer, delta.token_ids, offsets[i])
                 thought, split_stream = "", thinking[i]
                 if split_stream is not None:  # the thinking apart, before tools
-                    piece = split_stream.push(text)
-                    if reasons[i] is not None:
-                        rest = split_stream.flush()
-                        piece = ReasoningSplit(piece.reasoning + rest.reasoning, piece.content + rest.content)
+                    piece = split_stream.push(text, final=reasons[i] is not None)
                     thought, text = piece.reasoning if req.include_reasoning else "", piece.content
                 calls, tool_stream, tool_output = None, tools[i], choices[i].tool_output
                 if tool_stream is not None and tool_output is not None:

@@ -39,8 +39,7 @@ def split(parser: str, text: str) -> Split:
         ValueError: an unknown parser.
     """
     stream = ReasoningStream(parser)
-    first, last = stream.push(text), stream.flush()
-    return Split(first.reasoning + last.reasoning, first.content + last.content)
+    return stream.push(text, final=True)
 
 
 class ReasoningStream:
@@ -59,8 +58,15 @@ class ReasoningStream:
         self.held = ""  # text held back: a possible tag's first characters, or (at the start) a possible <think>
         self.at_start = True  # deepseek_r1: a leading <think> is dropped
 
-    def push(self, piece: str) -> Split:
-        """What ``piece`` adds, split; text that might begin a tag is held for the next call."""
+    def push(self, piece: str, *, final: bool = False) -> Split:
+        """What ``piece`` adds, split; text that might begin a tag is held for the next call, or with ``final`` (the
+        output's last piece) given out as what it is (`flush`)."""
+        if final:
+            first, last = self._push(piece), self.flush()
+            return Split(first.reasoning + last.reasoning, first.content + last.content)
+        return self._push(piece)
+
+    def _push(self, piece: str) -> Split:
         text, self.held = self.held + piece, ""
         reasoning: list[str] = []
         content: list[str] = []
