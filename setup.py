@@ -2,9 +2,13 @@
 a serving machine needs no compiler and no start builds anything (`kernels.cpu_build` picks the variant its CPU
 runs). Everything else is in ``pyproject.toml``.
 
-They need torch's headers at build time: ``pip install --no-build-isolation .`` builds them against the torch
-already installed (the one they will run with); without torch at build time (an isolated build), none is built and
-the first start on each machine builds its variant instead (`kernels.cpu_build`). ``KVRELAY_BUILD_VARIANTS``
+They are built against the torch they will run with: the one importable at build time (``pip install
+--no-build-isolation .``), else the one installed in the environment being installed into (pip's isolated build runs
+that environment's interpreter with its site-packages hidden; they are searched for torch alone), else, in an
+environment without torch, the build asks the frontend for torch (``setup_requires``, which setuptools' backend
+turns into a build requirement) and pip installs the same release into the build environment as into the target
+(the same requirement, resolved against the same indexes). A later torch upgrade makes the prebuilt modules stale:
+the first start then builds its variant (`kernels.cpu_build`) and logs why. ``KVRELAY_BUILD_VARIANTS``
 (comma-separated names; ``native``: the one this CPU runs; ``none``) limits what is built — ``make`` builds the
 development machine's only (~30 s on 2 cores against ~2 min for all four).
 """
@@ -13,23 +17,58 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import sys
+import sysconfig
 
 from setuptools import setup
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kvrelay.kernels.isa import SOURCES, VARIANTS, compile_args, cpu_flags, module_name, variant_for  # noqa: E402
 
+HERE = os.path.dirname(os.path.abspath(__file__))
 
-def _extensions() -> tuple[list, dict]:
+
+def _torch_requirement() -> str:
+    """The runtime requirement on torch, as ``pyproject.toml`` states it (one source for both)."""
+    with open(os.path.join(HERE, "pyproject.toml"), encoding="utf-8") as f:
+        found = re.search(r'"(torch[<>=!~ ][^"]*)"', f.read())
+    if found is None:
+        raise SystemExit("setup.py: pyproject.toml names no torch requirement")
+    return found.group(1)
+
+
+def _find_torch() -> bool:
+    """Whether torch can be imported, looking also in the target environment's site-packages (pip's isolated build
+    hides them; the interpreter, and so ``sysconfig``'s paths, are the target's). Appended, not prepended: only a
+    module the build environment lacks is taken from there."""
     try:
-        import torch
-        from torch.utils.cpp_extension import BuildExtension, CppExtension
+        import torch  # noqa: F401
+        return True
     except ImportError:
-        print("kvrelay: torch is not importable at build time; the C++ CPU kernels will be built on first use",
-              file=sys.stderr)
-        return [], {}
+        pass
+    for directory in dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib")):
+        if os.path.isdir(os.path.join(directory, "torch")) and directory not in sys.path:
+            sys.path.append(directory)
+    try:
+        import torch  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def _extensions() -> tuple[list, dict, list[str]]:
+    """(extension modules, command classes, build requirements still missing)."""
     wanted = os.environ.get("KVRELAY_BUILD_VARIANTS", "")
+    if wanted.strip() == "none":
+        return [], {}, []
+    if not _find_torch():
+        # setuptools' backend reports setup_requires to the frontend as build requirements, so this run only
+        # asks for torch; the next (the wheel build) finds it
+        return [], {}, [_torch_requirement()]
+    import torch
+    from torch.utils.cpp_extension import BuildExtension, CppExtension
+
     names = [v.name for v in VARIANTS] if not wanted else [n.strip() for n in wanted.split(",") if n.strip()]
     names = [variant_for(cpu_flags()).name if n == "native" else n for n in names]
     if platform.machine().lower() not in ("x86_64", "amd64"):
@@ -53,8 +92,8 @@ def _extensions() -> tuple[list, dict]:
             finally:
                 self.build_temp = shared
 
-    return modules, {"build_ext": PerVariantBuild}
+    return modules, {"build_ext": PerVariantBuild}, []
 
 
-ext_modules, cmdclass = _extensions()
-setup(ext_modules=ext_modules, cmdclass=cmdclass)
+ext_modules, cmdclass, setup_requires = _extensions()
+setup(ext_modules=ext_modules, cmdclass=cmdclass, setup_requires=setup_requires)
