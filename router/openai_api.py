@@ -418,8 +418,8 @@ def parse_completions(body: Any, served: ServedModel) -> list[GenerationRequest]
         ids = _truncated(ids, body, served)
         params, stops = _sampling(body, served, len(ids))
         if echo and params.logprobs is not None:
-            raise ApiError(400, "echo with logprobs needs the prompt's logprobs, which this server does not "
-                                "compute; drop one of them", param="echo")
+            raise ApiError(400, "echo with logprobs (the prompt's logprobs in the choice's logprobs) is not built; "
+                                "ask for them with prompt_logprobs instead", param="echo")
         echo_text = None
         if echo:
             echo_text = one if isinstance(one, str) else (
