@@ -26,6 +26,7 @@ from kvrelay.engine.kv_layout import kv_block_spec
 from kvrelay.engine.kv_policy import KvPolicies
 from kvrelay.engine.long_context import LongContextConfig
 from kvrelay.engine.model_runner import ModelRunner
+from kvrelay.engine.prompt_logprobs import wants_prompt_logprobs
 from kvrelay.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from kvrelay.engine.sequence import Sequence, SequenceStatus
 from kvrelay.engine.step_rates import StepRates
@@ -39,6 +40,7 @@ from kvrelay.model.kernel_plan import KernelPlan
 from kvrelay.model.llama import LlamaForCausalLM
 from kvrelay.model.loader import LoadedModel
 from kvrelay.model.sampling import SamplingParams, TokenLogprobs, sample, token_generator
+from kvrelay.model.sampling_params import MAX_LOGPROBS, PromptTokenLogprobs
 from kvrelay.model.skew import SkewTables, load_or_compute_skew
 from prometheus_client import CollectorRegistry
 
@@ -61,6 +63,9 @@ class StepOutput:
     finish_reason: str | None = None
     num_cached_prompt_tokens: int = 0  # prompt tokens this sample reused from the prefix cache
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked for them
+    # the prompt's logprobs, positions 1 to P - 1 (`engine.prompt_logprobs`): on sample 0's first token, when the
+    # request asked for them and its prompt was prefilled here
+    prompt_logprobs: list[PromptTokenLogprobs] | None = None
 
 
 @dataclass(slots=True)
@@ -292,6 +297,9 @@ class LLMEngine:
         if request_id in self._requests:
             raise RequestError(f"request id {request_id!r} is already running")
         self.validate_prompt(prompt_token_ids)
+        if params.prompt_logprobs == -1 and self.model_config.vocab_size > MAX_LOGPROBS:
+            raise RequestError(f"prompt_logprobs -1 asks for the whole vocabulary ({self.model_config.vocab_size} "
+                               f"tokens) at each prompt position; the most is {MAX_LOGPROBS}")
         policy = long_context or self.config.long_context
         try:
             self.check_long_context(policy)
@@ -396,6 +404,9 @@ class LLMEngine:
             self.policies.speculative.end_step()
         self.stats.steps += 1
         self.stats.step_tokens.observe(sum(chunk.num_tokens for chunk in sched.prefills) + len(sched.decodes))
+        for part in result.prompt_logprobs:  # a recomputed prompt (preempted mid-prefill) overwrites its entries
+            del part.seq.prompt_logprobs[part.first_position - 1 :]
+            part.seq.prompt_logprobs.extend(part.entries)
         for chunk in sched.prefills:
             self.stats.computed_prefill_tokens += chunk.num_tokens
             self.scheduler.commit(chunk.seq, chunk.num_tokens)
@@ -538,13 +549,16 @@ class LLMEngine:
         return None
 
     def _append_token(self, seq: Sequence, tok: int, logprobs: TokenLogprobs | None = None) -> StepOutput:
+        prompt = None
+        if seq.index == 0 and wants_prompt_logprobs(seq):  # its first token: the prompt's logprobs go with it
+            prompt, seq.prompt_logprobs = seq.prompt_logprobs, []
         seq.token_ids.append(tok)
         self.stats.generated_tokens += 1
         reason = self._finish_reason(seq, tok)
         if reason is not None:
             self.scheduler.finish(seq, reason)
         return StepOutput(seq.request_id, seq.index, [tok], reason is not None, reason, seq.num_cached_prompt_tokens,
-                          None if logprobs is None else [logprobs])
+                          None if logprobs is None else [logprobs], prompt)
 
     def _forget_if_done(self, request_id: str) -> None:
         req = self._requests.get(request_id)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from kvrelay.engine.block_tables import NULL_BLOCK
 from kvrelay.engine.cuda_graphs import DecodeGraphs, DecodeRow
+from kvrelay.engine.prompt_logprobs import ChunkPromptLogprobs, chunk_prompt_logprobs, wants_prompt_logprobs
 from kvrelay.engine.scheduler import ScheduledStep
 from kvrelay.engine.sequence import Sequence
 from kvrelay.model.attention import AttentionBackend, AttentionBatch, KvHook
@@ -16,11 +17,14 @@ from kvrelay.model.attention import AttentionBackend, AttentionBatch, KvHook
 @dataclass(frozen=True, slots=True)
 class StepLogits:
     """Logits of the sequences that pick a token this step, in ``seqs`` order: ``[len(seqs), vocab]``; and, where
-    the model found them with the logits, each row's ``torch.argmax`` (``greedy``; else None)."""
+    the model found them with the logits, each row's ``torch.argmax`` (``greedy``; else None). ``prompt_logprobs``:
+    what this step's prefill chunks of sequences that asked for their prompt's logprobs produced
+    (`engine.prompt_logprobs`; empty for every other step)."""
 
     seqs: list[Sequence]
     logits: torch.Tensor
     greedy: list[int] | None = None
+    prompt_logprobs: list[ChunkPromptLogprobs] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -122,10 +126,13 @@ class ModelRunner:
         sample_seqs: list[Sequence] = []
         prefill_lens: list[int] = []
         query_start = [0]
+        prompt_chunks: list[tuple[Sequence, int, int, int]] = []  # (seq, first row, start, end): prompt logprobs
         for chunk in step.prefills:
             seq, start = chunk.seq, chunk.seq.num_computed_tokens
             assert seq.num_absent_tokens == 0, "a sequence whose KV a policy dropped cannot prefill"
             end = start + chunk.num_tokens
+            if wants_prompt_logprobs(seq):
+                prompt_chunks.append((seq, len(input_ids), start, end))
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             for group in range(g):
@@ -167,9 +174,12 @@ class ModelRunner:
         batch = batches[0] if g == 1 else dataclasses.replace(batches[0], group_batches=tuple(batches))
         hidden = self.model(self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), self.kv_pool,
                             batch, self.backend)
+        prompt = [chunk_prompt_logprobs(self.model, hidden[row : row + end - start], seq, start=start,
+                                        num_top=seq.params.prompt_logprobs or 0)
+                  for seq, row, start, end in prompt_chunks]
         if sample_rows != list(range(hidden.shape[0])):  # a decode-only step samples every row: no gather
             hidden = hidden.index_select(0, torch.tensor(sample_rows, dtype=torch.int64, device=hidden.device))
-        return StepLogits(sample_seqs, self.model.compute_logits(hidden))
+        return StepLogits(sample_seqs, self.model.compute_logits(hidden), prompt_logprobs=prompt)
 
     def _decode_logits(self, decodes: list[Sequence]) -> StepLogits:
         """A decode-only step (every row samples) through the model's ``decode_logits``: its metadata as lists,

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvrelay.engine.block_tables import BlockTables, held
+from kvrelay.engine.prompt_logprobs import wants_prompt_logprobs
 from kvrelay.engine.sequence import Sequence, SequenceStatus
 from kvrelay.kvstore.block_key import BlockKey, extend_group_keys
 from kvrelay.kvstore.block_spec import BlockSpec
@@ -127,10 +128,11 @@ class Scheduler:
         """Reuse cached blocks for the leading full blocks; at least one token is always computed.
 
         With prefix caching off, only blocks the caller handed over (pulled KV, ``pinned_block_ids``)
-        are matched.
+        are matched. A prompt whose logprobs are asked for matches nothing: it is computed in full, since
+        cached rows have no logits (`engine.prompt_logprobs`).
         """
         seq.prefix_matched = True
-        if not self.config.enable_prefix_caching and not seq.pinned_block_ids:
+        if (not self.config.enable_prefix_caching and not seq.pinned_block_ids) or wants_prompt_logprobs(seq):
             return
         bs, g = self.spec.block_size_tokens, self.groups
         keys = self.keys_of(seq)[: (len(seq.token_ids) - 1) // bs * g]

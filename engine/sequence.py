@@ -9,6 +9,7 @@ from kvrelay.engine.grammar import Matcher
 from kvrelay.engine.long_context import LongContextConfig
 from kvrelay.kvstore.block_key import BlockKey
 from kvrelay.model.sampling import SamplingParams
+from kvrelay.model.sampling_params import PromptTokenLogprobs
 
 
 class SequenceStatus(enum.Enum):
@@ -65,6 +66,8 @@ class Sequence:
     kv_corrupt: bool = False  # set during a step by a policy, cleared by the engine after it (see above)
     kv_recomputes: int = 0  # times its KV was recomputed after a failed integrity check
     matcher: Matcher | None = None  # its grammar's state, when the request is constrained (engine.grammar)
+    # its prompt's logprobs so far, positions 1.. (engine.prompt_logprobs), while its prefill computes them
+    prompt_logprobs: list[PromptTokenLogprobs] = field(default_factory=list)
 
     @property
     def num_output_tokens(self) -> int:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from kvrelay.model.generation_config import load_generation_defaults
-from kvrelay.model.sampling_params import TokenLogprobs
+from kvrelay.model.sampling_params import PromptTokenLogprobs, TokenLogprobs
 from kvrelay.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
@@ -45,11 +45,14 @@ class CompletionOutput:
 
 @dataclass(frozen=True, slots=True)
 class RequestOutput:
-    """One prompt's result: ``outputs`` holds ``n`` samples, by index."""
+    """One prompt's result: ``outputs`` holds ``n`` samples, by index. ``prompt_logprobs`` (vLLM's), when the params
+    asked for them: None for the first prompt token, then each later one's `PromptTokenLogprobs` (computed in full,
+    never from the prefix cache: `engine.prompt_logprobs`)."""
 
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
+    prompt_logprobs: list[PromptTokenLogprobs | None] | None = None
 
 
 class LLM:
@@ -179,6 +182,7 @@ class LLM:
         tokens: dict[str, list[list[int]]] = {}
         logprobs: dict[str, list[list[TokenLogprobs]]] = {}
         reasons: dict[str, list[str | None]] = {}
+        prompt_logprobs: dict[str, list[PromptTokenLogprobs]] = {}
         added: list[str] = []
         try:
             for rid, ids_, p in zip(ids, token_lists, params_list, strict=True):
@@ -195,6 +199,8 @@ class LLM:
                             continue
                         tokens[out.request_id][out.index].extend(out.new_token_ids)
                         logprobs[out.request_id][out.index].extend(out.logprobs or ())
+                        if out.prompt_logprobs is not None:
+                            prompt_logprobs[out.request_id] = out.prompt_logprobs
                         if out.finished:
                             reasons[out.request_id][out.index] = out.finish_reason
                             unfinished[out.request_id] -= 1
@@ -208,7 +214,9 @@ class LLM:
         for rid, prompt, ids_, p in zip(ids, prompts, token_lists, params_list, strict=True):
             outputs = [CompletionOutput(i, self.tokenizer.decode(tokens[rid][i]), tokens[rid][i], reasons[rid][i],
                                         logprobs[rid][i] if p.logprobs is not None else None) for i in range(p.n)]
-            results.append(RequestOutput(prompt if isinstance(prompt, str) else None, ids_, outputs))
+            prompt_lps = prompt_logprobs.get(rid)
+            results.append(RequestOutput(prompt if isinstance(prompt, str) else None, ids_, outputs,
+                                         None if prompt_lps is None else [None, *prompt_lps]))
         return results
 
     def close(self) -> None:

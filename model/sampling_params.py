@@ -59,6 +59,9 @@ class SamplingParams:
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)  # (token id, bias), ids distinct
     logprobs: int | None = None  # return each token's logprob and this many top alternatives (None: none)
+    # vLLM's: the prompt's logprobs (`PromptTokenLogprobs`) with this many top alternatives per position; -1: the
+    # whole vocabulary (refused by the engine where the vocabulary has over MAX_LOGPROBS tokens); None: none
+    prompt_logprobs: int | None = None
     # constrained decoding (None: free text); a StructuredOutputsParams (vLLM's spelling) becomes a StructuredOutput
     structured_outputs: StructuredOutput | None = None
     allowed_token_ids: tuple[int, ...] | None = None  # only these may be picked (None: any)
@@ -89,6 +92,10 @@ class SamplingParams:
                              f"got {self.min_tokens!r}")
         if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and not (isinstance(self.prompt_logprobs, int)
+                                                     and -1 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}] or -1 (the whole "
+                             f"vocabulary), got {self.prompt_logprobs!r}")
         ids = [t for t, _ in self.logit_bias]
         if len(set(ids)) != len(ids) or not all(-100.0 <= b <= 100.0 for _, b in self.logit_bias):
             raise ValueError("logit_bias must map distinct token ids to biases in [-100, 100]")
@@ -122,4 +129,16 @@ class TokenLogprobs:
     filters applied; greedy: of the adjusted logits)."""
 
     logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PromptTokenLogprobs:
+    """One prompt position's entry of vLLM's ``prompt_logprobs``: the log-probability of the prompt's token there
+    given the tokens before it, its ``rank`` (vLLM's: how many vocabulary tokens have a logprob at least as high,
+    so the most likely token is 1), and the ``top`` most likely tokens, best first. Raw: the log-softmax of the
+    model's logits, before any penalty, bias, mask or temperature (vLLM's default ``raw_logprobs``)."""
+
+    logprob: float
+    rank: int
     top: tuple[tuple[int, float], ...]

@@ -2,11 +2,13 @@
 the decode node a leased KV handle to pull the blocks from.
 
     POST /prefill   msgpack {"request_id", "prompt", "params", "salt"}
-                 →  msgpack {"first_token_ids", "finish_reasons", "handle", "num_cached_tokens"}
+                 →  msgpack {"first_token_ids", "finish_reasons", "handle", "num_cached_tokens", "prompt_logprobs"?}
 
 Prompts are batched by the engine under its token budget (long prompts chunked across steps) and
-reuse cached prefix blocks. The request's full blocks are published (keyed, KV events) and pinned
-under a lease the moment the engine finishes the prompt, before any later step could evict them.
+reuse cached prefix blocks — except a prompt whose logprobs the request asks for (``params.prompt_logprobs``,
+vLLM's), which is computed in full and answered with them (`engine.prompt_logprobs`). The request's full
+blocks are published (keyed, KV events) and pinned under a lease the moment the engine finishes the prompt,
+before any later step could evict them.
 
 With ``prefill.serve_whole_requests`` the node also serves whole requests as a decode node serves a request
 without a KV handle (`WholeRequestPrefillService`: ``POST /generate``, no KV pulls): under
@@ -30,7 +32,7 @@ from kvrelay.decode.service import DecodeService
 from kvrelay.engine.engine import LLMEngine, RequestError
 from kvrelay.engine.worker import EngineFailure, EngineWorker
 from kvrelay.kvstore.block_key import BlockKey
-from kvrelay.model.sampling_params import TokenLogprobs
+from kvrelay.model.sampling_params import PromptTokenLogprobs, TokenLogprobs
 from kvrelay.node.app import EngineNode, NodeConfig, NodeMetrics, msgpack_response
 from kvrelay.node.tracing import Stage, Tracing
 from kvrelay.transfer.handle import KvHandle
@@ -126,6 +128,7 @@ class PrefillService(EngineNode):
         first: list[int | None] = [None] * params.n
         engine_reasons: list[str | None] = [None] * params.n
         first_logprobs: list[TokenLogprobs | None] = [None] * params.n
+        prompt_logprobs: list[PromptTokenLogprobs] | None = None
         num_cached = 0
         first_only = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
         stream = self.worker.submit(rid, prompt, first_only, salt=salt, on_finish=on_finish, block_keys=keys)
@@ -138,6 +141,8 @@ class PrefillService(EngineNode):
                     engine_reasons[out.index] = out.finish_reason
                     if out.logprobs:
                         first_logprobs[out.index] = out.logprobs[0]
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs = out.prompt_logprobs
                 num_cached = max(num_cached, out.num_cached_prompt_tokens)
             done = True
         except RequestError as exc:
@@ -178,7 +183,8 @@ class PrefillService(EngineNode):
         stages = _prefill_stages(arrived_ns, stream.times.scheduled_ns, stream.times.finished_ns, publish_ns,
                                  num_blocks=len(keys or ()) if publish_ns[1] else 0)
         reply = PrefillReply(tokens, reasons, handle, num_cached,  # msgpack only here, at the HTTP edge
-                             first_logprobs=logprobs, timings={_TIMING_OF[s.name]: s.seconds for s in stages})
+                             first_logprobs=logprobs, timings={_TIMING_OF[s.name]: s.seconds for s in stages},
+                             prompt_logprobs=prompt_logprobs)
         body = encode_prefill_reply(reply)
         self.trace(request, Stage("prefill.request", arrived_ns, time.time_ns(), {
             "request_id": rid, "prompt_tokens": len(prompt), "cached_tokens": num_cached,

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 from kvrelay.model.generation_config import load_generation_defaults
-from kvrelay.model.sampling_params import TokenLogprobs
+from kvrelay.model.sampling_params import PromptTokenLogprobs, TokenLogprobs
 from kvrelay.model.tokenizer import load_tokenizer, resolve_chat_template
 from kvrelay.node.tracing import Tracing
 from kvrelay.router.backends import Backends
@@ -48,6 +48,7 @@ from kvrelay.router.openai_responses import (
     usage_chunk,
 )
 from kvrelay.router.plan import PlanChoice
+from kvrelay.router.prompt_logprobs import add_prompt_logprobs, prompt_logprobs_body
 from kvrelay.router.queue import QueueConfig, QueueMetrics, Ticket
 from kvrelay.router.reasoning import ReasoningStream
 from kvrelay.router.reasoning import split as split_reasoning
@@ -384,6 +385,7 @@ class Router:
         reasons: list[str | None] = [None] * len(choices)
         token_ids: list[list[int]] = [[] for _ in choices]
         logprobs: list[list[TokenLogprobs]] = [[] for _ in choices]
+        prompt_of: dict[str, list[PromptTokenLogprobs]] = {}  # a prompt's logprobs, by its request's id
         timer, clock = _Timer(), self._clock(reqs, trace)
         cached = 0  # prompt tokens from a prefix cache, every prompt's
         gen = self._run_all(reqs, salt, tickets, trace.runs)
@@ -392,6 +394,8 @@ class Router:
                 timer.tokens(len(delta.token_ids))
                 trace.tokens(len(delta.token_ids))
                 cached += delta.num_cached_tokens or 0
+                if delta.prompt_logprobs is not None:
+                    prompt_of[choices[i].request_id] = delta.prompt_logprobs
                 if reasons[i] is not None:
                     continue
                 clock.tokens(i, len(delta.token_ids))
@@ -434,6 +438,10 @@ class Router:
             [logprobs_body(req, tok, ids, lps) for ids, lps in zip(token_ids, logprobs, strict=True)],
             prompt_tokens=sum(len(r.prompt_token_ids) for r in reqs), parsed=parsed, cached_tokens=cached,
             reasoning=thoughts)
+        if req.params.prompt_logprobs is not None:
+            lists = {rid: prompt_logprobs_body(tok, r.prompt_token_ids, prompt_of[rid]) for r in reqs
+                     if (rid := r.request_id) in prompt_of}
+            add_prompt_logprobs(body, req.kind, [lists.get(r.request_id) for r in choices])
         if req.timings:
             body["kvrelay"] = trace.answer_field()
         return web.json_response(body)

@@ -36,7 +36,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvrelay.kvstore.block_key import block_keys
-from kvrelay.model.sampling_params import TokenLogprobs
+from kvrelay.model.sampling_params import PromptTokenLogprobs, TokenLogprobs
 from kvrelay.model.structured import GRAMMAR_ERROR_PREFIX
 from kvrelay.router.backends import Backends, NodeRefused, NodeUnavailable
 from kvrelay.router.cache_salt import request_salt
@@ -72,6 +72,8 @@ class SampleDelta:
     # prompt tokens served from a prefix cache (the prefill node's; under a local plan the decode node's): on
     # one delta of each run, the first that knows it; None on the others
     num_cached_tokens: int | None = None
+    # the prompt's logprobs (positions 1 to P - 1), on sample 0's first delta, when the request asked
+    prompt_logprobs: list[PromptTokenLogprobs] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +153,10 @@ class Dispatcher:
                 if len(answer.first_token_ids) != req.params.n:
                     raise NodeUnavailable(f"{node.name}: {len(answer.first_token_ids)} first tokens for "
                                           f"n={req.params.n}")
+                got, wanted = answer.prompt_logprobs, len(req.prompt_token_ids) - 1
+                if req.params.prompt_logprobs is not None and (got is None or len(got) != wanted):
+                    raise NodeUnavailable(f"{node.name}: no prompt_logprobs for each of the {wanted} prompt "
+                                          "positions after the first")
                 if answer.handle_error is not None:
                     log.warning("request %s: %s sent a malformed KV handle (%s); decode will recompute",
                                 req.request_id, node.name, answer.handle_error)
@@ -201,6 +207,9 @@ class Dispatcher:
             if reservation.prefill is not None:
                 reservation.prefilled()
             first = None
+            if prefilled is None and req.params.prompt_logprobs is not None:
+                raise ApiError(503, "prompt_logprobs are computed by a prefill node, and none is up; retry later",
+                               param="prompt_logprobs")
             if prefilled is not None:
                 self._first_token(req, reservation, placed_at, trace)
                 pre, lease.owner = prefilled
@@ -218,7 +227,8 @@ class Dispatcher:
                     generated += 1
                     yield SampleDelta(i, [tok], finished[i], reason,
                                       None if pre.first_logprobs is None else [pre.first_logprobs[i]],
-                                      pre.num_cached_tokens if i == 0 else None)
+                                      pre.num_cached_tokens if i == 0 else None,
+                                      pre.prompt_logprobs if i == 0 else None)
                 cached_known = True
                 if all(finished):
                     return  # the prefill node released the lease itself

@@ -68,6 +68,9 @@ class Need:
     decode_blocks: int
     seqs: int
     decode_tokens: int = 0  # the output tokens it is expected to decode (0: not weighed, `router.plan.whole_plan`)
+    # its prompt is prefilled on a prefill node whatever router.disaggregation says: that node computes the
+    # prompt's logprobs (vLLM's prompt_logprobs) and answers them; a decode node's answer has no room for them
+    needs_prefill_node: bool = False
 
     def fits_decode(self, node: Node) -> bool:
         cap = node.capacity
@@ -228,8 +231,9 @@ class NodeSet:
         reported no rates yet, the less loaded one takes it (`_whole_cost`: its samples weighed as
         ``load_weight_tokens`` each, plus the prompt tokens queued on it, less the prompt tokens it holds; on the
         decode node's side also the queue of the prefill node its plan would prefill on, since the prompt waits
-        there either way; the decode node wins a tie)."""
-        mode = self.disaggregation
+        there either way; the decode node wins a tie). A request that ``need.needs_prefill_node`` is placed as under
+        ``always``."""
+        mode = "always" if need.needs_prefill_node else self.disaggregation
         decode = self.pick_decode(keys, fits=need.fits_decode)
         if decode is not None and mode != "always":
             decode = self._priced_decode(need, keys, decode)

@@ -274,12 +274,14 @@ def _sampling(body: dict[str, Any], served: ServedModel, prompt_len: int, *,
     try:
         bad_words = request_fields.bad_words_token_ids(body, served.tokenizer)
         allowed = request_fields.allowed_token_ids(body, served.vocab_size)
+        prompt_logprobs = request_fields.prompt_logprobs(body, vocab_size=served.vocab_size,
+                                                         num_prompt_tokens=prompt_len)
     except FieldError as exc:
         raise ApiError(400, str(exc), param=exc.param) from None
     params = SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=max(top_k, 0), seed=seed, n=n,
         stop_token_ids=tuple(stop_ids), ignore_eos=ignore_eos, min_tokens=min_tokens,
-        logit_bias=_logit_bias(body, served), logprobs=_logprobs(body, chat),
+        logit_bias=_logit_bias(body, served), logprobs=_logprobs(body, chat), prompt_logprobs=prompt_logprobs,
         structured_outputs=_structured(body, served), allowed_token_ids=allowed, bad_words_token_ids=bad_words,
         **penalties,
     )
@@ -416,8 +418,8 @@ def parse_completions(body: Any, served: ServedModel) -> list[GenerationRequest]
         ids = _truncated(ids, body, served)
         params, stops = _sampling(body, served, len(ids))
         if echo and params.logprobs is not None:
-            raise ApiError(400, "echo with logprobs needs the prompt's logprobs, which this server does not "
-                                "compute; drop one of them", param="echo")
+            raise ApiError(400, "echo with logprobs (the prompt's logprobs in the choice's logprobs) is not built; "
+                                "ask for them with prompt_logprobs instead", param="echo")
         echo_text = None
         if echo:
             echo_text = one if isinstance(one, str) else (

@@ -99,12 +99,14 @@ class QueueMetrics:
 def need_of(req: GenerationRequest, *, block_size_tokens: int, decode_reserve_tokens: int) -> Need:
     """The room ``req`` holds: full prompt blocks shared by its samples, and per sample a tail for the first
     token (prefill node) or for the output it keeps (decode node, at most ``decode_reserve_tokens``), which is also
-    the output it is expected to decode."""
+    the output it is expected to decode. A request that asks for its prompt's logprobs needs a prefill node (the
+    node whose answer carries them: `router.dispatch.Dispatcher.run`)."""
     b, p, n = block_size_tokens, len(req.prompt_token_ids), req.params.n
     kept = min(req.params.max_tokens, decode_reserve_tokens)
     full, rest = divmod(p, b)
     return Need(prompt_tokens=p, prefill_blocks=full + n * -(-(rest + 1) // b),
-                decode_blocks=full + n * -(-(rest + kept) // b), seqs=n, decode_tokens=kept)
+                decode_blocks=full + n * -(-(rest + kept) // b), seqs=n, decode_tokens=kept,
+                needs_prefill_node=req.params.prompt_logprobs is not None)
 
 
 class RouterQueue:

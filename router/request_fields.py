@@ -6,7 +6,7 @@ Every field of vLLM's ``ChatCompletionRequest`` and ``CompletionRequest`` is one
   ``truncate_prompt_tokens``, ``skip_special_tokens``, ``include_stop_str_in_output``, ``cache_salt``,
   ``add_special_tokens``, the chat template's inputs (``chat_template_kwargs``, ``add_generation_prompt``,
   ``continue_final_message``, ``documents``, ``reasoning_effort``), ``user`` (OpenAI's end-user id: it asks
-  nothing of the answer);
+  nothing of the answer), ``prompt_logprobs`` (`prompt_logprobs`);
 * accepted only at the value that means "not used" (`NEUTRAL_ONLY`), and refused with a 400 naming the field at
   any other value, until the feature is built.
 
@@ -18,9 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvrelay.model.sampling_params import MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS
+from kvrelay.model.sampling_params import MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGPROBS
 from kvrelay.model.tokenizer import Tokenizer
 from kvrelay.router.cache_salt import MAX_CACHE_SALT_CHARS
+from kvrelay.transfer.wire import MAX_PROMPT_LOGPROB_VALUES, prompt_logprob_values
 
 
 class FieldError(ValueError):
@@ -44,8 +45,6 @@ class Refusal:
 NEUTRAL_ONLY: dict[str, Refusal] = {
     "use_beam_search": Refusal((False,), "beam search is not implemented; sample n choices instead"),
     "length_penalty": Refusal((1, 1.0), "it applies to beam search, which is not implemented"),
-    "prompt_logprobs": Refusal((), "the engine computes logprobs of generated tokens only (logprobs / "
-                                   "top_logprobs), not of the prompt's"),
     "priority": Refusal((0,), "the router's queue serves tenants round robin and has no priorities"),
     "spaces_between_special_tokens": Refusal((True,), "the detokenizer always joins special tokens as "
                                                       "tokenizer.json decodes them"),
@@ -229,3 +228,35 @@ def typed_field(body: dict[str, Any], name: str, kind: type, default: Any) -> An
         names = {bool: "true or false", int: "an integer", str: "a string", list: "a list", dict: "an object"}
         raise FieldError(f"{name} must be {names[kind]}, got {type(value).__name__}", name)
     return value
+
+
+def prompt_logprobs(body: dict[str, Any], *, vocab_size: int, num_prompt_tokens: int) -> int | None:
+    """vLLM's ``prompt_logprobs``: the top alternatives to answer at each prompt position with the prompt's own
+    token (`router.prompt_logprobs`); ``-1``: the whole vocabulary; None: the prompt's logprobs are not asked for.
+    As vLLM: a stream carries none, so a stream may ask only for ``0`` (which then computes nothing), and the most
+    is ``MAX_LOGPROBS`` alternatives (vLLM's default ``max_logprobs``), the whole vocabulary included. A prompt
+    whose answer would hold over ``MAX_PROMPT_LOGPROB_VALUES`` logprobs is refused (the prefill node's reply must
+    stay within the wire's limits).
+
+    Raises:
+        FieldError: naming ``prompt_logprobs``.
+    """
+    value = typed_field(body, "prompt_logprobs", int, None)
+    if value is None:
+        return None
+    if value < -1:
+        raise FieldError(f"prompt_logprobs must be a positive value or -1, got {value}", "prompt_logprobs")
+    if body.get("stream") and value != 0:
+        raise FieldError("prompt_logprobs are not available when stream is true; ask without stream",
+                         "prompt_logprobs")
+    top = vocab_size if value == -1 else value
+    if top > MAX_LOGPROBS:
+        asked = f"-1 (the whole vocabulary, {vocab_size} tokens)" if value == -1 else str(value)
+        raise FieldError(f"prompt_logprobs {asked} is over the most this server answers, {MAX_LOGPROBS}",
+                         "prompt_logprobs")
+    if prompt_logprob_values(num_prompt_tokens, top) > MAX_PROMPT_LOGPROB_VALUES:
+        raise FieldError(f"prompt_logprobs {value} for a prompt of {num_prompt_tokens} tokens would answer "
+                         f"{prompt_logprob_values(num_prompt_tokens, top)} logprobs, over the most, "
+                         f"{MAX_PROMPT_LOGPROB_VALUES}; ask for fewer alternatives or send a shorter prompt",
+                         "prompt_logprobs")
+    return None if body.get("stream") else value

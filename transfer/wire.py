@@ -25,12 +25,13 @@ minor sender may add some); a different ``v`` raises `WireVersionError`.
 
     generation request  {"request_id", "prompt", "params", "salt", "first_token_ids"?, "resume_token_ids"?,
                          "handle"?, "long_context"?}
-    prefill reply       {"first_token_ids", "finish_reasons", "handle", "num_cached_tokens"}
+    prefill reply       {"first_token_ids", "finish_reasons", "handle", "num_cached_tokens", "logprobs"?,
+                         "prompt_logprobs"?: [[logprob, rank, [[token id, logprob], ...]], ...]}
     decode stream       frames {"index", "tokens", "finished", "reason", "num_cached_tokens"?} | {"error", "status"}
 
 Router ↔ node messages are unversioned (one deployment runs one build) and share the node limits
-(`MAX_BODY_BYTES`, `MAX_PROMPT_TOKENS`, `MAX_SALT_BYTES`, `MAX_TEXT_CHARS`). No torch here: the
-router imports this module.
+(`MAX_BODY_BYTES`, `MAX_PROMPT_TOKENS`, `MAX_SALT_BYTES`, `MAX_TEXT_CHARS`, `MAX_PROMPT_LOGPROB_VALUES`). No
+torch here: the router imports this module.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from kvrelay.model.sampling_params import (
     MAX_BAD_WORD_TOKENS,
     MAX_BAD_WORDS,
     MAX_LOGPROBS,
+    PromptTokenLogprobs,
     SamplingParams,
     TokenLogprobs,
 )
@@ -359,6 +361,9 @@ TENANT_SALT_BYTES = 16  # the router's per-API-key salt (`router.app.salt_for_ke
 MAX_TEXT_CHARS = 1 << 20  # request ids, error messages, long-context option values
 MAX_NODE_MAP_LEN = 64
 MAX_LOGIT_BIAS = 300  # (token id, bias) pairs in one request's params, as OpenAI allows
+# logprobs in one prefill reply's prompt_logprobs, (P - 1) · (1 + top): at most ~15 bytes each, so a reply stays far
+# under MAX_BODY_BYTES (the router refuses a request that would exceed it: `prompt_logprob_values`)
+MAX_PROMPT_LOGPROB_VALUES = 1 << 21
 _NODE_LIMITS: dict[str, int] = dict(max_bin_len=max(KEY_BYTES, MAX_SALT_BYTES), max_str_len=MAX_TEXT_CHARS,
                                     max_array_len=MAX_PROMPT_TOKENS, max_map_len=MAX_NODE_MAP_LEN, max_ext_len=0)
 
@@ -428,6 +433,7 @@ _PARAM_FIELDS: dict[str, Callable[[Any], bool]] = {
     "presence_penalty": _is_number, "frequency_penalty": _is_number, "repetition_penalty": _is_number,
     "min_p": _is_number, "min_tokens": lambda v: isinstance(v, int), "logit_bias": _bias_pairs,
     "logprobs": lambda v: v is None or isinstance(v, int),
+    "prompt_logprobs": lambda v: v is None or isinstance(v, int),
     "allowed_token_ids": lambda v: v is None or (isinstance(v, list) and len(v) <= MAX_ALLOWED_TOKEN_IDS
                                                  and all(isinstance(t, int) for t in v)),
     "bad_words_token_ids": lambda v: isinstance(v, list) and len(v) <= MAX_BAD_WORDS and all(
@@ -549,6 +555,14 @@ class PrefillReply:
     # release the lease at once (nobody can pull a handle that does not parse).
     lease_id: str | None = None
     timings: dict[str, float] | None = None  # the node's stage timings in seconds (`check_timings`)
+    # the prompt's logprobs, positions 1 to P - 1 (`PromptTokenLogprobs`), when the request asked
+    prompt_logprobs: list[PromptTokenLogprobs] | None = None
+
+
+def prompt_logprob_values(num_prompt_tokens: int, num_top: int) -> int:
+    """How many logprobs a prompt of ``num_prompt_tokens`` tokens has with ``num_top`` top alternatives per position
+    (the prompt's own token's included), to hold to `MAX_PROMPT_LOGPROB_VALUES`."""
+    return max(0, num_prompt_tokens - 1) * (1 + num_top)
 
 
 def encode_prefill_reply(reply: PrefillReply) -> bytes:
@@ -556,6 +570,8 @@ def encode_prefill_reply(reply: PrefillReply) -> bytes:
         "first_token_ids": reply.first_token_ids, "finish_reasons": reply.finish_reasons,
         "handle": handle_to_wire(reply.handle) if reply.handle else None, "num_cached_tokens": reply.num_cached_tokens,
         "logprobs": _logprobs_to_wire(reply.first_logprobs), "timings": reply.timings,
+        "prompt_logprobs": None if reply.prompt_logprobs is None else [
+            [e.logprob, e.rank, [[t, v] for t, v in e.top]] for e in reply.prompt_logprobs],
     })
 
 
@@ -597,6 +613,31 @@ def _logprobs_from_wire(msg: dict[str, Any], count: int, what: str) -> list[Toke
     return out
 
 
+def _prompt_logprobs_from_wire(msg: dict[str, Any], what: str) -> list[PromptTokenLogprobs] | None:
+    """``prompt_logprobs``: nil, or one ``[logprob, rank, [[token id, logprob], ...]]`` per prompt position from 1,
+    at most `MAX_PROMPT_LOGPROB_VALUES` logprobs in all."""
+    raw = msg.get("prompt_logprobs")
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise WireError(f"{what}.prompt_logprobs: expected a list")
+    out = []
+    values = 0
+    for entry in raw:
+        if not (isinstance(entry, list) and len(entry) == 3 and _is_number(entry[0])
+                and isinstance(entry[1], int) and not isinstance(entry[1], bool) and entry[1] >= 1
+                and isinstance(entry[2], list) and len(entry[2]) <= MAX_LOGPROBS and all(
+                    isinstance(p, list) and len(p) == 2 and isinstance(p[0], int) and not isinstance(p[0], bool)
+                    and _is_number(p[1]) for p in entry[2])):
+            raise WireError(f"{what}.prompt_logprobs: expected [logprob, rank ≥ 1, [[token id, logprob], ...]] "
+                            "per position")
+        values += 1 + len(entry[2])
+        if values > MAX_PROMPT_LOGPROB_VALUES:
+            raise WireError(f"{what}.prompt_logprobs: over {MAX_PROMPT_LOGPROB_VALUES} logprobs")
+        out.append(PromptTokenLogprobs(float(entry[0]), entry[1], tuple((t, float(v)) for t, v in entry[2])))
+    return out
+
+
 def decode_prefill_reply(data: Any) -> PrefillReply:
     """Raises WireError naming the bad field (a malformed handle only sets ``handle_error``)."""
     what = "prefill reply"
@@ -616,7 +657,8 @@ def decode_prefill_reply(data: Any) -> PrefillReply:
         if isinstance(raw_id, str) and 0 < len(raw_id) <= MAX_LEASE_ID_CHARS:
             lease_id = raw_id
     return PrefillReply(first, reasons, handle, _int(msg, "num_cached_tokens", what, 0, 1 << 40), handle_error,
-                        _logprobs_from_wire(msg, len(first), what), lease_id, check_timings(msg, what))
+                        _logprobs_from_wire(msg, len(first), what), lease_id, check_timings(msg, what),
+                        _prompt_logprobs_from_wire(msg, what))
 
 
 @dataclass(frozen=True, slots=True)

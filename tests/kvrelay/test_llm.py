@@ -135,3 +135,19 @@ def test_device_auto_and_gpu_memory_utilization_ignored_on_cpu(tiny_model_dir, c
         llm.close()
     with pytest.raises(ConfigError, match=r"^device 'gpu' is not a device; use auto, cpu, cuda or cuda:N$"):
         LLM(model=tiny_model_dir, device="gpu")
+
+
+def test_prompt_logprobs_as_vllms_request_output(llm, tiny_model_dir):
+    """Issue 64: ``SamplingParams(prompt_logprobs=k)`` gives ``RequestOutput.prompt_logprobs``: None first, then the
+    engine's entries (exact against transformers in tests/engine/test_prompt_logprobs.py)."""
+    prompt = [5, 6, 7, 8, 9]
+    asked, plain = llm.generate([prompt, prompt], [SamplingParams(max_tokens=2, prompt_logprobs=3),
+                                                   SamplingParams(max_tokens=2)], use_tqdm=False)
+    assert plain.prompt_logprobs is None
+    engine = LLMEngine(load_model(tiny_model_dir, dtype="float32"), EngineConfig(num_blocks=64))
+    engine.add_request("r", prompt, SamplingParams(max_tokens=1, prompt_logprobs=3))
+    want = [out.prompt_logprobs for out in engine.step()][0]
+    assert asked.prompt_logprobs[0] is None and len(asked.prompt_logprobs) == len(prompt)
+    for got, ref in zip(asked.prompt_logprobs[1:], want, strict=True):
+        assert (got.rank, [t for t, _ in got.top]) == (ref.rank, [t for t, _ in ref.top])
+        assert got.logprob == pytest.approx(ref.logprob, abs=1e-5)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -182,6 +183,26 @@ def test_a_stream_already_past_the_slo_still_keeps_local_prefills_off_its_node()
 
 def keys(n: int) -> list[BlockKey]:
     return [bytes([i]) * 16 for i in range(n)]
+
+
+def test_a_request_for_its_prompts_logprobs_is_placed_on_a_prefill_node_whatever_the_mode():
+    """Issue 64: the prefill node's answer carries prompt_logprobs, so such a request is placed as under always: on
+    a prefill node, or it waits for one's room."""
+    for mode in ("auto", "never"):
+        nodes = NodeSet(["http://p0"], ["http://d0"], block_size_tokens=B, disaggregation=mode)
+        (p,), (d,) = nodes.prefill, nodes.decode
+        p.capacity = NodeCapacity(1000, 1000, 64, 512, 1000.0, 0.02)
+        d.capacity = NodeCapacity(1000, 1000, 64, 512, 1000.0, 0.02)
+        short = Need(prompt_tokens=100, prefill_blocks=7, decode_blocks=8, seqs=1)
+        asked = dataclasses.replace(short, needs_prefill_node=True)
+        local = nodes.place(short, keys(7))
+        assert local.prefill is None and local.choice.plan == LOCAL  # the same prompt, not asking: local
+        local.release()
+        remote = nodes.place(asked, keys(7))
+        assert remote.prefill is p and remote.choice.plan == DISAGGREGATED, mode
+        remote.release()
+        p.queued_tokens, p.reserved_blocks = 2048, 1  # the prefill node is full: it waits
+        assert nodes.place(asked, keys(7)) is None
 
 
 def test_placing_by_plan_queues_a_local_prompt_on_its_decode_node_and_full_prefill_nodes_go_local_under_auto():

@@ -10,6 +10,7 @@ import pytest
 from kvrelay.model.generation_config import GenerationConfigError, GenerationDefaults, load_generation_defaults
 from kvrelay.model.tiny import CHAT_TEMPLATE, write_tiny_model
 from kvrelay.model.tokenizer import load_tokenizer
+from kvrelay.router import request_fields
 from kvrelay.router.cache_salt import request_salt
 from kvrelay.router.openai_api import ApiError, ServedModel, parse_chat, parse_completion, parse_completions
 from kvrelay.router.openai_responses import usage
@@ -61,11 +62,12 @@ HONOURED: dict[str, Any] = {
     "guided_choice": ["a", "b"], "guided_grammar": 'root ::= "a"', "guided_decoding_backend": "xgrammar",
     "guided_whitespace_pattern": " ", "return_tokens_as_token_ids": True, "cache_salt": "s3cret",
     "functions": [], "function_call": "none", "suffix": "", "echo": True, "include_reasoning": False,
+    "prompt_logprobs": 2,
 }
 # Refused: a value other than the neutral one, which must be a 400 naming the field.
 REFUSED: dict[str, Any] = {
     "parallel_tool_calls": False, "use_beam_search": True, "length_penalty": 0.5,
-    "spaces_between_special_tokens": False, "prompt_logprobs": 1, "chat_template": "{{ messages }}",
+    "spaces_between_special_tokens": False, "chat_template": "{{ messages }}",
     "mm_processor_kwargs": {"a": 1}, "structural_tag": "{}", "priority": 1, "request_id": "abc",
     "logits_processors": ["my.Processor"], "return_token_ids": True, "kv_transfer_params": {"do_remote_decode": True},
     "vllm_xargs": {"a": 1}, "max_repetition_pattern_size": 4, "min_repetition_pattern_size": 2,
@@ -263,9 +265,6 @@ def test_every_vllm_field_is_honoured_or_refused_with_a_400_naming_it(served, th
 
 
 def test_refusals_say_why(served):
-    err = refused(lambda b: parse_completion(b, served), {"model": "tiny", "prompt": "hi", "prompt_logprobs": 2})
-    assert err.message == ("prompt_logprobs is not supported by this server: the engine computes logprobs of "
-                           "generated tokens only (logprobs / top_logprobs), not of the prompt's")
     err = refused(lambda b: parse_completion(b, served), {"model": "tiny", "prompt": "hi", "priority": 3})
     assert err.message == ("priority is not supported by this server (only 0 is accepted): the router's queue "
                            "serves tenants round robin and has no priorities")
@@ -273,3 +272,34 @@ def test_refusals_say_why(served):
                             served).params.max_tokens == 16
     err = refused(lambda b: parse_completion(b, served), {"model": "tiny", "prompt": "hi", "use_beam_search": 0})
     assert err.param == "use_beam_search"  # 0 is not false
+
+
+def test_prompt_logprobs_are_honoured_within_vllms_bounds(served, monkeypatch):
+    """Issue 64: vLLM's prompt_logprobs reach the engine's params; what vLLM refuses, and what the prefill node's
+    reply could not carry, is a 400 naming the field."""
+    def completion(**fields: Any):
+        return parse_completion({"model": "tiny", "prompt": [5, 6, 7], **fields}, served)
+
+    assert completion().params.prompt_logprobs is None
+    assert completion(prompt_logprobs=0).params.prompt_logprobs == 0
+    assert chat(served, prompt_logprobs=20).params.prompt_logprobs == 20
+    assert completion(prompt_logprobs=0, stream=True).params.prompt_logprobs is None  # a stream carries none
+    for value, message in [
+        (21, "prompt_logprobs 21 is over the most this server answers, 20"),
+        (-1, "prompt_logprobs -1 (the whole vocabulary, 258 tokens) is over the most this server answers, 20"),
+        (-2, "prompt_logprobs must be a positive value or -1, got -2"),
+        (True, "prompt_logprobs must be an integer, got bool"),
+        (1.5, "prompt_logprobs must be an integer, got float"),
+    ]:
+        err = refused(lambda b: parse_completion(b, served), {"model": "tiny", "prompt": "hi",
+                                                             "prompt_logprobs": value})
+        assert (err.status, err.param, err.message) == (400, "prompt_logprobs", message)
+    err = refused(lambda b: parse_chat(b, served), {"model": "tiny", "messages": USER, "prompt_logprobs": 1,
+                                                    "stream": True})
+    assert (err.param, err.message) == ("prompt_logprobs", "prompt_logprobs are not available when stream is true; "
+                                                           "ask without stream")
+    monkeypatch.setattr(request_fields, "MAX_PROMPT_LOGPROB_VALUES", 8)
+    assert completion(prompt_logprobs=3).params.prompt_logprobs == 3  # 2 positions × 4 logprobs
+    err = refused(lambda b: parse_completion(b, served), {"model": "tiny", "prompt": [5, 6, 7], "prompt_logprobs": 4})
+    assert err.message == ("prompt_logprobs 4 for a prompt of 3 tokens would answer 10 logprobs, over the most, 8; "
+                           "ask for fewer alternatives or send a shorter prompt")

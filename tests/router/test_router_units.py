@@ -33,7 +33,8 @@ def served(tiny_model_dir) -> ServedModel:
         ({"model": "tiny", "prompt": "x", "max_tokens": "9"}, 400, "max_tokens must be an integer, got str"),
         ({"model": "tiny", "prompt": "x", "logprobs": 21}, 400, "logprobs must be in [0, 20], got 21"),
         ({"model": "tiny", "prompt": "x", "echo": True, "logprobs": 1}, 400,
-         "echo with logprobs needs the prompt's logprobs, which this server does not compute"),
+         "echo with logprobs (the prompt's logprobs in the choice's logprobs) is not built; ask for them with "
+         "prompt_logprobs instead"),
         ({"model": "tiny", "prompt": ["ok", [1, 900]]}, 400, "token id 900 at position 1 is outside the vocabulary"),
         ({"model": "tiny", "prompt": ["ok", []]}, 400, "prompt[1] is empty"),
         ({"model": "tiny", "prompt": ["ok", 5]}, 400, "prompt[1] must be a string or a list of token ids"),

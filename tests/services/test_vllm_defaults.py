@@ -88,9 +88,74 @@ def test_allowed_token_ids_bad_words_and_stop_strings_kept(client):
     assert text(allowed_token_ids=[65, 66], bad_words=["A"]) == "BBBBB"
     assert text(allowed_token_ids=[65], stop=["AA"], include_stop_str_in_output=True) == "AA"
     assert text(allowed_token_ids=[65], stop=["AA"]) == ""
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    """``reference(ids) -> [P, vocab]``: transformers' float32 log_softmax at each position of a prompt."""
+    import torch
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+
+    def run(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+    return run
+
+
+def check_prompt_logprobs(answered: list, prompt: list[int], want, top: int) -> None:
+    """``answered`` is vLLM's prompt_logprobs of ``prompt`` with ``top`` alternatives: within 1e-4 of the float32
+    reference's logprobs (`want`), with its exact ranks and top token ids."""
+    import torch
+
+    assert len(answered) == len(prompt) and answered[0] is None
+    for p in range(1, len(prompt)):
+        row, tok = want[p - 1], prompt[p]
+        top_k = torch.topk(row, top)
+        entry = answered[p]
+        assert list(entry)[0] == str(tok)  # the prompt's token first, then the top alternatives
+        assert set(entry) == {str(tok), *map(str, top_k.indices.tolist())}
+        assert entry[str(tok)]["logprob"] == pytest.approx(float(row[tok]), abs=1e-4)
+        if str(tok) not in map(str, top_k.indices.tolist()):
+            assert entry[str(tok)]["rank"] == int((row >= row[tok]).sum())
+        for rank, (t, v) in enumerate(zip(top_k.indices.tolist(), top_k.values.tolist(), strict=True), start=1):
+            assert entry[str(t)]["rank"] == rank
+            assert entry[str(t)]["logprob"] == pytest.approx(v, abs=1e-4)
+            if 32 <= t < 127:  # the byte-level tokenizer's printable ASCII tokens
+                assert entry[str(t)]["decoded_token"] == chr(t)
+
+
+def test_prompt_logprobs_through_prefill_and_decode_nodes_equal_the_reference(client, reference):
+    """Issue 64: vLLM's prompt_logprobs, computed by the prefill node (its prompt's cached blocks notwithstanding)
+    and answered in vLLM's shape, equal transformers' log_softmax over the prompt within 1e-4 (both float32)."""
+    prompt = [(11 * i + 5) % 120 + 1 for i in range(40)]  # 40 tokens: two whole blocks
+    want = reference(prompt)
+    first = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, n=2, temperature=1.0, seed=3,
+                                      extra_body={"prompt_logprobs": 2, "ignore_eos": True})
+    assert first.usage.completion_tokens == 6  # the decode node's, after the prefill node's first tokens
+    answered = first.choices[0].model_extra["prompt_logprobs"]
+    check_prompt_logprobs(answered, prompt, want, 2)
+    assert first.choices[1].model_extra["prompt_logprobs"] == answered  # each choice carries its prompt's
+    again = client.completions.create(model="tiny", prompt=prompt, max_tokens=3,
+                                      extra_body={"prompt_logprobs": 2})
+    assert again.usage.prompt_tokens_details.cached_tokens == 0  # computed again, not read from the cache
+    assert again.choices[0].model_extra["prompt_logprobs"] == answered
+    plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=3)
+    assert plain.usage.prompt_tokens_details.cached_tokens == 2 * BLOCK
+    assert plain.choices[0].model_extra.get("prompt_logprobs") is None
+
+    messages = [{"role": "user", "content": "Tell me"}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2,
+                                          extra_body={"prompt_logprobs": 0})
+    chat_logprobs = chat.model_extra["prompt_logprobs"]  # on the answer, not on a choice
+    assert len(chat_logprobs) == chat.usage.prompt_tokens and chat_logprobs[0] is None
+    assert all(len(e) == 1 for e in chat_logprobs[1:])  # 0: the prompt's token alone
     with pytest.raises(openai.BadRequestError) as info:
-        text(prompt_logprobs=1)
-    assert info.value.body["param"] == "prompt_logprobs"
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=2, extra_body={"prompt_logprobs": 21})
+    assert info.value.body["param"] == "prompt_logprobs" and "over the most this server answers, 20" in \
+        info.value.body["message"]
 
 
 def test_version(cluster):

@@ -11,7 +11,8 @@ from pathlib import Path
 import msgpack
 import pytest
 from kvrelay.kvstore.block_key import BlockKey
-from kvrelay.model.sampling_params import SamplingParams
+from kvrelay.model.sampling_params import PromptTokenLogprobs, SamplingParams
+from kvrelay.transfer import wire as wire_module
 from kvrelay.transfer.handle import KvHandle
 from kvrelay.transfer.lease import TierBlock
 from kvrelay.transfer.metadata import PROTOCOL_VERSION, AgentMeta, TierRegion
@@ -40,6 +41,7 @@ from kvrelay.transfer.wire import (
     encode_prefill_reply,
     handle_from_wire,
     handle_to_wire,
+    prompt_logprob_values,
 )
 
 HANDLE = KvHandle("prefill-0", "ab12", "http://127.0.0.1:8101", (BlockKey(b"\x01" * 32), BlockKey(b"\x02" * 32)),
@@ -246,3 +248,23 @@ def test_prefill_reply_needs_one_reason_per_first_token():
                           "num_cached_tokens": 0})
     with pytest.raises(WireError, match="one reason"):
         decode_prefill_reply(body)
+
+
+def test_prompt_logprobs_round_trip_and_their_violations_name_the_field(monkeypatch):
+    """Issue 64: a prefill reply carries the prompt's logprobs; the request's ``prompt_logprobs`` travels in its
+    params."""
+    entries = [PromptTokenLogprobs(-1.5, 3, ((7, -0.25), (9, -1.0))), PromptTokenLogprobs(-0.125, 1, ((4, -0.125),))]
+    reply = PrefillReply([4], [None], HANDLE, 0, prompt_logprobs=entries)
+    assert decode_prefill_reply(encode_prefill_reply(reply)) == reply
+    msg = GenerationMessage("r", [5, 6], SamplingParams(prompt_logprobs=-1), b"")
+    assert decode_generation(encode_generation(msg)).params.prompt_logprobs == -1
+    with pytest.raises(WireError, match=r"params: prompt_logprobs must be an integer in \[0, 20\] or -1"):
+        decode_generation(gen_wire(params={"prompt_logprobs": 21}))
+    base = {"first_token_ids": [1], "finish_reasons": [None], "handle": None, "num_cached_tokens": 0}
+    for bad in ([[-1.0, 0, []]], [[-1.0, 1, [[1]]]], [[-1.0, 1, [[1, -1.0]] * 21]], "x"):
+        with pytest.raises(WireError, match="prefill reply.prompt_logprobs: expected"):
+            decode_prefill_reply(msgpack.packb({**base, "prompt_logprobs": bad}))
+    monkeypatch.setattr(wire_module, "MAX_PROMPT_LOGPROB_VALUES", 5)
+    assert prompt_logprob_values(3, 1) == 4  # positions 1 and 2, the prompt's token and one alternative each
+    with pytest.raises(WireError, match="prompt_logprobs: over 5 logprobs"):
+        decode_prefill_reply(msgpack.packb({**base, "prompt_logprobs": [[-1.0, 1, [[1, -1.0]]]] * 3}))
