@@ -455,6 +455,12 @@ def parse_tokenize(body: Any, served: ServedModel) -> list[int]:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     _check_model(body, served)
+    if "messages" in body and served.harmony is not None:  # as chat renders it, its tools in (tool_choice auto)
+        try:
+            return render_chat(served.harmony, {"messages": body["messages"], "tools": body.get("tools")},
+                               auto_tools=True).token_ids
+        except HarmonyInputError as exc:
+            raise ApiError(400, str(exc), param=exc.param) from None
     tok = served.tokenizer
     if tok is None:
         raise ApiError(400, "this model has no tokenizer", param="prompt")
