@@ -7,9 +7,8 @@ from dataclasses import dataclass
 
 from kvrelay.engine.long_context import LongContextConfig
 from kvrelay.kvstore.checks import require_int
-from kvrelay.router.harmony import REASONING_PARSER as HARMONY_PARSER
+from kvrelay.router.harmony import ALL_REASONING_PARSERS
 from kvrelay.router.plan import MODES
-from kvrelay.router.reasoning import REASONING_PARSERS
 from kvrelay.router.tool_calls import PARSER_NAMES
 from kvrelay.transfer.discovery import parse_dns_name
 
@@ -93,9 +92,9 @@ class RouterConfig:
         require_int("max_queued_bytes", self.max_queued_bytes)
         require_int("decode_reserve_tokens", self.decode_reserve_tokens)
         require_int("migration_limit", self.migration_limit, minimum=0)
-        if self.reasoning_parser is not None and self.reasoning_parser not in (*REASONING_PARSERS, HARMONY_PARSER):
-            raise ValueError(f"reasoning_parser (--reasoning-parser) must be one of {', '.join(REASONING_PARSERS)}, "
-                             f"{HARMONY_PARSER}, got {self.reasoning_parser!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in ALL_REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser (--reasoning-parser) must be one of {', '.join(ALL_REASONING_PARSERS)}"
+                             f", got {self.reasoning_parser!r}")
         if self.tool_call_parser is not None and self.tool_call_parser not in PARSER_NAMES:
             raise ValueError(f"tool_call_parser (--tool-call-parser) must be one of {', '.join(PARSER_NAMES)}, got "
                              f"{self.tool_call_parser!r}")

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from kvrelay.router.harmony_vocab import ENV_DIR, default_cache_dir, encodings_dir
+from kvrelay.router.reasoning import REASONING_PARSERS
 from openai_harmony import (
     Author,
     ChannelConfig,
@@ -47,6 +48,7 @@ from openai_harmony import (
 
 HARMONY_MODEL_TYPES = ("gpt_oss",)
 REASONING_PARSER = "openai_gptoss"  # vLLM's --reasoning-parser name for harmony
+ALL_REASONING_PARSERS = (*REASONING_PARSERS, REASONING_PARSER)  # what --reasoning-parser takes
 EFFORTS = {"low": ReasoningEffort.LOW, "medium": ReasoningEffort.MEDIUM, "high": ReasoningEffort.HIGH}
 HARMONY_MARKUP = ("<|start|>", "<|channel|>", "<|constrain|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>")
 TEMPLATE_FIELDS = ("chat_template", "chat_template_kwargs", "documents", "add_generation_prompt",
