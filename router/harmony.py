@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +47,7 @@ from openai_harmony import (
     load_harmony_encoding,
 )
 
+log = logging.getLogger(__name__)
 HARMONY_MODEL_TYPES = ("gpt_oss",)
 REASONING_PARSER = "openai_gptoss"  # vLLM's --reasoning-parser name for harmony
 ALL_REASONING_PARSERS = (*REASONING_PARSERS, REASONING_PARSER)  # what --reasoning-parser takes
@@ -93,11 +95,13 @@ def load_encoding(encodings_dir: Path) -> HarmonyEncoding:
 
 def served_encoding(model_dir: str | Path, *, reasoning_parser: str | None, vocab_size: int) -> HarmonyEncoding | None:
     """The harmony encoding the router serves ``model_dir`` with: gpt-oss's for a harmony family (`is_harmony_model`),
-    None for any other. Its vocabulary: `router.harmony_vocab` (``TIKTOKEN_ENCODINGS_BASE``, else the packaged copy).
+    None for any other, and for a gpt_oss model whose ``vocab_size`` cannot hold harmony's token ids (a tiny test
+    model with a byte tokenizer: chat goes through its template, as for any model; a warning says so). Its
+    vocabulary: `router.harmony_vocab` (``TIKTOKEN_ENCODINGS_BASE``, else the packaged copy).
 
     Raises:
         ValueError: ``reasoning_parser`` names a text parser for a harmony model, or `REASONING_PARSER` for another
-            model; the model's vocabulary cannot hold harmony's token ids.
+            model (or for a gpt_oss model too small for harmony's ids).
         VocabError: no o200k_base vocabulary (the message names ``TIKTOKEN_ENCODINGS_BASE`` and the file).
     """
     if not is_harmony_model(model_dir):
@@ -112,8 +116,12 @@ def served_encoding(model_dir: str | Path, *, reasoning_parser: str | None, voca
     encoding = load_encoding(encodings_dir(os.environ.get(ENV_DIR), cache_dir=default_cache_dir()))
     highest = max(encoding.encode("".join(HARMONY_MARKUP), allowed_special="all"))
     if vocab_size <= highest:
-        raise ValueError(f"{model_dir} is a gpt_oss model with {vocab_size} token ids, too few for the harmony "
-                         f"format's (up to {highest}); it is not a gpt-oss vocabulary")
+        message = (f"{model_dir} is a gpt_oss model with {vocab_size} token ids, too few for the harmony format's "
+                   f"(up to {highest}): not a gpt-oss vocabulary")
+        if reasoning_parser == REASONING_PARSER:
+            raise ValueError(f"reasoning_parser {REASONING_PARSER}: {message}")
+        log.warning("%s; chat is rendered with its chat template, not in harmony", message)
+        return None
     return encoding
 
 

@@ -187,8 +187,10 @@ def test_served_encoding_only_for_gpt_oss(tmp_path: Path, enc: HarmonyEncoding) 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_oss"}))
     with pytest.raises(ValueError, match="set reasoning_parser .* to openai_gptoss or leave it out, not 'qwen3'"):
         served_encoding(tmp_path, reasoning_parser="qwen3", vocab_size=201088)
+    # a tiny gpt_oss with a byte tokenizer is served through its template; asked for harmony, it is refused
+    assert served_encoding(tmp_path, reasoning_parser=None, vocab_size=258) is None
     with pytest.raises(ValueError, match="258 token ids, too few for the harmony format's \\(up to 200012\\)"):
-        served_encoding(tmp_path, reasoning_parser=None, vocab_size=258)
+        served_encoding(tmp_path, reasoning_parser="openai_gptoss", vocab_size=258)
     assert served_encoding(tmp_path, reasoning_parser="openai_gptoss", vocab_size=201088) is not None
 
 
