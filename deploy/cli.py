@@ -351,7 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvrelay.deploy.store_cmd import add_store_parser
     from kvrelay.model.dtype_names import DTYPE_CHOICES
     from kvrelay.model.generation_config import GENERATION_CONFIG_MODES
-    from kvrelay.router.reasoning import REASONING_PARSERS
+    from kvrelay.router.harmony import ALL_REASONING_PARSERS
     from kvrelay.router.tool_calls import PARSER_NAMES
 
     parser = argparse.ArgumentParser(prog="kvrelay", description=__doc__.splitlines()[0])
@@ -440,7 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "template or family implies)")
     p.add_argument("--chat-template", default=None,
                    help="router.chat_template: a Jinja file, or the template itself, in place of the model's")
-    p.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+    p.add_argument("--reasoning-parser", default=None, choices=ALL_REASONING_PARSERS,
                    help="router.reasoning_parser: chat answers carry the model's thinking in reasoning_content, "
                         "apart from content")
     p.add_argument("--otlp-traces-endpoint", default=None,

@@ -50,8 +50,8 @@ from kvrelay.kvstore.digest import DEFAULT_INTEGRITY, DEFAULT_SAMPLE_RATE
 from kvrelay.kvstore.policy import DEFAULT_POLICY
 from kvrelay.model.dtype_names import AUTO, DTYPE_CHOICES, DTYPE_NAMES
 from kvrelay.model.generation_config import GENERATION_CONFIG_MODES
+from kvrelay.router.harmony import ALL_REASONING_PARSERS
 from kvrelay.router.plan import MODES as DISAGGREGATION_MODES
-from kvrelay.router.reasoning import REASONING_PARSERS
 from kvrelay.router.tool_calls import PARSER_NAMES
 from kvrelay.transfer.config import PUBLISH_FAULTS
 
@@ -332,10 +332,12 @@ KEYS: Mapping[str, Key] = _table(
     Key("router.tool_call_parser", one_of(PARSER_NAMES, message="is not a tool-call parser (--tool-call-parser): "
         f"use one of {', '.join(PARSER_NAMES)}"), None, "How the model writes tool calls (vLLM's "
         "--tool-call-parser).", default_text="the one the chat template or model family implies"),
-    Key("router.reasoning_parser", one_of(REASONING_PARSERS, message="is not a reasoning parser "
-        f"(--reasoning-parser): use one of {', '.join(REASONING_PARSERS)}"), None, "How a reasoning model's "
+    Key("router.reasoning_parser", one_of(ALL_REASONING_PARSERS, message="is not a reasoning parser "
+        f"(--reasoning-parser): use one of {', '.join(ALL_REASONING_PARSERS)}"), None, "How a reasoning model's "
         "thinking is told from its answer in chat: message.reasoning_content and delta.reasoning_content carry "
-        "the thinking, content the rest (vLLM's --reasoning-parser).", default_text="none: all of it is content"),
+        "the thinking, content the rest (vLLM's --reasoning-parser). A gpt_oss model is always served in the harmony "
+        "format (openai_gptoss), whose analysis channel is the thinking.",
+        default_text="none: all of it is content (gpt_oss: openai_gptoss)"),
     Key("router.chat_template", chat_template, None, "A chat template in place of the model's: the path of a Jinja "
         "file, or the template itself (vLLM's --chat-template); checked to compile when the config is read.",
         default_text="the model's (tokenizer_config.json or chat_template.jinja)"),

@@ -28,6 +28,8 @@ from kvrelay.node.tracing import Tracing
 from kvrelay.router.backends import Backends
 from kvrelay.router.config import RouterConfig
 from kvrelay.router.dispatch import Dispatcher, SampleDelta
+from kvrelay.router.harmony import served_encoding
+from kvrelay.router.harmony_output import HarmonyStream, parse_tokens
 from kvrelay.router.membership import Membership
 from kvrelay.router.nodes import NodeSet
 from kvrelay.router.openai_api import (
@@ -54,7 +56,7 @@ from kvrelay.router.reasoning import ReasoningStream
 from kvrelay.router.reasoning import split as split_reasoning
 from kvrelay.router.request_trace import RequestTrace, RunTrace
 from kvrelay.router.text_output import SampleText
-from kvrelay.router.tool_calls import ParsedOutput, ToolStream, default_parser
+from kvrelay.router.tool_calls import ParsedOutput, StreamDelta, ToolStream, default_parser
 from kvrelay.router.vllm_metrics import SampleClock, VllmRequestMetrics
 from kvrelay.transfer.bounded_write import write_within
 from kvrelay.transfer.discovery import Resolver, getaddrinfo_resolver
@@ -190,9 +192,13 @@ class Router:
                         "is refused until router.tool_call_parser (--tool-call-parser) names one", cfg.model_dir)
         self.vllm = VllmRequestMetrics(self.metrics.registry, model_name=cfg.model_name,
                                        max_model_len=info.max_model_len)
+        harmony = served_encoding(cfg.model_dir, reasoning_parser=cfg.reasoning_parser, vocab_size=info.vocab_size)
+        if harmony is not None:
+            log.info("gpt-oss: chat rendered and parsed in the harmony format (reasoning_content, tool calls)")
         self.served = ServedModel(cfg.model_name, info.vocab_size, info.max_model_len, cfg.max_n, tokenizer,
                                   tool_call_parser=parser, enable_auto_tool_choice=cfg.enable_auto_tool_choice,
-                                  reasoning_parser=cfg.reasoning_parser,
+                                  reasoning_parser=cfg.reasoning_parser if harmony is None else None,
+                                  harmony=harmony,
                                   return_tokens_as_token_ids=cfg.return_tokens_as_token_ids, defaults=defaults,
                                   eos_token_ids=info.eos_token_ids)
         self.membership.start(self.nodes, on_change=self.dispatcher.queue.pump)
@@ -432,6 +438,13 @@ class Router:
             if r.tool_output is not None:
                 parsed[i] = r.tool_output.parse(outputs[i])
                 reasons[i] = r.tool_output.finish_reason(parsed[i], reasons[i] or "stop")
+        if req.harmony_calls is not None:  # gpt-oss: parsed from the token ids (`router.harmony_output`)
+            assert self.served.harmony is not None
+            results = [parse_tokens(self.served.harmony, ids, calls=req.harmony_calls) for ids in token_ids]
+            outputs = [r.content or "" for r in results]
+            thoughts = [r.reasoning or "" for r in results] if req.include_reasoning else None
+            parsed = [ParsedOutput(r.content, r.calls) for r in results]
+            reasons = ["tool_calls" if r.calls else reason for r, reason in zip(results, reasons, strict=True)]
         clock.finished(reasons)
         body = full_response(
             req, self.served.name, outputs, reasons, sum(t.num_tokens for t in texts),
@@ -468,6 +481,8 @@ class Router:
         tools: list[ToolStream | None] = [r.tool_output.stream() if r.tool_output else None for r in choices]
         parser = self.served.reasoning_parser if req.kind == "chat" else None
         thinking = [ReasoningStream(parser) if parser is not None else None for _ in choices]
+        harmony = [HarmonyStream(self.served.harmony, calls=r.harmony_calls)
+                   if self.served.harmony is not None and r.harmony_calls is not None else None for r in choices]
         reasons: list[str | None] = [None] * len(choices)
         offsets = [0] * len(choices)  # completions' text_offset of each choice's next token
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -511,6 +526,15 @@ class Router:
                         continue  # text held back as possible markup: nothing to send yet
                 elif split_stream is not None and not (first or text or thought or lp or reasons[i] is not None):
                     continue  # text held back as a possible tag: nothing to send yet
+                harmony_stream = harmony[i]
+                if harmony_stream is not None:  # gpt-oss: parsed from the token ids, not the text
+                    piece = harmony_stream.push(delta.token_ids)
+                    thought = piece.reasoning if req.include_reasoning else ""
+                    calls = StreamDelta(piece.content, piece.calls)
+                    if reasons[i] is not None and harmony_stream.result().calls:
+                        reasons[i] = "tool_calls"
+                    if not (first or calls.content or calls.calls or thought or lp or reasons[i] is not None):
+                        continue  # header tokens: nothing to send yet
                 await self._write(request, resp, _sse(stream_chunk(req, name, i, text, reasons[i], first=first,
                                                                    logprobs=lp, tools=calls, reasoning=thought)))
                 if all(r is not None for r in reasons):

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from kvrelay.engine.long_context import LongContextConfig
 from kvrelay.kvstore.checks import require_int
+from kvrelay.router.harmony import ALL_REASONING_PARSERS
 from kvrelay.router.plan import MODES
-from kvrelay.router.reasoning import REASONING_PARSERS
 from kvrelay.router.tool_calls import PARSER_NAMES
 from kvrelay.transfer.discovery import parse_dns_name
 
@@ -63,7 +63,9 @@ class RouterConfig:
     # vLLM's flags. tool_choice "auto" (the default with tools) parses the output for calls only when enabled, with
     # this parser (`router.tool_calls`; None: the one the model's chat template or family implies).
     tool_call_parser: str | None = None
-    reasoning_parser: str | None = None  # router.reasoning.REASONING_PARSERS; None: chat content is all the text
+    # router.reasoning.REASONING_PARSERS, or openai_gptoss (gpt-oss's harmony: `router.harmony`, also taken for a
+    # gpt_oss model without it); None: chat content is all the text
+    reasoning_parser: str | None = None
     chat_template: str | None = None  # a file or Jinja source in place of the model's (vLLM's --chat-template)
     enable_auto_tool_choice: bool = False
     return_tokens_as_token_ids: bool = False  # the default of the request field (logprobs' tokens as "token_id:N")
@@ -90,9 +92,9 @@ class RouterConfig:
         require_int("max_queued_bytes", self.max_queued_bytes)
         require_int("decode_reserve_tokens", self.decode_reserve_tokens)
         require_int("migration_limit", self.migration_limit, minimum=0)
-        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
-            raise ValueError(f"reasoning_parser (--reasoning-parser) must be one of {', '.join(REASONING_PARSERS)}, "
-                             f"got {self.reasoning_parser!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in ALL_REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser (--reasoning-parser) must be one of {', '.join(ALL_REASONING_PARSERS)}"
+                             f", got {self.reasoning_parser!r}")
         if self.tool_call_parser is not None and self.tool_call_parser not in PARSER_NAMES:
             raise ValueError(f"tool_call_parser (--tool-call-parser) must be one of {', '.join(PARSER_NAMES)}, got "
                              f"{self.tool_call_parser!r}")

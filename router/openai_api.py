@@ -24,10 +24,12 @@ from kvrelay.model.sampling_params import MAX_LOGPROBS, SamplingParams
 from kvrelay.model.structured import StructuredOutput
 from kvrelay.model.tokenizer import Tokenizer
 from kvrelay.router import request_fields
+from kvrelay.router.harmony import HarmonyInputError, render_chat
 from kvrelay.router.request_fields import FieldError
 from kvrelay.router.structured_api import StructuredError, check_compiles, structured_from_body
 from kvrelay.router.tool_api import ToolError, ToolPlan, template_message, tool_plan
 from kvrelay.router.tool_calls import ToolOutput
+from openai_harmony import HarmonyEncoding
 
 MAX_STOP_STRING_CHARS = 1024  # each; matched against the text at every token
 MAX_STOP_TOKEN_IDS = 64
@@ -78,6 +80,7 @@ class ServedModel:
     return_tokens_as_token_ids: bool = False
     defaults: GenerationDefaults = GenerationDefaults()
     eos_token_ids: tuple[int, ...] = ()
+    harmony: HarmonyEncoding | None = None  # gpt-oss: chat is rendered and parsed in harmony (`router.harmony`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +105,8 @@ class GenerationRequest:
     skip_special_tokens: bool = True  # special tokens are left out of the text
     include_stop_str_in_output: bool = False  # the stop string that ended a choice stays in its text
     include_reasoning: bool = True  # chat with a reasoning parser: the thinking is answered (reasoning_content)
+    # gpt-oss chat (`router.harmony_output`): whether function calls become tool_calls; None: not harmony
+    harmony_calls: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -452,6 +457,12 @@ def parse_tokenize(body: Any, served: ServedModel) -> list[int]:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     _check_model(body, served)
+    if "messages" in body and served.harmony is not None:  # as chat renders it, its tools in (tool_choice auto)
+        try:
+            return render_chat(served.harmony, {"messages": body["messages"], "tools": body.get("tools")},
+                               auto_tools=True).token_ids
+        except HarmonyInputError as exc:
+            raise ApiError(400, str(exc), param=exc.param) from None
     tok = served.tokenizer
     if tok is None:
         raise ApiError(400, "this model has no tokenizer", param="prompt")
@@ -486,6 +497,8 @@ def parse_chat(body: Any, served: ServedModel, *, check_length: bool = True) -> 
         raise ApiError(400, "the request body must be a JSON object")
     _check_model(body, served)
     _check_refused(body, chat=True)
+    if served.harmony is not None:
+        return _harmony_chat(body, served, served.harmony, check_length=check_length)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list", param="messages")
@@ -521,6 +534,33 @@ def parse_chat(body: Any, served: ServedModel, *, check_length: bool = True) -> 
                              int(time.time()), extension.long_context, structured_param=structured_param,
                              tool_output=plan.output, tokens_as_ids=_tokens_as_ids(body, served),
                              timings=extension.timings, **_output_fields(body))
+
+
+def _harmony_chat(body: dict[str, Any], served: ServedModel, encoding: HarmonyEncoding, *,
+                  check_length: bool) -> GenerationRequest:
+    """`parse_chat` for gpt-oss: the prompt rendered in harmony (`router.harmony`), harmony's stop tokens for the
+    assistant's actions (``<|return|>``, ``<|call|>``) added. Stop strings and structured outputs are refused: the
+    output is parsed from token ids, and a constraint would bind its channels too."""
+    try:
+        prompt = render_chat(encoding, body, auto_tools=served.enable_auto_tool_choice)
+    except HarmonyInputError as exc:
+        raise ApiError(400, str(exc), param=exc.param) from None
+    ids = _truncated(prompt.token_ids, body, served)
+    params, stops = _sampling(body, served, len(ids) if check_length else 0, chat=True)
+    if stops:
+        raise ApiError(400, "stop strings do not apply to gpt-oss chat: its output is parsed from token ids; send "
+                            "stop_token_ids", param="stop")
+    structured_param = _structured_param(body)
+    if params.structured_outputs is not None:
+        raise ApiError(400, f"{structured_param} does not apply to gpt-oss chat: a constraint would bind the harmony "
+                            "output's channels too", param=structured_param)
+    stop_ids = tuple(dict.fromkeys([*params.stop_token_ids, *encoding.stop_tokens_for_assistant_actions()]))
+    params = dataclasses.replace(params, stop_token_ids=stop_ids)
+    stream, include_usage = _stream_options(body)
+    extension = _kvrelay_extension(body)
+    return GenerationRequest(f"chatcmpl-{uuid.uuid4().hex}", "chat", ids, params, stops, stream, include_usage,
+                             int(time.time()), extension.long_context, tokens_as_ids=_tokens_as_ids(body, served),
+                             timings=extension.timings, harmony_calls=prompt.calls, **_output_fields(body))
 
 
 def _message(i: int, msg: Any) -> dict[str, Any]:
