@@ -268,9 +268,9 @@ def _cmd_role(args: argparse.Namespace) -> int:
 
 
 BENCH_NAMES = ("bandwidth", "cache-policies", "cuda-graphs", "decode", "deterministic", "disk-prefix", "dtype",
-               "goodput", "guard",
-               "hybrid-kv", "kernel", "kernel-plan", "load", "long-context", "memory", "migration", "mla", "prefill",
-               "serve", "structured", "tiers", "tracing", "transfer", "ttft-prefix", "vllm-client")
+               "goodput", "guard", "hybrid-kv", "install", "kernel", "kernel-plan", "load", "long-context", "memory",
+               "migration", "mla", "prefill", "serve", "structured", "tiers", "tracing", "transfer", "ttft-prefix",
+               "vllm-client")
 
 
 def _bench_main(name: str) -> Callable[[list[str]], int]:
@@ -296,6 +296,8 @@ def _bench_main(name: str) -> Callable[[list[str]], int]:
         from kvrelay.benchmarks.hybrid_kv_bench import main
     elif name == "deterministic":
         from kvrelay.benchmarks.deterministic_bench import main
+    elif name == "install":
+        from kvrelay.benchmarks.install_time import main
     elif name == "kernel":
         from kvrelay.benchmarks.kernel_bench import main
     elif name == "kernel-plan":
