@@ -316,6 +316,14 @@ KEYS: Mapping[str, Key] = _table(
         "reserved for, per request.", unit="tokens"),
     Key("router.migration_limit", non_negative_int, 3, "Times one request may move to another decode node "
         "mid-stream; 0: never."),
+    Key("router.max_grammar_bytes", size, 32 * 1024, "The largest EBNF grammar (structured_outputs.grammar, "
+        "guided_grammar) a request may carry; more is a 400 before any node compiles it.", unit="bytes"),
+    Key("router.max_grammar_nesting", positive_int, 64, "The deepest nesting of parentheses in an EBNF grammar; "
+        "deeper is a 400.", unit="levels"),
+    Key("router.max_grammar_rules", positive_int, 500, "The most rules (::=) in an EBNF grammar; more is a 400.",
+        unit="rules"),
+    Key("router.max_grammar_alternatives", positive_int, 2000, "The most alternatives (|) in an EBNF grammar; more "
+        "is a 400.", unit="alternatives"),
     Key("router.body_read_timeout_s", positive_float, 30.0, "A request body not in within this gets 408 (it holds "
         "no admission slot meanwhile).", unit="s"),
     Key("router.write_stall_timeout_s", positive_float, 30.0, "A client that takes no write of its answer for "

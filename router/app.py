@@ -200,7 +200,7 @@ class Router:
                                   reasoning_parser=cfg.reasoning_parser if harmony is None else None,
                                   harmony=harmony,
                                   return_tokens_as_token_ids=cfg.return_tokens_as_token_ids, defaults=defaults,
-                                  eos_token_ids=info.eos_token_ids)
+                                  eos_token_ids=info.eos_token_ids, grammar_limits=cfg.grammar_limits)
         self.membership.start(self.nodes, on_change=self.dispatcher.queue.pump)
         self._pump_task = asyncio.create_task(self._pump_periodically())
 
