@@ -220,6 +220,9 @@ KEYS: Mapping[str, Key] = _table(
     Key("engine.pool_call_timeout_s", positive_float, 30.0, "How long a caller on the event loop waits for a call "
         "into the engine's block pool (a lease, a pull's blocks) to run between steps; a call that gives blocks "
         "back still runs after its caller gave up.", unit="s"),
+    Key("engine.grammar_compile_timeout_s", positive_float, 5.0, "A constraint a node has not compiled before is "
+        "compiled first in a child process killed after this; over it, the request is a 400 naming its field, and "
+        "so is every repeat of it, at once.", unit="s"),
     # --------------------------------------------------------------- internal
     Key("internal.bind", string, "127.0.0.1", "The address the nodes' internal endpoints (KV metadata, events, "
         "prefill and decode APIs) listen on; one reachable from other machines needs a token."),

@@ -113,7 +113,7 @@ def build_engine(config: Any, *, node_name: str, registry: CollectorRegistry,
         kernel_plan=e.kernel_plan, deterministic=e.deterministic, max_model_len=e.max_model_len,
         enable_prefix_caching=e.enable_prefix_caching, long_context=config.decode.long_context,
         attention_backend=e.attention_backend, cuda_graphs=e.cuda_graphs,
-        cuda_graph_batch_sizes=e.cuda_graph_batch_sizes,
+        cuda_graph_batch_sizes=e.cuda_graph_batch_sizes, grammar_compile_timeout_s=e.grammar_compile_timeout_s,
     ), spec=spec, store_config=store_config, registry=registry)
 
 

@@ -49,6 +49,7 @@ class EngineSection:
     cuda_graph_batch_sizes: tuple[int, ...] | None = None  # None: engine.cuda_graphs.default_batch_sizes
     stall_timeout_s: float = 60.0  # node.app.NodeConfig.stall_timeout_s
     pool_call_timeout_s: float = 30.0  # engine.worker.EngineWorker: the default bound of call / must_run
+    grammar_compile_timeout_s: float = 5.0  # engine.engine_config.EngineConfig
 
 
 @dataclass(frozen=True, slots=True)
