@@ -156,6 +156,7 @@ def build_app(config: Any, role: str, index: int, *, name: str | None = None,
     tracing = Tracing.to_endpoint(config.observability.otlp_endpoint, service=f"kvrelay-{role}", instance=name)
     if role == "router":
         from kvrelay.router.app import Router, RouterConfig
+        from kvrelay.router.compile_budget import CompileBudgetConfig
         from kvrelay.router.grammar_limits import GrammarLimits
 
         r = config.router
@@ -179,6 +180,8 @@ def build_app(config: Any, role: str, index: int, *, name: str | None = None,
             return_tokens_as_token_ids=r.return_tokens_as_token_ids, generation_config=r.generation_config,
             grammar_limits=GrammarLimits(r.max_grammar_bytes, r.max_grammar_nesting, r.max_grammar_rules,
                                          r.max_grammar_alternatives),
+            compile_budget=CompileBudgetConfig(r.max_compiling_requests_per_tenant, r.compile_budget_s,
+                                               r.compile_budget_window_s),
         ), tracing=tracing)
         return _flushed(router.make_app(), tracing), r.host, r.port
     from kvrelay.engine.worker import EngineWorker

@@ -118,6 +118,9 @@ class RouterSection:
     max_grammar_nesting: int = 64
     max_grammar_rules: int = 500
     max_grammar_alternatives: int = 2000
+    max_compiling_requests_per_tenant: int = 2  # router.compile_budget.CompileBudgetConfig
+    compile_budget_s: float = 30.0
+    compile_budget_window_s: float = 60.0
     chat_template: str | None = None  # vLLM's --chat-template: a file or the Jinja source; None: the model's
     enable_auto_tool_choice: bool = False  # vLLM's --enable-auto-tool-choice: tool_choice auto is parsed
     return_tokens_as_token_ids: bool = False  # vLLM's --return-tokens-as-token-ids: logprob tokens as token_id:N

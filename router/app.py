@@ -26,6 +26,7 @@ from kvrelay.model.sampling_params import PromptTokenLogprobs, TokenLogprobs
 from kvrelay.model.tokenizer import load_tokenizer, resolve_chat_template
 from kvrelay.node.tracing import Tracing
 from kvrelay.router.backends import Backends
+from kvrelay.router.compile_budget import Claim, CompileBudget, CompileBudgetExceeded
 from kvrelay.router.config import RouterConfig
 from kvrelay.router.dispatch import Dispatcher, SampleDelta
 from kvrelay.router.harmony import served_encoding
@@ -144,6 +145,7 @@ class Router:
         self.nodes: NodeSet | None = None
         self.dispatcher: Dispatcher | None = None
         self.served: ServedModel | None = None
+        self.compile_budget = CompileBudget(config.compile_budget)  # new constraints per tenant (429 past it)
         self.vllm: VllmRequestMetrics | None = None  # vLLM's request-level families: made at start (max_model_len)
         self.membership = Membership(config, self.backends, resolver=resolver,
                                      on_slow=lambda node: self.metrics.slow_polls.labels(node.name).inc())
@@ -304,6 +306,8 @@ class Router:
         self.num_admitted += 1
         self.metrics.running.labels("router").inc()
         tickets: list[Ticket] = []
+        claim: Claim | None = None
+        claimed_at = time.monotonic()
         try:
             try:
                 assert self.served is not None and self.dispatcher is not None
@@ -312,6 +316,7 @@ class Router:
                 reqs: list[GenerationRequest] = parsed if isinstance(parsed, list) else [parsed]
                 for req in reqs:
                     self._check_long_context(req)
+                claim = self._claim_compile(salt, reqs[0])
                 tickets = self.dispatcher.admit(reqs, salt)
             except ApiError as exc:
                 return self._error(exc)
@@ -329,8 +334,19 @@ class Router:
             for ticket in tickets:  # a request that ended before its run began gives its place back
                 if not ticket.taken:
                     self.dispatcher.queue.abandon(ticket)
+            if claim is not None:
+                first = trace.runs[0].timings.get("dispatch_s") if trace.runs else None
+                self.compile_budget.release(claim, seconds=time.monotonic() - claimed_at if first is None else first,
+                                            served=first is not None)
             self.num_admitted -= 1
             self.metrics.running.labels("router").dec()
+
+    def _claim_compile(self, salt: bytes, req: GenerationRequest) -> Claim | None:
+        """The request's place in its tenant's compile budget (`router.compile_budget`). Raises ApiError(429)."""
+        try:
+            return self.compile_budget.claim(salt, req.params.structured_outputs)
+        except CompileBudgetExceeded as exc:
+            raise ApiError(429, str(exc), param=req.structured_param) from None
 
     def _check_long_context(self, req: GenerationRequest) -> None:
         """Refuse a ``kvrelay.long_context`` override the decode nodes could not run, before any prefill
