@@ -327,12 +327,12 @@ KEYS: Mapping[str, Key] = _table(
         unit="rules"),
     Key("router.max_grammar_alternatives", positive_int, 2000, "The most alternatives (|) in an EBNF grammar; more "
         "is a 400.", unit="alternatives"),
-    Key("router.max_compiling_requests_per_tenant", positive_int, 2, "Requests of one API key whose constraint "
+    Key("router.max_compiling_requests_per_tenant", positive_int, 16, "Requests of one API key whose constraint "
         "the router has not seen served (the nodes compile it first) that may run at once; more get 429.",
         unit="requests"),
-    Key("router.compile_budget_s", positive_float, 30.0, "The seconds from placement to first token that one API "
-        "key's requests with new constraints may take in compile_budget_window_s; past it, such requests get "
-        "429.", unit="s"),
+    Key("router.compile_budget_s", positive_float, 30.0, "How long, within compile_budget_window_s, one API key "
+        "may have a request with a new constraint between placement and first token (the nodes compile it "
+        "there); past it, such requests get 429.", unit="s"),
     Key("router.compile_budget_window_s", positive_float, 60.0, "The sliding window of compile_budget_s.",
         unit="s"),
     Key("router.body_read_timeout_s", positive_float, 30.0, "A request body not in within this gets 408 (it holds "

@@ -118,7 +118,7 @@ class RouterSection:
     max_grammar_nesting: int = 64
     max_grammar_rules: int = 500
     max_grammar_alternatives: int = 2000
-    max_compiling_requests_per_tenant: int = 2  # router.compile_budget.CompileBudgetConfig
+    max_compiling_requests_per_tenant: int = 16  # router.compile_budget.CompileBudgetConfig
     compile_budget_s: float = 30.0
     compile_budget_window_s: float = 60.0
     chat_template: str | None = None  # vLLM's --chat-template: a file or the Jinja source; None: the model's

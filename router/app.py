@@ -307,7 +307,6 @@ class Router:
         self.metrics.running.labels("router").inc()
         tickets: list[Ticket] = []
         claim: Claim | None = None
-        claimed_at = time.monotonic()
         try:
             try:
                 assert self.served is not None and self.dispatcher is not None
@@ -335,9 +334,7 @@ class Router:
                 if not ticket.taken:
                     self.dispatcher.queue.abandon(ticket)
             if claim is not None:
-                first = trace.runs[0].timings.get("dispatch_s") if trace.runs else None
-                self.compile_budget.release(claim, seconds=time.monotonic() - claimed_at if first is None else first,
-                                            served=first is not None)
+                self._release_compile(claim, trace)
             self.num_admitted -= 1
             self.metrics.running.labels("router").dec()
 
@@ -347,6 +344,17 @@ class Router:
             return self.compile_budget.claim(salt, req.params.structured_outputs)
         except CompileBudgetExceeded as exc:
             raise ApiError(429, str(exc), param=req.structured_param) from None
+
+    def _release_compile(self, claim: Claim, trace: RequestTrace) -> None:
+        """Give the claim back, charging its placement → first token (or end) interval (`RunTrace.timings`)."""
+        timings = trace.runs[0].timings if trace.runs else {}
+        if "router_queue_s" not in timings:  # never placed: no node compiled it
+            self.compile_budget.release(claim, start_s=None, end_s=time.time(), served=False)
+            return
+        placed_s = trace.runs[0].admitted_ns / 1e9 + timings["router_queue_s"]
+        first = timings.get("dispatch_s")
+        self.compile_budget.release(claim, start_s=placed_s, end_s=time.time() if first is None else placed_s + first,
+                                    served=first is not None)
 
     def _check_long_context(self, req: GenerationRequest) -> None:
         """Refuse a ``kvrelay.long_context`` override the decode nodes could not run, before any prefill

@@ -5,8 +5,10 @@ compiles it first (`engine.grammar`, up to ``engine.grammar_compile_timeout_s`` 
 one tenant's new constraints delay every other tenant's). Per tenant:
 
 * at most ``max_concurrent`` new-constraint requests at once (``router.max_compiling_requests_per_tenant``);
-* their seconds from placement to first token (the node's compile is in it; a refused one counts to its end) at
-  most ``budget_s`` in any ``window_s`` (``router.compile_budget_s`` per ``router.compile_budget_window_s``).
+* the time during which at least one of them was between placement and its first token (the node compiles in
+  there; a refused one counts to its end) at most ``budget_s`` in any ``window_s`` (``router.compile_budget_s``
+  per ``router.compile_budget_window_s``). The union, not the sum: a node compiles one constraint at a time, so
+  50 requests waiting together on one node's compiles cost that node the span, not 50 times it.
 
 Past either, a 429 naming the key. A constraint is *seen* once a request carrying it got its first token; seen
 constraints (the last `MAX_SEEN`) cost nothing here (the nodes have it compiled, or compile it within the
@@ -28,7 +30,7 @@ MAX_SEEN = 4096  # constraints remembered as served (32 bytes each)
 
 @dataclass(frozen=True, slots=True)
 class CompileBudgetConfig:
-    max_concurrent: int = 2
+    max_concurrent: int = 16
     budget_s: float = 30.0
     window_s: float = 60.0
 
@@ -43,20 +45,22 @@ class Claim:
 
     tenant: bytes
     key: bytes
+    ended: bool = False
 
 
 class CompileBudget:
     """Per-tenant bounds on new-constraint requests (see the module docstring). Event-loop only; not thread-safe.
 
-    ``clock``: seconds, monotonic (tests pass their own).
+    ``clock``: seconds since the epoch, the clock of the intervals given to `release` (tests pass their own).
     """
 
-    def __init__(self, config: CompileBudgetConfig, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, config: CompileBudgetConfig, clock: Callable[[], float] = time.time) -> None:
         self.config = config
         self._clock = clock
         self._seen: OrderedDict[bytes, None] = OrderedDict()
         self._tenant_to_running: defaultdict[bytes, int] = defaultdict(int)  # dropped at 0
         self._tenant_to_spent: dict[bytes, deque[tuple[float, float]]] = {}  # (when, seconds), oldest first
+        self._tenant_to_charged_until: dict[bytes, float] = {}  # the end of the time already charged
 
     def claim(self, tenant: bytes, out: StructuredOutput | None) -> Claim | None:
         """A place for a request of ``tenant`` constrained by ``out``; None when it needs none (no constraint, or
@@ -86,15 +90,23 @@ class CompileBudget:
         self._tenant_to_running[tenant] = running + 1
         return Claim(tenant, key)
 
-    def release(self, claim: Claim, *, seconds: float, served: bool) -> None:
-        """The claimed request is done with compiling: it took ``seconds`` (placement to first token, or to its end
-        without one); ``served``: it got a token (its constraint compiled)."""
-        running = self._tenant_to_running[claim.tenant] - 1
+    def release(self, claim: Claim, *, start_s: float | None, end_s: float, served: bool) -> None:
+        """The claimed request is done with compiling: it was placed at ``start_s`` (None: never placed, nothing
+        compiled) and got its first token at ``end_s`` (or ended then without one); ``served``: it got a token
+        (its constraint compiled). Charges the part of that interval not charged before. Once per claim."""
+        assert not claim.ended, "released twice"
+        claim.ended = True
+        tenant = claim.tenant
+        running = self._tenant_to_running[tenant] - 1
         if running > 0:
-            self._tenant_to_running[claim.tenant] = running
+            self._tenant_to_running[tenant] = running
         else:
-            del self._tenant_to_running[claim.tenant]
-        self._tenant_to_spent.setdefault(claim.tenant, deque()).append((self._clock(), max(0.0, seconds)))
+            del self._tenant_to_running[tenant]
+        if start_s is not None:
+            charged_until = self._tenant_to_charged_until.get(tenant, 0.0)
+            seconds = max(0.0, end_s - max(start_s, charged_until))
+            self._tenant_to_charged_until[tenant] = max(charged_until, end_s)
+            self._tenant_to_spent.setdefault(tenant, deque()).append((self._clock(), seconds))
         if served:
             self._seen[claim.key] = None
             self._seen.move_to_end(claim.key)
@@ -111,5 +123,6 @@ class CompileBudget:
             spent.popleft()
         if not spent:
             del self._tenant_to_spent[tenant]
+            self._tenant_to_charged_until.pop(tenant, None)
             return 0.0
         return sum(s for _, s in spent)
