@@ -220,6 +220,9 @@ KEYS: Mapping[str, Key] = _table(
     Key("engine.pool_call_timeout_s", positive_float, 30.0, "How long a caller on the event loop waits for a call "
         "into the engine's block pool (a lease, a pull's blocks) to run between steps; a call that gives blocks "
         "back still runs after its caller gave up.", unit="s"),
+    Key("engine.grammar_compile_timeout_s", positive_float, 5.0, "A constraint a node has not compiled before is "
+        "compiled first in a child process killed after this; over it, the request is a 400 naming its field, and "
+        "so is every repeat of it, at once.", unit="s"),
     # --------------------------------------------------------------- internal
     Key("internal.bind", string, "127.0.0.1", "The address the nodes' internal endpoints (KV metadata, events, "
         "prefill and decode APIs) listen on; one reachable from other machines needs a token."),
@@ -316,6 +319,22 @@ KEYS: Mapping[str, Key] = _table(
         "reserved for, per request.", unit="tokens"),
     Key("router.migration_limit", non_negative_int, 3, "Times one request may move to another decode node "
         "mid-stream; 0: never."),
+    Key("router.max_grammar_bytes", size, 32 * 1024, "The largest EBNF grammar (structured_outputs.grammar, "
+        "guided_grammar) a request may carry; more is a 400 before any node compiles it.", unit="bytes"),
+    Key("router.max_grammar_nesting", positive_int, 64, "The deepest nesting of parentheses in an EBNF grammar; "
+        "deeper is a 400.", unit="levels"),
+    Key("router.max_grammar_rules", positive_int, 500, "The most rules (::=) in an EBNF grammar; more is a 400.",
+        unit="rules"),
+    Key("router.max_grammar_alternatives", positive_int, 2000, "The most alternatives (|) in an EBNF grammar; more "
+        "is a 400.", unit="alternatives"),
+    Key("router.max_compiling_requests_per_tenant", positive_int, 16, "Requests of one API key whose constraint "
+        "the router has not seen served (the nodes compile it first) that may run at once; more get 429.",
+        unit="requests"),
+    Key("router.compile_budget_s", positive_float, 30.0, "How long, within compile_budget_window_s, one API key "
+        "may have a request with a new constraint between placement and first token (the nodes compile it "
+        "there); past it, such requests get 429.", unit="s"),
+    Key("router.compile_budget_window_s", positive_float, 60.0, "The sliding window of compile_budget_s.",
+        unit="s"),
     Key("router.body_read_timeout_s", positive_float, 30.0, "A request body not in within this gets 408 (it holds "
         "no admission slot meanwhile).", unit="s"),
     Key("router.write_stall_timeout_s", positive_float, 30.0, "A client that takes no write of its answer for "

@@ -113,7 +113,7 @@ def build_engine(config: Any, *, node_name: str, registry: CollectorRegistry,
         kernel_plan=e.kernel_plan, deterministic=e.deterministic, max_model_len=e.max_model_len,
         enable_prefix_caching=e.enable_prefix_caching, long_context=config.decode.long_context,
         attention_backend=e.attention_backend, cuda_graphs=e.cuda_graphs,
-        cuda_graph_batch_sizes=e.cuda_graph_batch_sizes,
+        cuda_graph_batch_sizes=e.cuda_graph_batch_sizes, grammar_compile_timeout_s=e.grammar_compile_timeout_s,
     ), spec=spec, store_config=store_config, registry=registry)
 
 
@@ -156,6 +156,8 @@ def build_app(config: Any, role: str, index: int, *, name: str | None = None,
     tracing = Tracing.to_endpoint(config.observability.otlp_endpoint, service=f"kvrelay-{role}", instance=name)
     if role == "router":
         from kvrelay.router.app import Router, RouterConfig
+        from kvrelay.router.compile_budget import CompileBudgetConfig
+        from kvrelay.router.grammar_limits import GrammarLimits
 
         r = config.router
         router = Router(RouterConfig(
@@ -176,6 +178,10 @@ def build_app(config: Any, role: str, index: int, *, name: str | None = None,
             tool_call_parser=r.tool_call_parser, enable_auto_tool_choice=r.enable_auto_tool_choice,
             reasoning_parser=r.reasoning_parser, chat_template=r.chat_template,
             return_tokens_as_token_ids=r.return_tokens_as_token_ids, generation_config=r.generation_config,
+            grammar_limits=GrammarLimits(r.max_grammar_bytes, r.max_grammar_nesting, r.max_grammar_rules,
+                                         r.max_grammar_alternatives),
+            compile_budget=CompileBudgetConfig(r.max_compiling_requests_per_tenant, r.compile_budget_s,
+                                               r.compile_budget_window_s),
         ), tracing=tracing)
         return _flushed(router.make_app(), tracing), r.host, r.port
     from kvrelay.engine.worker import EngineWorker

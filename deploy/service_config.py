@@ -49,6 +49,7 @@ class EngineSection:
     cuda_graph_batch_sizes: tuple[int, ...] | None = None  # None: engine.cuda_graphs.default_batch_sizes
     stall_timeout_s: float = 60.0  # node.app.NodeConfig.stall_timeout_s
     pool_call_timeout_s: float = 30.0  # engine.worker.EngineWorker: the default bound of call / must_run
+    grammar_compile_timeout_s: float = 5.0  # engine.engine_config.EngineConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +114,13 @@ class RouterSection:
     ttft_slo_s: float = 0.0  # under auto, a plan whose predicted TTFT passes it counts as a breach (0: none)
     tool_call_parser: str | None = None  # vLLM's --tool-call-parser (router.tool_calls); None: by model family
     reasoning_parser: str | None = None  # vLLM's --reasoning-parser (router.reasoning); None: no split
+    max_grammar_bytes: int = 32 * 1024  # router.grammar_limits.GrammarLimits
+    max_grammar_nesting: int = 64
+    max_grammar_rules: int = 500
+    max_grammar_alternatives: int = 2000
+    max_compiling_requests_per_tenant: int = 16  # router.compile_budget.CompileBudgetConfig
+    compile_budget_s: float = 30.0
+    compile_budget_window_s: float = 60.0
     chat_template: str | None = None  # vLLM's --chat-template: a file or the Jinja source; None: the model's
     enable_auto_tool_choice: bool = False  # vLLM's --enable-auto-tool-choice: tool_choice auto is parsed
     return_tokens_as_token_ids: bool = False  # vLLM's --return-tokens-as-token-ids: logprob tokens as token_id:N

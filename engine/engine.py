@@ -130,7 +130,8 @@ class LLMEngine:
         self.spec = spec
         self.max_model_len = self.config.max_model_len or cfg.max_context_tokens
         self.eos_token_ids = frozenset(cfg.eos_token_ids)
-        self.grammars = Grammars(loaded.model_dir, cfg.vocab_size, sorted(self.eos_token_ids))
+        self.grammars = Grammars(loaded.model_dir, cfg.vocab_size, sorted(self.eos_token_ids),
+                                 compile_timeout_s=self.config.grammar_compile_timeout_s)
         if store_config is None:
             store_config = TieredStoreConfig(num_device_blocks=self.config.num_blocks, device=str(device))
         self.store = TieredStore(self.spec, store_config, registry=registry)

@@ -36,6 +36,8 @@ class EngineConfig:
     long_context: LongContextConfig = LongContextConfig()  # the default policy; requests may override it
     cuda_graphs: bool = True  # capture decode steps on CUDA with a backend that allows it (`engine.cuda_graphs`)
     cuda_graph_batch_sizes: tuple[int, ...] | None = None  # None: `default_batch_sizes(max_num_seqs)`
+    # a new constraint's compile runs first in a child killed after this (`engine.grammar_check`); None: no child
+    grammar_compile_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         """Raises ValueError naming the field (as in the YAML ``engine``/``kvstore`` sections)."""

@@ -3,7 +3,9 @@ whose matcher masks, before each sample, every token that would leave it.
 
 * `grammar_of`: the grammar of a constraint, without a vocabulary.
 * `Grammars`: one per engine. Builds the vocabulary's `xgrammar.TokenizerInfo` from the model's ``tokenizer.json``
-  on first use and compiles each constraint once (bounded LRU by `StructuredOutput.cache_key`); `compile` is
+  on first use and compiles each constraint once (LRU by `StructuredOutput.cache_key`, bounded in count and in
+  bytes; with a ``compile_timeout_s``, a new constraint is compiled first in a child process that is killed at
+  the deadline: `engine.grammar_check`); `compile` is
   thread-safe and meant to run off the engine thread: a node compiles in ``read_request`` and carries the result to
   the engine in `StructuredOutput.compiled`, so its engine thread never compiles; the offline `kvrelay.LLM`
   compiles on its engine thread at ``add_request``.
@@ -24,9 +26,11 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvrelay.engine.grammar_check import CompileCheck, CompileRefused
 from kvrelay.model.structured import GRAMMAR_ERROR_PREFIX, StructuredOutput
 
 if TYPE_CHECKING:
@@ -36,6 +40,8 @@ if TYPE_CHECKING:
 
 _XGRAMMAR_LOG_PREFIX = re.compile(r"^\[[0-9:]+\] [^ ]+:[0-9]+: ")
 MAX_COMPILED = 128  # compiled grammars kept per engine (a JSON schema's is ~100 KB–MBs with a 50k vocabulary)
+# ... and their bytes (xgrammar's memory_size_bytes): a 3,000-rule chain weighs 4.5 MB, 128 of them 580 MB
+MAX_COMPILED_BYTES = 256 * 1024 * 1024
 
 
 class GrammarError(ValueError):
@@ -70,19 +76,32 @@ class Grammars:
         model_dir: holds ``tokenizer.json`` (the vocabulary); None: the model has none and every `compile` raises.
         vocab_size: rows of the model's logits (may exceed the tokenizer's ids: padded embeddings).
         stop_token_ids: the tokens that end a finished grammar (the model's EOS ids).
+        compile_timeout_s: the deadline of a new constraint's compile (`engine.grammar_check`); None: none, the
+            compile runs in the calling thread only.
+        max_compiled: compiled grammars kept (0: none).
     """
 
-    def __init__(self, model_dir: str | Path | None, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+    def __init__(self, model_dir: str | Path | None, vocab_size: int, stop_token_ids: Sequence[int], *,
+                 compile_timeout_s: float | None = None, max_compiled: int = MAX_COMPILED) -> None:
         self.model_dir = None if model_dir is None else Path(model_dir)
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
-        self._lock = threading.Lock()  # guards _compiled (held for a dict operation only)
+        self.max_compiled = max_compiled
+        self._lock = threading.Lock()  # guards _compiled and _compiled_bytes (held for a dict operation only)
         self._build_lock = threading.Lock()  # guards _compiler and compiling
         self._compiler: xgr.GrammarCompiler | None = None
-        self._compiled: OrderedDict[tuple[Any, ...], xgr.CompiledGrammar] = OrderedDict()
+        self._compiled: OrderedDict[tuple[Any, ...], tuple[xgr.CompiledGrammar, int]] = OrderedDict()
+        self._compiled_bytes = 0
         self.compiles = 0  # grammars compiled (cache misses)
+        self.check = None if compile_timeout_s is None or self.model_dir is None else CompileCheck(
+            serve_checks, self.model_dir, vocab_size, self.stop_token_ids, timeout_s=compile_timeout_s)
 
-    def _get_compiler(self) -> xgr.GrammarCompiler:
+    def compiler(self) -> xgr.GrammarCompiler:
+        """xgrammar's compiler for this vocabulary (built on first use: seconds).
+
+        Raises:
+            GrammarError: the model has no vocabulary.
+        """
         import xgrammar as xgr
 
         if self._compiler is None:
@@ -109,29 +128,47 @@ class Grammars:
         hit = self._cached(key)
         if hit is not None:
             return hit
+        if self.check is not None:  # bounded in time, killable; refusals remembered
+            try:
+                self.check.check(out)
+            except CompileRefused as exc:
+                raise GrammarError(str(exc)) from None
         with self._build_lock:  # one compile at a time; a cache hit (above) never waits for one
             hit = self._cached(key)
             if hit is not None:
                 return hit
-            compiler = self._get_compiler()
+            compiler = self.compiler()
             try:
                 compiled = compiler.compile_grammar(grammar_of(out))
             except Exception as exc:  # noqa: BLE001 - xgrammar's error kinds vary by version
                 raise GrammarError(f"{GRAMMAR_ERROR_PREFIX}the {out.kind} constraint does not compile: "
                                    f"{_first_line(exc)}") from None
-            with self._lock:
-                self.compiles += 1
-                self._compiled[key] = compiled
-                while len(self._compiled) > MAX_COMPILED:
-                    self._compiled.popitem(last=False)
+            self._keep(key, compiled)
             return compiled
+
+    def _keep(self, key: tuple[Any, ...], compiled: xgr.CompiledGrammar) -> None:
+        size = int(compiled.memory_size_bytes)
+        with self._lock:
+            self.compiles += 1
+            self._compiled[key] = (compiled, size)
+            self._compiled_bytes += size
+            while self._compiled and (len(self._compiled) > self.max_compiled
+                                      or self._compiled_bytes > MAX_COMPILED_BYTES):
+                self._compiled_bytes -= self._compiled.popitem(last=False)[1][1]
+
+    @property
+    def compiled_bytes(self) -> int:
+        """The bytes of the compiled grammars kept (xgrammar's ``memory_size_bytes``), at most MAX_COMPILED_BYTES."""
+        with self._lock:
+            return self._compiled_bytes
 
     def _cached(self, key: tuple[Any, ...]) -> xgr.CompiledGrammar | None:
         with self._lock:
             hit = self._compiled.get(key)
-            if hit is not None:
-                self._compiled.move_to_end(key)
-            return hit
+            if hit is None:
+                return None
+            self._compiled.move_to_end(key)
+            return hit[0]
 
     def matcher(self, out: StructuredOutput, tokens: Sequence[int]) -> Matcher:
         """A matcher for ``out`` that has accepted ``tokens`` (a sample's outputs so far).
@@ -141,6 +178,23 @@ class Grammars:
                 that does).
         """
         return Matcher(out.compiled if out.compiled is not None else self.compile(out), tokens)
+
+
+def serve_checks(conn: Connection, model_dir: str, vocab_size: int, stop_token_ids: list[int]) -> None:
+    """The child of a `CompileCheck`: compile each constraint received; answer None, or the refusal's text."""
+    grammars = Grammars(model_dir, vocab_size, stop_token_ids, max_compiled=0)
+    grammars.compiler()  # the vocabulary, before the first deadline starts
+    conn.send("ready")
+    while True:
+        try:
+            out = conn.recv()
+        except EOFError:
+            return
+        try:
+            grammars.compile(out)
+            conn.send(None)
+        except GrammarError as exc:
+            conn.send(str(exc))
 
 
 class Matcher:

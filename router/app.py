@@ -26,6 +26,7 @@ from kvrelay.model.sampling_params import PromptTokenLogprobs, TokenLogprobs
 from kvrelay.model.tokenizer import load_tokenizer, resolve_chat_template
 from kvrelay.node.tracing import Tracing
 from kvrelay.router.backends import Backends
+from kvrelay.router.compile_budget import Claim, CompileBudget, CompileBudgetExceeded
 from kvrelay.router.config import RouterConfig
 from kvrelay.router.dispatch import Dispatcher, SampleDelta
 from kvrelay.router.harmony import served_encoding
@@ -144,6 +145,7 @@ class Router:
         self.nodes: NodeSet | None = None
         self.dispatcher: Dispatcher | None = None
         self.served: ServedModel | None = None
+        self.compile_budget = CompileBudget(config.compile_budget)  # new constraints per tenant (429 past it)
         self.vllm: VllmRequestMetrics | None = None  # vLLM's request-level families: made at start (max_model_len)
         self.membership = Membership(config, self.backends, resolver=resolver,
                                      on_slow=lambda node: self.metrics.slow_polls.labels(node.name).inc())
@@ -200,7 +202,7 @@ class Router:
                                   reasoning_parser=cfg.reasoning_parser if harmony is None else None,
                                   harmony=harmony,
                                   return_tokens_as_token_ids=cfg.return_tokens_as_token_ids, defaults=defaults,
-                                  eos_token_ids=info.eos_token_ids)
+                                  eos_token_ids=info.eos_token_ids, grammar_limits=cfg.grammar_limits)
         self.membership.start(self.nodes, on_change=self.dispatcher.queue.pump)
         self._pump_task = asyncio.create_task(self._pump_periodically())
 
@@ -304,6 +306,7 @@ class Router:
         self.num_admitted += 1
         self.metrics.running.labels("router").inc()
         tickets: list[Ticket] = []
+        claim: Claim | None = None
         try:
             try:
                 assert self.served is not None and self.dispatcher is not None
@@ -312,6 +315,7 @@ class Router:
                 reqs: list[GenerationRequest] = parsed if isinstance(parsed, list) else [parsed]
                 for req in reqs:
                     self._check_long_context(req)
+                claim = self._claim_compile(salt, reqs[0])
                 tickets = self.dispatcher.admit(reqs, salt)
             except ApiError as exc:
                 return self._error(exc)
@@ -329,8 +333,28 @@ class Router:
             for ticket in tickets:  # a request that ended before its run began gives its place back
                 if not ticket.taken:
                     self.dispatcher.queue.abandon(ticket)
+            if claim is not None:
+                self._release_compile(claim, trace)
             self.num_admitted -= 1
             self.metrics.running.labels("router").dec()
+
+    def _claim_compile(self, salt: bytes, req: GenerationRequest) -> Claim | None:
+        """The request's place in its tenant's compile budget (`router.compile_budget`). Raises ApiError(429)."""
+        try:
+            return self.compile_budget.claim(salt, req.params.structured_outputs)
+        except CompileBudgetExceeded as exc:
+            raise ApiError(429, str(exc), param=req.structured_param) from None
+
+    def _release_compile(self, claim: Claim, trace: RequestTrace) -> None:
+        """Give the claim back, charging its placement → first token (or end) interval (`RunTrace.timings`)."""
+        timings = trace.runs[0].timings if trace.runs else {}
+        if "router_queue_s" not in timings:  # never placed: no node compiled it
+            self.compile_budget.release(claim, start_s=None, end_s=time.time(), served=False)
+            return
+        placed_s = trace.runs[0].admitted_ns / 1e9 + timings["router_queue_s"]
+        first = timings.get("dispatch_s")
+        self.compile_budget.release(claim, start_s=placed_s, end_s=time.time() if first is None else placed_s + first,
+                                    served=first is not None)
 
     def _check_long_context(self, req: GenerationRequest) -> None:
         """Refuse a ``kvrelay.long_context`` override the decode nodes could not run, before any prefill

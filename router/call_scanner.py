@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from typing import Protocol, overload
 
 ARGS_KEYS = ("arguments", "parameters")  # either names a call's arguments
 
@@ -14,6 +15,18 @@ def partial_overlap(text: str, tag: str) -> int:
         if text.endswith(tag[:k]):
             return k
     return 0
+
+
+class Text(Protocol):
+    """What a scanner reads: a ``str``, or a `GrowingText` (slices cost what they return)."""
+
+    def __len__(self) -> int: ...
+
+    @overload
+    def __getitem__(self, key: int) -> str: ...
+
+    @overload
+    def __getitem__(self, key: slice) -> str: ...
 
 
 class CallScanner:
@@ -53,14 +66,16 @@ class CallScanner:
             return self.pos
         return -1
 
-    def scan(self, text: str) -> None:
-        """Scan ``text[pos:]``: sets ``name``, A's span, ``end`` or ``bad`` as they become known."""
-        i = self.pos
+    def scan(self, text: Text) -> None:
+        """Scan ``text[pos:]`` (read once: the work is the new text): sets ``name``, A's span, ``end`` or ``bad`` as
+        they become known."""
+        i = base = self.pos
+        new = text[base:len(text)]
         while i < len(text) and not self.done and not self.bad:
-            i = self._step(text, i)
+            i = self._step(text, i, new[i - base])
         self.pos = i
 
-    def valid(self, text: str, *, needs_arguments: bool = False) -> bool:
+    def valid(self, text: Text, *, needs_arguments: bool = False) -> bool:
         """The object is complete, JSON, and has a string ``name``; with ``needs_arguments``, an ``arguments`` or
         ``parameters`` key too (without markup around it, any JSON object with a ``name`` is not a call: a model
         answering in JSON writes those)."""
@@ -72,9 +87,8 @@ class CallScanner:
             return False
         return isinstance(obj, dict) and (not needs_arguments or any(k in obj for k in ARGS_KEYS))
 
-    def _step(self, text: str, i: int) -> int:
-        """Consume ``text[i]`` (or, ending a scalar, nothing); the next index."""
-        c = text[i]
+    def _step(self, text: Text, i: int, c: str) -> int:
+        """Consume ``c``, ``text[i]`` (or, ending a scalar, nothing); the next index."""
         if self._in_str:
             if self._esc:
                 self._esc = False
@@ -117,7 +131,7 @@ class CallScanner:
             self.bad = True
         return i + 1
 
-    def _step_value(self, text: str, i: int, c: str) -> int:
+    def _step_value(self, text: Text, i: int, c: str) -> int:
         if self._kind == "s":
             if c in ",}" or c.isspace():
                 self._end_value(text, i)
@@ -133,7 +147,7 @@ class CallScanner:
                 self._end_value(text, i + 1)
         return i + 1
 
-    def _end_string(self, text: str, end: int) -> None:
+    def _end_string(self, text: Text, end: int) -> None:
         if self._state != "key":  # a string value
             self._end_value(text, end)
             return
@@ -143,7 +157,7 @@ class CallScanner:
             self.bad = True
         self._state = "colon"
 
-    def _end_value(self, text: str, end: int) -> None:
+    def _end_value(self, text: Text, end: int) -> None:
         if self._key == "name":
             try:
                 name = json.loads(text[self._token_start:end])

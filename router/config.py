@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 from kvrelay.engine.long_context import LongContextConfig
 from kvrelay.kvstore.checks import require_int
+from kvrelay.router.compile_budget import CompileBudgetConfig
+from kvrelay.router.grammar_limits import GrammarLimits
 from kvrelay.router.harmony import ALL_REASONING_PARSERS
 from kvrelay.router.plan import MODES
 from kvrelay.router.tool_calls import PARSER_NAMES
@@ -72,6 +74,8 @@ class RouterConfig:
     # vLLM's --generation-config: auto (the model's generation_config.json gives the defaults of the sampling
     # fields a request leaves out: `model.generation_config`) | vllm (vLLM's neutral defaults)
     generation_config: str = "auto"
+    grammar_limits: GrammarLimits = GrammarLimits()  # bounds on an EBNF grammar a request carries (max_grammar_*)
+    compile_budget: CompileBudgetConfig = CompileBudgetConfig()  # new constraints per tenant (`router.compile_budget`)
 
     def __post_init__(self) -> None:
         """Raises ValueError naming the field (as in the YAML ``router`` section)."""

@@ -24,6 +24,7 @@ from kvrelay.model.sampling_params import MAX_LOGPROBS, SamplingParams
 from kvrelay.model.structured import StructuredOutput
 from kvrelay.model.tokenizer import Tokenizer
 from kvrelay.router import request_fields
+from kvrelay.router.grammar_limits import GrammarLimits, check_grammar
 from kvrelay.router.harmony import HarmonyInputError, render_chat
 from kvrelay.router.request_fields import FieldError
 from kvrelay.router.structured_api import StructuredError, check_compiles, structured_from_body
@@ -81,6 +82,7 @@ class ServedModel:
     defaults: GenerationDefaults = GenerationDefaults()
     eos_token_ids: tuple[int, ...] = ()
     harmony: HarmonyEncoding | None = None  # gpt-oss: chat is rendered and parsed in harmony (`router.harmony`)
+    grammar_limits: GrammarLimits = GrammarLimits()  # an EBNF grammar over them is a 400 (`router.grammar_limits`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -322,6 +324,8 @@ def _structured(body: dict[str, Any], served: ServedModel) -> StructuredOutput |
             assert param is not None
             if served.tokenizer is None:
                 raise StructuredError("structured outputs need the model's tokenizer; this model has none", param)
+            if out.kind == "grammar":
+                check_grammar(out.spec, param, served.grammar_limits)
             check_compiles(out, param)
     except StructuredError as exc:
         raise ApiError(400, str(exc), param=exc.param) from None

@@ -15,6 +15,10 @@ Either key, ``arguments`` or ``parameters``, names A in every format; a call wit
 whose calls do not parse (malformed JSON, a call cut off by max_tokens) is all content, as vLLM answers it; a
 stream cannot take back the call deltas it already sent, so there they stand. Streams hold back only what may
 still turn out to be markup (the start of ``<tool_call>``; llama3_json's first object until it has a name).
+
+A piece costs its own length and the open call's, never the text or the calls before it: the text is a
+`GrowingText` (read by slices), the framing scans each character once, and calls that can send nothing more are
+not visited again (``calls_visited`` counts the visits; tests bound it, with ``text.chars_read``).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from kvrelay.router.call_scanner import CallScanner, partial_overlap
+from kvrelay.router.growing_text import GrowingText
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
@@ -111,16 +116,19 @@ class ToolStream:
     NEEDS_ARGUMENTS = False  # a call must carry an arguments (or parameters) key (`CallScanner.valid`)
 
     def __init__(self) -> None:
-        self.text = ""
+        self.text = GrowingText()
         self.content_end = 0  # content is text[:content_end], as far as it is known
         self.failed = False  # the calls do not parse: the answer is all content
         self.calls: list[_Call] = []
+        self.calls_visited = 0  # calls `_collect` looked at, all pieces together
+        self._settled = 0  # calls[:_settled] have sent all they will (their scan ended): `_collect` skips them
+        self._any_header_sent = False
         self._content_sent = 0
         self._pos = 0  # the framing's position in text
         self._finished = False
 
     def feed(self, text: str) -> StreamDelta:
-        self.text += text
+        self.text.append(text)
         self._advance(final=False)
         return self._collect()
 
@@ -141,7 +149,7 @@ class ToolStream:
         assert self._finished, "result() needs finish()"
         calls = tuple(ToolCall(c.id, c.scanner.name or "", self._args(c)) for c in self.calls)
         if not calls or self.failed or not self._all_valid():
-            return ParsedOutput(self.text, ())
+            return ParsedOutput(str(self.text), ())
         return ParsedOutput(self.text[:self.content_end] or None, calls)
 
     def _args(self, call: _Call) -> str:
@@ -151,18 +159,30 @@ class ToolStream:
     def _advance(self, final: bool) -> None:
         raise NotImplementedError
 
+    def _clear_calls(self) -> None:
+        """Forget the calls found (none of them sent anything): the text is content after all."""
+        assert not self._any_header_sent
+        self.calls.clear()
+        self._settled = 0
+
     def _collect(self) -> StreamDelta:
-        if self.failed and not any(c.header_sent for c in self.calls):
+        if self.failed and not self._any_header_sent:
             self.content_end = len(self.text)  # no call after all: the rest is content, as `result` gives it
         out = StreamDelta(self.text[self._content_sent:self.content_end])
         self._content_sent = max(self._content_sent, self.content_end)
-        for index, call in enumerate(self.calls):
+        if self.failed:
+            return out  # no call sends anything more
+        for index in range(self._settled, len(self.calls)):
+            call = self.calls[index]
             s = call.scanner
-            if self.failed or s.bad or s.name is None or (self.NEEDS_ARGUMENTS and s.args_start < 0):
+            self.calls_visited += 1
+            if (s.done or s.bad) and index == self._settled:
+                self._settled += 1  # what it has left to send is sent below, now
+            if s.bad or s.name is None or (self.NEEDS_ARGUMENTS and s.args_start < 0):
                 continue  # (a header waits, where it must, for the arguments: else it may be no call at all)
             delta = CallDelta(index, None, None, "")
             if not call.header_sent:
-                call.header_sent = True
+                call.header_sent = self._any_header_sent = True
                 delta.id, delta.name = call.id, s.name
             upto = s.args_available()
             if upto >= 0:
@@ -200,8 +220,10 @@ class ToolStream:
         if i >= 0:
             self.content_end, self._pos = i, i + len(mark)
             return True
-        self.content_end = len(self.text) if final else len(self.text) - partial_overlap(self.text, mark)
-        self._pos = max(self._pos, len(self.text) - len(mark) + 1)
+        end = len(self.text)
+        tail = self.text[max(0, end - len(mark) + 1):end]
+        self.content_end = end if final else end - partial_overlap(tail, mark)
+        self._pos = max(self._pos, end - len(mark) + 1)
         return False
 
 
@@ -342,7 +364,7 @@ class Llama3JsonStream(ToolStream):
             elif state == "call":
                 s = self._scan_call()
                 if (s.bad or (s.done and s.name is None)) and self._first_unsent():
-                    self.calls.clear()
+                    self._clear_calls()
                     self._state = "content"  # not a call: the object is the answer
                     continue
                 self.failed = s.bad
@@ -356,7 +378,7 @@ class Llama3JsonStream(ToolStream):
                 self._state = "object" if c in ";{" else "ignore"
         if final and not self.failed and ((self._state in ("lead", "object") and not self.calls)
                                           or (self._state == "call" and self._first_unsent())):
-            self.calls.clear()  # only whitespace, a tag, or an object cut off before its name: content
+            self._clear_calls()  # only whitespace, a tag, or an object cut off before its name: content
             self._state = "content"
             self.content_end = len(self.text)
 
@@ -375,7 +397,7 @@ class NamedStream(ToolStream):
         self._sent = 0  # characters of the text sent as arguments
 
     def feed(self, text: str) -> StreamDelta:
-        self.text += text
+        self.text.append(text)
         return self._delta(final=False)
 
     def finish(self) -> StreamDelta:
@@ -384,7 +406,7 @@ class NamedStream(ToolStream):
 
     def result(self) -> ParsedOutput:
         assert self._finished, "result() needs finish()"
-        return ParsedOutput(None, (ToolCall(self._id, self._name, self.text),))
+        return ParsedOutput(None, (ToolCall(self._id, self._name, str(self.text)),))
 
     def _delta(self, final: bool) -> StreamDelta:
         out = StreamDelta()
@@ -392,7 +414,7 @@ class NamedStream(ToolStream):
             if not self.text and not final:
                 return out
             self._header_sent = True
-            out.calls.append(CallDelta(0, self._id, self._name, self.text))
+            out.calls.append(CallDelta(0, self._id, self._name, self.text[0:]))
         elif len(self.text) > self._sent:
             out.calls.append(CallDelta(0, None, None, self.text[self._sent:]))
         self._sent = len(self.text)

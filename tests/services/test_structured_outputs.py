@@ -136,7 +136,9 @@ def request_of(i: int, schema: dict[str, Any]) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def cluster(smollm2: RealModel):
     overrides = {"model": {"name": MODEL, "dtype": "float32"},
-                 "router": {"disaggregation": "always", "request_timeout_s": 240},
+                 # 50 new schemas at once from one tenant (no API keys): past the default 16
+                 "router": {"disaggregation": "always", "request_timeout_s": 240,
+                            "max_compiling_requests_per_tenant": 64},
                  "kvstore": {"device": {"bytes": "512MiB"}}, "engine": {"max_num_seqs": 64}}
     with Cluster(smollm2.model_dir, overrides=overrides) as c:
         yield c
