@@ -558,7 +558,8 @@ def _harmony_chat(body: dict[str, Any], served: ServedModel, encoding: HarmonyEn
     if params.structured_outputs is not None:
         raise ApiError(400, f"{structured_param} does not apply to gpt-oss chat: a constraint would bind the harmony "
                             "output's channels too", param=structured_param)
-    stop_ids = tuple(dict.fromkeys([*params.stop_token_ids, *encoding.stop_tokens_for_assistant_actions()]))
+    # harmony returns a set, in any order: sorted, so every run sends the same tuple
+    stop_ids = tuple(dict.fromkeys([*params.stop_token_ids, *sorted(encoding.stop_tokens_for_assistant_actions())]))
     params = dataclasses.replace(params, stop_token_ids=stop_ids)
     stream, include_usage = _stream_options(body)
     extension = _kvrelay_extension(body)

@@ -199,7 +199,7 @@ def test_a_chat_request_for_gpt_oss(enc: HarmonyEncoding) -> None:
     body = {"model": "gpt-oss", "messages": [{"role": "user", "content": "Hi"}], "tools": [WEATHER],
             "max_tokens": 8, "stop_token_ids": [7]}
     req = parse_chat(body, served)
-    assert req.harmony_calls is True and req.params.stop_token_ids == (7, 200012, 200002)
+    assert req.harmony_calls is True and req.params.stop_token_ids == (7, 200002, 200012)
     assert enc.decode(req.prompt_token_ids).endswith("<|start|>user<|message|>Hi<|end|><|start|>assistant")
     for extra, param in (({"stop": "x"}, "stop"), ({"response_format": {"type": "json_object"}}, "response_format"),
                          ({"chat_template_kwargs": {}}, "chat_template_kwargs")):
