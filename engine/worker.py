@@ -34,9 +34,10 @@ FinishHook = Callable[[LLMEngine, str], None]
 
 
 class EngineFailure(RuntimeError):
-    """The request cannot go on: the engine raised while stepping, its loop died, or the node cut the
-    request off while stopping. ``status`` is the HTTP status a node answers with (500: the engine
-    failed; 503: the node is going away, so another node may serve a retry)."""
+    """The request cannot go on: its engine step raised (alone: `engine.step_isolation`), its loop died, or
+    the node cut the request off while stopping. ``status`` is the HTTP status a node answers with (500: the
+    engine failed on this request, which a retry elsewhere would not mend; 503: the node is going away, or
+    its loop died, so another node may serve a retry)."""
 
     def __init__(self, message: str, *, status: int = 500) -> None:
         super().__init__(message)
@@ -440,7 +441,8 @@ class EngineWorker:
         except BaseException as exc:
             self.failure = f"the engine loop died: {type(exc).__name__}: {exc}"
             log.critical("%s", self.failure, exc_info=True)
-            self._fail_all(EngineFailure(self.failure))
+            # 503: the node exits (to be restarted), so its requests may move (a 500 would be theirs alone)
+            self._fail_all(EngineFailure(self.failure, status=503))
             self._flush()
             raise
         finally:
