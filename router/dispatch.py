@@ -5,10 +5,18 @@
     decode node (load vs. own prefix)              ─▶ pulls the KV, streams the rest
 
 No prefill node (aggregated deployment, or all prefill nodes down): the decode node prefills the
-request itself. The reserved nodes are tried first. A prefill node that fails is taken out and the
-next one is tried; a decode node that fails before its first frame is taken out and the next one is
-tried. One that fails mid-stream (connection lost, found unreachable, or a 5xx error frame) is taken
-out and the request moves (at most ``migration_limit`` times) to another decode node, which continues
+request itself. The reserved nodes are tried first.
+
+Node failures and request failures. A node is taken out only when it is down: it could not be connected
+to (the request was never sent: the next node is tried), it answered 503 (going away: likewise), or a
+request's answer broke and the node then does not answer ``/ready`` (`Dispatcher._node_died`). A 5xx other
+than 503, or an answer broken off by a node that is up (e.g. the decode node's cut of a stream the router
+stopped reading), is that request's own error: it goes to its client, the node stays in and nothing
+moves. A prefill node that died under a request is not followed by another (the request may be what
+killed it: 503). A decode node that died under a request moves it, once: a request under which a second
+node dies ends with 503 (``NODE_DEATHS_SURVIVED``). A decode node that is down before its first frame is
+replaced by the next one; one that is down mid-stream is replaced, and the request moves (at most
+``migration_limit`` times) to another decode node, which continues
 every unfinished sample from the tokens already sent (`GenerationMessage.resume_token_ids`): the client
 sees one stream, no token repeated or lost, and a greedy or seeded sample continues with the tokens an
 undisturbed run gives (sampling is keyed by seed, sample and output position: `model.sampling`). The
