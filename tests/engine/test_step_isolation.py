@@ -11,6 +11,7 @@ from kvrelay.engine.engine import EngineConfig, LLMEngine
 from kvrelay.engine.worker import EngineFailure, EngineWorker
 from kvrelay.model.loader import load_model
 from kvrelay.model.sampling import SamplingParams
+from kvrelay.model.structured import StructuredOutput
 
 POISON = [250, 251, 252, 253]  # a prompt that starts so fails every step it decodes in (after 3 tokens)
 
@@ -52,6 +53,10 @@ def test_a_poison_request_fails_alone_and_20_others_finish_as_an_undisturbed_run
               SamplingParams(max_tokens=40, ignore_eos=True, temperature=1.0, top_p=0.9, seed=100 + i) if i % 3 == 1
               else SamplingParams(max_tokens=40, ignore_eos=True, temperature=1.0, n=2, seed=100 + i)
               for i in range(20)]
+    # and two constrained samples: their grammar matchers must be where their tokens are after the retry
+    regex = StructuredOutput("regex", r"[a-e]{25,35}")
+    params[18] = SamplingParams(max_tokens=40, structured_outputs=regex)
+    params[19] = SamplingParams(max_tokens=40, temperature=1.0, seed=7, structured_outputs=regex)
     config = EngineConfig(num_blocks=256, max_num_seqs=64)
     clean = LLMEngine(loaded, config)
     expected = {}
@@ -77,6 +82,7 @@ def test_a_poison_request_fails_alone_and_20_others_finish_as_an_undisturbed_run
             assert str(got[rid]).startswith("internal error: the engine step failed on this request (IndexError: "
                                             "index 4242 is out of bounds")
         assert {rid: got[rid] for rid in streams} == expected
+        assert all(len(expected[f"r{i}"][0]) >= 25 for i in (18, 19))  # constrained, and went past the failure
         assert raised[0] >= 21  # it failed in a batch with the others
         assert len(raised) == 1 + n_poison  # once in the batch, then once alone per poison request
         in_use = await worker.call(lambda e: (e.check_integrity(), e.pool.stats().num_in_use)[1])
