@@ -20,7 +20,8 @@ HEALTH_CONNECTIONS_PER_NODE = 2  # the event long poll (one at a time), on conne
 
 
 class NodeUnavailable(Exception):
-    """The node did not answer, broke the connection, or failed with a 5xx: route elsewhere."""
+    """The node did not answer, broke the connection, or answered a 5xx (on a request path only a 503: see
+    `NodeRefused`); the subclasses say which, and `router.dispatch` decides whether the request may go elsewhere."""
 
 
 class NodeUnreachable(NodeUnavailable):
