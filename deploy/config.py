@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
+from kvrelay.deploy.config_checks import check_key_order
 from kvrelay.deploy.gpu_memory import KEY as UTILIZATION_KEY
 from kvrelay.deploy.gpu_memory import GpuUse, kv_bytes_for_utilization
 from kvrelay.deploy.memory import free_host_bytes, nvml_free_bytes
@@ -322,7 +323,12 @@ def parse_root(
         raise ConfigError(f"decode.{exc}") from None
     if long_context.policy == "infinigen" and kvstore.host is None:
         raise ConfigError("decode.long_context.policy: infinigen offloads to the host tier; set kvstore.host.bytes")
-    return Config(kvstore=kvstore, **services)
+    config = Config(kvstore=kvstore, **services)
+    try:
+        check_key_order(lambda path: getattr(getattr(config, path.split(".")[0]), path.split(".")[1]))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return config
 
 
 def load_config(

@@ -247,3 +247,51 @@ def subset_list(options: tuple[str, ...]) -> Check:
         return tuple(v)
 
     return Check(parse, "list of strings", "each one of " + ", ".join(options))
+
+
+# ---------------------------------------------------------------- key order
+@dataclass(frozen=True, slots=True)
+class KeyOrder:
+    """Two keys whose values must be ordered: ``smaller`` < ``larger`` (``strict``) or <=, for ``why``."""
+
+    smaller: str
+    larger: str
+    strict: bool
+    why: str
+
+
+# Timeouts one component waits out while another waits on it: out of order, the outer one fires first and
+# the inner one's cleaner ending never happens.
+KEY_ORDERS = (
+    KeyOrder("router.write_stall_timeout_s", "decode.write_stall_timeout_s", True,
+             "a decode node must not cut off a router that is only waiting for its own slow client (the router "
+             "drops that client first and ends the request itself)"),
+)
+
+
+def check_key_order(value_of: Callable[[str], float], orders: tuple[KeyOrder, ...] = KEY_ORDERS) -> None:
+    """Check each pair of ``orders`` on ``value_of(key path)``.
+
+    Raises:
+        ValueError: the first pair out of order, naming both keys, their values and why, e.g.
+            ``decode.write_stall_timeout_s (5) must be > router.write_stall_timeout_s (600): ...``.
+    """
+    for o in orders:
+        small, large = value_of(o.smaller), value_of(o.larger)
+        if small < large or (small == large and not o.strict):
+            continue
+        raise ValueError(f"{o.larger} ({large:g}) must be {'>' if o.strict else '>='} {o.smaller} ({small:g}): "
+                         f"{o.why}; raise {o.larger} or lower {o.smaller}")
+
+
+def termination_grace_error(*, drain_timeout_s: float, persist_timeout_s: float, grace_period_s: float,
+                            margin_s: float) -> str | None:
+    """Why a Kubernetes ``terminationGracePeriodSeconds`` of ``grace_period_s`` is too short for a node that
+    drains for ``internal.drain_timeout_s``, then persists its KV for ``internal.persist_timeout_s``, then exits
+    within ``margin_s`` (`kvrelay up` allows the same, `deploy.up.GRACE_S`); None when it is long enough."""
+    need = drain_timeout_s + persist_timeout_s + margin_s
+    if grace_period_s >= need:
+        return None
+    return (f"terminationGracePeriodSeconds ({grace_period_s:g}) must be >= internal.drain_timeout_s "
+            f"({drain_timeout_s:g}) + internal.persist_timeout_s ({persist_timeout_s:g}) + {margin_s:g}: the pod "
+            "is killed before its KV reaches disk")

@@ -386,8 +386,22 @@ class LLMEngine:
     # -------------------------------------------------------------------- step
     def step(self) -> list[StepOutput]:
         """Run one scheduled model step; return the new tokens of every sample that got one (not those whose
-        KV failed an integrity check during the step: `_drop_corrupt`)."""
+        KV failed an integrity check during the step: `_drop_corrupt`).
+
+        Raises:
+            Exception: whatever failed mid-step. The outputs it had made (earlier finishes, tokens already
+                appended) are returned by the next step; what else it leaves is `engine.step_isolation`'s
+                to mend."""
         outputs, self._pending_outputs = self._pending_outputs, []
+        try:
+            self._step_into(outputs)
+        except BaseException:
+            self._pending_outputs[:0] = outputs
+            raise
+        return outputs
+
+    def _step_into(self, outputs: list[StepOutput]) -> None:
+        """`step`'s work, its outputs appended to ``outputs``."""
         self.stalled = False
         sched: ScheduledStep = self.scheduler.schedule()
         self.stats.preemptions += len(sched.preempted)
@@ -397,7 +411,7 @@ class LLMEngine:
         if sched.empty:
             if self.scheduler.running or self.scheduler.waiting:
                 outputs.extend(self._unstick())
-            return outputs
+            return
         t0 = time.perf_counter()
         try:
             result = self.runner.run(sched, kv_hook=self.policies.step_hook(sched))
@@ -449,7 +463,6 @@ class LLMEngine:
             self._forget_if_done(req_id)
         self.policies.after_step(self.scheduler.running)
         self.store.maintain_watermark()
-        return outputs
 
     def _unstick(self) -> list[StepOutput]:
         """Nothing could be scheduled although requests are pending: free blocks so the next step can.

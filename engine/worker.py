@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+from kvrelay.engine import step_isolation
 from kvrelay.engine.engine import LLMEngine, RequestError, StepOutput
 from kvrelay.engine.long_context import LongContextConfig
 from kvrelay.kvstore.block_key import BlockKey
@@ -33,9 +34,10 @@ FinishHook = Callable[[LLMEngine, str], None]
 
 
 class EngineFailure(RuntimeError):
-    """The request cannot go on: the engine raised while stepping, its loop died, or the node cut the
-    request off while stopping. ``status`` is the HTTP status a node answers with (500: the engine
-    failed; 503: the node is going away, so another node may serve a retry)."""
+    """The request cannot go on: its engine step raised (alone: `engine.step_isolation`), its loop died, or
+    the node cut the request off while stopping. ``status`` is the HTTP status a node answers with (500: the
+    engine failed on this request, which a retry elsewhere would not mend; 503: the node is going away, or
+    its loop died, so another node may serve a retry)."""
 
     def __init__(self, message: str, *, status: int = 500) -> None:
         super().__init__(message)
@@ -439,7 +441,8 @@ class EngineWorker:
         except BaseException as exc:
             self.failure = f"the engine loop died: {type(exc).__name__}: {exc}"
             log.critical("%s", self.failure, exc_info=True)
-            self._fail_all(EngineFailure(self.failure))
+            # 503: the node exits (to be restarted), so its requests may move (a 500 would be theirs alone)
+            self._fail_all(EngineFailure(self.failure, status=503))
             self._flush()
             raise
         finally:
@@ -475,9 +478,7 @@ class EngineWorker:
                 try:
                     outputs = self.engine.step()
                 except Exception as exc:  # noqa: BLE001 - a failed step must not take the server down
-                    log.exception("engine step failed; failing %d in-flight requests", len(self._streams))
-                    self._fail_all(EngineFailure(f"engine step failed: {exc}"))
-                    outputs = []
+                    outputs = self._isolate(exc)
                 finally:
                     if self._cores is not None:
                         self._cores.after_step()
@@ -494,6 +495,33 @@ class EngineWorker:
                 self._flush()
                 self._snapshot()
                 return
+
+    def _isolate(self, exc: Exception) -> list[StepOutput]:
+        """After a step raised ``exc``: step each request alone (`engine.step_isolation`); those whose step
+        raises again end with `EngineFailure` (500, naming the error), the rest go on with the tokens an
+        undisturbed run gives. Returns the outputs of the steps taken alone."""
+        log.error("engine step failed (%s: %s) with %d requests in the engine; stepping each alone to find the "
+                  "one(s) that fail it", type(exc).__name__, exc, len(self._streams), exc_info=exc)
+        outputs: list[StepOutput] = []
+        for rid in step_isolation.reset(self.engine):
+            got, error = step_isolation.try_alone(self.engine, rid)
+            outputs.extend(got)
+            if error is not None:
+                log.error("request %s fails the engine step alone (%s: %s); ending it", rid, type(error).__name__,
+                          error, exc_info=error)
+                self._fail_one(rid, EngineFailure(f"internal error: the engine step failed on this request "
+                                                  f"({type(error).__name__}: {error}); the node serves on"))
+        return outputs
+
+    def _fail_one(self, request_id: str, exc: EngineFailure) -> None:
+        """End ``request_id`` now with ``exc``; its blocks go back to the pool."""
+        self.engine.abort_request(request_id)
+        self._finish_hooks.pop(request_id, None)
+        self._unfinished.pop(request_id, None)
+        self._unscheduled.pop(request_id, None)
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            self._emit(stream, exc)
 
     def _fail_all(self, exc: EngineFailure) -> None:
         for rid, stream in list(self._streams.items()):

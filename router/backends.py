@@ -20,11 +20,28 @@ HEALTH_CONNECTIONS_PER_NODE = 2  # the event long poll (one at a time), on conne
 
 
 class NodeUnavailable(Exception):
-    """The node did not answer, broke the connection, or failed with a 5xx: route elsewhere."""
+    """The node did not answer, broke the connection, or answered a 5xx (on a request path only a 503: see
+    `NodeRefused`); the subclasses say which, and `router.dispatch` decides whether the request may go elsewhere."""
 
 
 class NodeUnreachable(NodeUnavailable):
-    """No connection to the node could be made (refused, or the connect timed out): it is gone."""
+    """No connection to the node could be made (refused, or the connect timed out): it is gone. On a request
+    path, the request was never sent, so it may go to another node."""
+
+
+class NodeLeaving(NodeUnavailable):
+    """The node answered 503 (an answer or a stream's error frame): it is going away (draining, its engine given
+    up or stopped), so another node may serve the request."""
+
+
+class NodeBroke(NodeUnavailable):
+    """The request was sent, then its answer broke (connection lost, no answer in time, a stream that ended
+    early). Either the node died (``lost``: the health poll already found it unreachable) or it ended this request
+    alone (e.g. cut off a reader that stalled): the caller asks the node (`router.dispatch`)."""
+
+    def __init__(self, message: str, *, lost: bool = False) -> None:
+        super().__init__(message)
+        self.lost = lost
 
 
 class NodeSlow(NodeUnavailable):
@@ -32,7 +49,9 @@ class NodeSlow(NodeUnavailable):
 
 
 class NodeRefused(Exception):
-    """The node answered with a 4xx: the request itself is at fault (or the node is full: 429)."""
+    """The node answered with a 4xx: the request itself is at fault (or the node is full: 429); on a request
+    path (`Backends.post`, `Backends.stream`) also a 5xx other than 503: the request failed there, the node
+    is up."""
 
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
@@ -107,6 +126,16 @@ class Backends:
             raise NodeUnavailable(f"{node.name} answered {resp.status}: {message}")
         raise NodeRefused(resp.status, message)
 
+    async def _check_request(self, node: Node, resp: aiohttp.ClientResponse) -> None:
+        """`_check` for a request's answer: 503 is the node going away (`NodeLeaving`); any other 5xx is this
+        request's failure (`NodeRefused`), not the node's."""
+        try:
+            await self._check(node, resp)
+        except NodeUnavailable as exc:
+            if resp.status == 503:
+                raise NodeLeaving(str(exc)) from None
+            raise NodeRefused(resp.status, str(exc)) from None
+
     async def get_msgpack(self, node: Node, path: str, *, timeout_s: float = 5.0) -> Any:
         try:
             async with self.control.get(node.url + path, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
@@ -139,6 +168,25 @@ class Backends:
         except (aiohttp.ClientError, WireError) as exc:
             raise NodeUnavailable(f"{node.name}: GET {path} failed: {exc!r}") from None
 
+    async def is_up(self, node: Node, *, timeout_s: float) -> bool:
+        """Whether ``node`` is up: its ``/ready`` answers, on the health poll's connections, within
+        ``connect_timeout_s`` + ``timeout_s``. A refused or timed-out connect, a broken connection or a
+        non-200 answer (draining, engine down or given up) is down; a node that took the connection but
+        did not answer in time is counted up (slow, not gone: `NodeSlow`)."""
+        assert self._health is not None, "Backends.start() was not called"
+        timeout = aiohttp.ClientTimeout(total=self._connect_timeout_s + timeout_s,
+                                        sock_connect=self._connect_timeout_s)
+        try:
+            async with self._health.get(node.url + "/ready", timeout=timeout) as resp:
+                await resp.read()
+                return resp.status == 200
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError):
+            return False
+        except TimeoutError:
+            return True
+        except aiohttp.ClientError:
+            return False
+
     async def release_lease(self, node: Node, lease_id: str, *, timeout_s: float = 5.0) -> bool:
         """Ask prefill ``node`` to drop a lease no decode node will read. Whether it still held it;
         False also when the node did not answer (its lease then ends with its TTL)."""
@@ -156,21 +204,27 @@ class Backends:
         sent besides the session's (a ``traceparent``).
 
         Raises:
-            NodeUnavailable: no answer, a broken connection, a 5xx, or the node was found unreachable
+            NodeUnreachable: the connect failed (the request was never sent).
+            NodeLeaving: a 503.
+            NodeBroke: sent, then no answer, a broken connection, or the node was found unreachable
                 (`Node.lost`) while this waited.
-            NodeRefused: a 4xx.
+            NodeRefused: a 4xx, or another 5xx.
         """
         try:
             resp = await _unless_lost(node, self.session.post(node.url + path, data=body, headers=headers))
             node.readers.add(resp.content)
             try:
-                await self._check(node, resp)
+                await self._check_request(node, resp)
                 return await resp.read()
             finally:
                 node.readers.discard(resp.content)
                 resp.release()
-        except (aiohttp.ClientError, TimeoutError, NodeLost) as exc:
-            raise NodeUnavailable(f"{node.name}: POST {path} failed: {exc!r}") from None
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+            raise NodeUnreachable(f"{node.name}: cannot connect to {node.url}: {exc!r}") from None
+        except NodeLost as exc:
+            raise NodeBroke(f"{node.name}: POST {path} failed: {exc}", lost=True) from None
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise NodeBroke(f"{node.name}: POST {path} failed: {exc!r}") from None
 
     async def stream(self, node: Node, path: str, body: bytes, *,
                      on_headers: Callable[[Mapping[str, str]], None] | None = None,
@@ -180,8 +234,10 @@ class Backends:
         those of a refusal); ``headers`` are sent besides the session's (a ``traceparent``).
 
         Raises:
-            NodeUnavailable: before or during the stream (connection lost, node died).
-            NodeRefused: the node refused the request.
+            NodeUnreachable: the connect failed (the request was never sent).
+            NodeLeaving: a 503.
+            NodeBroke: the stream broke after the request was sent (connection lost, node died or cut it).
+            NodeRefused: the node refused the request (4xx), or failed it (another 5xx).
         """
         try:
             resp = await _unless_lost(node, self.session.post(node.url + path, data=body, headers=headers))
@@ -189,24 +245,30 @@ class Backends:
             try:
                 if on_headers is not None:
                     on_headers(resp.headers)
-                await self._check(node, resp)
+                await self._check_request(node, resp)
                 unpacker = new_unpacker()
                 async for chunk in resp.content.iter_any():
                     unpacker.feed(chunk)
                     for frame in unpacker:
                         yield frame
+                if isinstance(resp.content.exception(), NodeLost):
+                    raise resp.content.exception()
                 if resp.content.exception() is not None:
-                    raise NodeUnavailable(f"{node.name}: stream broke: {resp.content.exception()!r}")
+                    raise NodeBroke(f"{node.name}: stream broke: {resp.content.exception()!r}")
             finally:
                 node.readers.discard(resp.content)
                 resp.release()
-        except (aiohttp.ClientError, TimeoutError, ValueError, NodeLost) as exc:
-            raise NodeUnavailable(f"{node.name}: stream from {path} failed: {exc!r}") from None
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+            raise NodeUnreachable(f"{node.name}: cannot connect to {node.url}: {exc!r}") from None
+        except NodeLost as exc:
+            raise NodeBroke(f"{node.name}: stream from {path} failed: {exc}", lost=True) from None
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            raise NodeBroke(f"{node.name}: stream from {path} failed: {exc!r}") from None
 
 
 async def _unless_lost(node: Node, aw: Awaitable[T]) -> T:
     """``await aw`` (a request until its answer begins), unless the health poll finds ``node``
-    unreachable first (`Node.lost`): then cancel it and raise NodeUnavailable."""
+    unreachable first (`Node.lost`): then cancel it and raise `NodeLost`."""
     lost = node.lost
     work = asyncio.ensure_future(aw)
     watch = asyncio.ensure_future(lost.wait())
@@ -217,5 +279,5 @@ async def _unless_lost(node: Node, aw: Awaitable[T]) -> T:
         if not work.done():
             work.cancel()
     if not work.done() or work.cancelled():
-        raise NodeUnavailable(f"{node.name} became unreachable while serving this request ({node.last_error})")
+        raise NodeLost(f"{node.name} became unreachable while serving this request ({node.last_error})")
     return work.result()

@@ -5,10 +5,18 @@
     decode node (load vs. own prefix)              ─▶ pulls the KV, streams the rest
 
 No prefill node (aggregated deployment, or all prefill nodes down): the decode node prefills the
-request itself. The reserved nodes are tried first. A prefill node that fails is taken out and the
-next one is tried; a decode node that fails before its first frame is taken out and the next one is
-tried. One that fails mid-stream (connection lost, found unreachable, or a 5xx error frame) is taken
-out and the request moves (at most ``migration_limit`` times) to another decode node, which continues
+request itself. The reserved nodes are tried first.
+
+Node failures and request failures. A node is taken out only when it is down: it could not be connected
+to (the request was never sent: the next node is tried), it answered 503 (going away: likewise), or a
+request's answer broke and the node then does not answer ``/ready`` (`Dispatcher._node_died`). A 5xx other
+than 503, or an answer broken off by a node that is up (e.g. the decode node's cut of a stream the router
+stopped reading), is that request's own error: it goes to its client, the node stays in and nothing
+moves. A prefill node that died under a request is not followed by another (the request may be what
+killed it: 503). A decode node that died under a request moves it, once: a request under which a second
+node dies ends with 503 (``NODE_DEATHS_SURVIVED``). A decode node that is down before its first frame is
+replaced by the next one; one that is down mid-stream is replaced, and the request moves (at most
+``migration_limit`` times) to another decode node, which continues
 every unfinished sample from the tokens already sent (`GenerationMessage.resume_token_ids`): the client
 sees one stream, no token repeated or lost, and a greedy or seeded sample continues with the tokens an
 undisturbed run gives (sampling is keyed by seed, sample and output position: `model.sampling`). The
@@ -38,7 +46,14 @@ from dataclasses import dataclass
 from kvrelay.kvstore.block_key import block_keys
 from kvrelay.model.sampling_params import PromptTokenLogprobs, TokenLogprobs
 from kvrelay.model.structured import GRAMMAR_ERROR_PREFIX
-from kvrelay.router.backends import Backends, NodeRefused, NodeUnavailable
+from kvrelay.router.backends import (
+    Backends,
+    NodeBroke,
+    NodeLeaving,
+    NodeRefused,
+    NodeUnavailable,
+    NodeUnreachable,
+)
 from kvrelay.router.cache_salt import request_salt
 from kvrelay.router.node_state import Node
 from kvrelay.router.nodes import NodeSet, Reservation
@@ -60,6 +75,9 @@ from kvrelay.transfer.wire import (
 
 log = logging.getLogger(__name__)
 DECODE_FULL_WAIT_S = 5.0  # how long a prefilled request waits for a decode slot before its 429
+# A request survives one decode node dying under it (it moves on); the second may well be its own doing.
+NODE_DEATHS_SURVIVED = 1
+PROBE_TIMEOUT_S = 5.0  # a node asked whether it is up after a request's answer broke: its /ready within this
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,8 +183,14 @@ class Dispatcher:
                          len(req.prompt_token_ids), answer.num_cached_tokens)
                 return answer, node
             except NodeUnavailable as exc:
-                log.warning("request %s: %s; trying another prefill node", req.request_id, exc)
+                if isinstance(exc, NodeBroke) and not await self._node_died(node, exc):
+                    raise ApiError(502, f"{node.name} broke off this request's prefill ({exc}) and is up; the "
+                                        "request is not sent to another node") from None
                 self.nodes.mark_down(node, str(exc))
+                if isinstance(exc, NodeBroke):  # it died under this request, which may be what killed it
+                    raise ApiError(503, f"{node.name} died while prefilling this request ({exc}); it is not sent "
+                                        "to another node (it may be what killed this one); retry later") from None
+                log.warning("request %s: %s; trying another prefill node", req.request_id, exc)
             except NodeRefused as exc:
                 if exc.status != 429:
                     raise ApiError(exc.status, exc.message, param=_param_of(req, exc)) from None
@@ -286,6 +310,17 @@ class Dispatcher:
             task.add_done_callback(self._releases.discard)
         lease.lease_id = None
 
+    async def _node_died(self, node: Node, exc: NodeBroke) -> bool:
+        """Whether ``node``, whose answer to a request broke (``exc``), is down: the health poll found it
+        unreachable, or it does not answer ``/ready`` with 200 now (refused connect, an error, 503 while it
+        drains or its engine is given up). A node that answers, even slowly, is up: it ended that request
+        alone, which is then that request's error (no move, the node stays in)."""
+        if exc.lost:
+            return True
+        up = await self.backends.is_up(node, timeout_s=PROBE_TIMEOUT_S)
+        log.warning("%s: %s; it is %s", node.name, exc, "up" if up else "down")
+        return not up
+
     async def _resume_handle(self, req: GenerationRequest, salt: bytes, keys: Sequence[bytes],
                              handle: KvHandle | None, lease: _Lease, trace: RunTrace) -> KvHandle | None:
         """The prompt's KV for a request moving to another decode node: ``handle`` while its lease is open
@@ -316,6 +351,7 @@ class Dispatcher:
         n = req.params.n
         sent: list[list[int]] = [[t] for t in first] if first is not None else [[] for _ in range(n)]
         migrations = 0
+        deaths = 0  # decode nodes that died (or went away) while this request was sent to them
         failure = ""  # why the last decode node that began failed
         tried: set[str] = set()
         full: NodeRefused | None = None
@@ -354,9 +390,9 @@ class Dispatcher:
                     try:
                         frame = decode_frame(obj)
                     except StreamError as exc:
-                        if exc.status >= 500 and exc.status != 502:  # the node failed, not the request
-                            raise NodeUnavailable(exc.message) from None
-                        raise ApiError(exc.status, exc.message) from None
+                        if exc.status == 503:  # the node is going away (draining, engine given up)
+                            raise NodeLeaving(exc.message) from None
+                        raise ApiError(exc.status, exc.message) from None  # this request failed there
                     except WireError as exc:
                         raise NodeUnavailable(f"{node.name}: malformed frame: {exc}") from None
                     if frame.index >= n:
@@ -371,10 +407,20 @@ class Dispatcher:
                     yield SampleDelta(i, frame.tokens, finished[i], frame.reason, frame.logprobs,
                                       frame.num_cached_tokens)
                 if not all(finished):
-                    raise NodeUnavailable(f"{node.name} ended the stream before every sample finished")
+                    raise NodeBroke(f"{node.name} ended the stream before every sample finished")
                 return
             except NodeUnavailable as exc:
+                if isinstance(exc, NodeBroke) and not await self._node_died(node, exc):
+                    # e.g. it cut off this stream because the router stopped reading it (its client did)
+                    raise ApiError(502, f"{node.name} broke off this request's stream ({exc}) and is up; the "
+                                        "request is not moved to another node") from None
                 self.nodes.mark_down(node, str(exc))
+                if not isinstance(exc, NodeUnreachable):  # sent: the node failed under this request
+                    deaths += 1
+                if deaths > NODE_DEATHS_SURVIVED:
+                    self._migrated("repeat_death")
+                    raise ApiError(503, f"a second node failed under this request ({exc}); it is not sent to "
+                                        "another (it may be what kills them)") from None
                 if not began:
                     log.warning("request %s: %s; trying another decode node", req.request_id, exc)
                 elif migrations >= self.migration_limit:

@@ -11,6 +11,8 @@ from typing import Any
 
 import yaml
 from kvrelay.deploy.config import load_config
+from kvrelay.deploy.config_checks import termination_grace_error
+from kvrelay.deploy.up import GRACE_S
 
 K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 
@@ -65,7 +67,9 @@ def test_every_pod_matches_the_config_it_mounts(tmp_path):
             continue
         assert ready["httpGet"] == {"path": "/ready", "port": ports[role]}
         assert live["httpGet"] == {"path": "/health", "port": ports[role]}
-        assert pod["terminationGracePeriodSeconds"] >= config.internal.drain_timeout_s + 60
+        assert termination_grace_error(drain_timeout_s=config.internal.drain_timeout_s,
+                                       persist_timeout_s=config.internal.persist_timeout_s,
+                                       grace_period_s=pod["terminationGracePeriodSeconds"], margin_s=GRACE_S) is None
         assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
         # The router finds these pods through their headless Service: one DNS address per ready pod.
         service = services[workload["spec"]["serviceName"]]

@@ -171,7 +171,7 @@ def test_a_dying_loop_fails_its_requests_and_refuses_everything_after(tiny_model
         with pytest.raises(EngineFailure) as err:
             async for out in stream:
                 got.extend(out.new_token_ids)
-        assert str(err.value) == "the engine loop died: SystemExit: simulated crash" and err.value.status == 500
+        assert str(err.value) == "the engine loop died: SystemExit: simulated crash" and err.value.status == 503
         assert len(got) == 4  # one token per step before the fifth
         assert not worker.alive
         with pytest.raises(EngineFailure) as err:

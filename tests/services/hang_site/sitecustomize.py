@@ -7,6 +7,15 @@ knob). With ``KVRELAY_TEST_HANG_DIR`` set, the engine node started with ``--name
 * when its puller has reserved blocks for a pull (on the engine thread), finds ``DIR/NAME.hang-after-reserve``
   and renames it to ``NAME.hang``: the next step hangs, with the pull's later pool calls queued behind it.
 
+* (issue 65) before a forward, finds ``DIR/NAME.poison`` (JSON ``{"prefix": [ids], "after_tokens": k}``) and
+  raises IndexError if the step runs a sequence whose prompt starts with ``prefix`` and that has at least ``k``
+  output tokens: one request that fails every step it is in, as an out-of-range index in a kernel would;
+* (issue 65) a decode node that finds ``DIR/NAME.cut-after-writes`` (its text: N) when it writes to a stream
+  renames it to ``NAME.cut`` and makes that stream's N-th write time out as a write to a router that stopped
+  reading does (`transfer.bounded_write.write_within`: the connection aborted, False): the node's own cut of a
+  stalled reader, without filling the megabytes of loopback socket buffers first (`kvrelay config check` keeps
+  ``decode.write_stall_timeout_s`` above the router's, so a test cannot make the router stall first).
+
 The patches go in when ``engine.engine`` / ``transfer.puller`` are first imported, not before (a node sets
 its environment up first; the router and ``kvrelay up`` never import them).
 """
@@ -15,6 +24,7 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.util
+import json
 import os
 import sys
 import time
@@ -55,7 +65,44 @@ def _patch_puller(module) -> None:
     module.Puller._reserve = arming_reserve
 
 
-PATCHES = {"kvrelay.engine.engine": _patch_engine, "kvrelay.transfer.puller": _patch_puller}
+def _patch_runner(module) -> None:
+    run = module.ModelRunner.run
+
+    def poisoned_run(self, step, **kwargs):
+        trigger = _trigger("poison")
+        if trigger is not None and trigger.exists():
+            spec = json.loads(trigger.read_text())
+            prefix, after = spec["prefix"], spec["after_tokens"]
+            for seq in [c.seq for c in step.prefills] + list(step.decodes):
+                if seq.token_ids[:len(prefix)] == prefix and seq.num_output_tokens >= after:
+                    raise IndexError("index 4242 is out of bounds for dimension 0 with size 258")
+        return run(self, step, **kwargs)
+
+    module.ModelRunner.run = poisoned_run
+
+
+def _patch_decode_service(module) -> None:
+    write_within = module.write_within
+    writes: dict[int, int] = {}  # id(request) of the stream being cut -> its writes so far
+
+    async def cutting_write_within(request, resp, data=b"", *, eof=False, timeout_s):
+        trigger = _trigger("cut-after-writes")
+        if trigger is not None and trigger.exists() and not writes:
+            writes[id(request)] = int(trigger.read_text()) - 1
+            trigger.rename(trigger.with_suffix(".cut"))
+        left = writes.get(id(request))
+        if left is not None:
+            writes[id(request)] = left - 1
+            if left == 0:  # what write_within does when a write does not finish in time
+                request.transport.abort()
+                return False
+        return await write_within(request, resp, data, eof=eof, timeout_s=timeout_s)
+
+    module.write_within = cutting_write_within
+
+
+PATCHES = {"kvrelay.engine.engine": _patch_engine, "kvrelay.transfer.puller": _patch_puller,
+           "kvrelay.engine.model_runner": _patch_runner, "kvrelay.decode.service": _patch_decode_service}
 
 
 class _PatchAfterImport(importlib.abc.MetaPathFinder):
