@@ -51,7 +51,7 @@ from kvrelay.router.openai_responses import (
 )
 from kvrelay.router.plan import PlanChoice
 from kvrelay.router.prompt_logprobs import add_prompt_logprobs, prompt_logprobs_body
-from kvrelay.router.queue import QueueConfig, QueueMetrics, Ticket
+from kvrelay.router.queue import RUN_STAGES, QueueConfig, QueueMetrics, Ticket
 from kvrelay.router.reasoning import ReasoningStream
 from kvrelay.router.reasoning import split as split_reasoning
 from kvrelay.router.request_trace import RequestTrace, RunTrace
@@ -92,6 +92,12 @@ class RouterMetrics:
                                   "own failed mid-stream (moved), and requests that could not move (limit: "
                                   "router.migration_limit reached; no_node: no other decode node)", ["outcome"],
                                   registry=self.registry)
+        self.aborts = Counter("kvrelay_router_aborts", "Generation requests whose client left before they ended, by "
+                              "the stage they were in (router.queue.RUN_STAGES: queued, prefill, pull, decode); "
+                              "their blocks and leases are given back then, not at the lease TTL", ["stage"],
+                              registry=self.registry)
+        for stage in RUN_STAGES:
+            self.aborts.labels(stage)
         self.slow_polls = Counter("kvrelay_router_slow_node_polls", "Health polls a node answered late (or not "
                                   "in time) while it took connections: counted, the node stays in", ["node"],
                                   registry=self.registry)
@@ -324,6 +330,11 @@ class Router:
             except ClientStalled as exc:
                 log.info("%s: %s", request.remote, exc)
             return resp
+        except (ConnectionResetError, asyncio.CancelledError):  # the client left: each unfinished run is aborted
+            for ticket in tickets:
+                if ticket.stage != "done":
+                    self.metrics.aborts.labels(ticket.stage).inc()
+            raise
         finally:
             assert self.dispatcher is not None
             for ticket in tickets:  # a request that ended before its run began gives its place back

@@ -48,6 +48,10 @@ from kvrelay.router.openai_api import ApiError, GenerationRequest
 
 OUTPUT_SHARE_DECAY = 0.05  # weight of each finished request in the expected share of max_tokens
 MAX_RETRY_AFTER_S = 60
+# A generation request's stages as the router sees them: waiting in this queue for room; its prompt on a
+# prefill node (or, with none, on the decode node before its first frame); its KV handle with a decode node
+# before the first decode frame (the pull, and the wait for a first step there); streaming from a decode node.
+RUN_STAGES = ("queued", "prefill", "pull", "decode")
 BYTES_PER_PROMPT_TOKEN = 4  # what a queued prompt costs, as it crosses the wire (u32)
 
 
@@ -84,6 +88,9 @@ class Ticket:
     deadline: float  # monotonic seconds
     enqueued_at: float
     taken: bool = False  # its run began (`router.dispatch.Dispatcher.run`): from then on the run gives it back
+    # Where its run is (one of RUN_STAGES; only `Dispatcher.run` writes it after admission): what a client that
+    # leaves now aborts, for `kvrelay_router_aborts_total{stage}`. "done" once its last sample ended.
+    stage: str = "queued"
     placed: asyncio.Future[Reservation] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
