@@ -288,7 +288,8 @@ KEYS: Mapping[str, Key] = _table(
     Key("router.api_keys_env", string, None, "The name of an environment variable holding more API keys, "
         "comma-separated.", feeds="router.api_keys"),
     Key("router.max_body_bytes", size, 1024 * 1024, "The largest request body accepted.", unit="bytes"),
-    Key("router.request_timeout_s", positive_float, 300.0, "The longest a request may run.", unit="s"),
+    Key("router.request_timeout_s", positive_float, 300.0, "The longest a request may run once placed on "
+        "nodes (its wait in the queue counts against router.queue_timeout_s instead).", unit="s"),
     Key("router.max_n", positive_int, 4, "The most choices (n) one request may ask for."),
     Key("router.load_weight_tokens", positive_int, 64, "Placement before the nodes report rates: the tokens one "
         "running request weighs against the prompt tokens a node already holds.", unit="tokens"),

@@ -18,7 +18,7 @@ import math
 import os
 import time
 from collections.abc import AsyncIterator
-from typing import Any, TypeVar
+from typing import Any
 
 from aiohttp import web
 from kvrelay.model.generation_config import load_generation_defaults
@@ -27,6 +27,7 @@ from kvrelay.model.tokenizer import load_tokenizer, resolve_chat_template
 from kvrelay.node.tracing import Tracing
 from kvrelay.router.backends import Backends
 from kvrelay.router.config import RouterConfig
+from kvrelay.router.deadline import with_deadline
 from kvrelay.router.dispatch import Dispatcher, SampleDelta
 from kvrelay.router.harmony import served_encoding
 from kvrelay.router.harmony_output import HarmonyStream, parse_tokens
@@ -64,7 +65,6 @@ from kvrelay.transfer.wire import TENANT_SALT_BYTES
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 RETRY_AFTER_S = 1  # what a 429 or 503 answer tells the client to wait, in seconds, unless it says otherwise
 PUMP_INTERVAL_S = 0.25
 
@@ -407,7 +407,7 @@ class Router:
         cached = 0  # prompt tokens from a prefix cache, every prompt's
         gen = self._run_all(reqs, salt, tickets, trace.runs)
         try:
-            async for i, delta in _with_deadline(gen, self.config.request_timeout_s):
+            async for i, delta in with_deadline(gen, self.config.request_timeout_s, tickets=tickets):
                 timer.tokens(len(delta.token_ids))
                 trace.tokens(len(delta.token_ids))
                 cached += delta.num_cached_tokens or 0
@@ -501,7 +501,7 @@ class Router:
         cached = 0  # prompt tokens from a prefix cache, every prompt's
         gen = self._run_all(reqs, salt, tickets, trace.runs)
         try:
-            async for i, delta in _with_deadline(gen, self.config.request_timeout_s):
+            async for i, delta in with_deadline(gen, self.config.request_timeout_s, tickets=tickets):
                 trace.tokens(len(delta.token_ids))
                 cached += delta.num_cached_tokens or 0
                 if not resp.prepared:
@@ -669,19 +669,6 @@ class _Timer:
         metrics.ttft.observe(self.first - self.start)
         if self.count > 1:
             metrics.tpot.observe((self.last - self.first) / (self.count - 1))
-
-
-async def _with_deadline(gen: AsyncIterator[T], timeout_s: float) -> AsyncIterator[T]:
-    """Items of ``gen`` until it ends; ApiError(504) once ``timeout_s`` have passed in all."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            item = await asyncio.wait_for(gen.__anext__(), max(0.0, deadline - time.monotonic()))
-        except StopAsyncIteration:
-            return
-        except asyncio.TimeoutError:
-            raise ApiError(504, f"request did not finish within {timeout_s} s") from None
-        yield item
 
 
 def package_version() -> str:

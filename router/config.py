@@ -29,7 +29,7 @@ class RouterConfig:
     port: int = 8000
     api_keys: tuple[str, ...] = ()
     max_body_bytes: int = 1024 * 1024
-    request_timeout_s: float = 300.0
+    request_timeout_s: float = 300.0  # counted from placement (`router.deadline`); the wait has queue_timeout_s
     max_n: int = 4
     internal_token: str | None = None
     load_weight_tokens: int = 64
