@@ -319,6 +319,8 @@ KEYS: Mapping[str, Key] = _table(
         "mid-stream; 0: never."),
     Key("router.body_read_timeout_s", positive_float, 30.0, "A request body not in within this gets 408 (it holds "
         "no admission slot meanwhile).", unit="s"),
+    Key("router.max_buffered_body_bytes", size, 256 * 1024 * 1024, "The bytes of request bodies the router reads or "
+        "parses at once, all clients together; a body that would pass it gets 503.", unit="bytes"),
     Key("router.write_stall_timeout_s", positive_float, 30.0, "A client that takes no write of its answer for "
         "this long is dropped and its request ended.", unit="s"),
     Key("router.keepalive_timeout_s", positive_float, 75.0, "An idle client connection is closed after this.",

@@ -26,6 +26,7 @@ from kvrelay.model.sampling_params import PromptTokenLogprobs, TokenLogprobs
 from kvrelay.model.tokenizer import load_tokenizer, resolve_chat_template
 from kvrelay.node.tracing import Tracing
 from kvrelay.router.backends import Backends
+from kvrelay.router.body_buffer import BodyBuffer, BodyRefused
 from kvrelay.router.config import RouterConfig
 from kvrelay.router.deadline import with_deadline
 from kvrelay.router.dispatch import Dispatcher, SampleDelta
@@ -52,7 +53,7 @@ from kvrelay.router.openai_responses import (
 )
 from kvrelay.router.plan import PlanChoice
 from kvrelay.router.prompt_logprobs import add_prompt_logprobs, prompt_logprobs_body
-from kvrelay.router.queue import RUN_STAGES, QueueConfig, QueueMetrics, Ticket
+from kvrelay.router.queue import RUN_STAGES, QueueConfig, QueueMetrics, Ticket, compact
 from kvrelay.router.reasoning import ReasoningStream
 from kvrelay.router.reasoning import split as split_reasoning
 from kvrelay.router.request_trace import RequestTrace, RunTrace
@@ -147,6 +148,8 @@ class Router:
                                  max_connections_per_node=config.max_connections_per_node,
                                  node_keepalive_s=config.node_keepalive_timeout_s)
         self.num_admitted = 0  # requests between admission and their last byte
+        self.bodies = BodyBuffer(limit_bytes=config.max_buffered_body_bytes, max_body_bytes=config.max_body_bytes,
+                                 timeout_s=config.body_read_timeout_s)
         self.nodes: NodeSet | None = None
         self.dispatcher: Dispatcher | None = None
         self.served: ServedModel | None = None
@@ -238,29 +241,16 @@ class Router:
                        kind="authentication_error")
 
     async def _body(self, request: web.Request) -> Any:
-        """The JSON body, read within ``body_read_timeout_s`` (a client trickling it gets 408).
-        Raises ApiError."""
-        timeout_s = self.config.body_read_timeout_s
-        try:
-            raw = await asyncio.wait_for(request.read(), timeout_s)
-        except web.HTTPRequestEntityTooLarge:
-            raise ApiError(413, f"request body exceeds the {self.config.max_body_bytes}-byte limit") from None
-        except asyncio.TimeoutError:
-            raise ApiError(408, f"the request body did not arrive within {timeout_s:g} s "
-                                "(router.body_read_timeout_s); send the whole body at once") from None
-        try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ApiError(400, f"request body is not valid JSON: {exc}") from None
-        except RecursionError:
-            raise ApiError(400, "request body is nested too deeply") from None
+        """The JSON body, read within ``body_read_timeout_s`` (a client trickling it gets 408) and the router's
+        byte budget for bodies (`router.body_buffer`). Raises ApiError."""
+        return await self.bodies.read_json(request)
 
     def _error(self, exc: ApiError) -> web.Response:
         self.metrics.requests.labels("router", str(exc.status)).inc()
         retry_after_s = RETRY_AFTER_S if exc.retry_after_s is None else exc.retry_after_s
         headers = {"Retry-After": str(retry_after_s)} if exc.status in (429, 503) else None
         resp = web.json_response(exc.body(), status=exc.status, headers=headers)
-        if exc.status == 408:  # the rest of the body may still trickle in: do not wait to read it
+        if isinstance(exc, BodyRefused):  # the rest of the body may still trickle in: do not wait to read it
             resp.force_close()
         return resp
 
@@ -315,7 +305,9 @@ class Router:
                 assert self.served is not None and self.dispatcher is not None
                 # Tokenizing and templating can take a while for a long prompt: off the event loop.
                 parsed = await asyncio.get_running_loop().run_in_executor(None, parse, body, self.served)
-                reqs: list[GenerationRequest] = parsed if isinstance(parsed, list) else [parsed]
+                body = None  # parsed: the JSON goes (a queued request holds its compact prompt, no more)
+                reqs: list[GenerationRequest] = [compact(r) for r in (parsed if isinstance(parsed, list) else [parsed])]
+                parsed = None
                 for req in reqs:
                     self._check_long_context(req)
                 tickets = self.dispatcher.admit(reqs, salt)

@@ -56,6 +56,8 @@ class RouterConfig:
     ttft_slo_s: float = 0.0
     # A client's whole request body must arrive within this (else 408); no admission slot is held meanwhile.
     body_read_timeout_s: float = 30.0
+    # The bytes of request bodies being read or parsed at once, all clients (`router.body_buffer`); more: 503.
+    max_buffered_body_bytes: int = 256 * 1024 * 1024
     # A client that takes longer than this to take one write of its answer (it stopped reading) is dropped,
     # and its request ended on the nodes.
     write_stall_timeout_s: float = 30.0
@@ -84,6 +86,7 @@ class RouterConfig:
             raise ValueError("prefill nodes need at least one decode node (decode_urls and decode_dns are empty)")
         require_int("port", self.port, minimum=0, maximum=65535)
         require_int("max_body_bytes", self.max_body_bytes)
+        require_int("max_buffered_body_bytes", self.max_buffered_body_bytes)
         require_int("max_n", self.max_n)
         require_int("load_weight_tokens", self.load_weight_tokens, minimum=0)
         require_int("max_concurrent_requests", self.max_concurrent_requests)

@@ -193,6 +193,8 @@ class Dispatcher:
         trace = trace or RunTrace.untraced(req.request_id)
         reservation = await self.queue.place(ticket)
         ticket.stage = "prefill"
+        if not isinstance(req.prompt_token_ids, list):  # held compactly while queued (`router.queue.compact`)
+            req = dataclasses.replace(req, prompt_token_ids=list(req.prompt_token_ids))
         placed_at = time.monotonic()
         trace.placed(reservation.choice, prefill=None if reservation.prefill is None else reservation.prefill.name,
                      decode=reservation.decode.name)
