@@ -309,8 +309,8 @@ KEYS: Mapping[str, Key] = _table(
     Key("router.dns_interval_s", positive_float, 10.0, "How often the DNS names are resolved again.", unit="s"),
     Key("router.max_queued_requests", positive_int, 8192, "Generation requests waiting for room on the nodes; "
         "more get 429.", unit="requests"),
-    Key("router.max_queued_bytes", size, 256 * 1024 * 1024, "The waiting requests' prompt bytes (4 per token); "
-        "more get 429.", unit="bytes"),
+    Key("router.max_queued_bytes", size, 256 * 1024 * 1024, "The waiting requests' prompts as the router "
+        "holds them (4 bytes a token, 73 a block key); more get 429.", unit="bytes"),
     Key("router.queue_timeout_s", positive_float, 300.0, "How long a request may wait for room; a longer "
         "predicted wait is a 429 at once.", unit="s"),
     Key("router.decode_reserve_tokens", positive_int, 256, "The most output tokens a decode node's room is "

@@ -39,7 +39,7 @@ class RouterConfig:
     startup_timeout_s: float = 120.0
     max_concurrent_requests: int = 16384  # connections admitted at once (queued or running); more get 429
     max_queued_requests: int = 8192  # generation requests waiting for room (`router.queue`)
-    max_queued_bytes: int = 256 * 1024 * 1024  # their prompts' bytes (4 per token)
+    max_queued_bytes: int = 256 * 1024 * 1024  # their prompts as held (4 B a token, 73 a block key)
     queue_timeout_s: float = 300.0  # how long one may wait for room; a longer predicted wait is a 429 at once
     decode_reserve_tokens: int = 256  # output tokens a decode node's room is reserved for, at most
     max_connections_per_node: int = 1024  # pooled request connections to each node

@@ -54,7 +54,8 @@ MAX_RETRY_AFTER_S = 60
 # prefill node (or, with none, on the decode node before its first frame); its KV handle with a decode node
 # before the first decode frame (the pull, and the wait for a first step there); streaming from a decode node.
 RUN_STAGES = ("queued", "prefill", "pull", "decode")
-BYTES_PER_PROMPT_TOKEN = 4  # what a queued prompt costs, as it crosses the wire (u32)
+BYTES_PER_PROMPT_TOKEN = 4  # what a queued prompt costs, held as array('I') (`compact`)
+BYTES_PER_BLOCK_KEY = 73  # a queued request's block key: a 32-byte `bytes` (65 B in CPython) and its list slot
 
 
 class Overloaded(ApiError):
@@ -67,9 +68,10 @@ class Overloaded(ApiError):
 
 @dataclass(frozen=True, slots=True)
 class QueueConfig:
-    """``max_requests``/``max_bytes``: the queue's bounds (prompt bytes, 4 per token); ``timeout_s``: how long a
-    request may wait for room (its deadline); ``decode_reserve_tokens``: output tokens a decode node's room is
-    reserved for, at most (beyond them the node preempts, as vLLM does)."""
+    """``max_requests``/``max_bytes``: the queue's bounds (prompts as held: 4 bytes a token, 73 a block key);
+    ``timeout_s``: how long a request may wait for room (its deadline; `router.deadline`: the generation deadline
+    starts after it); ``decode_reserve_tokens``: output tokens a decode node's room is reserved for, at most
+    (beyond them the node preempts, as vLLM does)."""
 
     max_requests: int = 8192
     max_bytes: int = 256 * 1024 * 1024
@@ -175,7 +177,8 @@ class RouterQueue:
         held = self.nodes.index.prefix_blocks(keys, [n.name for n in self.nodes.prefill or self.nodes.decode])
         cached = max(held.values(), default=0) * self.nodes.block_size_tokens
         return Ticket(need, keys, tenant, max(0, need.prompt_tokens - cached), req.params.max_tokens * req.params.n,
-                      need.prompt_tokens * BYTES_PER_PROMPT_TOKEN, now + self.config.timeout_s, now)
+                      need.prompt_tokens * BYTES_PER_PROMPT_TOKEN + len(keys) * BYTES_PER_BLOCK_KEY,
+                      now + self.config.timeout_s, now)
 
     def _make_room(self, tenant: bytes, count: int) -> None:
         """Push out the newest ticket of the tenant holding the most, if ``tenant`` is under its share.
