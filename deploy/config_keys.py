@@ -291,7 +291,8 @@ KEYS: Mapping[str, Key] = _table(
     Key("router.api_keys_env", string, None, "The name of an environment variable holding more API keys, "
         "comma-separated.", feeds="router.api_keys"),
     Key("router.max_body_bytes", size, 1024 * 1024, "The largest request body accepted.", unit="bytes"),
-    Key("router.request_timeout_s", positive_float, 300.0, "The longest a request may run.", unit="s"),
+    Key("router.request_timeout_s", positive_float, 300.0, "The longest a request may run once placed on "
+        "nodes (its wait in the queue counts against router.queue_timeout_s instead).", unit="s"),
     Key("router.max_n", positive_int, 4, "The most choices (n) one request may ask for."),
     Key("router.load_weight_tokens", positive_int, 64, "Placement before the nodes report rates: the tokens one "
         "running request weighs against the prompt tokens a node already holds.", unit="tokens"),
@@ -311,8 +312,8 @@ KEYS: Mapping[str, Key] = _table(
     Key("router.dns_interval_s", positive_float, 10.0, "How often the DNS names are resolved again.", unit="s"),
     Key("router.max_queued_requests", positive_int, 8192, "Generation requests waiting for room on the nodes; "
         "more get 429.", unit="requests"),
-    Key("router.max_queued_bytes", size, 256 * 1024 * 1024, "The waiting requests' prompt bytes (4 per token); "
-        "more get 429.", unit="bytes"),
+    Key("router.max_queued_bytes", size, 256 * 1024 * 1024, "The waiting requests' prompts as the router "
+        "holds them (4 bytes a token, 73 a block key); more get 429.", unit="bytes"),
     Key("router.queue_timeout_s", positive_float, 300.0, "How long a request may wait for room; a longer "
         "predicted wait is a 429 at once.", unit="s"),
     Key("router.decode_reserve_tokens", positive_int, 256, "The most output tokens a decode node's room is "
@@ -337,6 +338,8 @@ KEYS: Mapping[str, Key] = _table(
         unit="s"),
     Key("router.body_read_timeout_s", positive_float, 30.0, "A request body not in within this gets 408 (it holds "
         "no admission slot meanwhile).", unit="s"),
+    Key("router.max_buffered_body_bytes", size, 256 * 1024 * 1024, "The bytes of request bodies the router reads or "
+        "parses at once, all clients together; a body that would pass it gets 503.", unit="bytes"),
     Key("router.write_stall_timeout_s", positive_float, 30.0, "A client that takes no write of its answer for "
         "this long is dropped and its request ended.", unit="s"),
     Key("router.keepalive_timeout_s", positive_float, 75.0, "An idle client connection is closed after this.",

@@ -107,6 +107,7 @@ class RouterSection:
     decode_reserve_tokens: int = 256
     migration_limit: int = 3  # times one request may move to another decode node mid-stream; 0: never
     body_read_timeout_s: float = 30.0  # router.config.RouterConfig
+    max_buffered_body_bytes: int = 256 * 1024 * 1024
     write_stall_timeout_s: float = 30.0
     keepalive_timeout_s: float = 75.0  # an idle client connection is closed after this (aiohttp's default: 3630)
     disaggregation: str = "auto"  # always | never | auto (router.plan)

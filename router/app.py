@@ -18,7 +18,7 @@ import math
 import os
 import time
 from collections.abc import AsyncIterator
-from typing import Any, TypeVar
+from typing import Any
 
 from aiohttp import web
 from kvrelay.model.generation_config import load_generation_defaults
@@ -26,8 +26,10 @@ from kvrelay.model.sampling_params import PromptTokenLogprobs, TokenLogprobs
 from kvrelay.model.tokenizer import load_tokenizer, resolve_chat_template
 from kvrelay.node.tracing import Tracing
 from kvrelay.router.backends import Backends
+from kvrelay.router.body_buffer import BodyBuffer, BodyRefused
 from kvrelay.router.compile_budget import Claim, CompileBudget, CompileBudgetExceeded
 from kvrelay.router.config import RouterConfig
+from kvrelay.router.deadline import with_deadline
 from kvrelay.router.dispatch import Dispatcher, SampleDelta
 from kvrelay.router.harmony import served_encoding
 from kvrelay.router.harmony_output import HarmonyStream, parse_tokens
@@ -52,7 +54,7 @@ from kvrelay.router.openai_responses import (
 )
 from kvrelay.router.plan import PlanChoice
 from kvrelay.router.prompt_logprobs import add_prompt_logprobs, prompt_logprobs_body
-from kvrelay.router.queue import QueueConfig, QueueMetrics, Ticket
+from kvrelay.router.queue import RUN_STAGES, QueueConfig, QueueMetrics, Ticket, compact
 from kvrelay.router.reasoning import ReasoningStream
 from kvrelay.router.reasoning import split as split_reasoning
 from kvrelay.router.request_trace import RequestTrace, RunTrace
@@ -65,7 +67,6 @@ from kvrelay.transfer.wire import TENANT_SALT_BYTES
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 RETRY_AFTER_S = 1  # what a 429 or 503 answer tells the client to wait, in seconds, unless it says otherwise
 PUMP_INTERVAL_S = 0.25
 
@@ -93,6 +94,12 @@ class RouterMetrics:
                                   "own failed mid-stream (moved), and requests that could not move (limit: "
                                   "router.migration_limit reached; no_node: no other decode node)", ["outcome"],
                                   registry=self.registry)
+        self.aborts = Counter("kvrelay_router_aborts", "Generation requests whose client left before they ended, by "
+                              "the stage they were in (router.queue.RUN_STAGES: queued, prefill, pull, decode); "
+                              "their blocks and leases are given back then, not at the lease TTL", ["stage"],
+                              registry=self.registry)
+        for stage in RUN_STAGES:
+            self.aborts.labels(stage)
         self.slow_polls = Counter("kvrelay_router_slow_node_polls", "Health polls a node answered late (or not "
                                   "in time) while it took connections: counted, the node stays in", ["node"],
                                   registry=self.registry)
@@ -142,6 +149,8 @@ class Router:
                                  max_connections_per_node=config.max_connections_per_node,
                                  node_keepalive_s=config.node_keepalive_timeout_s)
         self.num_admitted = 0  # requests between admission and their last byte
+        self.bodies = BodyBuffer(limit_bytes=config.max_buffered_body_bytes, max_body_bytes=config.max_body_bytes,
+                                 timeout_s=config.body_read_timeout_s)
         self.nodes: NodeSet | None = None
         self.dispatcher: Dispatcher | None = None
         self.served: ServedModel | None = None
@@ -234,29 +243,16 @@ class Router:
                        kind="authentication_error")
 
     async def _body(self, request: web.Request) -> Any:
-        """The JSON body, read within ``body_read_timeout_s`` (a client trickling it gets 408).
-        Raises ApiError."""
-        timeout_s = self.config.body_read_timeout_s
-        try:
-            raw = await asyncio.wait_for(request.read(), timeout_s)
-        except web.HTTPRequestEntityTooLarge:
-            raise ApiError(413, f"request body exceeds the {self.config.max_body_bytes}-byte limit") from None
-        except asyncio.TimeoutError:
-            raise ApiError(408, f"the request body did not arrive within {timeout_s:g} s "
-                                "(router.body_read_timeout_s); send the whole body at once") from None
-        try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ApiError(400, f"request body is not valid JSON: {exc}") from None
-        except RecursionError:
-            raise ApiError(400, "request body is nested too deeply") from None
+        """The JSON body, read within ``body_read_timeout_s`` (a client trickling it gets 408) and the router's
+        byte budget for bodies (`router.body_buffer`). Raises ApiError."""
+        return await self.bodies.read_json(request)
 
     def _error(self, exc: ApiError) -> web.Response:
         self.metrics.requests.labels("router", str(exc.status)).inc()
         retry_after_s = RETRY_AFTER_S if exc.retry_after_s is None else exc.retry_after_s
         headers = {"Retry-After": str(retry_after_s)} if exc.status in (429, 503) else None
         resp = web.json_response(exc.body(), status=exc.status, headers=headers)
-        if exc.status == 408:  # the rest of the body may still trickle in: do not wait to read it
+        if isinstance(exc, BodyRefused):  # the rest of the body may still trickle in: do not wait to read it
             resp.force_close()
         return resp
 
@@ -312,7 +308,9 @@ class Router:
                 assert self.served is not None and self.dispatcher is not None
                 # Tokenizing and templating can take a while for a long prompt: off the event loop.
                 parsed = await asyncio.get_running_loop().run_in_executor(None, parse, body, self.served)
-                reqs: list[GenerationRequest] = parsed if isinstance(parsed, list) else [parsed]
+                body = None  # parsed: the JSON goes (a queued request holds its compact prompt, no more)
+                reqs: list[GenerationRequest] = [compact(r) for r in (parsed if isinstance(parsed, list) else [parsed])]
+                parsed = None
                 for req in reqs:
                     self._check_long_context(req)
                 claim = self._claim_compile(salt, reqs[0])
@@ -328,6 +326,11 @@ class Router:
             except ClientStalled as exc:
                 log.info("%s: %s", request.remote, exc)
             return resp
+        except (ConnectionResetError, asyncio.CancelledError):  # the client left: each unfinished run is aborted
+            for ticket in tickets:
+                if ticket.stage != "done":
+                    self.metrics.aborts.labels(ticket.stage).inc()
+            raise
         finally:
             assert self.dispatcher is not None
             for ticket in tickets:  # a request that ended before its run began gives its place back
@@ -420,7 +423,7 @@ class Router:
         cached = 0  # prompt tokens from a prefix cache, every prompt's
         gen = self._run_all(reqs, salt, tickets, trace.runs)
         try:
-            async for i, delta in _with_deadline(gen, self.config.request_timeout_s):
+            async for i, delta in with_deadline(gen, self.config.request_timeout_s, tickets=tickets):
                 timer.tokens(len(delta.token_ids))
                 trace.tokens(len(delta.token_ids))
                 cached += delta.num_cached_tokens or 0
@@ -514,7 +517,7 @@ class Router:
         cached = 0  # prompt tokens from a prefix cache, every prompt's
         gen = self._run_all(reqs, salt, tickets, trace.runs)
         try:
-            async for i, delta in _with_deadline(gen, self.config.request_timeout_s):
+            async for i, delta in with_deadline(gen, self.config.request_timeout_s, tickets=tickets):
                 trace.tokens(len(delta.token_ids))
                 cached += delta.num_cached_tokens or 0
                 if not resp.prepared:
@@ -682,19 +685,6 @@ class _Timer:
         metrics.ttft.observe(self.first - self.start)
         if self.count > 1:
             metrics.tpot.observe((self.last - self.first) / (self.count - 1))
-
-
-async def _with_deadline(gen: AsyncIterator[T], timeout_s: float) -> AsyncIterator[T]:
-    """Items of ``gen`` until it ends; ApiError(504) once ``timeout_s`` have passed in all."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            item = await asyncio.wait_for(gen.__anext__(), max(0.0, deadline - time.monotonic()))
-        except StopAsyncIteration:
-            return
-        except asyncio.TimeoutError:
-            raise ApiError(504, f"request did not finish within {timeout_s} s") from None
-        yield item
 
 
 def package_version() -> str:

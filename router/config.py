@@ -31,7 +31,7 @@ class RouterConfig:
     port: int = 8000
     api_keys: tuple[str, ...] = ()
     max_body_bytes: int = 1024 * 1024
-    request_timeout_s: float = 300.0
+    request_timeout_s: float = 300.0  # counted from placement (`router.deadline`); the wait has queue_timeout_s
     max_n: int = 4
     internal_token: str | None = None
     load_weight_tokens: int = 64
@@ -41,7 +41,7 @@ class RouterConfig:
     startup_timeout_s: float = 120.0
     max_concurrent_requests: int = 16384  # connections admitted at once (queued or running); more get 429
     max_queued_requests: int = 8192  # generation requests waiting for room (`router.queue`)
-    max_queued_bytes: int = 256 * 1024 * 1024  # their prompts' bytes (4 per token)
+    max_queued_bytes: int = 256 * 1024 * 1024  # their prompts as held (4 B a token, 73 a block key)
     queue_timeout_s: float = 300.0  # how long one may wait for room; a longer predicted wait is a 429 at once
     decode_reserve_tokens: int = 256  # output tokens a decode node's room is reserved for, at most
     max_connections_per_node: int = 1024  # pooled request connections to each node
@@ -58,6 +58,8 @@ class RouterConfig:
     ttft_slo_s: float = 0.0
     # A client's whole request body must arrive within this (else 408); no admission slot is held meanwhile.
     body_read_timeout_s: float = 30.0
+    # The bytes of request bodies being read or parsed at once, all clients (`router.body_buffer`); more: 503.
+    max_buffered_body_bytes: int = 256 * 1024 * 1024
     # A client that takes longer than this to take one write of its answer (it stopped reading) is dropped,
     # and its request ended on the nodes.
     write_stall_timeout_s: float = 30.0
@@ -88,6 +90,7 @@ class RouterConfig:
             raise ValueError("prefill nodes need at least one decode node (decode_urls and decode_dns are empty)")
         require_int("port", self.port, minimum=0, maximum=65535)
         require_int("max_body_bytes", self.max_body_bytes)
+        require_int("max_buffered_body_bytes", self.max_buffered_body_bytes)
         require_int("max_n", self.max_n)
         require_int("load_weight_tokens", self.load_weight_tokens, minimum=0)
         require_int("max_concurrent_requests", self.max_concurrent_requests)

@@ -216,6 +216,9 @@ class Dispatcher:
         ticket.taken = True
         trace = trace or RunTrace.untraced(req.request_id)
         reservation = await self.queue.place(ticket)
+        ticket.stage = "prefill"
+        if not isinstance(req.prompt_token_ids, list):  # held compactly while queued (`router.queue.compact`)
+            req = dataclasses.replace(req, prompt_token_ids=list(req.prompt_token_ids))
         placed_at = time.monotonic()
         trace.placed(reservation.choice, prefill=None if reservation.prefill is None else reservation.prefill.name,
                      decode=reservation.decode.name)
@@ -245,10 +248,13 @@ class Dispatcher:
                 lease.lease_id = handle.lease_id if handle is not None else pre.lease_id
                 if handle is None:
                     reservation.pulled()  # nothing leased: the prefill node holds nothing for this request
+                ticket.stage = "pull" if handle is not None else "prefill"  # without a handle decode computes it
                 self._paced(req, reservation, 1)
                 for i, (tok, reason) in enumerate(zip(first or [], pre.finish_reasons, strict=True)):
                     finished[i] = reason is not None
                     generated += 1
+                    if all(finished):
+                        ticket.stage = "done"
                     yield SampleDelta(i, [tok], finished[i], reason,
                                       None if pre.first_logprobs is None else [pre.first_logprobs[i]],
                                       pre.num_cached_tokens if i == 0 else None,
@@ -267,7 +273,9 @@ class Dispatcher:
                 if delta.index == 0:
                     self._paced(req, reservation, len(delta.token_ids))
                 generated += len(delta.token_ids)
+                ticket.stage = "done" if all(finished) else "decode"  # the consumer may stop at the last
                 yield delta
+            ticket.stage = "done"
         except ApiError as exc:
             error = exc.message
             raise

@@ -36,8 +36,10 @@ which gets the 429 instead; otherwise the newcomer gets it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import time
+from array import array
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -48,7 +50,12 @@ from kvrelay.router.openai_api import ApiError, GenerationRequest
 
 OUTPUT_SHARE_DECAY = 0.05  # weight of each finished request in the expected share of max_tokens
 MAX_RETRY_AFTER_S = 60
-BYTES_PER_PROMPT_TOKEN = 4  # what a queued prompt costs, as it crosses the wire (u32)
+# A generation request's stages as the router sees them: waiting in this queue for room; its prompt on a
+# prefill node (or, with none, on the decode node before its first frame); its KV handle with a decode node
+# before the first decode frame (the pull, and the wait for a first step there); streaming from a decode node.
+RUN_STAGES = ("queued", "prefill", "pull", "decode")
+BYTES_PER_PROMPT_TOKEN = 4  # what a queued prompt costs, held as array('I') (`compact`)
+BYTES_PER_BLOCK_KEY = 73  # a queued request's block key: a 32-byte `bytes` (65 B in CPython) and its list slot
 
 
 class Overloaded(ApiError):
@@ -61,9 +68,10 @@ class Overloaded(ApiError):
 
 @dataclass(frozen=True, slots=True)
 class QueueConfig:
-    """``max_requests``/``max_bytes``: the queue's bounds (prompt bytes, 4 per token); ``timeout_s``: how long a
-    request may wait for room (its deadline); ``decode_reserve_tokens``: output tokens a decode node's room is
-    reserved for, at most (beyond them the node preempts, as vLLM does)."""
+    """``max_requests``/``max_bytes``: the queue's bounds (prompts as held: 4 bytes a token, 73 a block key);
+    ``timeout_s``: how long a request may wait for room (its deadline; `router.deadline`: the generation deadline
+    starts after it); ``decode_reserve_tokens``: output tokens a decode node's room is reserved for, at most
+    (beyond them the node preempts, as vLLM does)."""
 
     max_requests: int = 8192
     max_bytes: int = 256 * 1024 * 1024
@@ -84,6 +92,9 @@ class Ticket:
     deadline: float  # monotonic seconds
     enqueued_at: float
     taken: bool = False  # its run began (`router.dispatch.Dispatcher.run`): from then on the run gives it back
+    # Where its run is (one of RUN_STAGES; only `Dispatcher.run` writes it after admission): what a client that
+    # leaves now aborts, for `kvrelay_router_aborts_total{stage}`. "done" once its last sample ended.
+    stage: str = "queued"
     placed: asyncio.Future[Reservation] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
@@ -94,6 +105,13 @@ class QueueMetrics:
     queued: Callable[[int], None] = lambda n: None
     waited: Callable[[float], None] = lambda s: None
     refused: Callable[[str], None] = lambda reason: None
+
+
+def compact(req: GenerationRequest) -> GenerationRequest:
+    """``req`` with its prompt held as it is counted while queued: 4 bytes a token (``array('I')``, where a list
+    holds an 8-byte pointer a token and a 28-byte int for each id above 256: 36 B). `Dispatcher.run` makes it a
+    list again once placed. Token ids are below 2**32 (`kvstore.block_key`)."""
+    return dataclasses.replace(req, prompt_token_ids=array("I", req.prompt_token_ids))  # type: ignore[arg-type]
 
 
 def need_of(req: GenerationRequest, *, block_size_tokens: int, decode_reserve_tokens: int) -> Need:
@@ -159,7 +177,8 @@ class RouterQueue:
         held = self.nodes.index.prefix_blocks(keys, [n.name for n in self.nodes.prefill or self.nodes.decode])
         cached = max(held.values(), default=0) * self.nodes.block_size_tokens
         return Ticket(need, keys, tenant, max(0, need.prompt_tokens - cached), req.params.max_tokens * req.params.n,
-                      need.prompt_tokens * BYTES_PER_PROMPT_TOKEN, now + self.config.timeout_s, now)
+                      need.prompt_tokens * BYTES_PER_PROMPT_TOKEN + len(keys) * BYTES_PER_BLOCK_KEY,
+                      now + self.config.timeout_s, now)
 
     def _make_room(self, tenant: bytes, count: int) -> None:
         """Push out the newest ticket of the tenant holding the most, if ``tenant`` is under its share.

@@ -239,3 +239,25 @@ def test_a_load_report_becomes_a_capacity_or_is_refused_by_name():
         182, 170, 64, 1024, 950.5, 0.09, step_fixed_s=0.01, step_prefill_token_s=0.001, step_decode_row_s=0.002)
     with pytest.raises(ValueError, match="load report out of range"):
         NodeCapacity.from_report({**report, **steps, "step_decode_row_s": -0.002})
+
+
+def test_a_queued_request_counts_its_prompt_as_held_and_the_prompt_is_held_compactly():
+    """Issue 65 item 6: 4 bytes a prompt token (array('I'), not a list of ints) and 73 a block key."""
+    from array import array
+
+    from kvrelay.router.queue import compact
+
+    async def main() -> None:
+        ns = nodes(prefill=0)
+        ns.decode[0].capacity = capacity(10)
+        q = await _queue(ns)
+        keys = [bytes([i]) * 32 for i in range(6)]
+        [t] = q.admit([request(100)], [keys], b"")
+        assert t.num_bytes == 100 * 4 + 6 * 73
+        req = compact(request(3))
+        assert isinstance(req.prompt_token_ids, array) and req.prompt_token_ids.itemsize == 4
+        assert list(req.prompt_token_ids) == [1, 2, 3]
+        with pytest.raises(OverflowError):
+            compact(GenerationRequest("r", "completion", [2**32], SamplingParams(max_tokens=1), (), False, False, 0))
+
+    asyncio.run(main())

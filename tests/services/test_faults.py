@@ -78,10 +78,23 @@ def _stream_and_hang_up(url: str, n_bytes: int) -> None:
 
 
 def test_client_disconnect_and_overload_leave_pools_at_baseline(tiny_model_dir, tmp_path):
-    with Cluster(tiny_model_dir, overrides={"decode": {"max_pending_requests": 8}}) as c:
+    """A client that leaves mid-stream ends its request on the decode node: each decode step takes ≥ 50 ms here
+    (hang_site's step delay), so its 1,500 tokens would take ≥ 75 s, and only the abort frees the pools within
+    the 30 s wait (issue 65: before, the stream finished by itself inside the wait). The router counts the abort
+    (``kvrelay_router_aborts_total{stage="decode"}``); `tests/services/test_aborts.py` has the other stages."""
+    from tests.services.test_aborts import aborts
+    from tests.services.test_engine_stall import HANG_SITE, _arm
+
+    with Cluster(tiny_model_dir, overrides={"decode": {"max_pending_requests": 8}},
+                 env={"PYTHONPATH": HANG_SITE, "KVRELAY_TEST_HANG_DIR": str(tmp_path)}) as c:
+        delay = tmp_path / "decode-0.step-delay"
+        _arm(delay, "0.05")
         _stream_and_hang_up(c.url, 2000)
         wait_for(lambda: pools_idle(c) and get_json(c.decode_urls[0] + "/health")["running"] == 0,
                  what="pools back to baseline after disconnect")
+        assert aborts(c) == {"queued": 0, "prefill": 0, "pull": 0, "decode": 1}
+        assert 'kvrelay_requests_total{role="decode",status="ok"}' not in metrics(c.decode_urls[0])
+        delay.unlink()
         body = {"model": "tiny", "prompt": "load", "max_tokens": 8, "temperature": 0}
         with ThreadPoolExecutor(64) as pool:
             results = list(pool.map(lambda _: post(c.url, body, timeout=120), range(200)))

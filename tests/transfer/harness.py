@@ -237,6 +237,34 @@ def pause_owner_once_renewed(r: Reader, owner: OwnerProc) -> None:
     r.peers.renew = renew_then_pause  # type: ignore[method-assign]
 
 
+class HeldCompletions:
+    """Test-side: until `let_go`, ``r``'s NIXL agent reports none of the READs posted from now on as finished (their
+    state stays ``PROC``, as from a peer that has not answered yet), whether or not UCX completed them (over CMA it
+    can complete a READ from a SIGSTOPped owner). After `let_go` NIXL is asked again, and its answer stands. The
+    transfer is real; only when the puller learns of its end is held back."""
+
+    def __init__(self, r: Reader) -> None:
+        self.held = True
+        agent = r.agent
+        read, poll = agent.read, agent.poll
+
+        async def held_read(*args: Any, **kwargs: Any) -> Any:
+            xfers = await read(*args, **kwargs)
+            for x in xfers:
+                if self.held and x.state == "DONE":
+                    x.state = "PROC"
+            return xfers
+
+        async def held_poll(xfers: Any) -> None:
+            if not self.held:
+                await poll(xfers)
+
+        agent.read, agent.poll = held_read, held_poll  # type: ignore[method-assign]
+
+    def let_go(self) -> None:
+        self.held = False
+
+
 async def in_thread(fn: Callable[[], Any]) -> Any:
     """Run a blocking test helper (owner control calls) off the event loop."""
     return await asyncio.get_running_loop().run_in_executor(None, fn)

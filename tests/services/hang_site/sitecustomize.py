@@ -6,6 +6,11 @@ knob). With ``KVRELAY_TEST_HANG_DIR`` set, the engine node started with ``--name
   hangs as in a stuck NIXL call or a CPU lock never given back;
 * when its puller has reserved blocks for a pull (on the engine thread), finds ``DIR/NAME.hang-after-reserve``
   and renames it to ``NAME.hang``: the next step hangs, with the pull's later pool calls queued behind it.
+* while ``DIR/NAME.step-delay`` exists (its text: seconds), sleeps that long before every engine step: a slow
+  model, so that a long stream stays long whatever the machine;
+* when a KV pull has reserved its blocks and issued its READs, finds ``DIR/NAME.pull-delay`` (its text: seconds),
+  renames it to ``NAME.pull-delaying`` and waits that long (on the event loop) before waiting for the READs: a
+  pull in flight, its blocks reserved here and its lease held on the prefill node, for as long as a test needs.
 
 * (issue 65) before a forward, finds ``DIR/NAME.poison`` (JSON ``{"prefix": [ids], "after_tokens": k}``) and
   raises IndexError if the step runs a sequence whose prompt starts with ``prefix`` and that has at least ``k``
@@ -22,6 +27,7 @@ its environment up first; the router and ``kvrelay up`` never import them).
 
 from __future__ import annotations
 
+import asyncio
 import importlib.abc
 import importlib.util
 import json
@@ -42,6 +48,9 @@ def _patch_engine(module) -> None:
     step = module.LLMEngine.step
 
     def hanging_step(self):
+        delay = _trigger("step-delay")
+        if delay is not None and delay.exists():
+            time.sleep(float(delay.read_text()))
         trigger = _trigger("hang")
         if trigger is not None and trigger.exists():
             seconds = float(trigger.read_text())
@@ -63,6 +72,17 @@ def _patch_puller(module) -> None:
         return res
 
     module.Puller._reserve = arming_reserve
+    wait = module.Puller._wait
+
+    async def delayed_wait(self, xfers, handle, keeper, t_end):
+        trigger = _trigger("pull-delay")
+        if trigger is not None and trigger.exists():
+            seconds = float(trigger.read_text())
+            trigger.rename(trigger.with_suffix(".pull-delaying"))
+            await asyncio.sleep(seconds)
+        return await wait(self, xfers, handle, keeper, t_end)
+
+    module.Puller._wait = delayed_wait
 
 
 def _patch_runner(module) -> None:
