@@ -74,13 +74,18 @@ def _first_answer(url: str, proc: subprocess.Popen, *, wait_s: float) -> None:
 
 
 def _serve_until_answer(cmd: list[str], *, cwd: Path, env: dict[str, str]) -> float:
-    """Seconds from starting ``cmd`` to its first chat answer on port 8000; its process group is stopped after."""
+    """Seconds from starting ``cmd`` to its first chat answer on port 8000; its process group is stopped after.
+    Its output goes to ``cwd.parent / "serve.log"``, whose tail is printed when it fails."""
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    log_path = cwd.parent / "serve.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         _first_answer("http://127.0.0.1:8000/v1/chat/completions", proc, wait_s=READY_WAIT_S)
         return time.monotonic() - start
+    except (RuntimeError, TimeoutError):
+        sys.stderr.write(log_path.read_text(errors="replace")[-4000:])
+        raise
     finally:
         for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
             try:
@@ -136,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="kvrelay-install-") as tmp:
         pip = pip_path(Path(tmp) / "pip", rev=args.rev, torch_req=args.torch, python=args.python)
+        print(json.dumps({"pip": pip}), file=sys.stderr, flush=True)  # kept should the other path fail
         make = make_path(Path(tmp) / "make", rev=args.baseline, python=args.python)
     emit({"bench": "install", **machine_label(), "cpu": this_cpu().describe(), "rev": args.rev,
           "baseline": args.baseline, "pip": pip, "make": make,
