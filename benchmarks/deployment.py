@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -21,6 +22,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +73,14 @@ def get_text(url: str, *, timeout_s: float = 10.0) -> str:
         return resp.read().decode()
 
 
+def _limit_fds(nofile: tuple[int, int]) -> Callable[[], None]:
+    """A ``preexec_fn`` setting the child's RLIMIT_NOFILE to ``nofile`` (soft, hard), as ``prlimit --nofile``."""
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, nofile)
+
+    return limit
+
+
 class Deployment:
     """``kvrelay up`` with ``overrides`` merged (recursively) into ``base_config``.
 
@@ -80,7 +90,7 @@ class Deployment:
 
     def __init__(self, model_dir: str | Path, *, overrides: dict[str, dict[str, Any]] | None = None,
                  base_config: Path = DEFAULT_CONFIG, env: dict[str, str] | None = None,
-                 up_args: list[str] | None = None) -> None:
+                 up_args: list[str] | None = None, nofile: tuple[int, int] | None = None) -> None:
         self.config: dict[str, Any] = merge(yaml.safe_load(base_config.read_text()), overrides or {})
 
         def wanted(role: str, default: list[int]) -> list[int]:
@@ -116,6 +126,7 @@ class Deployment:
         self._env = {**os.environ, **(env or {})}
         self._proc: subprocess.Popen | None = None
         self._up_args = list(up_args or [])
+        self._nofile = nofile  # (soft, hard) RLIMIT_NOFILE of the deployment's processes; None: this process's
 
     def start(self, timeout_s: float = 300.0) -> Deployment:
         """Start, wait for ``kvrelay up``'s ready line (every node healthy), then read the node URLs from
@@ -131,6 +142,7 @@ class Deployment:
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "kvrelay.deploy.cli", "up", "--config", str(self.path), *self._up_args],
             stdout=self._log_file, stderr=subprocess.STDOUT, start_new_session=True, env=self._env,
+            preexec_fn=None if self._nofile is None else _limit_fds(self._nofile),
         )
         deadline = time.monotonic() + timeout_s
         while not any(READY.search(line) for line in self.log):  # up is ready: it restarts a node from now on

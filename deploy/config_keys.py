@@ -232,6 +232,12 @@ KEYS: Mapping[str, Key] = _table(
     Key("internal.keepalive_timeout_s", positive_float, 75.0, "An idle HTTP connection to a node is closed after "
         "this by the node; its callers (router, decode nodes) close theirs after half of it, at most 15 s.",
         unit="s"),
+    Key("internal.header_read_timeout_s", positive_float, 10.0, "A node's client (the router, a decode node) must "
+        "send a request's line and headers within this from connecting, or from a kept-alive request's first "
+        "byte; else 408 and the connection is closed.", unit="s"),
+    Key("internal.max_open_connections", positive_int, None, "Open connections to one node; more are answered 503 "
+        "at once and closed. At start a node raises its open-file soft limit to the hard one (ulimit -Hn).",
+        unit="connections", default_text="half the open-file limit", also="<= the open-file limit - 128"),
     Key("internal.persist_timeout_s", positive_float, 300.0, "After the drain, the bound on writing the device "
         "and host tiers to disk (`kvrelay up` waits as long); raise it for host tiers over ~100 GiB.", unit="s"),
     # ---------------------------------------------------------------- prefill
@@ -320,6 +326,14 @@ KEYS: Mapping[str, Key] = _table(
         "no admission slot meanwhile).", unit="s"),
     Key("router.write_stall_timeout_s", positive_float, 30.0, "A client that takes no write of its answer for "
         "this long is dropped and its request ended.", unit="s"),
+    Key("router.header_read_timeout_s", positive_float, 10.0, "A client must send a request's line and headers "
+        "within this from connecting, or from a kept-alive request's first byte; else 408 and the connection is "
+        "closed (Go's ReadHeaderTimeout).", unit="s"),
+    Key("router.max_open_connections", positive_int, None, "Open client connections; more are answered 503 at once "
+        "and closed, keeping the rest of the open-file limit (raised to the hard one at start) for connections to "
+        "the nodes. max_concurrent_requests is lowered, with a warning, to what the rest can carry (two node "
+        "connections per request).", unit="connections", default_text="half the open-file limit",
+        also="<= the open-file limit - 128"),
     Key("router.keepalive_timeout_s", positive_float, 75.0, "An idle client connection is closed after this.",
         unit="s"),
     Key("router.disaggregation", one_of(DISAGGREGATION_MODES), "auto", "Where prompts are prefilled: always on a "

@@ -57,6 +57,8 @@ class InternalSection:
     token: str | None = None
     drain_timeout_s: float = 30.0  # on SIGTERM: how long admitted requests may take to finish
     keepalive_timeout_s: float = 75.0  # an idle connection to a node is closed after this
+    header_read_timeout_s: float = 10.0  # deploy.http_edge.EdgeLimits, for every node's HTTP server
+    max_open_connections: int | None = None  # None: half the open-file limit
     # after the drain: how long writing the device and host tiers to disk may take (`kvrelay up` waits too)
     persist_timeout_s: float = 300.0
 
@@ -108,6 +110,8 @@ class RouterSection:
     body_read_timeout_s: float = 30.0  # router.config.RouterConfig
     write_stall_timeout_s: float = 30.0
     keepalive_timeout_s: float = 75.0  # an idle client connection is closed after this (aiohttp's default: 3630)
+    header_read_timeout_s: float = 10.0  # deploy.http_edge.EdgeLimits
+    max_open_connections: int | None = None  # None: half the open-file limit
     disaggregation: str = "auto"  # always | never | auto (router.plan)
     tpot_slo_s: float = 0.05  # under auto, a local prefill keeps the decode node's streams within it (0: none)
     ttft_slo_s: float = 0.0  # under auto, a plan whose predicted TTFT passes it counts as a breach (0: none)
@@ -235,6 +239,8 @@ def parse_services(root: Section, *, base_dir: Path, env: Mapping[str, str] | No
     internal = InternalSection(bind=i.take("bind"), token=token or _env(token_env, env) or env.get(TOKEN_ENV) or None,
                                drain_timeout_s=i.take("drain_timeout_s"),
                                keepalive_timeout_s=i.take("keepalive_timeout_s"),
+                               header_read_timeout_s=i.take("header_read_timeout_s"),
+                               max_open_connections=i.take("max_open_connections"),
                                persist_timeout_s=i.take("persist_timeout_s"))
     i.done()
     p = root.section("prefill")

@@ -37,7 +37,8 @@ class Cluster(Deployment):
     ``decode`` decode nodes, small limits for tests, and ``overrides`` merged on top."""
 
     def __init__(self, model_dir: Path, *, prefill: int = 1, decode: int = 1,
-                 overrides: dict[str, Any] | None = None, env: dict[str, str] | None = None) -> None:
+                 overrides: dict[str, Any] | None = None, env: dict[str, str] | None = None,
+                 nofile: tuple[int, int] | None = None) -> None:
         base = {
             "model": {"name": "tiny", "dtype": "float32"},  # exact: tests compare with a float32 engine
             # Small tiers (not the default share of free memory): many deployments start one after another.
@@ -56,7 +57,7 @@ class Cluster(Deployment):
         # The nodes' internal token (`kvrelay up` would make one up; tests that talk to nodes need it).
         self.token = (env or {}).get(TEST_TOKEN_ENV, "kvrelay-test-token")
         super().__init__(model_dir, overrides=merge(base, overrides or {}), env={TEST_TOKEN_ENV: self.token,
-                                                                                 **(env or {})})
+                                                                                 **(env or {})}, nofile=nofile)
 
     def terminate(self, timeout_s: float = 600.0) -> int:
         """SIGTERM ``kvrelay up`` (a planned stop: it stops its nodes) and wait up to ``timeout_s`` for it to
