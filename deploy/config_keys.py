@@ -40,7 +40,6 @@ from kvrelay.deploy.config_checks import (
     size,
     string,
     string_list,
-    subset_list,
     tier_policy,
     unit_fraction,
     url_list,
@@ -53,7 +52,6 @@ from kvrelay.model.generation_config import GENERATION_CONFIG_MODES
 from kvrelay.router.harmony import ALL_REASONING_PARSERS
 from kvrelay.router.plan import MODES as DISAGGREGATION_MODES
 from kvrelay.router.tool_calls import PARSER_NAMES
-from kvrelay.transfer.config import PUBLISH_FAULTS
 
 ATTENTION_BACKENDS = ("reference", "torch", "triton")  # model.attention.BACKEND_NAME_TO_CLASS (no torch here)
 TOKEN_ENV = "KVRELAY_INTERNAL_TOKEN"  # the internal token when the config names none (`kvrelay up` sets it)
@@ -246,8 +244,6 @@ KEYS: Mapping[str, Key] = _table(
     Key("prefill.lease_ttl_s", positive_float, 30.0, "How long a prefill node keeps a prompt's published KV "
         "blocks pinned for a decode node to pull.", unit="s"),
     Key("prefill.devices", device_list, (), _DEVICES, also="one entry per port, or none"),
-    Key("prefill.inject_faults", subset_list(PUBLISH_FAULTS), (), "Tests only: faults the prefill nodes inject "
-        "when they publish KV."),
     Key("prefill.max_pending_requests", positive_int, 256, "Requests waiting or running on a prefill node beyond "
         "which new ones get 429 (the router's queue keeps below it).", unit="requests"),
     Key("prefill.serve_whole_requests", boolean, False, "Also serve whole requests (prefill and decode here, no "

@@ -204,7 +204,7 @@ def build_app(config: Any, role: str, index: int, *, name: str | None = None,
     restrict_transfer_to(internal.bind)  # before the NIXL agent exists
 
     transfer_config = TransferConfig(agent_name=name, lease_ttl_s=config.prefill.lease_ttl_s,
-                                     internal_token=internal.token, inject_faults=config.prefill.inject_faults,
+                                     internal_token=internal.token,
                                      node_keepalive_s=internal.keepalive_timeout_s)
     from kvrelay.decode.config import DecodeConfig
 

@@ -68,7 +68,6 @@ class PrefillSection:
     ports: tuple[int, ...] = ()  # none: every prompt is computed on its decode node
     lease_ttl_s: float = 30.0
     devices: tuple[str, ...] = ()  # per node, `kvrelay up` sets CUDA_VISIBLE_DEVICES to it; empty: inherited
-    inject_faults: tuple[str, ...] = ()  # tests only: transfer.config.PUBLISH_FAULTS
     max_pending_requests: int = 256  # a bound the router's queue keeps below (it places by room)
     # also serve whole requests (`prefill.service.WholeRequestPrefillService`); the router uses it under auto
     serve_whole_requests: bool = False
@@ -247,7 +246,6 @@ def parse_services(root: Section, *, base_dir: Path, env: Mapping[str, str] | No
     prefill_ports = p.take("ports")
     prefill = PrefillSection(ports=prefill_ports, lease_ttl_s=p.take("lease_ttl_s"),
                              devices=p.take("devices", fits=_one_per_node(len(prefill_ports))),
-                             inject_faults=p.take("inject_faults"),
                              max_pending_requests=p.take("max_pending_requests"),
                              serve_whole_requests=p.take("serve_whole_requests"))
     p.done()

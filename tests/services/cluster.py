@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import urllib.request
@@ -12,6 +13,16 @@ from typing import Any
 from kvrelay.benchmarks.deployment import Deployment, merge
 
 TEST_TOKEN_ENV = "KVRELAY_INTERNAL_TOKEN"
+
+
+HOOKS = Path(__file__).parent / "hooks"  # test-only sitecustomize for node processes (see its docstring)
+
+
+def publish_faults(*faults: str) -> dict[str, str]:
+    """A `Cluster` ``env`` whose prefill nodes inject ``faults`` (`transfer.config.PUBLISH_FAULTS`) through the
+    test hook; no configuration key turns them on."""
+    return {"KVRELAY_TEST_PUBLISH_FAULTS": ",".join(faults),
+            "PYTHONPATH": os.pathsep.join([str(HOOKS), *filter(None, [os.environ.get("PYTHONPATH")])])}
 
 
 def get_json(url: str, *, headers: dict[str, str] | None = None, timeout: float = 5.0) -> Any:
