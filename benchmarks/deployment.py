@@ -15,6 +15,7 @@ import json
 import os
 import re
 import resource
+import secrets
 import signal
 import subprocess
 import sys
@@ -28,7 +29,9 @@ from typing import Any
 
 import yaml
 from kvrelay.deploy.config import DEFAULT_CONFIG
+from kvrelay.deploy.config_keys import TOKEN_ENV
 from kvrelay.deploy.ports import free_ports
+from kvrelay.transfer.config import TOKEN_HEADER
 
 READY = re.compile(r"kvrelay is serving .* at (http://\S+)/v1")
 
@@ -68,8 +71,10 @@ def stop_process_group(proc: subprocess.Popen, *, grace_s: float = 30.0) -> None
             proc.wait()
 
 
-def get_text(url: str, *, timeout_s: float = 10.0) -> str:
-    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+def get_text(url: str, *, timeout_s: float = 10.0, token: str | None = None) -> str:
+    """The body at ``url``; ``token``: sent as ``X-Kvrelay-Token`` (a ``/health`` answers in full only with it)."""
+    req = urllib.request.Request(url, headers={TOKEN_HEADER: token} if token else {})
+    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
         return resp.read().decode()
 
 
@@ -124,6 +129,9 @@ class Deployment:
         self._log_file: Any = None
         self._saved_log: list[str] | None = None
         self._env = {**os.environ, **(env or {})}
+        if TOKEN_ENV not in self._env:  # the deployment's internal token, known here to read its full /health
+            self._env[TOKEN_ENV] = secrets.token_urlsafe(24)
+        self.token: str | None = self.config.get("internal", {}).get("token") or self._env[TOKEN_ENV] or None
         self._proc: subprocess.Popen | None = None
         self._up_args = list(up_args or [])
         self._nofile = nofile  # (soft, hard) RLIMIT_NOFILE of the deployment's processes; None: this process's
@@ -155,7 +163,7 @@ class Deployment:
                 raise RuntimeError(f"kvrelay up did not become ready; router /health: {health}\n"
                                    + "".join(self.log[-40:]))
             time.sleep(0.05)
-        nodes = json.loads(get_text(self.url + "/health"))["nodes"]
+        nodes = json.loads(get_text(self.url + "/health", token=self.token))["nodes"]
         self.prefill_urls = [n["url"] for name, n in sorted(nodes.items()) if name.startswith("prefill")]
         self.decode_urls = [n["url"] for name, n in sorted(nodes.items()) if name.startswith("decode")]
         return self
@@ -163,7 +171,7 @@ class Deployment:
     def _health(self) -> Any:
         """The router's ``/health`` body (also a 503's), or why there is none."""
         try:
-            return json.loads(get_text(self.url + "/health", timeout_s=5))
+            return json.loads(get_text(self.url + "/health", timeout_s=5, token=self.token))
         except urllib.error.HTTPError as err:
             try:
                 return json.loads(err.read())

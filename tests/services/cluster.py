@@ -11,8 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from kvrelay.benchmarks.deployment import Deployment, merge
+from kvrelay.transfer.config import TOKEN_HEADER
 
 TEST_TOKEN_ENV = "KVRELAY_INTERNAL_TOKEN"
+TEST_TOKEN = "kvrelay-test-token"  # a Cluster's internal token unless its env names another
 
 
 HOOKS = Path(__file__).parent / "hooks"  # test-only sitecustomize for node processes (see its docstring)
@@ -26,7 +28,8 @@ def publish_faults(*faults: str) -> dict[str, str]:
 
 
 def get_json(url: str, *, headers: dict[str, str] | None = None, timeout: float = 5.0) -> Any:
-    req = urllib.request.Request(url, headers=headers or {})
+    """The JSON at ``url``, asked with the tests' internal token (a ``/health`` answers in full only with it)."""
+    req = urllib.request.Request(url, headers={TOKEN_HEADER: TEST_TOKEN, **(headers or {})})
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return json.loads(resp.read())
 
@@ -66,7 +69,7 @@ class Cluster(Deployment):
             "internal": {"drain_timeout_s": 2},
         }
         # The nodes' internal token (`kvrelay up` would make one up; tests that talk to nodes need it).
-        self.token = (env or {}).get(TEST_TOKEN_ENV, "kvrelay-test-token")
+        self.token = (env or {}).get(TEST_TOKEN_ENV, TEST_TOKEN)
         super().__init__(model_dir, overrides=merge(base, overrides or {}), env={TEST_TOKEN_ENV: self.token,
                                                                                  **(env or {})}, nofile=nofile)
 
