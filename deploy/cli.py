@@ -258,6 +258,12 @@ def _cmd_role(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"kvrelay {args.command}: refusing to start: {problem}", file=sys.stderr)
         return 2
+    from kvrelay.deploy.serve import edge_problem
+
+    problem = edge_problem(config, args.command)
+    if problem is not None:
+        print(f"kvrelay {args.command}: refusing to start: {problem}", file=sys.stderr)
+        return 2
     name = args.name or socket.gethostname()
     if not NODE_NAME.fullmatch(name):
         print(f"kvrelay {args.command}: --name {name!r} is not a node name (letters, digits, '.', '_', '-'; "

@@ -243,6 +243,16 @@ def _edge(config: Any, role: str) -> EdgeLimits:
                        key_prefix=prefix)
 
 
+def edge_problem(config: Any, role: str) -> str | None:
+    """Why ``role`` cannot start with its ``max_open_connections`` at this process's open-file limit (raised to the
+    hard one first), or None."""
+    try:
+        _edge(config, role)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def _admitted_cap(config: Any) -> int:
     """``router.max_concurrent_requests``, lowered to what the descriptors left after client connections carry."""
     fd_limit = raise_fd_limit()
