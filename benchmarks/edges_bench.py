@@ -103,9 +103,9 @@ def _watch_held(socks: list[socket.socket], until_s: float) -> list[HeldEnd]:
     return ends
 
 
-async def _clients(url: str, model: str, n: int, spread_s: float) -> list[tuple[int, float]]:
+async def _clients(url: str, model: str, n: int, spread_s: float, timeout_s: float) -> list[tuple[int, float]]:
     """``n`` completions, one connection each, started evenly over ``spread_s``: (status, seconds) each; status 0
-    for a connection error."""
+    for a connection error or no answer within ``timeout_s``."""
     import aiohttp
 
     body = {"model": model, "prompt": "hello there", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
@@ -114,7 +114,7 @@ async def _clients(url: str, model: str, n: int, spread_s: float) -> list[tuple[
         await asyncio.sleep(spread_s * k / n)
         t0 = time.monotonic()
         try:
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
                 async with session.post(url + "/v1/completions", json=body) as resp:
                     await resp.read()
                     return resp.status, time.monotonic() - t0
@@ -156,7 +156,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         watch: list[HeldEnd] = []
         watcher = threading.Thread(target=lambda: watch.extend(_watch_held(held, a.watch_s)), daemon=True)
         watcher.start()
-        answers = asyncio.run(_clients(d.url, "tiny", a.clients, a.spread_s))
+        answers = asyncio.run(_clients(d.url, "tiny", a.clients, a.spread_s, a.client_timeout_s))
         watcher.join()
         peaks.stop.set()
         sampler.join()
@@ -188,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--spread-s", type=float, default=20.0, help="the normal clients start evenly over this")
     p.add_argument("--server-fds", type=int, default=4096, help="the servers' open-file limit, soft and hard")
     p.add_argument("--watch-s", type=float, default=90.0, help="how long to wait for the server to close them")
+    p.add_argument("--client-timeout-s", type=float, default=60.0, help="a normal client gives up after this")
     p.add_argument("--out", default=None, help="also write the JSON here")
     a = p.parse_args(argv)
     if not (Path(a.model) / "config.json").is_file():
