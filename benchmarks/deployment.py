@@ -163,7 +163,12 @@ class Deployment:
                 raise RuntimeError(f"kvrelay up did not become ready; router /health: {health}\n"
                                    + "".join(self.log[-40:]))
             time.sleep(0.05)
-        nodes = json.loads(get_text(self.url + "/health", token=self.token))["nodes"]
+        nodes = json.loads(get_text(self.url + "/health", token=self.token)).get("nodes")
+        if nodes is None:  # no token known here (`kvrelay up` made one up): the nodes are at their configured ports
+            bind = self.config.get("internal", {}).get("bind", "127.0.0.1")
+            host = "127.0.0.1" if bind in ("0.0.0.0", "") else bind
+            nodes = {f"{role}-{i}": {"url": f"http://{host}:{port}"} for role in ("prefill", "decode")
+                     for i, port in enumerate(self.config[role]["ports"])}
         self.prefill_urls = [n["url"] for name, n in sorted(nodes.items()) if name.startswith("prefill")]
         self.decode_urls = [n["url"] for name, n in sorted(nodes.items()) if name.startswith("decode")]
         return self
