@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import resource
+import secrets
 import signal
 import subprocess
 import sys
@@ -21,12 +23,15 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import yaml
 from kvrelay.deploy.config import DEFAULT_CONFIG
+from kvrelay.deploy.config_keys import TOKEN_ENV
 from kvrelay.deploy.ports import free_ports
+from kvrelay.transfer.config import TOKEN_HEADER
 
 READY = re.compile(r"kvrelay is serving .* at (http://\S+)/v1")
 
@@ -66,9 +71,19 @@ def stop_process_group(proc: subprocess.Popen, *, grace_s: float = 30.0) -> None
             proc.wait()
 
 
-def get_text(url: str, *, timeout_s: float = 10.0) -> str:
-    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+def get_text(url: str, *, timeout_s: float = 10.0, token: str | None = None) -> str:
+    """The body at ``url``; ``token``: sent as ``X-Kvrelay-Token`` (a ``/health`` answers in full only with it)."""
+    req = urllib.request.Request(url, headers={TOKEN_HEADER: token} if token else {})
+    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
         return resp.read().decode()
+
+
+def _limit_fds(nofile: tuple[int, int]) -> Callable[[], None]:
+    """A ``preexec_fn`` setting the child's RLIMIT_NOFILE to ``nofile`` (soft, hard), as ``prlimit --nofile``."""
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, nofile)
+
+    return limit
 
 
 class Deployment:
@@ -80,7 +95,7 @@ class Deployment:
 
     def __init__(self, model_dir: str | Path, *, overrides: dict[str, dict[str, Any]] | None = None,
                  base_config: Path = DEFAULT_CONFIG, env: dict[str, str] | None = None,
-                 up_args: list[str] | None = None) -> None:
+                 up_args: list[str] | None = None, nofile: tuple[int, int] | None = None) -> None:
         self.config: dict[str, Any] = merge(yaml.safe_load(base_config.read_text()), overrides or {})
 
         def wanted(role: str, default: list[int]) -> list[int]:
@@ -114,8 +129,12 @@ class Deployment:
         self._log_file: Any = None
         self._saved_log: list[str] | None = None
         self._env = {**os.environ, **(env or {})}
+        if TOKEN_ENV not in self._env:  # the deployment's internal token, known here to read its full /health
+            self._env[TOKEN_ENV] = secrets.token_urlsafe(24)
+        self.token: str | None = self.config.get("internal", {}).get("token") or self._env[TOKEN_ENV] or None
         self._proc: subprocess.Popen | None = None
         self._up_args = list(up_args or [])
+        self._nofile = nofile  # (soft, hard) RLIMIT_NOFILE of the deployment's processes; None: this process's
 
     def start(self, timeout_s: float = 300.0) -> Deployment:
         """Start, wait for ``kvrelay up``'s ready line (every node healthy), then read the node URLs from
@@ -131,6 +150,7 @@ class Deployment:
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "kvrelay.deploy.cli", "up", "--config", str(self.path), *self._up_args],
             stdout=self._log_file, stderr=subprocess.STDOUT, start_new_session=True, env=self._env,
+            preexec_fn=None if self._nofile is None else _limit_fds(self._nofile),
         )
         deadline = time.monotonic() + timeout_s
         while not any(READY.search(line) for line in self.log):  # up is ready: it restarts a node from now on
@@ -143,7 +163,12 @@ class Deployment:
                 raise RuntimeError(f"kvrelay up did not become ready; router /health: {health}\n"
                                    + "".join(self.log[-40:]))
             time.sleep(0.05)
-        nodes = json.loads(get_text(self.url + "/health"))["nodes"]
+        nodes = json.loads(get_text(self.url + "/health", token=self.token)).get("nodes")
+        if nodes is None:  # no token known here (`kvrelay up` made one up): the nodes are at their configured ports
+            bind = self.config.get("internal", {}).get("bind", "127.0.0.1")
+            host = "127.0.0.1" if bind in ("0.0.0.0", "") else bind
+            nodes = {f"{role}-{i}": {"url": f"http://{host}:{port}"} for role in ("prefill", "decode")
+                     for i, port in enumerate(self.config[role]["ports"])}
         self.prefill_urls = [n["url"] for name, n in sorted(nodes.items()) if name.startswith("prefill")]
         self.decode_urls = [n["url"] for name, n in sorted(nodes.items()) if name.startswith("decode")]
         return self
@@ -151,7 +176,7 @@ class Deployment:
     def _health(self) -> Any:
         """The router's ``/health`` body (also a 503's), or why there is none."""
         try:
-            return json.loads(get_text(self.url + "/health", timeout_s=5))
+            return json.loads(get_text(self.url + "/health", timeout_s=5, token=self.token))
         except urllib.error.HTTPError as err:
             try:
                 return json.loads(err.read())

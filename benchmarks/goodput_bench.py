@@ -277,7 +277,8 @@ def run_deployment(name: str, model_dir: str, sweep: Sweep, *, network: str = "l
     with deployment as d:
         client = ClientConfig(d.url, d.model_name, timeout_s=sweep.request_timeout_s,
                               extra_body={"kvrelay": {"timings": True}})
-        nodes = {url: json.loads(get_text(url + "/health")).get("cpus") for url in d.prefill_urls + d.decode_urls}
+        nodes = {url: json.loads(get_text(url + "/health", token=d.token)).get("cpus")
+                 for url in d.prefill_urls + d.decode_urls}
         # First steps compile and allocate: keep that out of the first measured rate.
         asyncio.run(run_load(client, sweep.warmup, LoadConfig(progress=False)))
         for workload, rate_specs in sweep.workload_to_rate_specs.items():

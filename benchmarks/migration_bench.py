@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+from kvrelay.transfer.config import TOKEN_HEADER
 
 
 @dataclass(slots=True)
@@ -65,7 +66,8 @@ async def stream(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
 
 
 async def run_streams(url: str, bodies: list[dict[str, Any]], *, kill_after_s: float | None,
-                      decode_urls: list[str]) -> tuple[list[StreamResult], float, str | None, int]:
+                      decode_urls: list[str],
+                      token: str | None = None) -> tuple[list[StreamResult], float, str | None, int]:
     """All ``bodies`` at once; with ``kill_after_s``, SIGKILL the decode node running most streams that long
     after the first text. Returns the results, the wall time (s), the URL of the node killed and how many
     streams it was running then."""
@@ -81,7 +83,7 @@ async def run_streams(url: str, bodies: list[dict[str, Any]], *, kill_after_s: f
             await asyncio.sleep(kill_after_s)
             health = []
             for u in decode_urls:
-                async with session.get(u + "/health") as resp:
+                async with session.get(u + "/health", headers={TOKEN_HEADER: token or ""}) as resp:
                     health.append(await resp.json())
             busiest = max(range(len(decode_urls)), key=lambda i: health[i]["running"])
             victim, running = decode_urls[busiest], int(health[busiest]["running"])
@@ -132,11 +134,12 @@ def main(argv: list[str] | None = None) -> int:
             bodies = [{"model": d.model_name, "prompt": pr, "max_tokens": a.max_tokens, "temperature": 0,
                        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
                       for pr in prompts]
-            calm, calm_s, _, _ = asyncio.run(run_streams(d.url, bodies, kill_after_s=None, decode_urls=d.decode_urls))
+            calm, calm_s, _, _ = asyncio.run(run_streams(d.url, bodies, kill_after_s=None, decode_urls=d.decode_urls,
+                                                         token=d.token))
             if any(r.error or r.finish != "length" for r in calm):
                 raise RuntimeError(f"the undisturbed run failed: {[r.error for r in calm if r.error][:3]}")
             hit, hit_s, victim, on_victim = asyncio.run(run_streams(d.url, bodies, kill_after_s=a.kill_after_s,
-                                                         decode_urls=d.decode_urls))
+                                                         decode_urls=d.decode_urls, token=d.token))
             moved = migrations(d.url)
         completed = [r.finish == "length" and r.tokens == a.max_tokens and not r.error for r in hit]
         exact = ["".join(h.text) == "".join(c.text) for h, c in zip(hit, calm, strict=True)]

@@ -116,7 +116,7 @@ class NetnsDeployment:
 
     def _ready(self) -> bool:
         try:
-            nodes = json.loads(get_text(self.url + "/health", timeout_s=5))["nodes"]
+            nodes = json.loads(get_text(self.url + "/health", timeout_s=5, token=self._token))["nodes"]
         except (OSError, ValueError, KeyError, urllib.error.HTTPError):
             return False
         return len(nodes) == len(self.node_hosts) and all(n.get("healthy") for n in nodes.values())

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 import urllib.error
 from collections.abc import Sequence
@@ -35,6 +36,7 @@ from kvrelay.benchmarks.serve_metrics import (
     transfer_bytes_delta,
 )
 from kvrelay.benchmarks.workloads import Workload
+from kvrelay.deploy.config_keys import TOKEN_ENV
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +59,7 @@ class ServerNodes:
     def discover(cls, url: str, *, block_size_tokens: int = 16) -> ServerNodes:
         """Node URLs from the router's ``/health`` (``nodes: {name: {url}}``); empty when absent."""
         try:
-            nodes = json.loads(get_text(url + "/health")).get("nodes") or {}
+            nodes = json.loads(get_text(url + "/health", token=_token())).get("nodes") or {}
         except (urllib.error.URLError, OSError, ValueError):
             return cls()
         prefill = tuple(n["url"] for k, n in sorted(nodes.items()) if k.startswith("prefill"))
@@ -65,12 +67,17 @@ class ServerNodes:
         return cls(prefill, decode, block_size_tokens)
 
 
+def _token() -> str | None:
+    """The deployment's internal token from ``$KVRELAY_INTERNAL_TOKEN`` (its ``/health`` is full only with it)."""
+    return os.environ.get(TOKEN_ENV) or None
+
+
 def read_counters(urls: Sequence[str], block_size_tokens: int) -> list[CacheCounters]:
     """`CacheCounters` of each node (``/metrics`` and ``/health``)."""
     out = []
     for url in urls:
         samples = parse_prometheus(get_text(url + "/metrics"))
-        device_blocks = float(json.loads(get_text(url + "/health")).get("total_blocks", 0))
+        device_blocks = float(json.loads(get_text(url + "/health", token=_token())).get("total_blocks", 0))
         out.append(CacheCounters.from_samples(samples, block_size_tokens=block_size_tokens,
                                               device_blocks=device_blocks))
     return out

@@ -10,7 +10,7 @@
     kvrelay store stats|clear|verify --config FILE [--node NAME]
     kvrelay config show [--config FILE] | kvrelay config check FILE | kvrelay config reference [--out PATH]
     kvrelay bench memory|decode|cuda-graphs|hybrid-kv|kernel|kernel-plan|tiers|transfer|serve|goodput|long-context|load|
-                  migration|disk-prefix|vllm-client|structured|guard|ttft-prefix|deterministic
+                  migration|disk-prefix|vllm-client|structured|guard|ttft-prefix|deterministic|edges
                   [...]
 """
 
@@ -258,6 +258,12 @@ def _cmd_role(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"kvrelay {args.command}: refusing to start: {problem}", file=sys.stderr)
         return 2
+    from kvrelay.deploy.serve import edge_problem
+
+    problem = edge_problem(config, args.command)
+    if problem is not None:
+        print(f"kvrelay {args.command}: refusing to start: {problem}", file=sys.stderr)
+        return 2
     name = args.name or socket.gethostname()
     if not NODE_NAME.fullmatch(name):
         print(f"kvrelay {args.command}: --name {name!r} is not a node name (letters, digits, '.', '_', '-'; "
@@ -268,9 +274,9 @@ def _cmd_role(args: argparse.Namespace) -> int:
 
 
 BENCH_NAMES = ("bandwidth", "cache-policies", "cuda-graphs", "decode", "deterministic", "disk-prefix", "dtype",
-               "goodput", "guard", "hybrid-kv", "install", "kernel", "kernel-plan", "load", "long-context", "memory",
-               "migration", "mla", "prefill", "serve", "structured", "tiers", "tracing", "transfer", "ttft-prefix",
-               "vllm-client")
+               "edges", "goodput", "guard", "hybrid-kv", "install", "kernel", "kernel-plan", "load", "long-context",
+               "memory", "migration", "mla", "prefill", "serve", "structured", "tiers", "tracing", "transfer",
+               "ttft-prefix", "vllm-client")
 
 
 def _bench_main(name: str) -> Callable[[list[str]], int]:
@@ -288,6 +294,8 @@ def _bench_main(name: str) -> Callable[[list[str]], int]:
         from kvrelay.benchmarks.disk_prefix_bench import main
     elif name == "dtype":
         from kvrelay.benchmarks.dtype_bench import main
+    elif name == "edges":
+        from kvrelay.benchmarks.edges_bench import main
     elif name == "goodput":
         from kvrelay.benchmarks.goodput_bench import main
     elif name == "guard":

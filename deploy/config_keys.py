@@ -40,7 +40,6 @@ from kvrelay.deploy.config_checks import (
     size,
     string,
     string_list,
-    subset_list,
     tier_policy,
     unit_fraction,
     url_list,
@@ -53,7 +52,6 @@ from kvrelay.model.generation_config import GENERATION_CONFIG_MODES
 from kvrelay.router.harmony import ALL_REASONING_PARSERS
 from kvrelay.router.plan import MODES as DISAGGREGATION_MODES
 from kvrelay.router.tool_calls import PARSER_NAMES
-from kvrelay.transfer.config import PUBLISH_FAULTS
 
 ATTENTION_BACKENDS = ("reference", "torch", "triton")  # model.attention.BACKEND_NAME_TO_CLASS (no torch here)
 TOKEN_ENV = "KVRELAY_INTERNAL_TOKEN"  # the internal token when the config names none (`kvrelay up` sets it)
@@ -235,6 +233,12 @@ KEYS: Mapping[str, Key] = _table(
     Key("internal.keepalive_timeout_s", positive_float, 75.0, "An idle HTTP connection to a node is closed after "
         "this by the node; its callers (router, decode nodes) close theirs after half of it, at most 15 s.",
         unit="s"),
+    Key("internal.header_read_timeout_s", positive_float, 10.0, "A node's client (the router, a decode node) must "
+        "send a request's line and headers within this from connecting, or from a kept-alive request's first "
+        "byte; else 408 and the connection is closed.", unit="s"),
+    Key("internal.max_open_connections", positive_int, None, "Open connections to one node; more are answered 503 "
+        "at once and closed. At start a node raises its open-file soft limit to the hard one (ulimit -Hn).",
+        unit="connections", default_text="half the open-file limit", also="<= the open-file limit - 128"),
     Key("internal.persist_timeout_s", positive_float, 300.0, "After the drain, the bound on writing the device "
         "and host tiers to disk (`kvrelay up` waits as long); raise it for host tiers over ~100 GiB.", unit="s"),
     # ---------------------------------------------------------------- prefill
@@ -243,8 +247,6 @@ KEYS: Mapping[str, Key] = _table(
     Key("prefill.lease_ttl_s", positive_float, 30.0, "How long a prefill node keeps a prompt's published KV "
         "blocks pinned for a decode node to pull.", unit="s"),
     Key("prefill.devices", device_list, (), _DEVICES, also="one entry per port, or none"),
-    Key("prefill.inject_faults", subset_list(PUBLISH_FAULTS), (), "Tests only: faults the prefill nodes inject "
-        "when they publish KV."),
     Key("prefill.max_pending_requests", positive_int, 256, "Requests waiting or running on a prefill node beyond "
         "which new ones get 429 (the router's queue keeps below it).", unit="requests"),
     Key("prefill.serve_whole_requests", boolean, False, "Also serve whole requests (prefill and decode here, no "
@@ -342,6 +344,14 @@ KEYS: Mapping[str, Key] = _table(
         "parses at once, all clients together; a body that would pass it gets 503.", unit="bytes"),
     Key("router.write_stall_timeout_s", positive_float, 30.0, "A client that takes no write of its answer for "
         "this long is dropped and its request ended.", unit="s"),
+    Key("router.header_read_timeout_s", positive_float, 10.0, "A client must send a request's line and headers "
+        "within this from connecting, or from a kept-alive request's first byte; else 408 and the connection is "
+        "closed (Go's ReadHeaderTimeout).", unit="s"),
+    Key("router.max_open_connections", positive_int, None, "Open client connections; more are answered 503 at once "
+        "and closed, keeping the rest of the open-file limit (raised to the hard one at start) for connections to "
+        "the nodes. max_concurrent_requests is lowered, with a warning, to what the rest can carry (two node "
+        "connections per request).", unit="connections", default_text="half the open-file limit",
+        also="<= the open-file limit - 128"),
     Key("router.keepalive_timeout_s", positive_float, 75.0, "An idle client connection is closed after this.",
         unit="s"),
     Key("router.disaggregation", one_of(DISAGGREGATION_MODES), "auto", "Where prompts are prefilled: always on a "

@@ -14,6 +14,7 @@ from aiohttp import web
 from kvrelay.deploy.config import for_node
 from kvrelay.deploy.cpu_budget import CoreLending, apply_cpus, format_cpus
 from kvrelay.deploy.gpu_memory import GpuUse, activation_reserve_bytes, ignored_on_cpu
+from kvrelay.deploy.http_edge import EdgeLimits, EdgeRunner, admitted_requests_cap, edge_limits, raise_fd_limit
 from kvrelay.deploy.memory import format_bytes, free_host_bytes
 from prometheus_client import CollectorRegistry
 
@@ -166,7 +167,7 @@ def build_app(config: Any, role: str, index: int, *, name: str | None = None,
             host=r.host, port=r.port, api_keys=r.api_keys, max_body_bytes=r.max_body_bytes,
             request_timeout_s=r.request_timeout_s, max_n=r.max_n, internal_token=internal.token,
             load_weight_tokens=r.load_weight_tokens, long_context=config.decode.long_context,
-            max_concurrent_requests=r.max_concurrent_requests, max_connections_per_node=r.max_connections_per_node,
+            max_concurrent_requests=_admitted_cap(config), max_connections_per_node=r.max_connections_per_node,
             connect_timeout_s=r.connect_timeout_s, node_keepalive_timeout_s=internal.keepalive_timeout_s,
             prefill_dns=r.prefill_dns, decode_dns=r.decode_dns,
             dns_interval_s=r.dns_interval_s, max_queued_requests=r.max_queued_requests,
@@ -209,7 +210,7 @@ def build_app(config: Any, role: str, index: int, *, name: str | None = None,
     restrict_transfer_to(internal.bind)  # before the NIXL agent exists
 
     transfer_config = TransferConfig(agent_name=name, lease_ttl_s=config.prefill.lease_ttl_s,
-                                     internal_token=internal.token, inject_faults=config.prefill.inject_faults,
+                                     internal_token=internal.token,
                                      node_keepalive_s=internal.keepalive_timeout_s)
     from kvrelay.decode.config import DecodeConfig
 
@@ -240,6 +241,31 @@ def build_app(config: Any, role: str, index: int, *, name: str | None = None,
     return _flushed(app, tracing), internal.bind, port
 
 
+def _edge(config: Any, role: str) -> EdgeLimits:
+    """``role``'s HTTP edge limits (`deploy.http_edge`) against this process's open-file limit, raised first."""
+    section, prefix = (config.router, "router") if role == "router" else (config.internal, "internal")
+    return edge_limits(header_read_timeout_s=section.header_read_timeout_s,
+                       max_open_connections=section.max_open_connections, fd_limit=raise_fd_limit(),
+                       key_prefix=prefix)
+
+
+def edge_problem(config: Any, role: str) -> str | None:
+    """Why ``role`` cannot start with its ``max_open_connections`` at this process's open-file limit (raised to the
+    hard one first), or None."""
+    try:
+        _edge(config, role)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _admitted_cap(config: Any) -> int:
+    """``router.max_concurrent_requests``, lowered to what the descriptors left after client connections carry."""
+    fd_limit = raise_fd_limit()
+    return admitted_requests_cap(config.router.max_concurrent_requests, limits=_edge(config, "router"),
+                                 fd_limit=fd_limit)
+
+
 def _flushed(app: web.Application, tracing: Tracing) -> web.Application:
     """``app``, whose cleanup (after a planned stop's drain) flushes ``tracing``'s queued spans (`node.tracing`)."""
     async def flush(app: web.Application) -> None:
@@ -261,9 +287,12 @@ def run_role(config: Any, role: str, index: int = 0, *, name: str | None = None,
     name = name or f"{role}-{index}"
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
     if role == "router":
+        limits = _edge(config, role)
+        log.info("%s: open-file limit %d; at most %d open client connections, headers within %g s",
+                 name, raise_fd_limit(), limits.max_open_connections, limits.header_read_timeout_s)
         app, host, port = build_app(config, role, index, name=name)
         asyncio.run(_serve(app, host, port, name=name, access_log=True, stop=_Stop(),
-                           keepalive_timeout_s=config.router.keepalive_timeout_s))
+                           keepalive_timeout_s=config.router.keepalive_timeout_s, limits=limits))
         return 0
     cores: CoreLending | None = None
     if cpu_pool is not None and cpu_lock_dir is not None and cpus is not None:
@@ -273,6 +302,7 @@ def run_role(config: Any, role: str, index: int = 0, *, name: str | None = None,
                  format_cpus(cpu_pool))
     else:
         log.info("%s runs on CPUs %s", name, format_cpus(apply_cpus(cpus)))
+    limits = _edge(config, role)  # refuses a max_open_connections that does not fit, before the model loads
     from kvrelay.engine.worker import CallerThreadHost
 
     worker_host = CallerThreadHost()
@@ -291,7 +321,7 @@ def run_role(config: Any, role: str, index: int = 0, *, name: str | None = None,
             # Nodes answer the router's event polls: no access log for those.
             asyncio.run(_serve(app, host, port, name=name, access_log=False, stop=stop,
                                drain_timeout_s=config.internal.drain_timeout_s,
-                               keepalive_timeout_s=config.internal.keepalive_timeout_s))
+                               keepalive_timeout_s=config.internal.keepalive_timeout_s, limits=limits))
         except BaseException as exc:  # noqa: BLE001 - re-raised on the main thread
             failures.append(exc)
 
@@ -362,12 +392,13 @@ class _Stop:
 
 
 async def _serve(app: web.Application, host: str, port: int, *, name: str, access_log: bool, stop: _Stop,
-                 drain_timeout_s: float = 0.0, keepalive_timeout_s: float = 75.0) -> None:
+                 limits: EdgeLimits, drain_timeout_s: float = 0.0, keepalive_timeout_s: float = 75.0) -> None:
     """Serve ``app`` until ``stop``, drain it (an engine node: `node.app.EngineNode.drain`), then run its
     cleanup (which stops an engine node's worker); the cleanup runs however this ends. An idle keep-alive
-    connection is closed after ``keepalive_timeout_s`` (aiohttp's own default is an hour)."""
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=log if access_log else None,
-                           keepalive_timeout=keepalive_timeout_s)
+    connection is closed after ``keepalive_timeout_s`` (aiohttp's own default is an hour); headers and open
+    connections are bounded by ``limits`` (`deploy.http_edge`)."""
+    runner = EdgeRunner(app, limits=limits, handler_cancellation=True, access_log=log if access_log else None,
+                        keepalive_timeout=keepalive_timeout_s)
     await runner.setup()
     try:
         site = web.TCPSite(runner, host, port)

@@ -58,6 +58,8 @@ class InternalSection:
     token: str | None = None
     drain_timeout_s: float = 30.0  # on SIGTERM: how long admitted requests may take to finish
     keepalive_timeout_s: float = 75.0  # an idle connection to a node is closed after this
+    header_read_timeout_s: float = 10.0  # deploy.http_edge.EdgeLimits, for every node's HTTP server
+    max_open_connections: int | None = None  # None: half the open-file limit
     # after the drain: how long writing the device and host tiers to disk may take (`kvrelay up` waits too)
     persist_timeout_s: float = 300.0
 
@@ -67,7 +69,6 @@ class PrefillSection:
     ports: tuple[int, ...] = ()  # none: every prompt is computed on its decode node
     lease_ttl_s: float = 30.0
     devices: tuple[str, ...] = ()  # per node, `kvrelay up` sets CUDA_VISIBLE_DEVICES to it; empty: inherited
-    inject_faults: tuple[str, ...] = ()  # tests only: transfer.config.PUBLISH_FAULTS
     max_pending_requests: int = 256  # a bound the router's queue keeps below (it places by room)
     # also serve whole requests (`prefill.service.WholeRequestPrefillService`); the router uses it under auto
     serve_whole_requests: bool = False
@@ -110,6 +111,8 @@ class RouterSection:
     max_buffered_body_bytes: int = 256 * 1024 * 1024
     write_stall_timeout_s: float = 30.0
     keepalive_timeout_s: float = 75.0  # an idle client connection is closed after this (aiohttp's default: 3630)
+    header_read_timeout_s: float = 10.0  # deploy.http_edge.EdgeLimits
+    max_open_connections: int | None = None  # None: half the open-file limit
     disaggregation: str = "auto"  # always | never | auto (router.plan)
     tpot_slo_s: float = 0.05  # under auto, a local prefill keeps the decode node's streams within it (0: none)
     ttft_slo_s: float = 0.0  # under auto, a plan whose predicted TTFT passes it counts as a breach (0: none)
@@ -244,13 +247,14 @@ def parse_services(root: Section, *, base_dir: Path, env: Mapping[str, str] | No
     internal = InternalSection(bind=i.take("bind"), token=token or _env(token_env, env) or env.get(TOKEN_ENV) or None,
                                drain_timeout_s=i.take("drain_timeout_s"),
                                keepalive_timeout_s=i.take("keepalive_timeout_s"),
+                               header_read_timeout_s=i.take("header_read_timeout_s"),
+                               max_open_connections=i.take("max_open_connections"),
                                persist_timeout_s=i.take("persist_timeout_s"))
     i.done()
     p = root.section("prefill")
     prefill_ports = p.take("ports")
     prefill = PrefillSection(ports=prefill_ports, lease_ttl_s=p.take("lease_ttl_s"),
                              devices=p.take("devices", fits=_one_per_node(len(prefill_ports))),
-                             inject_faults=p.take("inject_faults"),
                              max_pending_requests=p.take("max_pending_requests"),
                              serve_whole_requests=p.take("serve_whole_requests"))
     p.done()

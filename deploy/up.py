@@ -31,6 +31,7 @@ from kvrelay.deploy.cpu_budget import available_cpus, format_cpus, split_cpus
 from kvrelay.deploy.memory import format_bytes, free_host_bytes, nvml_device_count
 from kvrelay.deploy.service_config import TOKEN_ENV
 from kvrelay.deploy.sizes import ConfigError
+from kvrelay.transfer.config import TOKEN_HEADER
 
 GRACE_S = 10.0  # beyond internal.drain_timeout_s + internal.persist_timeout_s, before SIGKILL
 RESTART_BACKOFF_S = 2.0
@@ -61,10 +62,12 @@ def node_env(env: dict[str, str], config: Any, role: str, index: int) -> dict[st
     return {**env, "CUDA_VISIBLE_DEVICES": devices[index]}
 
 
-def _router_health(url: str) -> dict[str, Any] | None:
-    """The router's ``/health`` body (also when it answers 503), or None when it does not answer."""
+def _router_health(url: str, token: str | None) -> dict[str, Any] | None:
+    """The router's full ``/health`` body (also when it answers 503; ``token``: the internal token, without
+    which it is only the status), or None when it does not answer."""
+    req = urllib.request.Request(url + "/health", headers={TOKEN_HEADER: token} if token else {})
     try:
-        with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+        with urllib.request.urlopen(req, timeout=2) as resp:
             return json.loads(resp.read())
     except urllib.error.HTTPError as err:
         try:
@@ -226,7 +229,7 @@ def up(config: Any, config_path: Path, *, overrides: list[str], startup_timeout_
                     procs[k] = subprocess.Popen(_role_cmd(role, config_path, index, overrides, shares[k], lending,
                                                           budget), env=node_env(env, config, role, index))
             if not ready:
-                health = _router_health(url)
+                health = _router_health(url, config.internal.token or env.get(TOKEN_ENV))
                 # every node answered and reported its room (until then the router cannot bound what it places)
                 all_up = health is not None and all(n["healthy"] and n.get("capacity") is not None
                                                     for n in health.get("nodes", {}).values())

@@ -36,6 +36,7 @@ from kvrelay.engine.worker import EngineWorker
 from kvrelay.kvstore.block_key import BlockKey
 from kvrelay.kvstore.kv_events import KvEventLog
 from kvrelay.node.app_keys import DRAIN, DRAINABLES, ENGINE_STALLED, HEALTH_EXTRAS, Drainable
+from kvrelay.node.health_access import bare_health, sees_internals
 from kvrelay.node.tracing import Stage, Tracing
 from kvrelay.node.vllm_metrics import VllmNodeMetrics
 from kvrelay.transfer.config import TOKEN_HEADER
@@ -342,15 +343,18 @@ class EngineNode:
 
     async def health(self, request: web.Request) -> web.Response:
         """200 with the node's state, or 503 once its engine loop has died or stopped (so probes and the
-        router take it out)."""
+        router take it out). Without the internal token only ``{"status": ...}`` (`node.health_access`)."""
         alive = self.worker.alive
         stall = self.worker.stall_reason
+        status = "ok" if alive else "engine_stalled" if stall else "engine_down"
+        if not sees_internals(request, internal_token=self.config.internal_token):
+            return bare_health(status, 200 if alive else 503)
         extras: dict[str, Any] = {}
         for extra in request.app.get(HEALTH_EXTRAS, []):
             extras.update(extra())
         return web.json_response(status=200 if alive else 503, data={
             **extras,
-            "status": "ok" if alive else "engine_stalled" if stall else "engine_down",
+            "status": status,
             "error": stall or self.worker.failure, "role": self.config.role,
             "node": self.config.name, "pid": os.getpid(),
             "cpus": list(self.config.cpus) or sorted(os.sched_getaffinity(0)),
@@ -380,8 +384,10 @@ class EngineNode:
         drains, once its engine loop is down, or once its engine stalled (with the reason). `health`
         stays 200 during a drain (liveness: the process is fine, only leaving)."""
         if self.worker.stall_reason is not None:
-            return web.json_response({"ready": False, "why": "engine_stalled", "error": self.worker.stall_reason},
-                                     status=503)
+            why: dict[str, Any] = {"ready": False, "why": "engine_stalled"}
+            if sees_internals(request, internal_token=self.config.internal_token):  # the raw reason: operators only
+                why["error"] = self.worker.stall_reason
+            return web.json_response(why, status=503)
         if not self.worker.alive:
             return web.json_response({"ready": False, "why": "engine_down"}, status=503)
         if self.draining:

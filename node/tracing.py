@@ -7,7 +7,9 @@
 One trace per request. Its spans are made with explicit start and end times: `time.time_ns()` stamps taken
 where the work happened (on the event loop, or on the engine thread: `engine.worker.EngineTimes`), so no
 tracing context travels through the engine. Between processes the W3C ``traceparent`` header carries the
-parent span: the caller sends `headers_for(span)`, the callee reads `parent_from(request.headers)`.
+parent span: the caller sends `headers_for(span)`, the callee reads `parent_from(request.headers)`. A client's
+header at the router (`parent_from_client`) names the parent but cannot switch sampling off: the server traces
+its own requests.
 
 Off (no endpoint) `tracer` is None, and every method returns at once after that check: no span objects,
 no header parsing, no export thread. Callers that build attributes check ``tracing.tracer is None`` first.
@@ -29,7 +31,18 @@ from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
-from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer, set_span_in_context
+from opentelemetry.trace import (
+    NonRecordingSpan,
+    Span,
+    SpanContext,
+    SpanKind,
+    Status,
+    StatusCode,
+    TraceFlags,
+    Tracer,
+    get_current_span,
+    set_span_in_context,
+)
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 log = logging.getLogger(__name__)
@@ -99,6 +112,23 @@ class Tracing:
             return None
         ctx = self._propagator.extract({TRACEPARENT: headers[TRACEPARENT]}, context=Context())
         return ctx or None
+
+    def parent_from_client(self, headers: Mapping[str, str]) -> Context | None:
+        """As `parent_from`, for a request from outside (the router's API): the client's trace id and span stay
+        the parent, so its trace joins the client's, but its sampled flag does not bind. A ``traceparent``
+        ending ``-00`` would otherwise switch tracing off for the request on every hop (the SDK's default
+        sampler, ParentBased, follows the parent's flag), letting any client hide its requests from the
+        operator's traces. Nodes keep `parent_from`: their caller is the router, whose decision they follow."""
+        ctx = self.parent_from(headers)
+        if ctx is None:
+            return None
+        caller = get_current_span(ctx).get_span_context()
+        if caller.trace_flags.sampled:
+            return ctx
+        sampled = SpanContext(caller.trace_id, caller.span_id, is_remote=True,
+                              trace_flags=TraceFlags(caller.trace_flags | TraceFlags.SAMPLED),
+                              trace_state=caller.trace_state)
+        return set_span_in_context(NonRecordingSpan(sampled), Context())
 
     def headers_for(self, span: Span | None) -> dict[str, str]:
         """``{"traceparent": ...}`` naming ``span`` as the parent of the callee's spans; {} when off or None."""

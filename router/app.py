@@ -24,6 +24,7 @@ from aiohttp import web
 from kvrelay.model.generation_config import load_generation_defaults
 from kvrelay.model.sampling_params import PromptTokenLogprobs, TokenLogprobs
 from kvrelay.model.tokenizer import load_tokenizer, resolve_chat_template
+from kvrelay.node.health_access import bare_health, sees_internals
 from kvrelay.node.tracing import Tracing
 from kvrelay.router.backends import Backends
 from kvrelay.router.body_buffer import BodyBuffer, BodyRefused
@@ -640,6 +641,8 @@ class Router:
         return web.json_response({"version": package_version()})
 
     async def health(self, request: web.Request) -> web.Response:
+        """200 while a decode node is up, else 503; the body in full only for the token or a key
+        (`node.health_access`)."""
         if self.nodes is None:
             return web.json_response({"status": "starting"}, status=503)
         now = time.monotonic()
@@ -652,6 +655,8 @@ class Router:
                           "times_down": n.times_down, "slow_polls": n.slow_polls}
                  for n in self.nodes.all}
         ok = any(n.healthy(now) for n in self.nodes.decode)
+        if not sees_internals(request, internal_token=self.config.internal_token, api_keys=self.config.api_keys):
+            return bare_health("ok" if ok else "degraded", 200 if ok else 503)
         queue = self.dispatcher.queue if self.dispatcher is not None else None
         return web.json_response({"status": "ok" if ok else "degraded", "pid": os.getpid(),
                                   "admitted": self.num_admitted, "nodes": nodes,

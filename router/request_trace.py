@@ -124,12 +124,13 @@ class RunTrace:
 
 class RequestTrace:
     """One API request: its root span (tracing on), its runs (`RunTrace`, one per prompt) and its timings.
-    ``headers``: the client's request headers (a ``traceparent`` makes the root span its child)."""
+    ``headers``: the client's request headers (a ``traceparent`` makes the root span its child; its sampled flag
+    does not turn tracing off: `node.tracing.Tracing.parent_from_client`)."""
 
     def __init__(self, tracing: Tracing, headers: Mapping[str, str], *, arrived_ns: int) -> None:
         self._tracing = tracing
         self.arrived_ns = arrived_ns
-        self.root = tracing.start("kvrelay.request", parent=tracing.parent_from(headers), start_ns=arrived_ns,
+        self.root = tracing.start("kvrelay.request", parent=tracing.parent_from_client(headers), start_ns=arrived_ns,
                                   kind=SpanKind.SERVER)
         self.runs: list[RunTrace] = []
         self.num_tokens = 0  # output tokens that reached the router's handler, all samples

@@ -103,6 +103,8 @@ prefill: {ports: [18100]}
 decode: {ports: [18200]}
 router: {port: 18000}
 YAML
+      # the internal token: the router's /health lists its nodes only to a caller holding it (bench serve reads it too)
+      export KVRELAY_INTERNAL_TOKEN="${KVRELAY_INTERNAL_TOKEN:-$(od -An -tx1 -N16 /dev/urandom | tr -d ' \n')}"
       timeout "$(left 400)" "$PY" -m kvrelay.deploy.cli up --config "$WORK/gpu.yaml" >"$WORK/up.log" 2>&1 &
       up_pid=$!
       # Ready when every node is (both load the 16 GB of weights), the process died, or time ran short;
@@ -117,7 +119,9 @@ while time.monotonic() < deadline:
     except OSError:
         sys.exit("kvrelay up exited before it was ready")
     try:
-        with urllib.request.urlopen("http://127.0.0.1:18000/health", timeout=2) as r:
+        health = urllib.request.Request("http://127.0.0.1:18000/health",
+                                        headers={"X-Kvrelay-Token": os.environ["KVRELAY_INTERNAL_TOKEN"]})
+        with urllib.request.urlopen(health, timeout=2) as r:
             nodes = json.loads(r.read()).get("nodes", {})
         if len(nodes) == 2 and all(n["healthy"] for n in nodes.values()):
             break

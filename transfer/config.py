@@ -13,7 +13,8 @@ TOKEN_HEADER = "X-Kvrelay-Token"
 LEASE_HEADER = "X-Kvrelay-Lease"
 
 
-# Test-only faults an owner injects into the blocks it has just offered (YAML ``prefill.inject_faults``), to
+# Test-only faults an owner injects into the blocks it has just offered (set only by the tests' node hook,
+# ``KVRELAY_TEST_PUBLISH_FAULTS`` in tests/services/hooks; no configuration key), to
 # prove that readers check what they read: ``corrupt_published_block`` flips one byte of the last block;
 # ``overwrite_leased_blocks`` writes other KV over every leased block, as if the lease had quietly ended
 # and the slots were reused. And into the handle it hands out (the lease pins the real blocks), to prove
@@ -79,4 +80,4 @@ class TransferConfig:
             raise ValueError(f"transfer.max_quarantined_blocks must be >= 0, got {self.max_quarantined_blocks}")
         for fault in self.inject_faults:
             if fault not in PUBLISH_FAULTS:
-                raise ValueError(f"prefill.inject_faults: {fault!r} is not one of {list(PUBLISH_FAULTS)}")
+                raise ValueError(f"inject_faults: {fault!r} is not one of {list(PUBLISH_FAULTS)}")

@@ -121,7 +121,7 @@ def test_every_bench_name_resolves_to_its_main() -> None:
     mains = {name: _bench_main(name) for name in BENCH_NAMES}
     modules = {"bandwidth": "bandwidth_bench", "cache-policies": "cache_policies", "cuda-graphs": "graph_bench",
                "decode": "decode_bench", "deterministic": "deterministic_bench", "disk-prefix": "disk_prefix_bench",
-               "dtype": "dtype_bench", "goodput": "goodput_bench", "guard": "guard_bench",
+               "dtype": "dtype_bench", "edges": "edges_bench", "goodput": "goodput_bench", "guard": "guard_bench",
                "hybrid-kv": "hybrid_kv_bench", "install": "install_time",
                "kernel": "kernel_bench", "kernel-plan": "kernel_plan_bench", "load": "load",
                "long-context": "long_context_bench", "memory": "memory_bench", "migration": "migration_bench",

@@ -235,7 +235,8 @@ def test_devices_per_node_become_each_node_s_cuda_visible_devices(tmp_path):
     ("decode: {ports: [8200], devices: ['gpu0']}", "decode.devices: ['gpu0'] is not a list of CUDA device indices"),
     ("engine: {attention_backend: flash}", "engine.attention_backend: 'flash' is not one of ['reference', 'torch', "
                                            "'triton']"),
-    ("prefill: {inject_faults: [melt]}", "prefill.inject_faults: ['melt'] is not a list of"),
+    # test-only (the hook in tests/services/hooks): production cannot turn faults on
+    ("prefill: {inject_faults: [corrupt_published_block]}", "prefill.inject_faults: unknown key"),
     ("router: {prefill_dns: [kvrelay-prefill]}", "router.prefill_dns: ['kvrelay-prefill'] 'kvrelay-prefill' is not "
                                                  "host:port"),
 ])

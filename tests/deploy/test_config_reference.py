@@ -25,6 +25,7 @@ EXAMPLES: dict[str, Any] = {
     "kvstore.device.bytes": "1GiB", "kvstore.device.fraction_of_free": 0.5,
     "kvstore.host.bytes": "2GiB", "kvstore.host.fraction_of_free": 0.1,
     "kvstore.disk.path": "kv", "kvstore.disk.bytes": "8GiB",
+    "internal.max_open_connections": 2000, "router.max_open_connections": 3000,
     "engine.max_model_len": 2048, "engine.attention_backend": "torch", "engine.cuda_graph_batch_sizes": [1, 2],
     "internal.token": "s3cret", "internal.token_env": "KVRELAY_TEST_TOKEN", "router.api_keys_env": "KVRELAY_TEST_KEYS",
     "router.tool_call_parser": "hermes", "router.reasoning_parser": "qwen3",
@@ -90,7 +91,7 @@ def test_declared_defaults_are_the_dataclasses_defaults():
             continue
         assert field.default == key.default, key.path
         compared += 1
-    assert compared == 82
+    assert compared == 83
 
 
 def test_the_parser_reads_exactly_the_declared_keys(tmp_path):

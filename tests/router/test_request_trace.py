@@ -145,6 +145,24 @@ def test_router_spans_nest_and_traceparent_reaches_each_node(tiny_model_dir):
         assert decode_seen[k]["traceparent"][:52] == f"00-{trace_id:032x}-{decode_id:016x}"
 
 
+def test_a_client_traceparent_that_is_not_sampled_does_not_turn_tracing_off(tiny_model_dir):
+    """The router traces its own requests: a client's flag 00 keeps the client's trace id and parent span, but
+    the request is still recorded, and the nodes are told to record theirs (flag 01)."""
+    tracing, exporter = _in_memory()
+    client = {"traceparent": f"00-{CLIENT_TRACE_ID}-{CLIENT_SPAN_ID}-00"}
+    answers, prefill_seen, decode_seen = asyncio.run(_serve(tiny_model_dir, tracing, [(BODY, client)]))
+    assert answers[0]["choices"][0]["text"] == "\x07\x08\t"
+    spans = exporter.get_finished_spans()
+    assert sorted(s.name for s in spans) == ["kvrelay.request", "router.decode", "router.dispatch", "router.queue"]
+    assert {s.context.trace_id for s in spans} == {int(CLIENT_TRACE_ID, 16)}
+    [root] = [s for s in spans if s.name == "kvrelay.request"]
+    assert root.parent.span_id == int(CLIENT_SPAN_ID, 16) and root.context.trace_flags.sampled
+    dispatch_id, decode_id = (next(s for s in spans if s.name == n).context.span_id
+                              for n in ("router.dispatch", "router.decode"))
+    assert prefill_seen[0]["traceparent"] == f"00-{CLIENT_TRACE_ID}-{dispatch_id:016x}-01"
+    assert decode_seen[0]["traceparent"] == f"00-{CLIENT_TRACE_ID}-{decode_id:016x}-01"
+
+
 def test_timings_come_back_when_asked_and_only_then(tiny_model_dir):
     asked = {**BODY, "kvrelay": {"timings": True}}
     bodies = [(asked, {}), ({**asked, "stream": True}, {}),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import urllib.request
@@ -10,12 +11,25 @@ from pathlib import Path
 from typing import Any
 
 from kvrelay.benchmarks.deployment import Deployment, merge
+from kvrelay.transfer.config import TOKEN_HEADER
 
 TEST_TOKEN_ENV = "KVRELAY_INTERNAL_TOKEN"
+TEST_TOKEN = "kvrelay-test-token"  # a Cluster's internal token unless its env names another
+
+
+HOOKS = Path(__file__).parent / "hooks"  # test-only sitecustomize for node processes (see its docstring)
+
+
+def publish_faults(*faults: str) -> dict[str, str]:
+    """A `Cluster` ``env`` whose prefill nodes inject ``faults`` (`transfer.config.PUBLISH_FAULTS`) through the
+    test hook; no configuration key turns them on."""
+    return {"KVRELAY_TEST_PUBLISH_FAULTS": ",".join(faults),
+            "PYTHONPATH": os.pathsep.join([str(HOOKS), *filter(None, [os.environ.get("PYTHONPATH")])])}
 
 
 def get_json(url: str, *, headers: dict[str, str] | None = None, timeout: float = 5.0) -> Any:
-    req = urllib.request.Request(url, headers=headers or {})
+    """The JSON at ``url``, asked with the tests' internal token (a ``/health`` answers in full only with it)."""
+    req = urllib.request.Request(url, headers={TOKEN_HEADER: TEST_TOKEN, **(headers or {})})
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return json.loads(resp.read())
 
@@ -37,7 +51,8 @@ class Cluster(Deployment):
     ``decode`` decode nodes, small limits for tests, and ``overrides`` merged on top."""
 
     def __init__(self, model_dir: Path, *, prefill: int = 1, decode: int = 1,
-                 overrides: dict[str, Any] | None = None, env: dict[str, str] | None = None) -> None:
+                 overrides: dict[str, Any] | None = None, env: dict[str, str] | None = None,
+                 nofile: tuple[int, int] | None = None) -> None:
         base = {
             "model": {"name": "tiny", "dtype": "float32"},  # exact: tests compare with a float32 engine
             # Small tiers (not the default share of free memory): many deployments start one after another.
@@ -54,9 +69,9 @@ class Cluster(Deployment):
             "internal": {"drain_timeout_s": 2},
         }
         # The nodes' internal token (`kvrelay up` would make one up; tests that talk to nodes need it).
-        self.token = (env or {}).get(TEST_TOKEN_ENV, "kvrelay-test-token")
+        self.token = (env or {}).get(TEST_TOKEN_ENV, TEST_TOKEN)
         super().__init__(model_dir, overrides=merge(base, overrides or {}), env={TEST_TOKEN_ENV: self.token,
-                                                                                 **(env or {})})
+                                                                                 **(env or {})}, nofile=nofile)
 
     def terminate(self, timeout_s: float = 600.0) -> int:
         """SIGTERM ``kvrelay up`` (a planned stop: it stops its nodes) and wait up to ``timeout_s`` for it to

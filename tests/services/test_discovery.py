@@ -14,6 +14,7 @@ from kvrelay.model.loader import load_model
 from kvrelay.model.sampling import SamplingParams
 from kvrelay.model.tokenizer import load_tokenizer
 from kvrelay.router.app import Router, RouterConfig
+from kvrelay.transfer.config import TOKEN_HEADER
 
 from tests.services.cluster import Cluster, get_json, metrics
 from tests.services.test_disagg import transfer
@@ -63,7 +64,7 @@ def test_nodes_join_and_leave_as_their_dns_name_changes(tiny_model_dir):
             async with TestClient(TestServer(router.make_app())) as client:
                 async def until(names: set[str]) -> None:
                     for _ in range(200):
-                        nodes = (await (await client.get("/health")).json())["nodes"]
+                        nodes = (await (await client.get("/health", headers={TOKEN_HEADER: c.token})).json())["nodes"]
                         if set(nodes) == names and all(n["healthy"] for n in nodes.values()):
                             return
                         await asyncio.sleep(0.05)
@@ -81,7 +82,7 @@ def test_nodes_join_and_leave_as_their_dns_name_changes(tiny_model_dir):
                 assert await complete() == 3
                 second.append("127.0.0.1")  # a pod became ready
                 await until({"prefill-0", "decode-0", "decode-1"})
-                nodes = (await (await client.get("/health")).json())["nodes"]
+                nodes = (await (await client.get("/health", headers={TOKEN_HEADER: c.token})).json())["nodes"]
                 assert nodes["decode-1"]["url"] == f"http://127.0.0.1:{d1}"
                 served = metrics(c.decode_urls[1]).get('kvrelay_requests_total{role="decode",status="ok"}', 0.0)
                 assert await asyncio.gather(*(complete() for _ in range(4))) == [3] * 4  # together: spread

@@ -27,9 +27,10 @@ from kvrelay.model.sampling_params import SamplingParams
 from kvrelay.node.app import NodeConfig
 from kvrelay.node.app_keys import ENGINE_STALLED
 from kvrelay.prefill.service import PrefillService
+from kvrelay.transfer.config import TOKEN_HEADER
 from kvrelay.transfer.wire import GenerationMessage, encode_generation, unpack
 
-from tests.services.cluster import Cluster, get_json
+from tests.services.cluster import TEST_TOKEN, Cluster, get_json
 from tests.services.test_faults import post, wait_for
 
 HANG_SITE = str(Path(__file__).parent / "hang_site")
@@ -53,7 +54,7 @@ def _arm(trigger: Path, text: str) -> None:
 def _get(url: str) -> tuple[int, dict] | None:
     """(status, JSON body) of a GET, or None when the node does not answer."""
     try:
-        with urllib.request.urlopen(url, timeout=5) as resp:
+        with urllib.request.urlopen(urllib.request.Request(url, headers={TOKEN_HEADER: TEST_TOKEN}), timeout=5) as resp:
             return resp.status, json.loads(resp.read())
     except urllib.error.HTTPError as err:
         return err.code, json.loads(err.read())

@@ -14,7 +14,7 @@ from kvrelay.model.loader import load_model
 from kvrelay.model.sampling import SamplingParams
 from kvrelay.model.tokenizer import load_tokenizer
 
-from tests.services.cluster import Cluster, get_json, metrics
+from tests.services.cluster import Cluster, get_json, metrics, publish_faults
 from tests.services.test_faults import pools_idle, post, wait_for
 
 PROMPT = [random.Random(16).randrange(256) for _ in range(100)]  # 6 full blocks + a 4-token tail
@@ -36,8 +36,8 @@ def reference_text(tiny_model_dir) -> str:
 ])
 def test_damaged_kv_read_over_nixl_is_recomputed_not_served(tiny_model_dir, reference_text, fault, integrity,
                                                             failures):
-    overrides = {"prefill": {"inject_faults": [fault]}, "kvstore": {"integrity": integrity}}
-    with Cluster(tiny_model_dir, overrides=overrides) as c:
+    overrides = {"kvstore": {"integrity": integrity}}
+    with Cluster(tiny_model_dir, overrides=overrides, env=publish_faults(fault)) as c:
         code, out = post(c.url, {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0})
         assert code == 200, out
         m = metrics(c.decode_urls[0])
@@ -126,9 +126,8 @@ def test_sampled_integrity_catches_a_damaged_block_it_samples(tiny_model_dir, re
     with probability ``integrity_sample_rate``; at 1.0 every block is, so the one flipped bit of the last
     block is caught, counted, and the request recomputed to the reference text. (At the default 0.05 a
     damaged block goes unseen with probability 0.95: what ``sampled`` trades for speed.)"""
-    overrides = {"prefill": {"inject_faults": ["corrupt_published_block"]},
-                 "kvstore": {"integrity": "sampled", "integrity_sample_rate": 1.0}}
-    with Cluster(tiny_model_dir, overrides=overrides) as c:
+    overrides = {"kvstore": {"integrity": "sampled", "integrity_sample_rate": 1.0}}
+    with Cluster(tiny_model_dir, overrides=overrides, env=publish_faults("corrupt_published_block")) as c:
         code, out = post(c.url, {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0})
         assert code == 200, out
         m = metrics(c.decode_urls[0])
@@ -147,8 +146,8 @@ def test_a_damaged_latent_block_of_a_deepseek_model_is_recomputed_not_served(tmp
     engine = LLMEngine(load_model(model_dir), EngineConfig(num_blocks=64))
     [[want]] = engine.generate([PROMPT], SamplingParams(max_tokens=12, ignore_eos=True))
     block_bytes = LLMEngine.block_spec_for(load_model(model_dir), 16).block_bytes
-    overrides = {"prefill": {"inject_faults": ["corrupt_published_block"]}, "kvstore": {"integrity": "all"}}
-    with Cluster(model_dir, overrides=overrides) as c:
+    overrides = {"kvstore": {"integrity": "all"}}
+    with Cluster(model_dir, overrides=overrides, env=publish_faults("corrupt_published_block")) as c:
         code, out = post(c.url, {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0,
                                  "ignore_eos": True})
         assert code == 200, out

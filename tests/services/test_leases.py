@@ -19,7 +19,7 @@ from kvrelay.model.sampling import SamplingParams
 from kvrelay.model.tokenizer import load_tokenizer
 from kvrelay.transfer.config import LEASE_HEADER, TOKEN_HEADER
 
-from tests.services.cluster import Cluster, get_json
+from tests.services.cluster import Cluster, get_json, publish_faults
 from tests.services.test_disagg import failure_reasons
 from tests.services.test_faults import post, wait_for
 
@@ -44,8 +44,8 @@ def reference(model_dir, prompt: list[int], max_tokens: int) -> str:
 ])
 def test_a_refused_handle_leaves_no_lease_behind(tiny_model_dir, fault, decode_failures):
     want = reference(tiny_model_dir, PROMPT, 6)
-    overrides = {"prefill": {"lease_ttl_s": 60, "inject_faults": [fault]}}
-    with Cluster(tiny_model_dir, overrides=overrides) as c:
+    overrides = {"prefill": {"lease_ttl_s": 60}}
+    with Cluster(tiny_model_dir, overrides=overrides, env=publish_faults(fault)) as c:
         prefill, decode = c.prefill_urls[0], c.decode_urls[0]
         code, body = post(c.url, {"model": "tiny", "prompt": PROMPT, "max_tokens": 6, "temperature": 0})
         assert code == 200 and body["choices"][0]["text"] == want  # recomputed on the decode node

@@ -61,8 +61,10 @@ def _read_all(s: socket.socket, timeout_s: float) -> bytes:
 
 
 def test_trickled_bodies_hold_no_slot_and_get_408(tiny_model_dir):
-    _raise_fd_limit(TRICKLERS + 512)
-    with Cluster(tiny_model_dir, overrides={"router": {
+    _raise_fd_limit(TRICKLERS + 512)  # this client's descriptors
+    # The servers start at the usual soft limit of 1,024 (a hard one of 4,096): TRICKLERS connections fit only once
+    # a server raises its soft limit to the hard one (unraised, the router ran out of descriptors).
+    with Cluster(tiny_model_dir, nofile=(1024, 4096), overrides={"router": {
             "max_concurrent_requests": TRICKLERS, "body_read_timeout_s": BODY_READ_TIMEOUT_S,
             "keepalive_timeout_s": 2}}) as c:
         host, port = _host_port(c.url)

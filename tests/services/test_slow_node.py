@@ -2,9 +2,9 @@
 not taken out, its streams are not ended, and every request of a load is answered 200. The health poll has
 connections of its own, and only a failed connect makes a node unreachable; a slow answer is counted.
 
-Every handle names keys of another prompt (``prefill.inject_faults``), so the decode node refuses it before
-any contact and the router releases each lease (`POST /kv/lease/release`): on the slow node each release
-waits for an engine step, and they queue on the router's control connections to it."""
+Every handle names keys of another prompt (the test hook's ``KVRELAY_TEST_PUBLISH_FAULTS``), so the decode node
+refuses it before any contact and the router releases each lease (`POST /kv/lease/release`): on the slow node each
+release waits for an engine step, and they queue on the router's control connections to it."""
 
 from __future__ import annotations
 
@@ -31,8 +31,10 @@ def _post(url: str, body: dict) -> tuple[int, dict]:
 
 def test_a_slow_prefill_node_is_not_taken_out(tiny_model_dir, tmp_path):
     steps = tmp_path / "slow-steps"
-    env = {"PYTHONPATH": str(SLOW_SITE), "KVRELAY_TEST_SLOW_NODE": f"prefill-0:1.0:{steps}"}
-    overrides = {"router": {"request_timeout_s": 240}, "prefill": {"inject_faults": ["handle_with_other_keys"]}}
+    # The slow-node hook chains the shared one, which injects the fault (`tests.services.cluster.publish_faults`).
+    env = {"PYTHONPATH": str(SLOW_SITE), "KVRELAY_TEST_SLOW_NODE": f"prefill-0:1.0:{steps}",
+           "KVRELAY_TEST_PUBLISH_FAULTS": "handle_with_other_keys"}
+    overrides = {"router": {"request_timeout_s": 240}}
     with Cluster(tiny_model_dir, prefill=2, decode=1, env=env, overrides=overrides) as c:
         # A long shared prefix, cached on the slow node first: the router keeps sending it work there.
         prefix = "".join(chr(97 + (i * 7) % 26) for i in range(320))

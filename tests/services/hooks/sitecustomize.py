@@ -6,6 +6,10 @@ that holds the handle's KV, and removes FILE).
 
 ``KVRELAY_TEST_SLOW_PULL_S=S``: a decode node's every KV pull that moves blocks takes ``S`` seconds more (a slow
 link between prefill and decode nodes).
+
+``KVRELAY_TEST_PUBLISH_FAULTS=F1,F2``: a prefill node injects these `transfer.config.PUBLISH_FAULTS` into what it
+publishes (damaged blocks, false handles), to prove readers check what they read. Only this hook sets them: no
+configuration key can (`tests.services.cluster.publish_faults` builds the environment).
 """
 
 import os
@@ -43,3 +47,16 @@ if _slow > 0 and sys.argv[1:2] == ["decode"]:
         return result
 
     _kv_pull.DecodeTransfer.pull = _slow_pull
+
+_faults = tuple(f for f in os.environ.get("KVRELAY_TEST_PUBLISH_FAULTS", "").split(",") if f)
+if _faults and sys.argv[1:2] == ["prefill"]:
+    import dataclasses
+
+    import kvrelay.prefill.kv_publish as _kv_publish
+
+    _init = _kv_publish.PrefillTransfer.__init__
+
+    def _faulty_init(self, worker, config, *, owner_url):  # type: ignore[no-untyped-def]
+        _init(self, worker, dataclasses.replace(config, inject_faults=_faults), owner_url=owner_url)
+
+    _kv_publish.PrefillTransfer.__init__ = _faulty_init

@@ -61,3 +61,8 @@ if _SPEC:
     _argv = list(getattr(sys, "orig_argv", sys.argv))
     if "--name" in _argv and _argv.index("--name") + 1 < len(_argv) and _argv[_argv.index("--name") + 1] == _name:
         sys.meta_path.insert(0, _Finder(float(_delay), _log[0] if _log else None))
+
+# The shared test hooks too (only one sitecustomize is imported per process): publish faults, held pulls.
+import runpy  # noqa: E402
+
+runpy.run_path(os.path.join(os.path.dirname(__file__), "..", "hooks", "sitecustomize.py"))
