@@ -177,10 +177,7 @@ def first_answer(url: str, model: str, *, since: float, running: list[str]) -> t
 
     last: Exception | None = None
     while time.monotonic() - since < START_TIMEOUT_S:
-        for name in running:
-            state = podman("inspect", "--format", "{{.State.Status}}", name, check=False).strip()
-            if state != "running":
-                raise RuntimeError(f"container {name} is {state or 'gone'}")
+        check_running(running)
         try:
             answer = chat(url, model)
             return answer, time.monotonic() - since
@@ -188,6 +185,29 @@ def first_answer(url: str, model: str, *, since: float, running: list[str]) -> t
             last = exc
             time.sleep(1.0)
     raise RuntimeError(f"no answer at {url} within {START_TIMEOUT_S:.0f} s; last error: {last!r}")
+
+
+def check_running(names: list[str]) -> None:
+    """Raises RuntimeError naming the first container of ``names`` that is not running (exited, gone)."""
+    for name in names:
+        state = podman("inspect", "--format", "{{.State.Status}}", name, check=False).strip()
+        if state != "running":
+            raise RuntimeError(f"container {name} is {state or 'gone'}")
+
+
+def wait_ready(name: str, port: int, *, since: float, running: list[str]) -> None:
+    """Until the node in container ``name`` answers ``/ready`` (asked from inside it: node ports are not published).
+
+    Raises:
+        RuntimeError: a container of ``running`` exited, or not ready within `START_TIMEOUT_S` of ``since``.
+    """
+    probe = f"import urllib.request as u; u.urlopen('http://127.0.0.1:{port}/ready', timeout=2)"
+    while time.monotonic() - since < START_TIMEOUT_S:
+        check_running(running)
+        if subprocess.run([*PODMAN, "exec", name, "python", "-c", probe], capture_output=True).returncode == 0:
+            return
+        time.sleep(1.0)
+    raise RuntimeError(f"{name} not ready within {START_TIMEOUT_S:.0f} s")
 
 
 def write_config(base: Path, overrides: dict[str, Any], path: Path) -> Path:
@@ -272,6 +292,11 @@ def check_split(model: Path, model_name: str, work: Path, want: Answer) -> dict[
         podman("network", "create", NETWORK)
         for name in names:
             role = name.removeprefix(PREFIX)
+            if role == "router":
+                # The router gives up when no node answers within 120 s of its start; the nodes load the model and
+                # measure their kernel plan first (tens of seconds, minutes on a loaded machine), so it starts last.
+                for node, node_port in ((PREFIX + "prefill", 8100), (PREFIX + "decode", 8200)):
+                    wait_ready(node, node_port, since=t0, running=names[:2])
             run_container(name, role, "--config", "/etc/kvrelay/kvrelay.yaml", "--name", role, volumes=volumes,
                           env=env, network=NETWORK, publish=f"127.0.0.1:{port}:8000" if role == "router" else None)
         got, first_s = first_answer(f"http://127.0.0.1:{port}", model_name, since=t0, running=names)
