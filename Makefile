@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 CPU_TORCH ?= torch==2.13.0
 
 .PHONY: serve model test bench bench-real bench-long-context bench-families bench-load bench-goodput bench-first-run \
-	bench-structured bench-guard lint docs gpu-check clean
+	bench-structured bench-guard lint docs gpu-check container-check clean
 
 $(BIN)/kvrelay: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -134,6 +134,12 @@ docs: $(BIN)/kvrelay
 
 gpu-check:
 	bash scripts/gpu-check.sh
+
+# The image run as a vLLM user runs one (docs/operations/containers.md; root, podman, ~10 min the first time): the base
+# from a debootstrap root, the image, then a chat request from the host to one all-in-one container and to 1P1D as
+# three containers, each answer compared with the same request served outside a container. Removes its containers.
+container-check: $(BIN)/kvrelay model
+	$(BIN)/python scripts/container_check.py --model $(MODEL_DIR)
 
 clean:
 	rm -rf $(VENV) .models bench-out .pytest_cache

@@ -182,6 +182,9 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, dtype: str = "bf
         tensors[name] = tensor.to(torch_dtype)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     _write_json(out_dir / "config.json", config)
+    # safetensors writes the weights through a temporary file of mode 0600; give them the mode the other files got
+    # (0666 less the umask), so that other users, such as a container's (docs/operations/containers.md), read them.
+    (out_dir / "model.safetensors").chmod((out_dir / "config.json").stat().st_mode & 0o777)
     _write_json(out_dir / "generation_config.json", {
         k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config})
     tokenizer.save(str(out_dir / "tokenizer.json"))

