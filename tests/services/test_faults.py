@@ -13,6 +13,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from kvrelay.transfer.config import TOKEN_HEADER
 
 from tests.services.cluster import Cluster, get_json, metrics
 
@@ -125,7 +126,8 @@ def test_internal_endpoints_need_the_token_and_bind_loopback(tiny_model_dir, tmp
             rows = [line.split() for line in os.popen(f"ss -ltnH 'sport = :{port}'").read().splitlines()]
             assert [r[3] for r in rows] == [f"127.0.0.1:{port}"]  # the local address: loopback only
             # Every socket the node listens on (its HTTP port and NIXL's UCX listeners) is on loopback.
-            pid = c.node_pid(url)
+            # this cluster's token is not the tests' usual one: /health answers in full only with it
+            pid = int(get_json(url + "/health", headers={TOKEN_HEADER: "s3cret"})["pid"])
             mine = [line.split()[3] for line in os.popen("ss -ltnpH").read().splitlines() if f"pid={pid}," in line]
             assert len(mine) >= 2 and all(a.startswith("127.0.0.1:") for a in mine), mine
 
