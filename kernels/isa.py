@@ -20,7 +20,9 @@ ISA_ENV = "KVRELAY_CPU_ISA"
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("small_ops.cpp", "decode_attention.cpp", "decode_layer.cpp", "prefill_attention.cpp")
 # -ffast-math: glibc's vector exp in the attention (scores are finite by construction; see cpu_attention.py)
-BASE_CFLAGS = ("-O3", "-fopenmp", "-ffast-math")
+# -g0: no debug info, which Python's build flags ask for with -g: ~30% of each file's compile time, and the
+# module (14 MB with it) is what a wheel carries four times; -g never changes the code generated
+BASE_CFLAGS = ("-O3", "-fopenmp", "-ffast-math", "-g0")
 
 
 @dataclass(frozen=True, slots=True)
