@@ -150,9 +150,8 @@ class EdgeHandler(RequestHandler):
         if self._header_deadline is None and self._waiter is not None:  # the first byte of a next request
             self._arm_header_deadline()
         super().data_received(data)
-        if self._messages and self._header_deadline is not None:
-            self._header_deadline.cancel()
-            self._header_deadline = None
+        if self._messages:
+            self._cancel_header_deadline()
 
     def eof_received(self) -> bool | None:  # type: ignore[override]
         if self._refused is not None:

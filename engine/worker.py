@@ -515,7 +515,10 @@ class EngineWorker:
 
     def _fail_one(self, request_id: str, exc: EngineFailure) -> None:
         """End ``request_id`` now with ``exc``; its blocks go back to the pool."""
-        self.engine.abort_request(request_id)
+        try:
+            self.engine.abort_request(request_id)
+        except Exception:  # noqa: BLE001 - one broken request must not stop the thread serving the rest
+            log.exception("aborting request %s after a failed step", request_id)
         self._finish_hooks.pop(request_id, None)
         self._unfinished.pop(request_id, None)
         self._unscheduled.pop(request_id, None)
@@ -524,13 +527,8 @@ class EngineWorker:
             self._emit(stream, exc)
 
     def _fail_all(self, exc: EngineFailure) -> None:
-        for rid, stream in list(self._streams.items()):
-            try:
-                self.engine.abort_request(rid)
-            except Exception:  # noqa: BLE001 - one broken request must not stop the thread serving the rest
-                log.exception("aborting request %s after a failed step", rid)
-            self._emit(stream, exc)
-        self._streams.clear()
+        for rid in list(self._streams):
+            self._fail_one(rid, exc)
         self._finish_hooks.clear()
         self._unfinished.clear()
         self._unscheduled.clear()
