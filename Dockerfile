@@ -43,7 +43,7 @@ COPY benchmarks/ benchmarks/
 COPY setup.py ./
 # Every instruction-set variant of the kernels (the image runs on CPUs other than the builder's), so no container
 # compiles at start; no build isolation: they build against the torch above.
-ARG KVRELAY_BUILD_VARIANTS=
+ARG KVRELAY_BUILD_VARIANTS=all
 RUN KVRELAY_BUILD_VARIANTS="$KVRELAY_BUILD_VARIANTS" pip install --no-cache-dir --no-build-isolation .
 
 # ---- the image: the Debian root, the venv, a user

@@ -19,9 +19,9 @@ $(BIN)/kvrelay: pyproject.toml
 	# build and its 3 GB of CUDA libraries). Set CPU_TORCH= to keep the CUDA build.
 	command -v nvidia-smi >/dev/null || test -z '$(CPU_TORCH)' || $(BIN)/pip install -q '$(CPU_TORCH)'
 	# The C++ CPU kernels compile at install against the torch installed (setup.py), so no start compiles: torch and
-	# setuptools first, then no build isolation; only this machine's variant (a wheel carries all four).
+	# setuptools first, then no build isolation; only this machine's variant (pip's default too).
 	$(BIN)/pip install -q 'setuptools>=77' ninja "$$(grep -o '"torch[^"]*"' pyproject.toml | tr -d '"')"
-	KVRELAY_BUILD_VARIANTS=native $(BIN)/pip install -q --no-build-isolation -e '.[test,dev]'
+	KVRELAY_BUILD_VARIANTS=native $(BIN)/pip install -q --no-build-isolation -e '.[test,dev,bench]'
 	# Hugging Face's `kernels` distribution (pulled in by transformers 5.25+) is imported as this project's kernels/
 	$(BIN)/pip uninstall -q -y kernels 2>/dev/null || true
 	touch $(BIN)/kvrelay

@@ -1,6 +1,11 @@
-"""The C++ CPU kernels, compiled at install: one extension per instruction-set variant (`kernels.isa.VARIANTS`), so
-a serving machine needs no compiler and no start builds anything (`kernels.cpu_build` picks the variant its CPU
-runs). Everything else is in ``pyproject.toml``.
+"""The C++ CPU kernels, compiled at install, so a serving machine needs no compiler and no start builds anything
+(`kernels.cpu_build` loads them). Everything else is in ``pyproject.toml``.
+
+Which instruction-set variants (`kernels.isa.VARIANTS`) is ``KVRELAY_BUILD_VARIANTS``'s choice
+(`kernels.isa.build_names`): by default the one this machine runs, as vLLM's CPU build does from source — an install
+is for the machine it runs on, and one variant compiles in ~30 s on 2 cores against ~2 min for all four. ``all``
+builds every variant, for a wheel or an image that other CPUs will run; a CPU whose best variant was not built takes
+the best one built that it can run.
 
 They are built against the torch they will run with: the one importable at build time (``pip install
 --no-build-isolation .``), else the one installed in the environment being installed into (pip's isolated build runs
@@ -8,9 +13,7 @@ that environment's interpreter with its site-packages hidden; they are searched 
 environment without torch, the build asks the frontend for torch (``setup_requires``, which setuptools' backend
 turns into a build requirement) and pip installs the same release into the build environment as into the target
 (the same requirement, resolved against the same indexes). A later torch upgrade makes the prebuilt modules stale:
-the first start then builds its variant (`kernels.cpu_build`) and logs why. ``KVRELAY_BUILD_VARIANTS``
-(comma-separated names; ``native``: the one this CPU runs; ``none``) limits what is built — ``make`` builds the
-development machine's only (~30 s on 2 cores against ~2 min for all four).
+the first start then builds its variant (`kernels.cpu_build`) and logs why.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import sysconfig
 from setuptools import setup
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kvrelay.kernels.isa import SOURCES, VARIANTS, compile_args, cpu_flags, module_name, variant_for  # noqa: E402
+from kvrelay.kernels.isa import SOURCES, VARIANTS, build_names, compile_args, cpu_flags, module_name  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -59,8 +62,11 @@ def _find_torch() -> bool:
 
 def _extensions() -> tuple[list, dict, list[str]]:
     """(extension modules, command classes, build requirements still missing)."""
-    wanted = os.environ.get("KVRELAY_BUILD_VARIANTS", "")
-    if wanted.strip() == "none":
+    try:
+        names = build_names(os.environ.get("KVRELAY_BUILD_VARIANTS", ""), cpu_flags(), platform.machine())
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    if not names:
         return [], {}, []
     if not _find_torch():
         # setuptools' backend reports setup_requires to the frontend as build requirements, so this run only
@@ -69,14 +75,6 @@ def _extensions() -> tuple[list, dict, list[str]]:
     import torch
     from torch.utils.cpp_extension import BuildExtension, CppExtension
 
-    names = [v.name for v in VARIANTS] if not wanted else [n.strip() for n in wanted.split(",") if n.strip()]
-    names = [variant_for(cpu_flags()).name if n == "native" else n for n in names]
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        names = [n for n in names if n == "base"]
-    unknown = sorted(set(names) - {v.name for v in VARIANTS} - {"none"})
-    if unknown:
-        raise SystemExit(f"KVRELAY_BUILD_VARIANTS: unknown variant {unknown[0]!r}; "
-                         f"use {', '.join(v.name for v in VARIANTS)}, native or none")
     sources = [f"kernels/csrc/{s}" for s in SOURCES]
     modules = [CppExtension(f"kvrelay.kernels.{module_name(v)}", sources, extra_compile_args=compile_args(v,
                                                                                                           torch.__version__),

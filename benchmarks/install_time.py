@@ -3,8 +3,8 @@
 Two paths, each from a clean copy of its commit in a fresh directory, run one after the other:
 
 * ``pip``: the package path the README shows. A fresh virtual environment; torch first (``--torch``, the CPU build
-  where it lies on disk here); ``pip install .`` (an isolated build, compiling every instruction-set variant of the
-  C++ kernels, `setup.py`); ``kvrelay model pull``; ``kvrelay serve DIR``.
+  where it lies on disk here); ``pip install .`` (an isolated build, compiling the C++ kernels' instruction-set
+  variant this CPU runs, `setup.py`); ``kvrelay model pull``; ``kvrelay serve DIR``.
 * ``make``: ``make serve`` at ``--baseline`` (default 023e823, the commit issue 64 measured), which creates its own
   environment, pulls the model and starts router, prefill and decode.
 

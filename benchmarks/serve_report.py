@@ -11,7 +11,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import matplotlib
+try:
+    import matplotlib
+except ImportError as exc:  # an optional dependency: plots are for benchmark runs, not serving
+    raise ImportError("kvrelay's benchmark plots need matplotlib: pip install 'kvrelay[bench]'") from exc
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)

@@ -4,9 +4,10 @@ All of them are one extension, `CPU_KERNELS` (`kernels.cpu_small` and `kernels.c
 instruction-set variant this CPU runs (`kernels.isa`: AVX512-BF16, AVX-512, AVX2 or plain C++). `LazyExtension.load`
 returns, on its first call in a process:
 
-1. the variant's prebuilt module ``kernels._cpu_kernels_<variant>``, compiled by ``pip install`` (``setup.py``:
-   every variant, so the wheel runs on any x86-64 CPU without a compiler) — taken only when its `kernels.isa.build_id`
-   matches the sources and torch beside it (an edited source or another torch builds again instead);
+1. the variant's prebuilt module ``kernels._cpu_kernels_<variant>``, compiled by ``pip install`` (``setup.py``: this
+   machine's variant, or every one with ``KVRELAY_BUILD_VARIANTS=all``) — taken only when its `kernels.isa.build_id`
+   matches the sources and torch beside it (an edited source or another torch builds again instead); where it was
+   not built (a wheel made on another CPU), the best prebuilt variant this CPU runs, logged, rather than a build;
 2. else a build on this machine with torch's extension builder, cached under ``KVRELAY_KERNEL_CACHE`` (default
    ``~/.cache/kvrelay/kernels``) per torch version and variant, so a cache shared by different CPUs keeps one build
    each. Builders take turns on a file lock the kernel frees when its holder dies; a process that holds it and
@@ -27,7 +28,7 @@ import time
 from pathlib import Path
 from types import ModuleType
 
-from kvrelay.kernels.isa import CSRC, SOURCES, IsaVariant, compile_args, cpu_flags, module_name, variant_for
+from kvrelay.kernels.isa import CSRC, SOURCES, IsaVariant, compile_args, cpu_flags, module_name, runnable
 from kvrelay.kernels.isa import build_id as isa_build_id
 
 log = logging.getLogger(__name__)
@@ -66,10 +67,18 @@ class LazyExtension:
             try:
                 import torch
 
-                variant = variant_for(cpu_flags())
-                want = isa_build_id(variant, torch.__version__)
-                self._loaded = prebuilt(variant, want)
-                self.origin = "prebuilt"
+                candidates = runnable(cpu_flags())
+                variant = candidates[0]
+                self._loaded, self.origin = None, "prebuilt"
+                for candidate in candidates:
+                    self._loaded = prebuilt(candidate, isa_build_id(candidate, torch.__version__))
+                    if self._loaded is not None:
+                        if candidate is not variant:
+                            log.info("no prebuilt %s kernels (the best this CPU runs); taking the prebuilt %s: "
+                                     "KVRELAY_BUILD_VARIANTS=native (or all) at install builds %s",
+                                     variant.name, candidate.name, variant.name)
+                        variant = candidate
+                        break
                 if self._loaded is None:
                     self._loaded = build(variant, self.sources, default_cache_dir() / f"torch-{torch.__version__}",
                                          wait_s=BUILD_WAIT_S)
@@ -91,7 +100,7 @@ def prebuilt(variant: IsaVariant, want: str) -> ModuleType | None:
         return None
     got = module.build_id()
     if got != want:
-        log.info("the prebuilt %s kernels are from other sources or another torch (%s, not %s); building",
+        log.info("the prebuilt %s kernels are from other sources or another torch (%s, not %s); not taken",
                  variant.name, got, want)
         return None
     return module

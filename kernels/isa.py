@@ -77,6 +77,43 @@ def variant_for(flags: frozenset[str]) -> IsaVariant:
     return next(v for v in VARIANTS if v.needs <= flags)
 
 
+def runnable(flags: frozenset[str]) -> list[IsaVariant]:
+    """The `VARIANTS` a CPU with ``flags`` runs, best first (only the one ``KVRELAY_CPU_ISA`` names, when set): the
+    order in which a loader takes prebuilt modules.
+
+    Raises:
+        ValueError: ``KVRELAY_CPU_ISA`` names no variant.
+    """
+    if os.environ.get(ISA_ENV):
+        return [variant_for(flags)]
+    return [v for v in VARIANTS if v.needs <= flags]
+
+
+def build_names(spec: str, flags: frozenset[str], machine: str) -> list[str]:
+    """The variants an install builds, from ``KVRELAY_BUILD_VARIANTS`` (``spec``): empty or ``native``, the one
+    this build machine runs (what vLLM's CPU build does from source: an install is for the machine it runs on);
+    ``all``, every variant (a wheel or image for other CPUs); ``none``; or comma-separated names, ``native`` among
+    them. Off x86-64 only ``base`` can be built.
+
+    Raises:
+        ValueError: a name that is no variant.
+    """
+    spec = spec.strip()
+    if spec == "none":
+        return []
+    wanted = [n.strip() for n in (spec or "native").split(",") if n.strip()]
+    names: list[str] = []
+    for name in wanted:
+        if name not in (*VARIANT_BY_NAME, "native", "all"):
+            raise ValueError(f"KVRELAY_BUILD_VARIANTS: unknown variant {name!r}; use "
+                             f"{', '.join(VARIANT_BY_NAME)}, native, all or none")
+        more = [v.name for v in VARIANTS] if name == "all" else [variant_for(flags).name if name == "native" else name]
+        names += [n for n in more if n not in names]
+    if machine.lower() not in ("x86_64", "amd64"):
+        names = [n for n in names if n == "base"]
+    return names
+
+
 def build_id(variant: IsaVariant, torch_version: str) -> str:
     """A digest of what a build of ``variant`` is made from: the sources and headers in ``kernels/csrc``, the flags
     and torch's version (a module built against another torch's headers must not be loaded). A prebuilt module

@@ -9,7 +9,16 @@ import sys
 import pytest
 import torch
 from kvrelay.kernels import cpu_build
-from kvrelay.kernels.isa import ISA_ENV, VARIANT_BY_NAME, build_id, cpu_flags, module_name, variant_for
+from kvrelay.kernels.isa import (
+    ISA_ENV,
+    VARIANT_BY_NAME,
+    build_id,
+    build_names,
+    cpu_flags,
+    module_name,
+    runnable,
+    variant_for,
+)
 
 ZEN4 = frozenset("fpu sse2 avx f16c fma bmi1 bmi2 popcnt avx2 avx512f avx512dq avx512cd avx512bw avx512vl avx512_bf16 "
                  "avx512_vnni".split())
@@ -27,6 +36,49 @@ def test_each_cpu_gets_the_best_variant_it_runs(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv(ISA_ENV, "amx")
     with pytest.raises(ValueError, match="KVRELAY_CPU_ISA='amx': use one of avx512bf16, avx512, avx2, base"):
         variant_for(ZEN4)
+
+
+def test_an_install_builds_this_machine_s_variant_unless_told_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ISA_ENV, raising=False)
+    assert build_names("", ZEN4, "x86_64") == ["avx512bf16"]
+    assert build_names("native", ZEN1, "x86_64") == ["avx2"]
+    assert build_names(" all ", ZEN1, "x86_64") == ["avx512bf16", "avx512", "avx2", "base"]
+    assert build_names("base,native,avx2", ZEN1, "x86_64") == ["base", "avx2"]  # once each, in the order asked
+    assert build_names("none", ZEN4, "x86_64") == []
+    assert build_names("all", frozenset(), "aarch64") == ["base"]
+    with pytest.raises(ValueError, match="KVRELAY_BUILD_VARIANTS: unknown variant 'amx'; use avx512bf16, avx512, "
+                                         "avx2, base, native, all or none"):
+        build_names("native,amx", ZEN4, "x86_64")
+
+
+def test_a_cpu_runs_the_variants_at_or_below_its_best(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ISA_ENV, raising=False)
+    assert [v.name for v in runnable(SKYLAKE_SP)] == ["avx512", "avx2", "base"]
+    assert [v.name for v in runnable(frozenset())] == ["base"]
+    monkeypatch.setenv(ISA_ENV, "avx2")
+    assert [v.name for v in runnable(ZEN4)] == ["avx2"]  # forced: that one only
+
+
+def test_without_its_best_variant_prebuilt_a_cpu_takes_the_best_one_that_was(
+        base_kernels, monkeypatch: pytest.MonkeyPatch, tmp_path, caplog: pytest.LogCaptureFixture) -> None:
+    """A wheel built for another CPU: this one (AVX2) finds only the base variant prebuilt, and takes it rather than
+    compiling at start."""
+    import kvrelay.kernels
+
+    module, _ = base_kernels
+    monkeypatch.delenv(ISA_ENV, raising=False)
+    monkeypatch.setenv(cpu_build.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(cpu_build, "cpu_flags", lambda: ZEN1)
+    monkeypatch.delattr(kvrelay.kernels, "_cpu_kernels_avx2", raising=False)
+    monkeypatch.setitem(sys.modules, "kvrelay.kernels._cpu_kernels_avx2", None)  # not built: importing it fails
+    monkeypatch.delattr(kvrelay.kernels, "_cpu_kernels_base", raising=False)
+    monkeypatch.setitem(sys.modules, "kvrelay.kernels._cpu_kernels_base", module)
+    ext = cpu_build.LazyExtension("t", cpu_build.CPU_KERNELS.sources, "the torch path")
+    with caplog.at_level("INFO", logger=cpu_build.__name__):
+        assert ext.load() is module
+    assert ext.origin == "prebuilt"
+    assert not (tmp_path / "cache").exists()  # nothing compiled
+    assert "no prebuilt avx2 kernels (the best this CPU runs); taking the prebuilt base" in caplog.text
 
 
 def test_a_killed_build_s_lock_is_removed_not_waited_on(base_kernels) -> None:
