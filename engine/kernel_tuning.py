@@ -40,7 +40,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from kvrelay.kernels.cpu_build import CSRC
+from kvrelay.kernels.cpu_build import CPU_KERNELS, CSRC
 from kvrelay.model.attention import AttentionBackend, AttentionBatch, TorchBackend
 from kvrelay.model.cpu_identity import this_cpu
 from kvrelay.model.kernel_paths import linear_kernels
@@ -78,7 +78,9 @@ def plan_key(model: torch.nn.Module, kv_pool: torch.Tensor, *, cpu: str) -> str:
     for source in sorted(CSRC.iterdir()):
         digest.update(source.name.encode() + source.read_bytes())
     weight = model.model.embed_tokens.weight
-    facts = {"cpu": cpu, "torch": torch.__version__, "threads": torch.get_num_threads(),
+    # the variant loaded: a wheel without this CPU's best one runs another, whose timings differ
+    facts = {"cpu": cpu, "variant": CPU_KERNELS.variant if CPU_KERNELS.load() is not None else "none",
+             "torch": torch.__version__, "threads": torch.get_num_threads(),
              "kernels": digest.hexdigest(), "dtype": str(weight.dtype), "kv": [str(kv_pool.dtype), *kv_pool.shape[1:]],
              "shape": [cfg.model_type, cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers,
                        cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size]}

@@ -54,6 +54,7 @@ class LazyExtension:
         self._loaded: ModuleType | None = None
         self._tried = False
         self.origin = ""  # "prebuilt" or "built" once loaded: where the module came from
+        self.variant = ""  # the `kernels.isa` variant loaded (not always the CPU's best: see the module doc)
 
     def load(self) -> ModuleType | None:
         """The extension (see module doc), or None when disabled or neither prebuilt nor buildable."""
@@ -83,6 +84,7 @@ class LazyExtension:
                     self._loaded = build(variant, self.sources, default_cache_dir() / f"torch-{torch.__version__}",
                                          wait_s=BUILD_WAIT_S)
                     self.origin = "built"
+                self.variant = variant.name
                 log.info("C++ CPU kernels: %s, %s", variant.name, self.origin)
             except Exception as exc:  # noqa: BLE001 - any failure falls back to the torch path
                 log.warning("could not load or build %s (%s); %s", ", ".join(s.name for s in self.sources), exc,

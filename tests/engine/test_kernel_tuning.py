@@ -73,6 +73,12 @@ def test_auto_measures_once_and_reads_the_plan_back(tiny_model_dir, tmp_path, mo
     stored = list(tmp_path.glob("*.json"))
     key = kernel_tuning.plan_key(loaded.model, pool, cpu=this_cpu().kernel_label)
     assert len(stored) == 1 and stored[0].stem == key
+    # another kernel variant loaded on the same CPU (a wheel without its best one): another plan
+    kernels = kernel_tuning.CPU_KERNELS
+    kernels.load()
+    with monkeypatch.context() as m:
+        m.setattr(kernels, "variant", "avx2" if kernels.variant == "base" else "base")
+        assert kernel_tuning.plan_key(loaded.model, pool, cpu=this_cpu().kernel_label) != key
     stored[0].write_text("{half a plan")  # unreadable: measured again and stored whole
     third = plan_for(loaded.model, pool, backend, cache_dir=tmp_path)
     assert len(measured) == 2 and third.source == "measured"

@@ -76,7 +76,7 @@ def test_without_its_best_variant_prebuilt_a_cpu_takes_the_best_one_that_was(
     ext = cpu_build.LazyExtension("t", cpu_build.CPU_KERNELS.sources, "the torch path")
     with caplog.at_level("INFO", logger=cpu_build.__name__):
         assert ext.load() is module
-    assert ext.origin == "prebuilt"
+    assert (ext.origin, ext.variant) == ("prebuilt", "base")
     assert not (tmp_path / "cache").exists()  # nothing compiled
     assert "no prebuilt avx2 kernels (the best this CPU runs); taking the prebuilt base" in caplog.text
 
