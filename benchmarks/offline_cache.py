@@ -1,7 +1,7 @@
 """Reference prefix-cache hit rates of a request sequence: unbounded, LRU, Belady, and the store's own
 tier policy (`kvstore.policy`) simulated offline, in total or per tier.
 
-All replay the prompts in send order with the engine's rules (DESIGN §1–2):
+All replay the prompts in send order with the engine's rules (docs/design.md §1–2):
 
 * a block is ``block_size_tokens`` consecutive tokens; its key names the whole prefix up to it (chained);
 * a request looks up the keys of its first ``(len(prompt) - 1) // B`` full blocks (at least one prompt

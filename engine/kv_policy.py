@@ -1,5 +1,5 @@
 """`KvPolicies`: the long-context policies of one engine — per-sequence state, the calls inside each
-model step, and the budget enforced after it (DESIGN §7, `engine.long_context` for the knobs).
+model step, and the budget enforced after it (docs/design.md §7, `engine.long_context` for the knobs).
 
 One step, for the sequences of the step whose policy is ``h2o`` or ``infinigen``::
 

@@ -1,4 +1,4 @@
-"""`LongContextConfig`: how a decode sequence keeps its KV within a device budget (DESIGN §7).
+"""`LongContextConfig`: how a decode sequence keeps its KV within a device budget (docs/design.md §7).
 
 Three policies, picked per deployment (``decode.long_context``) and per request (the API's
 ``kvrelay.long_context`` field, merged with `LongContextConfig.with_overrides`):

@@ -1,4 +1,4 @@
-"""Block keys: the chained prefix hash of DESIGN §2.
+"""Block keys: the chained prefix hash of docs/design.md §2.
 
 ::
 

@@ -1,7 +1,7 @@
 """Weight and KV dtypes by name, and ``auto``: bf16 where the hardware computes it fast, else fp32.
 
 ``auto`` is bf16 on CUDA and on CPUs with AMX or AVX512-BF16 (bf16 matmuls there run 4–7× faster than
-fp32 at serving batch sizes: see DESIGN §9), fp32 elsewhere, where bf16 is emulated and slower.
+fp32 at serving batch sizes: see docs/design.md §9), fp32 elsewhere, where bf16 is emulated and slower.
 """
 
 from __future__ import annotations

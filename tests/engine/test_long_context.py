@@ -1,4 +1,4 @@
-"""Long-context policies in the engine: H2O eviction and InfiniGen-style offload and recall (DESIGN §7)."""
+"""Long-context policies in the engine: H2O eviction and InfiniGen-style offload and recall (docs/design.md §7)."""
 
 from __future__ import annotations
 
