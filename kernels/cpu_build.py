@@ -69,18 +69,16 @@ class LazyExtension:
                 import torch
 
                 candidates = runnable(cpu_flags())
-                variant = candidates[0]
-                self._loaded, self.origin = None, "prebuilt"
-                for candidate in candidates:
-                    self._loaded = prebuilt(candidate, isa_build_id(candidate, torch.__version__))
-                    if self._loaded is not None:
-                        if candidate is not variant:
-                            log.info("no prebuilt %s kernels (the best this CPU runs); taking the prebuilt %s: "
-                                     "KVRELAY_BUILD_VARIANTS=native (or all) at install builds %s",
-                                     variant.name, candidate.name, variant.name)
-                        variant = candidate
-                        break
-                if self._loaded is None:
+                found = next(((v, m) for v in candidates
+                              if (m := prebuilt(v, isa_build_id(v, torch.__version__))) is not None), None)
+                if found is not None:
+                    (variant, self._loaded), self.origin = found, "prebuilt"
+                    if variant is not candidates[0]:
+                        log.info("no prebuilt %s kernels (the best this CPU runs); taking the prebuilt %s: "
+                                 "KVRELAY_BUILD_VARIANTS=native (or all) at install builds %s",
+                                 candidates[0].name, variant.name, candidates[0].name)
+                else:
+                    variant = candidates[0]
                     self._loaded = build(variant, self.sources, default_cache_dir() / f"torch-{torch.__version__}",
                                          wait_s=BUILD_WAIT_S)
                     self.origin = "built"

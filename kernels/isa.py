@@ -63,8 +63,9 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
     return frozenset()
 
 
-def variant_for(flags: frozenset[str]) -> IsaVariant:
-    """The best `VARIANTS` entry a CPU with ``flags`` runs, or the one ``KVRELAY_CPU_ISA`` names.
+def runnable(flags: frozenset[str]) -> list[IsaVariant]:
+    """The `VARIANTS` a CPU with ``flags`` runs, best first (the order in which a loader takes prebuilt modules), or
+    only the one ``KVRELAY_CPU_ISA`` names (a CPU without its instructions would fault).
 
     Raises:
         ValueError: ``KVRELAY_CPU_ISA`` names no variant.
@@ -73,20 +74,17 @@ def variant_for(flags: frozenset[str]) -> IsaVariant:
     if forced:
         if forced not in VARIANT_BY_NAME:
             raise ValueError(f"{ISA_ENV}={forced!r}: use one of {', '.join(VARIANT_BY_NAME)}")
-        return VARIANT_BY_NAME[forced]
-    return next(v for v in VARIANTS if v.needs <= flags)
+        return [VARIANT_BY_NAME[forced]]
+    return [v for v in VARIANTS if v.needs <= flags]  # never empty: ``base`` needs nothing
 
 
-def runnable(flags: frozenset[str]) -> list[IsaVariant]:
-    """The `VARIANTS` a CPU with ``flags`` runs, best first (only the one ``KVRELAY_CPU_ISA`` names, when set): the
-    order in which a loader takes prebuilt modules.
+def variant_for(flags: frozenset[str]) -> IsaVariant:
+    """The best variant a CPU with ``flags`` runs, or the one ``KVRELAY_CPU_ISA`` names: `runnable`'s first.
 
     Raises:
         ValueError: ``KVRELAY_CPU_ISA`` names no variant.
     """
-    if os.environ.get(ISA_ENV):
-        return [variant_for(flags)]
-    return [v for v in VARIANTS if v.needs <= flags]
+    return runnable(flags)[0]
 
 
 def build_names(spec: str, flags: frozenset[str], machine: str) -> list[str]:
